@@ -1,0 +1,114 @@
+"""Frozen, validated configuration: model geometry, cache geometry, engine limits.
+
+Every config is a pydantic model (it is read at the edges: CLI, ``config.json``,
+workload files) and frozen, so a component that receives one cannot change it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Frozen):
+    """Geometry of a Llama-family decoder (names follow HF ``LlamaConfig``)."""
+
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    max_context: int = Field(gt=0, description="max_position_embeddings")
+    rope_theta: float = Field(default=10000.0, gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    eos_token_id: int | None = None
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        return self
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+        """Build from a HF ``config.json`` dict (Llama or Qwen2 keys)."""
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            max_context=hf.get("max_position_embeddings", 2048),
+            rope_theta=hf.get("rope_theta", 10000.0),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            attention_bias=hf.get("attention_bias", hf.get("model_type") == "qwen2"),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            eos_token_id=eos,
+        )
+
+
+TINY_MODELS: dict[str, ModelConfig] = {
+    # CPU-sized; context reaches the L2-4096 workload.
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_context=4608,
+    ),
+    # Llama-2-7B geometry (random weights) for GPU validation.
+    "llama2-7b-geometry": ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+        num_heads=32, num_kv_heads=32, head_dim=128, max_context=4096,
+        rms_norm_eps=1e-5,
+    ),
+}
+
+
+class CacheConfig(_Frozen):
+    """Geometry of the two KV page pools.
+
+    A page holds ``page_size`` tokens of K and V for every layer. ``watermark`` is
+    the fraction of GPU pages the worker keeps free; running below it triggers
+    eviction to host.
+    """
+
+    page_size: int = Field(default=16, gt=0)
+    num_gpu_pages: int = Field(gt=0)
+    num_host_pages: int = Field(ge=0)
+    dtype: str = "float32"
+    watermark: float = Field(default=0.02, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _check_dtype(self) -> "CacheConfig":
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        return self
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold ``num_tokens`` tokens."""
+        return math.ceil(num_tokens / self.page_size)
+
+
+class EngineConfig(_Frozen):
+    """Per-step limits of the continuous batcher and the load-failure policy."""
+
+    max_num_batched_tokens: int = Field(default=2048, gt=0, description="token budget per step")
+    max_num_seqs: int = Field(default=64, gt=0, description="requests scheduled per step")
+    max_load_retries: int = Field(default=1, ge=0, description="retries of a failed host->GPU load")
