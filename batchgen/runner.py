@@ -1,0 +1,102 @@
+"""Drive a worker through a workload: arrivals, aborts, steps, and the result.
+
+Arrival and abort steps are relative to the step the run starts at, so one
+worker can run several workloads back to back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from batchgen.worker.state import RequestOutput, WorkerStats
+from batchgen.worker.worker import Worker
+from batchgen.workloads import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    workload: str
+    outputs: dict[str, RequestOutput]
+    num_steps: int
+    wall_s: float
+    stats: WorkerStats  # this run's counters (peaks: over the worker's life)
+    leaked_gpu_pages: int
+    leaked_host_pages: int
+    loads_in_flight: int
+    live_requests: int
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.stats.tokens_generated
+
+    def summary(self) -> dict:
+        return {
+            "workload": self.workload,
+            "requests": len(self.outputs),
+            "steps": self.num_steps,
+            "wall_s": round(self.wall_s, 3),
+            "tokens_generated": self.tokens_generated,
+            "tokens_per_s": round(self.tokens_generated / self.wall_s, 1) if self.wall_s else 0.0,
+            "evictions": self.stats.evictions,
+            "loads": self.stats.loads,
+            "load_failures": self.stats.load_failures,
+            "recompute_preemptions": self.stats.recompute_preemptions,
+            "peak_gpu_pages": self.stats.peak_gpu_pages,
+            "peak_host_pages": self.stats.peak_host_pages,
+            "leaked_gpu_pages": self.leaked_gpu_pages,
+            "leaked_host_pages": self.leaked_host_pages,
+            "loads_in_flight": self.loads_in_flight,
+        }
+
+
+def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = False,
+                 on_step: Callable[[int, int], None] | None = None, max_steps: int = 1_000_000) -> RunResult:
+    """Submit ``workload`` at its arrival steps and step until every request is released.
+
+    Mutates the worker. ``on_step(num_released, num_requests)`` reports progress.
+    """
+    start_step = worker.state.step
+    before = _copy_stats(worker.state.stats)
+    arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
+    aborts = sorted((r.arrival_step + r.abort_step, r.uuid) for r in workload.requests if r.abort_step is not None)
+    uuids = {r.uuid for r in workload.requests}
+    started = time.perf_counter()
+    next_arrival = next_abort = 0
+    while next_arrival < len(arrivals) or worker.has_unfinished():
+        rel = worker.state.step - start_step
+        if rel >= max_steps:
+            raise RuntimeError(f"{workload.name}: not done after {max_steps} steps")
+        while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= rel:
+            worker.add_request(arrivals[next_arrival].to_request())
+            next_arrival += 1
+        while next_abort < len(aborts) and aborts[next_abort][0] <= rel:
+            uuid = aborts[next_abort][1]
+            if uuid in worker.state.requests:
+                worker.abort(uuid)
+            next_abort += 1
+        worker.step()
+        if check_integrity:
+            worker.check_integrity()
+        if on_step is not None:
+            on_step(sum(u in worker.state.outputs for u in uuids), len(uuids))
+    wall = time.perf_counter() - started
+    after = worker.state.stats
+    delta = WorkerStats(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(WorkerStats)})
+    delta.peak_gpu_pages, delta.peak_host_pages = after.peak_gpu_pages, after.peak_host_pages
+    return RunResult(
+        workload=workload.name,
+        outputs={u: worker.state.outputs[u] for u in uuids},
+        num_steps=worker.state.step - start_step,
+        wall_s=wall,
+        stats=delta,
+        leaked_gpu_pages=worker.gpu_kv.num_pages - worker.gpu_kv.free_pages(),
+        leaked_host_pages=worker.host_kv.num_pages - worker.host_kv.free_pages(),
+        loads_in_flight=len([r for r in worker.state.requests.values() if r.load_handle is not None]),
+        live_requests=len(worker.state.requests),
+    )
+
+
+def _copy_stats(stats: WorkerStats) -> WorkerStats:
+    return WorkerStats(**{f.name: getattr(stats, f.name) for f in fields(WorkerStats)})

@@ -1,0 +1,162 @@
+"""The two KV tiers: the backend Protocols and their torch page pools.
+
+::
+
+    GPU pool  [num_gpu_pages,  L, 2, page_size, kv_heads, head_dim]  on the device
+    host pool [num_host_pages, L, 2, page_size, kv_heads, head_dim]  CPU, pinned with CUDA
+
+    store: GPU pages of a request -> its host pages   (synchronous; eviction)
+    load : its host pages -> GPU pages                 (async handle; migration)
+
+A pool without a tensor is bookkeeping-only (null-model runs, forks). A fork
+records the copies it would issue instead of issuing them; the real pools
+record theirs too while ``journal`` is a list, so compare mode can check the
+ordered copy operations of one op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from batchgen.worker.page_copy import copy_pages, copy_pages_async
+from batchgen.worker.page_pool import ForkedPagePool, PagePool, PoolEvent
+
+
+class AsyncHandle(Protocol):
+    def done(self) -> bool: ...
+    def wait(self) -> None: ...  # raises when the copy failed
+
+
+class GpuKvBackend(Protocol):
+    def allocate_pages(self, uuid: str, n: int) -> list[int]: ...
+    def release_pages(self, uuid: str) -> None: ...
+    def free_pages(self) -> int: ...
+
+
+class HostKvBackend(Protocol):
+    def allocate_pages(self, uuid: str, n: int) -> list[int]: ...
+    def load_to_gpu_async(self, uuid: str, page_ids: list[int]) -> AsyncHandle: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOp:
+    """One batched page copy: ``kind`` is ``store`` (GPU->host) or ``load``."""
+
+    kind: str
+    uuid: str
+    src_page_ids: tuple[int, ...]
+    dst_page_ids: tuple[int, ...]
+
+
+class CompletedHandle:
+    """Handle of a copy that needed no work (bookkeeping-only pools)."""
+
+    error = None
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class _KvPool:
+    """Shared bookkeeping surface of both tiers (delegates to the allocator)."""
+
+    def __init__(self, pages: PagePool | ForkedPagePool, tensor: torch.Tensor | None):
+        self.pages = pages
+        self.tensor = tensor
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.num_pages
+
+    def allocate_pages(self, uuid: str, n: int) -> list[int]:
+        """Take ``n`` pages from the free-queue head for ``uuid``. Mutates the pool."""
+        return self.pages.allocate_pages(uuid, n)
+
+    def take_pages(self, uuid: str, page_ids: list[int]) -> None:
+        """Give ``uuid`` exactly ``page_ids`` (plan application). Mutates the pool."""
+        self.pages.take_pages(uuid, page_ids)
+
+    def release_pages(self, uuid: str) -> None:
+        """Return all of ``uuid``'s pages to the free queue. Mutates the pool."""
+        self.pages.release_pages(uuid)
+
+    def free_pages(self) -> int:
+        return self.pages.num_free
+
+    def peek_free_pages(self, n: int) -> list[int]:
+        """The ids the next allocation of ``n`` pages would get; no mutation."""
+        return self.pages.peek_free_pages(n)
+
+    def pages_of(self, uuid: str) -> tuple[int, ...]:
+        return self.pages.pages_of(uuid)
+
+    def check_integrity(self, live_uuids: Collection[str] | None = None) -> None:
+        self.pages.check_integrity(live_uuids)
+
+    @property
+    def is_fork(self) -> bool:
+        return isinstance(self.pages, ForkedPagePool)
+
+    @property
+    def journal(self) -> list[PoolEvent] | None:
+        return self.pages.journal
+
+
+class GpuKvPool(_KvPool):
+    """GPU tier: satisfies :class:`GpuKvBackend`."""
+
+    def __init__(self, num_pages: int, tensor: torch.Tensor | None = None, *, pages: PagePool | ForkedPagePool | None = None):
+        super().__init__(pages if pages is not None else PagePool("gpu", num_pages), tensor)
+
+    def fork(self) -> "GpuKvPool":
+        """Bookkeeping-only overlay (no tensor); valid while this pool is unchanged."""
+        return GpuKvPool(self.num_pages, None, pages=self.pages.fork())
+
+
+class HostKvPool(_KvPool):
+    """Host tier: satisfies :class:`HostKvBackend`; issues every copy between tiers."""
+
+    def __init__(self, num_pages: int, tensor: torch.Tensor | None, gpu: GpuKvPool, *, pages: PagePool | ForkedPagePool | None = None):
+        super().__init__(pages if pages is not None else PagePool("host", num_pages), tensor)
+        self.gpu = gpu
+        self.copies: list[CopyOp] | None = [] if self.is_fork else None
+
+    def store_from_gpu(self, uuid: str, gpu_page_ids: list[int]) -> None:
+        """Copy ``gpu_page_ids`` into ``uuid``'s host pages, in order (synchronous).
+
+        Mutates host page contents; the caller allocated the host pages first.
+        """
+        host_page_ids = list(self.pages_of(uuid))
+        if len(host_page_ids) != len(gpu_page_ids):
+            raise ValueError(f"store {uuid}: {len(gpu_page_ids)} GPU pages but {len(host_page_ids)} host pages")
+        self._record(CopyOp("store", uuid, tuple(gpu_page_ids), tuple(host_page_ids)))
+        if self.tensor is not None and self.gpu.tensor is not None:
+            copy_pages(self.gpu.tensor, gpu_page_ids, self.tensor, host_page_ids)
+
+    def load_to_gpu_async(self, uuid: str, page_ids: list[int]) -> AsyncHandle:
+        """Start copying ``uuid``'s host pages into GPU ``page_ids``; returns its handle.
+
+        Mutates GPU page contents when the copy runs.
+        """
+        host_page_ids = list(self.pages_of(uuid))
+        if len(host_page_ids) != len(page_ids):
+            raise ValueError(f"load {uuid}: {len(page_ids)} GPU pages but {len(host_page_ids)} host pages")
+        self._record(CopyOp("load", uuid, tuple(host_page_ids), tuple(page_ids)))
+        if self.tensor is None or self.gpu.tensor is None:
+            return CompletedHandle()
+        return copy_pages_async(self.tensor, host_page_ids, self.gpu.tensor, list(page_ids))
+
+    def fork(self, gpu_fork: GpuKvPool) -> "HostKvPool":
+        """Bookkeeping-only overlay bound to ``gpu_fork``; records copies, issues none."""
+        return HostKvPool(self.num_pages, None, gpu_fork, pages=self.pages.fork())
+
+    def _record(self, op: CopyOp) -> None:
+        if self.copies is not None:
+            self.copies.append(op)

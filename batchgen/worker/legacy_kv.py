@@ -1,0 +1,164 @@
+"""The legacy KV path: worker methods that mutate state and pools directly.
+
+This is the reference behaviour the plan layer (``kv_manager``) is proven
+against in compare mode. It reads and writes ``self.state``, ``self.gpu_kv``,
+``self.host_kv`` and ``self._pending_kv_append_tensors`` of whatever object it
+is mixed into (the worker, or a shadow shell around forked state).
+
+Policies (shared, by contract, with the plan layer):
+
+- watermark: keep ``ceil(watermark * num_gpu_pages)`` GPU pages free.
+- evict: while free GPU pages minus this step's decode demand is below the
+  watermark, take the youngest RUNNING request (highest arrival index); move its
+  KV to host if the host pool has room, else drop it for recompute.
+- migrate: SWAPPED requests, oldest first, not swapped this step, come back
+  while the pages fit above the watermark and the decode demand; stop at the
+  first that does not fit.
+- alloc: per scheduled request in batch order, pages for all its tokens;
+  a request whose pages do not fit is left out of this step.
+- poll: a completed load makes the request RUNNING and frees its host pages; a
+  failed one is retried up to ``max_load_retries`` times, then recomputed.
+- release: done requests give back GPU and host pages, have their in-flight
+  load drained and their pending append dropped, and become outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from batchgen.worker.state import Phase, RequestOutput, RequestState
+
+
+class LegacyKvMixin:
+    """KV helper methods of the worker. Every method mutates state directly."""
+
+    def _legacy_init_kv(self) -> None:
+        """Cache the watermark on the instance (the legacy habit). Mutates self."""
+        self._kv_watermark_pages = math.ceil(self.cache_config.watermark * self.cache_config.num_gpu_pages)
+
+    def _legacy_decode_demand(self, req: RequestState) -> int:
+        return self.cache_config.pages_for(req.num_tokens) - len(req.gpu_page_ids)
+
+    # ---- poll --------------------------------------------------------------------
+    def _legacy_poll_loads(self, observed: Mapping[str, str | None]) -> None:
+        """Act on observed load outcomes (uuid -> None if done, else the error).
+
+        Mutates request phases, page tables, pools and stats.
+        """
+        stats = self.state.stats
+        for uuid, error in observed.items():
+            req = self.state.requests[uuid]
+            req.load_handle = None
+            if error is None:
+                self.host_kv.release_pages(uuid)
+                req.host_page_ids = []
+                req.phase = Phase.RUNNING
+                continue
+            stats.load_failures += 1
+            if req.num_load_retries < self.engine_config.max_load_retries:
+                req.num_load_retries += 1
+                req.load_handle = self.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))
+                stats.loads += 1
+                continue
+            self.gpu_kv.release_pages(uuid)
+            self.host_kv.release_pages(uuid)
+            req.gpu_page_ids, req.host_page_ids = [], []
+            req.num_cached_tokens = 0
+            req.num_load_retries = 0
+            req.phase = Phase.WAITING
+            stats.recompute_preemptions += 1
+
+    # ---- release -----------------------------------------------------------------
+    def _legacy_release(self, uuids: Sequence[str]) -> None:
+        """Retire done requests. Mutates requests, outputs, pools, pending appends."""
+        for uuid in uuids:
+            req = self.state.requests.pop(uuid)
+            if req.load_handle is not None:
+                try:
+                    req.load_handle.wait()  # the copy must land before its pages are reused
+                except Exception:
+                    pass  # the request is gone; a failed copy into freed pages is harmless
+                req.load_handle = None
+            self.gpu_kv.release_pages(uuid)
+            self.host_kv.release_pages(uuid)
+            self._pending_kv_append_tensors.pop(uuid, None)
+            self.state.outputs[uuid] = RequestOutput(
+                uuid=uuid, phase=req.phase, finish_reason=req.finish_reason,
+                output_ids=tuple(req.output_ids), output_logprobs=tuple(req.output_logprobs),
+            )
+
+    # ---- evict -------------------------------------------------------------------
+    def _legacy_evict(self) -> None:
+        """Evict the youngest running requests until the watermark holds.
+
+        Mutates victims (phase, page tables), both pools (copies, pages), stats.
+        """
+        running = sorted(self.state.in_phase(Phase.RUNNING), key=lambda r: r.arrival_index)
+        demand = sum(self._legacy_decode_demand(r) for r in running)
+        free = self.gpu_kv.free_pages()
+        while running and free - demand < self._kv_watermark_pages:
+            victim = running.pop()
+            demand -= self._legacy_decode_demand(victim)
+            free += len(victim.gpu_page_ids)
+            self._legacy_evict_one(victim)
+
+    def _legacy_evict_one(self, victim: RequestState) -> None:
+        uuid, num_pages = victim.uuid, len(victim.gpu_page_ids)
+        if self.host_kv.free_pages() >= num_pages:
+            victim.host_page_ids = self.host_kv.allocate_pages(uuid, num_pages)
+            self.host_kv.store_from_gpu(uuid, list(victim.gpu_page_ids))
+            victim.phase = Phase.SWAPPED
+            victim.swapped_step = self.state.step
+            self.state.stats.evictions += 1
+        else:
+            victim.num_cached_tokens = 0
+            victim.phase = Phase.WAITING
+            self.state.stats.recompute_preemptions += 1
+        self.gpu_kv.release_pages(uuid)
+        victim.gpu_page_ids = []
+
+    # ---- migrate -----------------------------------------------------------------
+    def _legacy_migrate(self) -> None:
+        """Start async loads for swapped requests that fit, oldest first.
+
+        Mutates their phase, page tables, the GPU pool, stats.
+        """
+        running = self.state.in_phase(Phase.RUNNING)
+        demand = sum(self._legacy_decode_demand(r) for r in running)
+        num_active = len(running) + len(self.state.in_phase(Phase.LOADING))
+        free = self.gpu_kv.free_pages()
+        swapped = sorted(self.state.in_phase(Phase.SWAPPED), key=lambda r: r.arrival_index)
+        for req in swapped:
+            if req.swapped_step == self.state.step:
+                continue
+            num_pages = len(req.host_page_ids)
+            if num_active >= self.engine_config.max_num_seqs:
+                break
+            if free - demand - num_pages < self._kv_watermark_pages:
+                break
+            req.gpu_page_ids = self.gpu_kv.allocate_pages(req.uuid, num_pages)
+            req.load_handle = self.host_kv.load_to_gpu_async(req.uuid, list(req.gpu_page_ids))
+            req.phase = Phase.LOADING
+            req.num_load_retries = 0
+            self.state.stats.loads += 1
+            num_active += 1
+            free -= num_pages
+
+    # ---- alloc -------------------------------------------------------------------
+    def _legacy_allocate(self, batch: Sequence[str]) -> list[str]:
+        """Give each scheduled request pages for all its tokens; returns those served.
+
+        Mutates page tables, the GPU pool, and admitted requests' phase (-> RUNNING).
+        """
+        served = []
+        for uuid in batch:
+            req = self.state.requests[uuid]
+            need = self._legacy_decode_demand(req)
+            if need > self.gpu_kv.free_pages():
+                continue
+            if need > 0:
+                req.gpu_page_ids.extend(self.gpu_kv.allocate_pages(uuid, need))
+            req.phase = Phase.RUNNING
+            served.append(uuid)
+        return served

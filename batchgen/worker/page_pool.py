@@ -1,0 +1,249 @@
+"""Page allocator bookkeeping: a FIFO free queue, page ownership, and forks.
+
+Allocation order is deterministic: pages leave from the head of the free queue
+and released pages join its tail, so two pools in the same state hand out the
+same ids. A fork is a bookkeeping-only overlay of a pool: it reads the base
+lazily, keeps its own changes, and never touches the base. A fork is valid
+only while its base is unchanged (checked on every access).
+
+Every mutation can be journaled (``journal`` is a list or ``None``): the
+journal is the pool's allocator-state diff for one KV op, which compare mode
+checks instead of the whole free queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+
+class OutOfPages(RuntimeError):
+    """An allocation asked for more pages than the pool has free."""
+
+
+class PageOwnershipError(ValueError):
+    """Pages named for an owner are not free, unknown, or owned twice."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolEvent:
+    """One allocator mutation: ``kind`` is ``alloc`` or ``release``."""
+
+    kind: str
+    uuid: str
+    page_ids: tuple[int, ...]
+
+
+class PagePool:
+    """FIFO page allocator for one tier. Mutating methods say so."""
+
+    def __init__(self, name: str, num_pages: int):
+        if num_pages < 0:
+            raise ValueError(f"{name}: num_pages must be >= 0, got {num_pages}")
+        self.name = name
+        self.num_pages = num_pages
+        self._queue: list[int] = list(range(num_pages))
+        self._head = 0
+        self._is_free = bytearray(b"\x01") * num_pages
+        self._owned: dict[str, list[int]] = {}
+        self._version = 0
+        self.journal: list[PoolEvent] | None = None
+
+    # ---- queries (no mutation) -------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._queue) - self._head
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= self.num_free
+
+    def peek_free_pages(self, n: int) -> list[int]:
+        """The ids ``allocate_pages(_, n)`` would return now."""
+        self._check_can_allocate(n)
+        return self._queue[self._head:self._head + n]
+
+    def pages_of(self, uuid: str) -> tuple[int, ...]:
+        return tuple(self._owned.get(uuid, ()))
+
+    def owner_ids(self) -> list[str]:
+        return [uuid for uuid, pages in self._owned.items() if pages]
+
+    # ---- mutations ---------------------------------------------------------------
+    def allocate_pages(self, uuid: str, n: int) -> list[int]:
+        """Take ``n`` pages from the queue head for ``uuid``. Mutates the pool."""
+        page_ids = self.peek_free_pages(n)
+        self._head += n
+        self._compact()
+        self._assign(uuid, page_ids)
+        return page_ids
+
+    def take_pages(self, uuid: str, page_ids: Sequence[int]) -> None:
+        """Give ``uuid`` exactly ``page_ids`` (a plan's choice). Mutates the pool.
+
+        Validates first: every id must be in range, free, and named once; on a
+        bad id nothing changes.
+        """
+        page_ids = list(page_ids)
+        if len(set(page_ids)) != len(page_ids):
+            raise PageOwnershipError(f"{self.name}: page ids {page_ids} name a page twice")
+        for page_id in page_ids:
+            if not 0 <= page_id < self.num_pages:
+                raise PageOwnershipError(f"{self.name}: page {page_id} is out of range [0, {self.num_pages})")
+            if not self._is_free[page_id]:
+                raise PageOwnershipError(f"{self.name}: page {page_id} is not free")
+        head = self._queue[self._head:self._head + len(page_ids)]
+        if head == page_ids:
+            self._head += len(page_ids)
+        else:
+            taken = set(page_ids)
+            self._queue = [p for p in self._queue[self._head:] if p not in taken]
+            self._head = 0
+        self._compact()
+        self._assign(uuid, page_ids)
+
+    def release_pages(self, uuid: str) -> list[int]:
+        """Return every page of ``uuid`` to the queue tail, in page-table order.
+
+        Mutates the pool. Releasing an owner with no pages is a no-op.
+        """
+        page_ids = self._owned.pop(uuid, [])
+        if not page_ids:
+            return []
+        self._version += 1
+        self._queue.extend(page_ids)
+        for page_id in page_ids:
+            self._is_free[page_id] = 1
+        if self.journal is not None:
+            self.journal.append(PoolEvent("release", uuid, tuple(page_ids)))
+        return page_ids
+
+    def fork(self) -> "ForkedPagePool":
+        """A bookkeeping-only overlay; valid while this pool is unchanged."""
+        return ForkedPagePool(self)
+
+    # ---- integrity ---------------------------------------------------------------
+    def check_integrity(self, live_uuids: Collection[str] | None = None) -> None:
+        """Raise AssertionError unless free + owned == total, no page is owned
+        twice or both free and owned, and (when given) every owner is live."""
+        free = self._queue[self._head:]
+        owned = [p for pages in self._owned.values() for p in pages]
+        seen = free + owned
+        assert len(seen) == self.num_pages, (
+            f"{self.name}: free {len(free)} + owned {len(owned)} != total {self.num_pages}")
+        assert len(set(seen)) == self.num_pages, f"{self.name}: a page is free and owned, or owned twice"
+        assert all(self._is_free[p] for p in free), f"{self.name}: free-queue page not marked free"
+        assert not any(self._is_free[p] for p in owned), f"{self.name}: owned page marked free"
+        if live_uuids is not None:
+            dead = sorted(set(self.owner_ids()) - set(live_uuids))
+            assert not dead, f"{self.name}: pages owned by requests no longer live: {dead}"
+
+    # ---- internals ---------------------------------------------------------------
+    def _check_can_allocate(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} pages")
+        if n > self.num_free:
+            raise OutOfPages(f"{self.name}: {n} pages requested, {self.num_free} free")
+
+    def _assign(self, uuid: str, page_ids: list[int]) -> None:
+        self._version += 1
+        for page_id in page_ids:
+            self._is_free[page_id] = 0
+        self._owned.setdefault(uuid, []).extend(page_ids)
+        if self.journal is not None and page_ids:
+            self.journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
+
+    def _compact(self) -> None:
+        if self._head > 4096 and self._head * 2 > len(self._queue):
+            del self._queue[:self._head]
+            self._head = 0
+
+
+class ForkedPagePool:
+    """Overlay of a :class:`PagePool` for shadow runs and what-if planning.
+
+    Reads the base's free queue and owners lazily; writes go to the overlay, so
+    a fork costs what it touches, not the pool size. It always journals: its
+    journal is the op's allocator diff.
+    """
+
+    def __init__(self, base: PagePool):
+        self._base = base
+        self._base_version = base._version
+        self.name = base.name
+        self.num_pages = base.num_pages
+        self._cursor = base._head  # first base-queue index not yet consumed by the fork
+        self._taken: set[int] = set()  # base-free pages the fork handed out
+        self._tail: list[int] = []  # pages released in the fork, FIFO
+        self._owned: dict[str, list[int]] = {}  # owners the fork changed
+        self.journal: list[PoolEvent] = []
+
+    @property
+    def num_free(self) -> int:
+        self._check_base()
+        return self._base.num_free - len(self._taken) + len(self._tail)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= self.num_free
+
+    def peek_free_pages(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} pages")
+        if n > self.num_free:
+            raise OutOfPages(f"{self.name}: {n} pages requested, {self.num_free} free")
+        out: list[int] = []
+        queue, i = self._base._queue, self._cursor
+        while len(out) < n and i < len(queue):
+            if queue[i] not in self._taken:
+                out.append(queue[i])
+            i += 1
+        out.extend(self._tail[:n - len(out)])
+        return out
+
+    def pages_of(self, uuid: str) -> tuple[int, ...]:
+        if uuid in self._owned:
+            return tuple(self._owned[uuid])
+        return self._base.pages_of(uuid)
+
+    def allocate_pages(self, uuid: str, n: int) -> list[int]:
+        page_ids = self.peek_free_pages(n)
+        self._assign(uuid, page_ids)
+        return page_ids
+
+    def take_pages(self, uuid: str, page_ids: Sequence[int]) -> None:
+        page_ids = list(page_ids)
+        if len(set(page_ids)) != len(page_ids):
+            raise PageOwnershipError(f"{self.name}: page ids {page_ids} name a page twice")
+        for page_id in page_ids:
+            if not self._is_free(page_id):
+                raise PageOwnershipError(f"{self.name}: page {page_id} is not free")
+        self._assign(uuid, page_ids)
+
+    def release_pages(self, uuid: str) -> list[int]:
+        page_ids = list(self.pages_of(uuid))
+        self._owned[uuid] = []
+        if page_ids:
+            self._tail.extend(page_ids)
+            self.journal.append(PoolEvent("release", uuid, tuple(page_ids)))
+        return page_ids
+
+    def _is_free(self, page_id: int) -> bool:
+        in_base = 0 <= page_id < self.num_pages and self._base._is_free[page_id]
+        return (in_base and page_id not in self._taken) or page_id in self._tail
+
+    def _assign(self, uuid: str, page_ids: list[int]) -> None:
+        self._check_base()
+        for page_id in page_ids:
+            if page_id in self._tail:
+                self._tail.remove(page_id)
+            else:
+                self._taken.add(page_id)
+        queue = self._base._queue
+        while self._cursor < len(queue) and queue[self._cursor] in self._taken:
+            self._cursor += 1
+        self._owned[uuid] = list(self.pages_of(uuid)) + page_ids
+        if page_ids:
+            self.journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
+
+    def _check_base(self) -> None:
+        if self._base._version != self._base_version:
+            raise RuntimeError(f"{self.name}: fork used after its base pool changed")

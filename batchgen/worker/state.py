@@ -1,0 +1,115 @@
+"""The worker's mutable state: requests, their phases and page tables, counters.
+
+Request lifecycle::
+
+    WAITING -> RUNNING (prefill, then decode) -> FINISHED
+    RUNNING -> SWAPPED (KV evicted to host) -> LOADING (async load) -> RUNNING
+    RUNNING | LOADING -> WAITING (preempted for recompute; KV dropped)
+    any     -> FAILED (with a reason)
+
+Token ranges of a request with ``n = num_tokens``::
+
+    [0, num_cached_tokens)   K/V computed (in pages, or pending append)
+    [num_cached_tokens, n)   not computed yet: the next forward processes them
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from batchgen.worker.kv_backends import AsyncHandle
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    LOADING = "loading"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+DONE_PHASES = (Phase.FINISHED, Phase.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What a client submits."""
+
+    uuid: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Top-2 log-probabilities at one sampled position (for the near-tie rule)."""
+
+    top_ids: tuple[int, int]
+    top_logprobs: tuple[float, float]
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: Request
+    arrival_index: int  # submission order: lower = older = higher priority
+    phase: Phase = Phase.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    gpu_page_ids: list[int] = field(default_factory=list)
+    host_page_ids: list[int] = field(default_factory=list)
+    load_handle: AsyncHandle | None = None
+    num_load_retries: int = 0
+    swapped_step: int | None = None  # step the KV went to host
+    finish_reason: str | None = None  # "length", "eos", "abort", or the failure
+
+    @property
+    def uuid(self) -> str:
+        return self.request.uuid
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self) -> list[int]:
+        return [*self.request.prompt_ids, *self.output_ids]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A released request: what it produced and how it ended."""
+
+    uuid: str
+    phase: Phase
+    finish_reason: str | None
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[TokenLogprobs, ...]
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Counters over the worker's lifetime."""
+
+    evictions: int = 0  # RUNNING -> SWAPPED
+    loads: int = 0  # async host->GPU loads started (retries included)
+    load_failures: int = 0
+    recompute_preemptions: int = 0
+    tokens_generated: int = 0
+    peak_gpu_pages: int = 0
+    peak_host_pages: int = 0
+
+
+@dataclass(slots=True)
+class WorkerState:
+    step: int = 0
+    requests: dict[str, RequestState] = field(default_factory=dict)  # live, in submission order
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)  # released
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    num_submitted: int = 0
+
+    def in_phase(self, *phases: Phase) -> list[RequestState]:
+        return [r for r in self.requests.values() if r.phase in phases]

@@ -1,0 +1,237 @@
+"""The worker: continuous batching over the two-tier paged KV cache.
+
+One step reads as the KV ops in order, then the model::
+
+    poll     loads issued last step: done -> RUNNING, failed -> retry/recompute
+    release  done requests give back pages, loads, pending appends
+    flush    last step's K/V (pending appends) written into their pages
+    evict    youngest RUNNING -> host (or recompute) until the watermark holds
+    migrate  oldest SWAPPED -> LOADING (async host->GPU load) while they fit
+    schedule RUNNING decodes + admitted WAITING prefills (token budget)
+    alloc    GPU pages for every scheduled token
+    forward  model over paged KV -> new K/V become pending appends; sample
+
+The worker owns ``state``, both pools and ``_pending_kv_append_tensors``; the
+KV ops (``kv_ops``) decide through the path the gate picked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.config import CacheConfig, EngineConfig
+from batchgen.model.llama import SeqInput
+from batchgen.model.paged_kv import kv_page_shape, write_kv
+from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
+from batchgen.worker.legacy_kv import LegacyKvMixin
+from batchgen.worker.page_copy import new_page_tensor
+from batchgen.worker.sampler import sample
+from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, WorkerState
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request was rejected; the worker state is unchanged."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingAppend:
+    """K/V a forward produced for positions [start_pos, start_pos + n), not yet in pages."""
+
+    start_pos: int
+    kv: torch.Tensor | None  # [num_layers, 2, n, kv_heads, head_dim]; None without KV storage
+
+
+class Worker(LegacyKvMixin):
+    def __init__(self, model, *, cache_config: CacheConfig, engine_config: EngineConfig | None = None,
+                 device: str | torch.device = "cpu", kv_storage: bool = True):
+        """``kv_storage=False`` keeps the pools bookkeeping-only (null-model runs)."""
+        self.model = model
+        self.model_config = model.config
+        self.cache_config = cache_config
+        self.engine_config = engine_config or EngineConfig()
+        self.device = torch.device(device)
+        gpu_tensor = host_tensor = None
+        if kv_storage:
+            dtype = TORCH_DTYPES[cache_config.dtype]
+            shape = kv_page_shape(self.model_config, cache_config.page_size, cache_config.num_gpu_pages)
+            gpu_tensor = new_page_tensor(shape, dtype=dtype, device=self.device)
+            host_shape = (cache_config.num_host_pages, *shape[1:])
+            host_tensor = new_page_tensor(host_shape, dtype=dtype, device="cpu", pin_memory=self.device.type == "cuda")
+        self.gpu_kv = GpuKvPool(cache_config.num_gpu_pages, gpu_tensor)
+        self.host_kv = HostKvPool(cache_config.num_host_pages, host_tensor, self.gpu_kv)
+        self.state = WorkerState()
+        self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
+        self._legacy_init_kv()
+
+    # ---- client API ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request (WAITING). Raises RequestError, changing nothing, if it is invalid."""
+        self._validate(request)
+        self.state.requests[request.uuid] = RequestState(request, arrival_index=self.state.num_submitted)
+        self.state.num_submitted += 1
+
+    def abort(self, uuid: str) -> None:
+        """Mark a live request FINISHED("abort"); the next step releases it."""
+        req = self.state.requests.get(uuid)
+        if req is None:
+            raise RequestError(f"abort: no live request {uuid!r}")
+        if req.phase not in DONE_PHASES:
+            req.phase, req.finish_reason = Phase.FINISHED, "abort"
+
+    def has_unfinished(self) -> bool:
+        return bool(self.state.requests)
+
+    def step(self) -> None:
+        """Run one step. Mutates state, pools, pending appends, stats."""
+        observed = self._observe_loads()
+        if observed:
+            self._kv_poll(observed)
+        done = [r.uuid for r in self.state.requests.values() if r.phase in DONE_PHASES]
+        if done:
+            self._kv_release(done)
+        self._flush_pending_kv_appends()
+        self._kv_evict()
+        self._kv_migrate()
+        batch = self._schedule()
+        served = self._kv_allocate(batch) if batch else []
+        if served:
+            self._forward_and_sample(served)
+        self._record_peaks()
+        self.state.step += 1
+
+    # ---- KV ops (dispatch point of the gate) ----------------------------------------
+    def _kv_poll(self, observed: dict[str, str | None]) -> None:
+        self._legacy_poll_loads(observed)
+
+    def _kv_release(self, uuids: list[str]) -> None:
+        self._legacy_release(uuids)
+
+    def _kv_evict(self) -> None:
+        self._legacy_evict()
+
+    def _kv_migrate(self) -> None:
+        self._legacy_migrate()
+
+    def _kv_allocate(self, batch: list[str]) -> list[str]:
+        return self._legacy_allocate(batch)
+
+    # ---- worker-side steps -------------------------------------------------------------
+    def _observe_loads(self) -> dict[str, str | None]:
+        """Wait for every load issued last step; uuid -> None (done) or the error text."""
+        observed = {}
+        for req in self.state.in_phase(Phase.LOADING):
+            try:
+                req.load_handle.wait()
+                observed[req.uuid] = None
+            except Exception as exc:  # a failed copy is an input to poll, not a crash
+                observed[req.uuid] = f"{type(exc).__name__}: {exc}"
+        return observed
+
+    def _flush_pending_kv_appends(self) -> None:
+        """Write pending K/V into their pages, then forget them. Mutates the GPU pool tensor."""
+        tensor = self.gpu_kv.tensor
+        for uuid, pending in self._pending_kv_append_tensors.items():
+            if tensor is not None and pending.kv is not None:
+                write_kv(tensor, self.state.requests[uuid].gpu_page_ids, pending.start_pos, pending.kv)
+        self._pending_kv_append_tensors.clear()
+
+    def _schedule(self) -> list[str]:
+        """RUNNING decodes, then WAITING requests, oldest first, each admitted if it fits. Pure."""
+        running = self.state.in_phase(Phase.RUNNING)
+        batch = [r.uuid for r in running]
+        if self.state.in_phase(Phase.SWAPPED):
+            return batch  # swapped requests come back before new work is admitted
+        watermark = self._kv_watermark_pages
+        free = self.gpu_kv.free_pages() - sum(self._legacy_decode_demand(r) for r in running)
+        num_active = len(running) + len(self.state.in_phase(Phase.LOADING))
+        budget = self.engine_config.max_num_batched_tokens - len(running)
+        admitted = 0
+        for req in sorted(self.state.in_phase(Phase.WAITING), key=lambda r: r.arrival_index):
+            if num_active >= self.engine_config.max_num_seqs:
+                break
+            num_pages = self.cache_config.pages_for(req.num_tokens)
+            if free - num_pages < watermark or (admitted and req.num_tokens > budget):
+                continue  # a younger, smaller request may still fit; the oldest goes first when room frees
+            batch.append(req.uuid)
+            admitted += 1
+            num_active += 1
+            budget -= req.num_tokens
+            free -= num_pages
+        return batch
+
+    def _forward_and_sample(self, served: list[str]) -> None:
+        """Forward the served requests, keep their new K/V pending, sample a token each.
+
+        Mutates requests (cached count, outputs, phase), pending appends, stats.
+        """
+        reqs = [self.state.requests[uuid] for uuid in served]
+        seqs = [SeqInput(token_ids=r.token_ids()[r.num_cached_tokens:], start_pos=r.num_cached_tokens,
+                         page_ids=list(r.gpu_page_ids)) for r in reqs]
+        out = self.model.forward(seqs, self.gpu_kv.tensor)
+        for req, seq, kv in zip(reqs, seqs, out.new_kv):
+            self._pending_kv_append_tensors[req.uuid] = PendingAppend(seq.start_pos, kv)
+            req.num_cached_tokens = req.num_tokens
+        eos = self.model_config.eos_token_id
+        for req, (token, logprobs) in zip(reqs, sample(out.logits, reqs)):
+            req.output_ids.append(token)
+            req.output_logprobs.append(logprobs)
+            self.state.stats.tokens_generated += 1
+            if len(req.output_ids) >= req.request.max_new_tokens:
+                req.phase, req.finish_reason = Phase.FINISHED, "length"
+            elif eos is not None and token == eos:
+                req.phase, req.finish_reason = Phase.FINISHED, "eos"
+
+    def _record_peaks(self) -> None:
+        stats = self.state.stats
+        stats.peak_gpu_pages = max(stats.peak_gpu_pages, self.gpu_kv.num_pages - self.gpu_kv.free_pages())
+        stats.peak_host_pages = max(stats.peak_host_pages, self.host_kv.num_pages - self.host_kv.free_pages())
+
+    def _validate(self, request: Request) -> None:
+        uuid, prompt = request.uuid, request.prompt_ids
+        where = f"request {uuid!r}"
+        if uuid in self.state.requests or uuid in self.state.outputs:
+            raise RequestError(f"{where}: uuid already used; uuids must be unique per worker")
+        if not prompt:
+            raise RequestError(f"{where}: empty prompt; a prompt needs at least one token")
+        if request.max_new_tokens < 1:
+            raise RequestError(f"{where}: max_new_tokens={request.max_new_tokens}; must be >= 1")
+        if request.temperature < 0:
+            raise RequestError(f"{where}: temperature={request.temperature}; must be >= 0 (0 = greedy)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        total = len(prompt) + request.max_new_tokens
+        if total > self.model_config.max_context:
+            raise RequestError(
+                f"{where}: prompt ({len(prompt)}) + max_new_tokens ({request.max_new_tokens}) = {total} "
+                f"exceeds the model's context of {self.model_config.max_context} tokens")
+        usable = self.cache_config.num_gpu_pages - self._kv_watermark_pages
+        if self.cache_config.pages_for(total) > usable:
+            raise RequestError(
+                f"{where}: needs {self.cache_config.pages_for(total)} KV pages but the GPU pool has "
+                f"{usable} usable pages ({self.cache_config.num_gpu_pages} minus the watermark)")
+
+    # ---- integrity -----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError on any pool or page-table inconsistency. Pure."""
+        live = self.state.requests
+        self.gpu_kv.check_integrity(live)
+        self.host_kv.check_integrity(live)
+        for uuid, req in live.items():
+            assert list(self.gpu_kv.pages_of(uuid)) == req.gpu_page_ids, f"{uuid}: GPU page table != pool"
+            assert list(self.host_kv.pages_of(uuid)) == req.host_page_ids, f"{uuid}: host page table != pool"
+            if req.phase is Phase.WAITING:
+                assert not req.gpu_page_ids and not req.host_page_ids and req.num_cached_tokens == 0, uuid
+            elif req.phase is Phase.SWAPPED:
+                assert not req.gpu_page_ids and req.host_page_ids, f"{uuid}: SWAPPED needs host pages only"
+            elif req.phase is Phase.LOADING:
+                assert req.load_handle is not None and len(req.gpu_page_ids) == len(req.host_page_ids), uuid
+            elif req.phase is Phase.RUNNING:
+                assert len(req.gpu_page_ids) >= self.cache_config.pages_for(req.num_cached_tokens), uuid
+        stray = set(self._pending_kv_append_tensors) - set(live)
+        assert not stray, f"pending appends for released requests: {sorted(stray)}"

@@ -1,0 +1,149 @@
+"""Seeded request traces: ``smoke``, ``L2-2048``, ``L2-4096``, or a JSON file.
+
+A workload carries its requests (explicit token ids, arrival steps, optional
+abort steps) and the cache geometry it is sized against: the L2 traces give
+the GPU pool a fraction of their peak demand, so eviction, migration, recompute
+preemption and decode -> prefill turnover each happen many times.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from batchgen.config import CacheConfig, EngineConfig
+from batchgen.worker.state import Request
+
+
+class WorkloadError(ValueError):
+    """An unknown workload name or an invalid workload file."""
+
+
+class WorkloadRequest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uuid: str = Field(min_length=1)
+    prompt_ids: list[int] = Field(min_length=1)
+    max_new_tokens: int = Field(ge=1)
+    arrival_step: int = Field(default=0, ge=0)
+    abort_step: int | None = Field(default=None, ge=0, description="step (relative to arrival) to abort at")
+    temperature: float = Field(default=0.0, ge=0.0)
+    seed: int = 0
+
+    def to_request(self) -> Request:
+        return Request(self.uuid, tuple(self.prompt_ids), self.max_new_tokens, self.temperature, self.seed)
+
+
+class Workload(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    seed: int = 0
+    cache: CacheConfig
+    engine: EngineConfig = EngineConfig()
+    requests: list[WorkloadRequest] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_uuids(self) -> "Workload":
+        seen: set[str] = set()
+        for req in self.requests:
+            if req.uuid in seen:
+                raise ValueError(f"request uuid {req.uuid!r} appears twice")
+            seen.add(req.uuid)
+        return self
+
+    @property
+    def max_context(self) -> int:
+        return max(len(r.prompt_ids) + r.max_new_tokens for r in self.requests)
+
+    def with_cache(self, **changes) -> "Workload":
+        """A copy with cache fields replaced (e.g. a pool large enough to never evict)."""
+        return self.model_copy(update={"cache": self.cache.model_copy(update=changes)})
+
+
+def _l2_trace(name: str, max_context: int, *, seed: int, scale: float, vocab_size: int) -> Workload:
+    """Mixed prompt/output lengths up to ``max_context``, arrivals in waves, tight pools.
+
+    The GPU pool holds about 1.1 full contexts and the host pool 0.15, while
+    each wave asks for several: decode growth keeps pushing the youngest
+    requests out (to host, or to recompute once the host pool is full) and
+    finishes pull them back.
+    """
+    rng = random.Random(f"{name}:{seed}")
+    num_requests = max(4, round(32 * scale))
+    page_size = 16
+    requests = []
+    for i in range(num_requests):
+        if i == 0:  # one request reaches the full context
+            prompt_len, max_new = max_context - 32, 32
+        elif rng.random() < 0.25:
+            max_new = rng.randint(16, 64)
+            prompt_len = rng.randint(max_context // 4, max_context - max_new)
+        else:
+            max_new = rng.randint(64, 256)
+            prompt_len = rng.randint(8, max_context // 8)
+        requests.append(WorkloadRequest(
+            uuid=f"{name}-r{i}",
+            prompt_ids=[rng.randrange(1, vocab_size) for _ in range(prompt_len)],
+            max_new_tokens=max_new,
+            arrival_step=(i // 8) * 60 + rng.randint(0, 8),
+        ))
+    full = -(-max_context // page_size)
+    cache = CacheConfig(page_size=page_size, num_gpu_pages=round(full * 1.1 * max(1.0, scale)),
+                        num_host_pages=round(full * 0.15 * max(1.0, scale)), watermark=0.02)
+    return Workload(name=name, seed=seed, cache=cache, engine=EngineConfig(max_num_seqs=max(16, round(16 * scale))),
+                    requests=requests)
+
+
+def _smoke_trace(*, seed: int, scale: float, vocab_size: int) -> Workload:
+    rng = random.Random(f"smoke:{seed}")
+    requests = [
+        WorkloadRequest(uuid=f"smoke-r{i}", prompt_ids=[rng.randrange(1, vocab_size) for _ in range(rng.randint(3, 40))],
+                        max_new_tokens=rng.randint(4, 24), arrival_step=i)
+        for i in range(max(2, round(8 * scale)))
+    ]
+    cache = CacheConfig(page_size=4, num_gpu_pages=round(24 * max(1.0, scale)), num_host_pages=round(16 * max(1.0, scale)),
+                        watermark=0.05)
+    return Workload(name="smoke", seed=seed, cache=cache, engine=EngineConfig(max_num_seqs=8), requests=requests)
+
+
+BUILTIN_WORKLOADS = ("smoke", "L2-2048", "L2-4096")
+
+
+def builtin_workload(name: str, *, seed: int = 0, scale: float = 1.0, vocab_size: int = 512) -> Workload:
+    """A named, seeded trace; ``scale`` grows request count and pools (e.g. for a GPU)."""
+    if scale <= 0:
+        raise WorkloadError(f"scale must be > 0, got {scale}")
+    if name == "smoke":
+        return _smoke_trace(seed=seed, scale=scale, vocab_size=vocab_size)
+    if name in ("L2-2048", "L2-4096"):
+        return _l2_trace(name, int(name.split("-")[1]), seed=seed, scale=scale, vocab_size=vocab_size)
+    raise WorkloadError(f"unknown workload {name!r}; built-in workloads are {', '.join(BUILTIN_WORKLOADS)}, "
+                        f"or give the path of a workload JSON file")
+
+
+def load_workload(spec: str, *, seed: int = 0, scale: float = 1.0, vocab_size: int = 512) -> Workload:
+    """A built-in name, or a JSON file validated against :class:`Workload`."""
+    if spec in BUILTIN_WORKLOADS:
+        return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)
+    path = Path(spec)
+    if not path.suffix and not path.exists():
+        return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)  # raises: unknown name
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise WorkloadError(f"workload file {spec!r} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"workload file {spec!r} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise WorkloadError(f"workload file {spec!r} cannot be read: {exc.strerror}") from None
+    try:
+        return Workload.model_validate(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"workload file {spec!r} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:5])
+        raise WorkloadError(f"workload file {spec!r} is invalid: {problems}") from None
