@@ -58,7 +58,7 @@ class ModelConfig(_Frozen):
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             max_context=hf.get("max_position_embeddings", 2048),
-            rope_theta=hf.get("rope_theta", 10000.0),
+            rope_theta=hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             attention_bias=hf.get("attention_bias", hf.get("model_type") == "qwen2"),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),

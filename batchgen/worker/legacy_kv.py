@@ -1,9 +1,9 @@
-"""The legacy KV path: worker methods that mutate state and pools directly.
+"""The legacy KV path: methods that mutate state and pools directly.
 
 This is the reference behaviour the plan layer (``kv_manager``) is proven
-against in compare mode. It reads and writes ``self.state``, ``self.gpu_kv``,
-``self.host_kv`` and ``self._pending_kv_append_tensors`` of whatever object it
-is mixed into (the worker, or a shadow shell around forked state).
+against in compare mode, loaded only when the gate asks for it. It reads and
+writes the target's ``state``, ``gpu_kv``, ``host_kv`` and ``pending_appends``:
+the worker's own (authoritative) or a fork's (shadow).
 
 Policies (shared, by contract, with the plan layer):
 
@@ -27,21 +27,29 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.state import Phase, RequestOutput, RequestState
 
 
-class LegacyKvMixin:
-    """KV helper methods of the worker. Every method mutates state directly."""
+class LegacyKvPath:
+    """The KV helper methods. Every method mutates the target directly."""
 
-    def _legacy_init_kv(self) -> None:
-        """Cache the watermark on the instance (the legacy habit). Mutates self."""
+    name = "legacy"
+
+    def __init__(self, target: KvTarget):
+        self.state = target.state
+        self.gpu_kv = target.gpu_kv
+        self.host_kv = target.host_kv
+        self._pending_kv_append_tensors = target.pending_appends
+        self.cache_config = target.cache_config
+        self.engine_config = target.engine_config
         self._kv_watermark_pages = math.ceil(self.cache_config.watermark * self.cache_config.num_gpu_pages)
 
-    def _legacy_decode_demand(self, req: RequestState) -> int:
+    def _decode_demand(self, req: RequestState) -> int:
         return self.cache_config.pages_for(req.num_tokens) - len(req.gpu_page_ids)
 
     # ---- poll --------------------------------------------------------------------
-    def _legacy_poll_loads(self, observed: Mapping[str, str | None]) -> None:
+    def poll(self, observed: Mapping[str, str | None]) -> None:
         """Act on observed load outcomes (uuid -> None if done, else the error).
 
         Mutates request phases, page tables, pools and stats.
@@ -52,7 +60,7 @@ class LegacyKvMixin:
             req.load_handle = None
             if error is None:
                 self.host_kv.release_pages(uuid)
-                req.host_page_ids = []
+                req.host_page_ids = ()
                 req.phase = Phase.RUNNING
                 continue
             stats.load_failures += 1
@@ -63,14 +71,14 @@ class LegacyKvMixin:
                 continue
             self.gpu_kv.release_pages(uuid)
             self.host_kv.release_pages(uuid)
-            req.gpu_page_ids, req.host_page_ids = [], []
+            req.gpu_page_ids, req.host_page_ids = (), ()
             req.num_cached_tokens = 0
             req.num_load_retries = 0
             req.phase = Phase.WAITING
             stats.recompute_preemptions += 1
 
     # ---- release -----------------------------------------------------------------
-    def _legacy_release(self, uuids: Sequence[str]) -> None:
+    def release(self, uuids: Sequence[str]) -> None:
         """Retire done requests. Mutates requests, outputs, pools, pending appends."""
         for uuid in uuids:
             req = self.state.requests.pop(uuid)
@@ -89,24 +97,24 @@ class LegacyKvMixin:
             )
 
     # ---- evict -------------------------------------------------------------------
-    def _legacy_evict(self) -> None:
+    def evict(self) -> None:
         """Evict the youngest running requests until the watermark holds.
 
         Mutates victims (phase, page tables), both pools (copies, pages), stats.
         """
         running = sorted(self.state.in_phase(Phase.RUNNING), key=lambda r: r.arrival_index)
-        demand = sum(self._legacy_decode_demand(r) for r in running)
+        demand = sum(self._decode_demand(r) for r in running)
         free = self.gpu_kv.free_pages()
         while running and free - demand < self._kv_watermark_pages:
             victim = running.pop()
-            demand -= self._legacy_decode_demand(victim)
+            demand -= self._decode_demand(victim)
             free += len(victim.gpu_page_ids)
-            self._legacy_evict_one(victim)
+            self._evict_one(victim)
 
-    def _legacy_evict_one(self, victim: RequestState) -> None:
+    def _evict_one(self, victim: RequestState) -> None:
         uuid, num_pages = victim.uuid, len(victim.gpu_page_ids)
         if self.host_kv.free_pages() >= num_pages:
-            victim.host_page_ids = self.host_kv.allocate_pages(uuid, num_pages)
+            victim.host_page_ids = tuple(self.host_kv.allocate_pages(uuid, num_pages))
             self.host_kv.store_from_gpu(uuid, list(victim.gpu_page_ids))
             victim.phase = Phase.SWAPPED
             victim.swapped_step = self.state.step
@@ -116,16 +124,16 @@ class LegacyKvMixin:
             victim.phase = Phase.WAITING
             self.state.stats.recompute_preemptions += 1
         self.gpu_kv.release_pages(uuid)
-        victim.gpu_page_ids = []
+        victim.gpu_page_ids = ()
 
     # ---- migrate -----------------------------------------------------------------
-    def _legacy_migrate(self) -> None:
+    def migrate(self) -> None:
         """Start async loads for swapped requests that fit, oldest first.
 
         Mutates their phase, page tables, the GPU pool, stats.
         """
         running = self.state.in_phase(Phase.RUNNING)
-        demand = sum(self._legacy_decode_demand(r) for r in running)
+        demand = sum(self._decode_demand(r) for r in running)
         num_active = len(running) + len(self.state.in_phase(Phase.LOADING))
         free = self.gpu_kv.free_pages()
         swapped = sorted(self.state.in_phase(Phase.SWAPPED), key=lambda r: r.arrival_index)
@@ -137,7 +145,7 @@ class LegacyKvMixin:
                 break
             if free - demand - num_pages < self._kv_watermark_pages:
                 break
-            req.gpu_page_ids = self.gpu_kv.allocate_pages(req.uuid, num_pages)
+            req.gpu_page_ids = tuple(self.gpu_kv.allocate_pages(req.uuid, num_pages))
             req.load_handle = self.host_kv.load_to_gpu_async(req.uuid, list(req.gpu_page_ids))
             req.phase = Phase.LOADING
             req.num_load_retries = 0
@@ -146,7 +154,7 @@ class LegacyKvMixin:
             free -= num_pages
 
     # ---- alloc -------------------------------------------------------------------
-    def _legacy_allocate(self, batch: Sequence[str]) -> list[str]:
+    def allocate(self, batch: Sequence[str]) -> list[str]:
         """Give each scheduled request pages for all its tokens; returns those served.
 
         Mutates page tables, the GPU pool, and admitted requests' phase (-> RUNNING).
@@ -154,11 +162,11 @@ class LegacyKvMixin:
         served = []
         for uuid in batch:
             req = self.state.requests[uuid]
-            need = self._legacy_decode_demand(req)
+            need = self._decode_demand(req)
             if need > self.gpu_kv.free_pages():
                 continue
             if need > 0:
-                req.gpu_page_ids.extend(self.gpu_kv.allocate_pages(uuid, need))
+                req.gpu_page_ids += tuple(self.gpu_kv.allocate_pages(uuid, need))
             req.phase = Phase.RUNNING
             served.append(uuid)
         return served

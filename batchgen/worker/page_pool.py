@@ -44,7 +44,7 @@ class PagePool:
         self.num_pages = num_pages
         self._queue: list[int] = list(range(num_pages))
         self._head = 0
-        self._is_free = bytearray(b"\x01") * num_pages
+        self._free_flags = bytearray(b"\x01") * num_pages
         self._owned: dict[str, list[int]] = {}
         self._version = 0
         self.journal: list[PoolEvent] | None = None
@@ -64,6 +64,9 @@ class PagePool:
 
     def pages_of(self, uuid: str) -> tuple[int, ...]:
         return tuple(self._owned.get(uuid, ()))
+
+    def is_free(self, page_id: int) -> bool:
+        return 0 <= page_id < self.num_pages and bool(self._free_flags[page_id])
 
     def owner_ids(self) -> list[str]:
         return [uuid for uuid, pages in self._owned.items() if pages]
@@ -89,7 +92,7 @@ class PagePool:
         for page_id in page_ids:
             if not 0 <= page_id < self.num_pages:
                 raise PageOwnershipError(f"{self.name}: page {page_id} is out of range [0, {self.num_pages})")
-            if not self._is_free[page_id]:
+            if not self._free_flags[page_id]:
                 raise PageOwnershipError(f"{self.name}: page {page_id} is not free")
         head = self._queue[self._head:self._head + len(page_ids)]
         if head == page_ids:
@@ -112,7 +115,7 @@ class PagePool:
         self._version += 1
         self._queue.extend(page_ids)
         for page_id in page_ids:
-            self._is_free[page_id] = 1
+            self._free_flags[page_id] = 1
         if self.journal is not None:
             self.journal.append(PoolEvent("release", uuid, tuple(page_ids)))
         return page_ids
@@ -131,8 +134,8 @@ class PagePool:
         assert len(seen) == self.num_pages, (
             f"{self.name}: free {len(free)} + owned {len(owned)} != total {self.num_pages}")
         assert len(set(seen)) == self.num_pages, f"{self.name}: a page is free and owned, or owned twice"
-        assert all(self._is_free[p] for p in free), f"{self.name}: free-queue page not marked free"
-        assert not any(self._is_free[p] for p in owned), f"{self.name}: owned page marked free"
+        assert all(self._free_flags[p] for p in free), f"{self.name}: free-queue page not marked free"
+        assert not any(self._free_flags[p] for p in owned), f"{self.name}: owned page marked free"
         if live_uuids is not None:
             dead = sorted(set(self.owner_ids()) - set(live_uuids))
             assert not dead, f"{self.name}: pages owned by requests no longer live: {dead}"
@@ -147,7 +150,7 @@ class PagePool:
     def _assign(self, uuid: str, page_ids: list[int]) -> None:
         self._version += 1
         for page_id in page_ids:
-            self._is_free[page_id] = 0
+            self._free_flags[page_id] = 0
         self._owned.setdefault(uuid, []).extend(page_ids)
         if self.journal is not None and page_ids:
             self.journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
@@ -214,7 +217,7 @@ class ForkedPagePool:
         if len(set(page_ids)) != len(page_ids):
             raise PageOwnershipError(f"{self.name}: page ids {page_ids} name a page twice")
         for page_id in page_ids:
-            if not self._is_free(page_id):
+            if not self.is_free(page_id):
                 raise PageOwnershipError(f"{self.name}: page {page_id} is not free")
         self._assign(uuid, page_ids)
 
@@ -226,8 +229,8 @@ class ForkedPagePool:
             self.journal.append(PoolEvent("release", uuid, tuple(page_ids)))
         return page_ids
 
-    def _is_free(self, page_id: int) -> bool:
-        in_base = 0 <= page_id < self.num_pages and self._base._is_free[page_id]
+    def is_free(self, page_id: int) -> bool:
+        in_base = 0 <= page_id < self.num_pages and self._base._free_flags[page_id]
         return (in_base and page_id not in self._taken) or page_id in self._tail
 
     def _assign(self, uuid: str, page_ids: list[int]) -> None:

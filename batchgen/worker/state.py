@@ -60,8 +60,8 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
-    gpu_page_ids: list[int] = field(default_factory=list)
-    host_page_ids: list[int] = field(default_factory=list)
+    gpu_page_ids: tuple[int, ...] = ()  # page table (tuple: shared, never copied, by snapshots)
+    host_page_ids: tuple[int, ...] = ()
     load_handle: AsyncHandle | None = None
     num_load_retries: int = 0
     swapped_step: int | None = None  # step the KV went to host

@@ -17,6 +17,7 @@ KV ops (``kv_ops``) decide through the path the gate picked.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,8 @@ from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.llama import SeqInput
 from batchgen.model.paged_kv import kv_page_shape, write_kv
 from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
-from batchgen.worker.legacy_kv import LegacyKvMixin
+from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
+from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_copy import new_page_tensor
 from batchgen.worker.sampler import sample
 from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, WorkerState
@@ -45,10 +47,11 @@ class PendingAppend:
     kv: torch.Tensor | None  # [num_layers, 2, n, kv_heads, head_dim]; None without KV storage
 
 
-class Worker(LegacyKvMixin):
+class Worker:
     def __init__(self, model, *, cache_config: CacheConfig, engine_config: EngineConfig | None = None,
-                 device: str | torch.device = "cpu", kv_storage: bool = True):
-        """``kv_storage=False`` keeps the pools bookkeeping-only (null-model runs)."""
+                 kv_gate: KvGateConfig | None = None, device: str | torch.device = "cpu", kv_storage: bool = True):
+        """``kv_gate`` picks the KV path (default: plan). ``kv_storage=False`` keeps the
+        pools bookkeeping-only (null-model runs)."""
         self.model = model
         self.model_config = model.config
         self.cache_config = cache_config
@@ -65,7 +68,14 @@ class Worker(LegacyKvMixin):
         self.host_kv = HostKvPool(cache_config.num_host_pages, host_tensor, self.gpu_kv)
         self.state = WorkerState()
         self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
-        self._legacy_init_kv()
+        self._watermark_pages = math.ceil(cache_config.watermark * cache_config.num_gpu_pages)
+        self.kv_gate = kv_gate or KvGateConfig()
+        self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
+
+    def kv_target(self) -> KvTarget:
+        """The worker's live state, pools and pending appends, as the KV ops see them."""
+        return KvTarget(self.state, self.gpu_kv, self.host_kv, self._pending_kv_append_tensors,
+                        self.model_config, self.cache_config, self.engine_config)
 
     # ---- client API ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -105,19 +115,19 @@ class Worker(LegacyKvMixin):
 
     # ---- KV ops (dispatch point of the gate) ----------------------------------------
     def _kv_poll(self, observed: dict[str, str | None]) -> None:
-        self._legacy_poll_loads(observed)
+        self._kv.poll(observed)
 
     def _kv_release(self, uuids: list[str]) -> None:
-        self._legacy_release(uuids)
+        self._kv.release(uuids)
 
     def _kv_evict(self) -> None:
-        self._legacy_evict()
+        self._kv.evict()
 
     def _kv_migrate(self) -> None:
-        self._legacy_migrate()
+        self._kv.migrate()
 
     def _kv_allocate(self, batch: list[str]) -> list[str]:
-        return self._legacy_allocate(batch)
+        return self._kv.allocate(batch)
 
     # ---- worker-side steps -------------------------------------------------------------
     def _observe_loads(self) -> dict[str, str | None]:
@@ -145,8 +155,9 @@ class Worker(LegacyKvMixin):
         batch = [r.uuid for r in running]
         if self.state.in_phase(Phase.SWAPPED):
             return batch  # swapped requests come back before new work is admitted
-        watermark = self._kv_watermark_pages
-        free = self.gpu_kv.free_pages() - sum(self._legacy_decode_demand(r) for r in running)
+        watermark = self._watermark_pages
+        page_size = self.cache_config.page_size
+        free = self.gpu_kv.free_pages() - sum(-(-r.num_tokens // page_size) - len(r.gpu_page_ids) for r in running)
         num_active = len(running) + len(self.state.in_phase(Phase.LOADING))
         budget = self.engine_config.max_num_batched_tokens - len(running)
         admitted = 0
@@ -210,7 +221,7 @@ class Worker(LegacyKvMixin):
             raise RequestError(
                 f"{where}: prompt ({len(prompt)}) + max_new_tokens ({request.max_new_tokens}) = {total} "
                 f"exceeds the model's context of {self.model_config.max_context} tokens")
-        usable = self.cache_config.num_gpu_pages - self._kv_watermark_pages
+        usable = self.cache_config.num_gpu_pages - self._watermark_pages
         if self.cache_config.pages_for(total) > usable:
             raise RequestError(
                 f"{where}: needs {self.cache_config.pages_for(total)} KV pages but the GPU pool has "
@@ -223,8 +234,8 @@ class Worker(LegacyKvMixin):
         self.gpu_kv.check_integrity(live)
         self.host_kv.check_integrity(live)
         for uuid, req in live.items():
-            assert list(self.gpu_kv.pages_of(uuid)) == req.gpu_page_ids, f"{uuid}: GPU page table != pool"
-            assert list(self.host_kv.pages_of(uuid)) == req.host_page_ids, f"{uuid}: host page table != pool"
+            assert self.gpu_kv.pages_of(uuid) == req.gpu_page_ids, f"{uuid}: GPU page table != pool"
+            assert self.host_kv.pages_of(uuid) == req.host_page_ids, f"{uuid}: host page table != pool"
             if req.phase is Phase.WAITING:
                 assert not req.gpu_page_ids and not req.host_page_ids and req.num_cached_tokens == 0, uuid
             elif req.phase is Phase.SWAPPED:

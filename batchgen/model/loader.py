@@ -1,0 +1,224 @@
+"""Build a ``LlamaForCausalLM`` from a ``TINY_MODELS`` name (seeded init) or an HF-format directory.
+
+The model is first built on the meta device; each weight is then produced one at
+a time (drawn or read on CPU), converted to the requested dtype, moved to the
+device and assigned, so peak host memory is one tensor, not the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor, nn
+
+from batchgen.config import TINY_MODELS, ModelConfig
+from batchgen.model.llama import LlamaForCausalLM
+
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INIT_STD = 0.02
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_TENSOR_SUFFIX = "rotary_emb.inv_freq"
+MAX_NAMES_IN_MESSAGE = 5
+
+
+class ModelLoadError(ValueError):
+    """A model spec that cannot be loaded; the message names the path or name, what was wrong, what is allowed."""
+
+
+def load_model(
+    spec: str, *, device: str | torch.device = "cpu", dtype: str = "float32", seed: int = 0
+) -> LlamaForCausalLM:
+    """Load ``spec``: a ``TINY_MODELS`` name (weights drawn from ``seed``) or an HF-format model directory.
+
+    A directory holds ``config.json`` and either ``model.safetensors`` or shards listed
+    in ``model.safetensors.index.json``. Raises ``ModelLoadError`` for anything it cannot load.
+    """
+    torch_dtype = _parse_dtype(dtype)
+    if spec in TINY_MODELS:
+        config = TINY_MODELS[spec]
+        model = _meta_model(config)
+        weights = _seeded_weights(_expected_shapes(model), seed)
+    else:
+        directory = _model_directory(spec)
+        config = _read_config(directory)
+        model = _meta_model(config)
+        weights = _checkpoint_weights(directory, _expected_shapes(model), config)
+    for name, tensor in weights:
+        _assign_parameter(model, name, tensor.to(device=device, dtype=torch_dtype))
+    model.tie_weights()
+    return model.to(device).requires_grad_(False).eval()
+
+
+def _parse_dtype(dtype: str) -> torch.dtype:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; allowed: {', '.join(SUPPORTED_DTYPES)}")
+    return SUPPORTED_DTYPES[dtype]
+
+
+def _meta_model(config: ModelConfig) -> LlamaForCausalLM:
+    """The model with parameters on the meta device (no memory, no init); the RoPE buffer is on CPU."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def _expected_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
+    """Every parameter to fill, in module order; a tied ``lm_head.weight`` is not listed (it is the embedding)."""
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def _assign_parameter(model: nn.Module, name: str, tensor: Tensor) -> None:
+    """Replace parameter ``name`` of ``model`` by ``tensor``; mutates the owning submodule."""
+    module_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def _seeded_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> Iterator[tuple[str, Tensor]]:
+    """HF-style init: norms 1, biases 0, other weights zero-mean with std ``INIT_STD``.
+
+    Values are uniform, drawn as integers from a CPU generator and scaled by one
+    float32 multiply, so the bits are the same on every machine; the generator is
+    advanced in module order.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    half_range = 2**23
+    scale = INIT_STD * math.sqrt(3) / half_range  # uniform on [-a, a] has std a / sqrt(3)
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(shape)
+        else:
+            draws = torch.randint(-half_range, half_range, shape, generator=generator, dtype=torch.int32)
+            yield name, draws.to(torch.float32) * scale
+
+
+def _model_directory(spec: str) -> Path:
+    path = Path(spec)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelLoadError(f"{spec}: is a file; a model directory holds {CONFIG_FILE} and *.safetensors")
+    if os.sep in spec or spec.startswith("."):
+        raise ModelLoadError(f"{spec}: directory does not exist")
+    raise ModelLoadError(
+        f"unknown model name {spec!r}; known names: {', '.join(TINY_MODELS)}; "
+        f"or pass an HF-format model directory ({CONFIG_FILE} + *.safetensors)"
+    )
+
+
+def _read_config(directory: Path) -> ModelConfig:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing; a model directory needs {CONFIG_FILE} next to its safetensors files")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelLoadError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
+    try:
+        return ModelConfig.from_hf_dict(_normalised_hf_config(raw, path))
+    except KeyError as error:
+        raise ModelLoadError(f"{path}: missing key {error.args[0]!r}") from error
+    except (ValueError, TypeError) as error:
+        raise ModelLoadError(f"{path}: invalid model config: {error}") from error
+
+
+def _normalised_hf_config(raw: dict, path: Path) -> dict:
+    """Reject what the decoder does not implement; lift transformers-5 ``rope_parameters.rope_theta`` to the top."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported; allowed: 'silu'")
+    if raw.get("use_sliding_window"):
+        raise ModelLoadError(f"{path}: use_sliding_window is not supported; allowed: full attention on every layer")
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ModelLoadError(f"{path}: rope_type {rope_type!r} is not supported; allowed: 'default' (unscaled RoPE)")
+    if "rope_theta" not in raw and "rope_theta" in rope:
+        return {**raw, "rope_theta": rope["rope_theta"]}
+    return raw
+
+
+def _checkpoint_weights(
+    directory: Path, shapes: dict[str, tuple[int, ...]], config: ModelConfig
+) -> Iterator[tuple[str, Tensor]]:
+    """Check every tensor's presence and shape first (headers only), then yield the expected tensors one at a time."""
+    files = _safetensors_files(directory)
+    found = _tensor_shapes(files)
+    ignored = {name for name in found if name.endswith(IGNORED_TENSOR_SUFFIX)}
+    if config.tie_word_embeddings:
+        ignored.add("lm_head.weight")
+    _check_names_and_shapes(directory, found, ignored, shapes)
+    return _read_tensors(files, shapes)
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index_path = directory / INDEX_FILE
+    if not index_path.is_file():
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(
+                f"{directory}: no safetensors files; expected model.safetensors, "
+                f"or model-0000x-of-0000y.safetensors shards listed in {INDEX_FILE}"
+            )
+        return files
+    try:
+        shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise ModelLoadError(f"{index_path}: not a safetensors index (needs a 'weight_map' object)") from error
+    missing = [name for name in shard_names if not (directory / name).is_file()]
+    if missing:
+        raise ModelLoadError(
+            f"{index_path}: names {len(missing)} shard(s) missing from {directory}: "
+            f"{', '.join(missing[:MAX_NAMES_IN_MESSAGE])}"
+        )
+    return [directory / name for name in shard_names]
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in ``files``, read from the headers only."""
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as reader:
+                shapes.update({name: tuple(reader.get_slice(name).get_shape()) for name in reader.keys()})
+        except SafetensorError as error:
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({error})") from error
+    return shapes
+
+
+def _check_names_and_shapes(
+    directory: Path, found: dict[str, tuple[int, ...]], ignored: set[str], expected: dict[str, tuple[int, ...]]
+) -> None:
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise ModelLoadError(
+            f"{directory}: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
+            f"{', '.join(missing[:MAX_NAMES_IN_MESSAGE])}"
+        )
+    unexpected = sorted(name for name in found if name not in expected and name not in ignored)
+    if unexpected:
+        raise ModelLoadError(
+            f"{directory}: {len(unexpected)} tensor(s) the model does not have, e.g. "
+            f"{', '.join(unexpected[:MAX_NAMES_IN_MESSAGE])}"
+        )
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise ModelLoadError(
+                f"{directory}: tensor {name} has shape {list(found[name])}, expected {list(shape)} from {CONFIG_FILE}"
+            )
+
+
+def _read_tensors(files: list[Path], expected: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, Tensor]]:
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as reader:
+            for name in reader.keys():
+                if name in expected:
+                    yield name, reader.get_tensor(name)

@@ -1,0 +1,101 @@
+"""The KV page layout and the only code that reads or writes it.
+
+One tensor per tier holds every page::
+
+    kv_pages[page, layer, kv, slot, kv_head, head_dim]      kv: 0 = K, 1 = V
+
+A page is outermost, so one page of every layer is one contiguous chunk (a
+host <-> GPU copy of a page is a single slice). A sequence's page table
+``page_ids`` maps its token positions to slots:
+
+    positions                     | page            | slot
+    ------------------------------+-----------------+--------------
+    [0, page_size)                | page_ids[0]     | p
+    [page_size, 2 * page_size)    | page_ids[1]     | p - page_size
+    p                             | page_ids[p // page_size] | p % page_size
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from batchgen.config import ModelConfig
+
+K_INDEX, V_INDEX = 0, 1
+
+
+def kv_page_shape(config: ModelConfig, page_size: int, num_pages: int) -> tuple[int, ...]:
+    """Shape of a tier's page tensor: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``."""
+    return (num_pages, config.num_layers, 2, page_size, config.num_kv_heads, config.head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class KVSlots:
+    """Where a set of token positions lives: two index tensors of the same shape."""
+
+    page_index: Tensor  # page of each position (an entry of the page table)
+    slot_index: Tensor  # slot of each position inside its page
+
+
+def page_table_tensor(page_ids: Sequence[int], device: torch.device) -> Tensor:
+    """A page table as an int64 tensor on ``device``."""
+    return torch.as_tensor(page_ids, dtype=torch.int64, device=device)
+
+
+def locate_slots(page_table: Tensor, positions: Tensor, page_size: int) -> KVSlots:
+    """Slots of ``positions`` [..., T] given ``page_table`` [..., num_table_pages] (same leading dims).
+
+    Pure; positions must lie inside the pages the table covers.
+    """
+    return KVSlots(page_table.gather(-1, positions // page_size), positions % page_size)
+
+
+def gather_kv_slots(kv_pages: Tensor, slots: KVSlots, layer: int) -> tuple[Tensor, Tensor]:
+    """K and V of one layer at ``slots``, each ``[*slots.shape, num_kv_heads, head_dim]``.
+
+    Pure read: returns fresh tensors (views of one new [..., 2, heads, dim] tensor).
+    """
+    kv = kv_pages[:, layer][slots.page_index, :, slots.slot_index]
+    return kv[..., K_INDEX, :, :], kv[..., V_INDEX, :, :]
+
+
+def gather_kv(kv_pages: Tensor, page_ids: Sequence[int], num_tokens: int, layer: int) -> tuple[Tensor, Tensor]:
+    """K and V of positions ``[0, num_tokens)`` of one layer, each ``[num_tokens, num_kv_heads, head_dim]``.
+
+    Pure read of ``kv_pages``.
+    """
+    page_size = kv_pages.shape[3]
+    _check_covered(page_ids, num_tokens, page_size)
+    positions = torch.arange(num_tokens, device=kv_pages.device)
+    slots = locate_slots(page_table_tensor(page_ids, kv_pages.device), positions, page_size)
+    return gather_kv_slots(kv_pages, slots, layer)
+
+
+def write_kv(kv_pages: Tensor, page_ids: Sequence[int], start_pos: int, new_kv: Tensor) -> None:
+    """Write ``new_kv`` [num_layers, 2, n, num_kv_heads, head_dim] into positions ``[start_pos, start_pos + n)``.
+
+    Mutates ``kv_pages`` at exactly those n slots of every layer, nothing else.
+    ``new_kv`` is converted to the pages' dtype and device.
+    """
+    page_size = kv_pages.shape[3]
+    num_new = new_kv.shape[2]
+    _check_covered(page_ids, start_pos + num_new, page_size)
+    positions = torch.arange(start_pos, start_pos + num_new, device=kv_pages.device)
+    slots = locate_slots(page_table_tensor(page_ids, kv_pages.device), positions, page_size)
+    # Advanced indices on dims 0 and 3 put the token dim first: [n, layers, 2, heads, dim].
+    kv_pages[slots.page_index, :, :, slots.slot_index] = new_kv.permute(2, 0, 1, 3, 4).to(
+        device=kv_pages.device, dtype=kv_pages.dtype
+    )
+
+
+def _check_covered(page_ids: Sequence[int], num_positions: int, page_size: int) -> None:
+    num_needed = -(-num_positions // page_size)
+    if len(page_ids) < num_needed:
+        raise ValueError(
+            f"page table of {len(page_ids)} pages covers {len(page_ids) * page_size} positions; "
+            f"{num_positions} positions need {num_needed} pages of {page_size}"
+        )

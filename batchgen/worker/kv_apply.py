@@ -1,0 +1,265 @@
+"""The plan path on the worker side: build snapshots, ask the manager, apply plans.
+
+One function per plan type applies it to a :class:`KvTarget`. Each validates the
+whole plan against the target first and raises :class:`PlanRejected` (naming the
+plan field) before anything changes; only then does it mutate. The pending
+append tensors stay the worker's: a plan only names which ones to drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+from batchgen.config import DTYPE_SIZES
+from batchgen.worker.kv_manager import KVCacheManager, decode_demand
+from batchgen.worker.kv_plans import (
+    AllocPlan, AllocRequest, Destination, EvictionPlan, EvictionRequest, KvGeometry, KvSnapshot,
+    LoadOutcome, MigrationPlan, MigrationRequest, PollAction, PollPlan, PollRequest, ReleasePlan,
+    ReleaseRequest, RequestKvView,
+)
+from batchgen.worker.kv_target import KvTarget
+from batchgen.worker.state import DONE_PHASES, Phase, RequestOutput, RequestState
+
+
+class PlanRejected(ValueError):
+    """A plan cannot be applied; the target is unchanged."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def geometry_of(target: KvTarget) -> KvGeometry:
+    model, cache, engine = target.model_config, target.cache_config, target.engine_config
+    return KvGeometry(
+        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        page_size=cache.page_size, dtype_size=DTYPE_SIZES[cache.dtype], num_gpu_pages=cache.num_gpu_pages,
+        num_host_pages=cache.num_host_pages, watermark=cache.watermark, max_num_seqs=engine.max_num_seqs,
+        max_load_retries=engine.max_load_retries,
+    )
+
+
+def view_of(req: RequestState) -> RequestKvView:
+    return RequestKvView(req.uuid, req.phase.value, req.arrival_index, req.num_tokens, req.num_cached_tokens,
+                         req.gpu_page_ids, req.host_page_ids, req.num_load_retries, req.swapped_step)
+
+
+class PlanKvPath:
+    """The KV ops through :class:`KVCacheManager` plans, applied to ``target``."""
+
+    name = "plan"
+
+    def __init__(self, target: KvTarget):
+        self.target = target
+        self.manager = KVCacheManager(gpu_kv=target.gpu_kv, host_kv=target.host_kv)
+        self.geometry = geometry_of(target)
+
+    def snapshot(self, scope: Sequence[RequestState]) -> KvSnapshot:
+        state = self.target.state
+        return KvSnapshot(
+            step=state.step, geometry=self.geometry,
+            num_free_gpu_pages=self.target.gpu_kv.free_pages(),
+            num_free_host_pages=self.target.host_kv.free_pages(),
+            requests=tuple(view_of(r) for r in scope),
+            num_loading=sum(1 for r in state.requests.values() if r.phase is Phase.LOADING),
+        )
+
+    # Requests (op inputs) are built by these, so compare mode can log and replay them.
+    def poll_request(self, observed: Mapping[str, str | None]) -> PollRequest:
+        requests = self.target.state.requests
+        return PollRequest(self.snapshot([requests[u] for u in observed]),
+                           tuple(LoadOutcome(u, e) for u, e in observed.items()))
+
+    def release_request(self, uuids: Sequence[str]) -> ReleaseRequest:
+        requests = self.target.state.requests
+        return ReleaseRequest(self.snapshot([requests[u] for u in uuids]), tuple(uuids))
+
+    def eviction_request(self) -> EvictionRequest:
+        return EvictionRequest(self.snapshot(self.target.state.in_phase(Phase.RUNNING)))
+
+    def migration_request(self) -> MigrationRequest:
+        return MigrationRequest(self.snapshot(self.target.state.in_phase(Phase.RUNNING, Phase.SWAPPED)))
+
+    def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
+        requests = self.target.state.requests
+        return AllocRequest(self.snapshot([requests[u] for u in batch]), tuple(batch))
+
+    # The KvPath interface (same as LegacyKvPath).
+    def poll(self, observed: Mapping[str, str | None]) -> None:
+        apply_poll_plan(self.target, self.manager.plan_poll(self.poll_request(observed)), observed)
+
+    def release(self, uuids: Sequence[str]) -> None:
+        apply_release_plan(self.target, self.manager.plan_release(self.release_request(uuids)))
+
+    def evict(self) -> None:
+        apply_eviction_plan(self.target, self.manager.plan_eviction(self.eviction_request()))
+
+    def migrate(self) -> None:
+        apply_migration_plan(self.target, self.manager.plan_migration(self.migration_request()))
+
+    def allocate(self, batch: Sequence[str]) -> list[str]:
+        return apply_alloc_plan(self.target, self.manager.plan_allocation(self.alloc_request(batch)), batch)
+
+
+# ---- validation helpers ------------------------------------------------------------------
+def _request(target: KvTarget, field: str, uuid: str, phases: Collection[Phase]) -> RequestState:
+    req = target.state.requests.get(uuid)
+    if req is None:
+        raise PlanRejected(field, f"unknown request {uuid!r}")
+    if req.phase not in phases:
+        allowed = "/".join(p.name for p in phases)
+        raise PlanRejected(field, f"request {uuid!r} is {req.phase.name}, expected {allowed}")
+    return req
+
+
+def _check_free(pool, field: str, page_ids: Sequence[int], already_granted: set[int]) -> None:
+    for page_id in page_ids:
+        if page_id in already_granted or not pool.pages.is_free(page_id):
+            raise PlanRejected(field, f"page {page_id} is not free in the {pool.pages.name} pool")
+        already_granted.add(page_id)
+
+
+def _check_unique(field: str, uuids: Sequence[str]) -> None:
+    if len(set(uuids)) != len(uuids):
+        raise PlanRejected(field, f"a request is named twice in {list(uuids)}")
+
+
+# ---- appliers: validate everything, then mutate ------------------------------------------
+def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
+    """Mutates phases, page tables, pools (host frees, retried loads), stats."""
+    _check_unique("PollPlan.steps", [s.uuid for s in plan.steps])
+    if {s.uuid for s in plan.steps} != set(observed):
+        raise PlanRejected("PollPlan.steps", f"covers {sorted(s.uuid for s in plan.steps)}, observed {sorted(observed)}")
+    for i, step in enumerate(plan.steps):
+        req = _request(target, f"PollPlan.steps[{i}].uuid", step.uuid, (Phase.LOADING,))
+        if step.action is PollAction.COMPLETE and observed[step.uuid] is not None:
+            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load failed; cannot complete")
+        if step.action is not PollAction.COMPLETE and observed[step.uuid] is None:
+            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load completed; nothing to {step.action.value}")
+        if step.action is PollAction.RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
+            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} has no retries left")
+    stats = target.state.stats
+    for step in plan.steps:
+        req = target.state.requests[step.uuid]
+        req.load_handle = None
+        if step.action is PollAction.COMPLETE:
+            target.host_kv.release_pages(step.uuid)
+            req.host_page_ids = ()
+            req.phase = Phase.RUNNING
+            continue
+        stats.load_failures += 1
+        if step.action is PollAction.RETRY:
+            req.num_load_retries += 1
+            req.load_handle = target.host_kv.load_to_gpu_async(step.uuid, list(req.gpu_page_ids))
+            stats.loads += 1
+            continue
+        target.gpu_kv.release_pages(step.uuid)
+        target.host_kv.release_pages(step.uuid)
+        req.gpu_page_ids, req.host_page_ids = (), ()
+        req.num_cached_tokens = 0
+        req.num_load_retries = 0
+        req.phase = Phase.WAITING
+        stats.recompute_preemptions += 1
+
+
+def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
+    """Mutates requests (removed), outputs, both pools, pending appends."""
+    _check_unique("ReleasePlan.released", plan.released)
+    for i, uuid in enumerate(plan.released):
+        _request(target, f"ReleasePlan.released[{i}]", uuid, DONE_PHASES)
+    for i, uuid in enumerate(plan.drop_pending_append_ids):
+        if uuid not in plan.released:
+            raise PlanRejected(f"ReleasePlan.drop_pending_append_ids[{i}]", f"{uuid!r} is not being released")
+    for uuid in plan.released:
+        req = target.state.requests.pop(uuid)
+        if req.load_handle is not None:
+            try:
+                req.load_handle.wait()  # the copy must land before its pages are reused
+            except Exception:
+                pass  # the request is gone; a failed copy into freed pages is harmless
+            req.load_handle = None
+        target.gpu_kv.release_pages(uuid)
+        target.host_kv.release_pages(uuid)
+        target.state.outputs[uuid] = RequestOutput(
+            uuid=uuid, phase=req.phase, finish_reason=req.finish_reason,
+            output_ids=tuple(req.output_ids), output_logprobs=tuple(req.output_logprobs),
+        )
+    for uuid in plan.drop_pending_append_ids:
+        target.pending_appends.pop(uuid, None)
+
+
+def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
+    """Mutates victims (phase, page tables), both pools (store copies, pages), stats."""
+    _check_unique("EvictionPlan.victims", [v.uuid for v in plan.victims])
+    granted: set[int] = set()
+    for i, victim in enumerate(plan.victims):
+        field = f"EvictionPlan.victims[{i}]"
+        req = _request(target, f"{field}.uuid", victim.uuid, (Phase.RUNNING,))
+        if victim.gpu_page_ids != req.gpu_page_ids:
+            raise PlanRejected(f"{field}.gpu_page_ids", f"{victim.gpu_page_ids} != page table {req.gpu_page_ids}")
+        want = len(req.gpu_page_ids) if victim.destination is Destination.HOST else 0
+        if len(victim.host_page_ids) != want:
+            raise PlanRejected(f"{field}.host_page_ids", f"{len(victim.host_page_ids)} pages for {want} GPU pages")
+        _check_free(target.host_kv, f"{field}.host_page_ids", victim.host_page_ids, granted)
+    stats = target.state.stats
+    for victim in plan.victims:
+        req = target.state.requests[victim.uuid]
+        if victim.destination is Destination.HOST:
+            target.host_kv.take_pages(victim.uuid, list(victim.host_page_ids))
+            target.host_kv.store_from_gpu(victim.uuid, list(victim.gpu_page_ids))
+            req.host_page_ids = victim.host_page_ids
+            req.phase = Phase.SWAPPED
+            req.swapped_step = target.state.step
+            stats.evictions += 1
+        else:
+            req.num_cached_tokens = 0
+            req.phase = Phase.WAITING
+            stats.recompute_preemptions += 1
+        target.gpu_kv.release_pages(victim.uuid)
+        req.gpu_page_ids = ()
+
+
+def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
+    """Mutates phases (-> LOADING), page tables, the GPU pool, stats; starts async loads."""
+    _check_unique("MigrationPlan.loads", [load.uuid for load in plan.loads])
+    granted: set[int] = set()
+    for i, load in enumerate(plan.loads):
+        field = f"MigrationPlan.loads[{i}]"
+        req = _request(target, f"{field}.uuid", load.uuid, (Phase.SWAPPED,))
+        if load.host_page_ids != req.host_page_ids:
+            raise PlanRejected(f"{field}.host_page_ids", f"{load.host_page_ids} != host page table {req.host_page_ids}")
+        if len(load.gpu_page_ids) != len(req.host_page_ids):
+            raise PlanRejected(f"{field}.gpu_page_ids", f"{len(load.gpu_page_ids)} pages for {len(req.host_page_ids)} host pages")
+        _check_free(target.gpu_kv, f"{field}.gpu_page_ids", load.gpu_page_ids, granted)
+    for load in plan.loads:
+        req = target.state.requests[load.uuid]
+        target.gpu_kv.take_pages(load.uuid, list(load.gpu_page_ids))
+        req.gpu_page_ids = load.gpu_page_ids
+        req.load_handle = target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))
+        req.phase = Phase.LOADING
+        req.num_load_retries = 0
+        target.state.stats.loads += 1
+
+
+def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) -> list[str]:
+    """Mutates page tables, the GPU pool, admitted phases (-> RUNNING); returns the served uuids."""
+    _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])
+    scheduled = set(batch)
+    granted: set[int] = set()
+    page_size = target.cache_config.page_size
+    for i, grant in enumerate(plan.grants):
+        field = f"AllocPlan.grants[{i}]"
+        if grant.uuid not in scheduled:
+            raise PlanRejected(f"{field}.uuid", f"{grant.uuid!r} is not scheduled this step")
+        req = _request(target, f"{field}.uuid", grant.uuid, (Phase.RUNNING, Phase.WAITING))
+        need = decode_demand(view_of(req), page_size)
+        if len(grant.new_page_ids) != need:
+            raise PlanRejected(f"{field}.new_page_ids", f"{len(grant.new_page_ids)} pages granted, {need} needed")
+        _check_free(target.gpu_kv, f"{field}.new_page_ids", grant.new_page_ids, granted)
+    for grant in plan.grants:
+        req = target.state.requests[grant.uuid]
+        if grant.new_page_ids:
+            target.gpu_kv.take_pages(grant.uuid, list(grant.new_page_ids))
+            req.gpu_page_ids += grant.new_page_ids
+        req.phase = Phase.RUNNING
+    return [grant.uuid for grant in plan.grants]

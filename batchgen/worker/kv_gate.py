@@ -1,0 +1,111 @@
+"""``BATCHGEN_WORKER_KV_*``: parsed once into a validated config, and the path it picks.
+
+==================================== ===================== ===================== ===========================================
+variable                             values                default               meaning
+==================================== ===================== ===================== ===========================================
+BATCHGEN_WORKER_KV_PATH              plan, legacy          plan                  authoritative KV path
+BATCHGEN_WORKER_KV_COMPARE           off, log, raise       off                   shadow the other path; log or raise
+BATCHGEN_WORKER_KV_COMPARE_SAMPLE    float in (0, 1]       1.0                   fraction of steps compared (seeded)
+BATCHGEN_WORKER_KV_COMPARE_LOG       path                  kv-divergences.jsonl  divergence log (JSON Lines)
+BATCHGEN_WORKER_KV_COMPARE_OPS       comma list of ops     all                   ops compared: poll,release,evict,migrate,alloc
+==================================== ===================== ===================== ===========================================
+
+Precedence: default < environment < CLI option. An unknown name in the family
+(a typo) or a bad value raises :class:`GateError` naming the variable, the
+allowed values and the closest valid name. The legacy path module is imported
+only when the config needs it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "BATCHGEN_WORKER_KV_"
+KV_OPS = ("poll", "release", "evict", "migrate", "alloc")
+
+# field name -> (environment variable, CLI option, allowed values for messages)
+GATE_FLAGS = {
+    "path": ("BATCHGEN_WORKER_KV_PATH", "--kv-path", "plan, legacy"),
+    "compare": ("BATCHGEN_WORKER_KV_COMPARE", "--kv-compare", "off, log, raise"),
+    "compare_sample": ("BATCHGEN_WORKER_KV_COMPARE_SAMPLE", "--kv-compare-sample", "a float in (0, 1]"),
+    "compare_log": ("BATCHGEN_WORKER_KV_COMPARE_LOG", "--kv-compare-log", "a file path"),
+    "compare_ops": ("BATCHGEN_WORKER_KV_COMPARE_OPS", "--kv-compare-ops", f"a comma list of {', '.join(KV_OPS)}"),
+}
+
+
+class GateError(ValueError):
+    """A bad ``BATCHGEN_WORKER_KV_*`` name or value (or its CLI option)."""
+
+
+class KvGateConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: Literal["plan", "legacy"] = "plan"
+    compare: Literal["off", "log", "raise"] = "off"
+    compare_sample: float = Field(default=1.0, gt=0.0, le=1.0)
+    compare_log: str = Field(default="kv-divergences.jsonl", min_length=1)
+    compare_ops: tuple[str, ...] = KV_OPS
+
+    @field_validator("compare_ops", mode="before")
+    @classmethod
+    def _parse_ops(cls, value):
+        if isinstance(value, str):
+            value = [op.strip() for op in value.split(",") if op.strip()]
+        unknown = [op for op in value if op not in KV_OPS]
+        if unknown or not value:
+            raise ValueError(f"unknown ops {unknown}" if unknown else "no ops named")
+        return tuple(op for op in KV_OPS if op in value)
+
+    @property
+    def shadow_path(self) -> str:
+        return "legacy" if self.path == "plan" else "plan"
+
+    @property
+    def needs_legacy(self) -> bool:
+        return self.path == "legacy" or self.compare != "off"
+
+
+def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = None) -> KvGateConfig:
+    """Parse the gate family from ``environ``, then apply CLI values (not None) on top."""
+    known = {env for env, _, _ in GATE_FLAGS.values()}
+    for name in environ:
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise GateError(f"unknown variable {name}{hint} Valid names: {', '.join(sorted(known))}")
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    for field, (env, _, _) in GATE_FLAGS.items():
+        if env in environ:
+            values[field], sources[field] = environ[env], env
+    for field, value in (cli or {}).items():
+        if value is not None:
+            values[field], sources[field] = value, GATE_FLAGS[field][1]
+    try:
+        return KvGateConfig(**values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = str(error["loc"][0])
+        env, _, allowed = GATE_FLAGS[field]
+        source = sources.get(field, env)
+        choices = allowed.split(", ") if field in ("path", "compare") else []
+        close = difflib.get_close_matches(str(values.get(field)), choices, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise GateError(f"{source}={values.get(field)!r} is invalid ({error['msg']}); allowed: {allowed}{hint}") from None
+
+
+def build_kv_path(name: str, target):
+    """The KV path object for ``name`` over ``target``; legacy is imported only here."""
+    if name == "plan":
+        from batchgen.worker.kv_apply import PlanKvPath
+
+        return PlanKvPath(target)
+    if name == "legacy":
+        from batchgen.worker.legacy_kv import LegacyKvPath
+
+        return LegacyKvPath(target)
+    raise GateError(f"unknown KV path {name!r}; allowed: plan, legacy")

@@ -1,0 +1,192 @@
+"""The plan layer's boundary: immutable snapshots in, immutable plans out.
+
+A :class:`KvSnapshot` is what one KV op may read: the geometry, free counts, and
+the views of the requests in the op's scope (built per op, only for that scope).
+A plan carries decisions and diffs (page ids granted, victims and where they go,
+loads to start, pages to free), never the manager's internals. Everything
+round-trips through JSON exactly (:func:`to_json` / :func:`from_json`), which
+the divergence log and ``replay`` rely on.
+
+Hot-path objects are frozen slotted dataclasses, and the per-request view a
+``NamedTuple`` (cheapest immutable record to build thousands of per step).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pydantic import TypeAdapter
+
+
+class Destination(str, enum.Enum):
+    HOST = "host"  # KV stored to host pages; request SWAPPED
+    RECOMPUTE = "recompute"  # KV dropped; request WAITING, recomputed later
+
+
+class PollAction(str, enum.Enum):
+    COMPLETE = "complete"  # load landed: RUNNING, host pages freed
+    RETRY = "retry"  # load failed: start it again into the same pages
+    RECOMPUTE = "recompute"  # load failed too often: drop KV, WAITING
+
+
+# ---- snapshot ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KvGeometry:
+    """Model and cache geometry, and the limits decisions depend on."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype_size: int
+    num_gpu_pages: int
+    num_host_pages: int
+    watermark: float  # fraction of GPU pages kept free
+    max_num_seqs: int
+    max_load_retries: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_size
+
+
+class RequestKvView(NamedTuple):
+    """One request as a KV op sees it."""
+
+    uuid: str
+    phase: str  # Phase value
+    arrival_index: int
+    num_tokens: int
+    num_cached_tokens: int
+    gpu_page_ids: tuple[int, ...]
+    host_page_ids: tuple[int, ...]
+    num_load_retries: int
+    swapped_step: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class KvSnapshot:
+    step: int
+    geometry: KvGeometry
+    num_free_gpu_pages: int
+    num_free_host_pages: int
+    requests: tuple[RequestKvView, ...]  # the op's scope, in submission order
+    num_loading: int = 0  # LOADING requests (outside most scopes, counted for max_num_seqs)
+
+
+# ---- op inputs -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    uuid: str
+    error: str | None  # None: the load completed
+
+
+@dataclass(frozen=True, slots=True)
+class PollRequest:
+    snapshot: KvSnapshot  # scope: the LOADING requests observed
+    outcomes: tuple[LoadOutcome, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRequest:
+    snapshot: KvSnapshot  # scope: the done requests
+    uuids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionRequest:
+    snapshot: KvSnapshot  # scope: RUNNING requests
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationRequest:
+    snapshot: KvSnapshot  # scope: RUNNING and SWAPPED requests
+
+
+@dataclass(frozen=True, slots=True)
+class AllocRequest:
+    snapshot: KvSnapshot  # scope: the scheduled requests
+    batch: tuple[str, ...]  # scheduled uuids, in batch order
+
+
+# ---- plans ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PollStep:
+    uuid: str
+    action: PollAction
+
+
+@dataclass(frozen=True, slots=True)
+class PollPlan:
+    steps: tuple[PollStep, ...]  # applied in order (order fixes free-queue order)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasePlan:
+    released: tuple[str, ...]  # pages on both tiers freed, loads drained, outputs kept
+    drop_pending_append_ids: tuple[str, ...]  # pending K/V the worker must discard
+
+
+@dataclass(frozen=True, slots=True)
+class Victim:
+    uuid: str
+    destination: Destination
+    gpu_page_ids: tuple[int, ...]  # freed; copied to host first when destination is HOST
+    host_page_ids: tuple[int, ...]  # granted host pages (empty for RECOMPUTE)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionPlan:
+    victims: tuple[Victim, ...]  # applied in order
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStart:
+    uuid: str
+    gpu_page_ids: tuple[int, ...]  # granted; the load copies host pages into them
+    host_page_ids: tuple[int, ...]  # source pages, freed when the load completes
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationPlan:
+    loads: tuple[LoadStart, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PageGrant:
+    uuid: str
+    new_page_ids: tuple[int, ...]  # appended to the request's GPU page table (may be empty)
+
+
+@dataclass(frozen=True, slots=True)
+class DoesNotFit:
+    uuid: str
+    num_pages_needed: int
+    num_pages_free: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllocPlan:
+    grants: tuple[PageGrant, ...]  # served this step, in batch order
+    not_fitting: tuple[DoesNotFit, ...]  # left out of this step
+
+
+PLAN_TYPES = (PollPlan, ReleasePlan, EvictionPlan, MigrationPlan, AllocPlan)
+REQUEST_TYPES = (PollRequest, ReleaseRequest, EvictionRequest, MigrationRequest, AllocRequest)
+
+
+def to_json(obj) -> str:
+    """Serialise a snapshot, op request or plan (edge use: logs, replay)."""
+    return TypeAdapter(type(obj)).dump_json(obj).decode()
+
+
+def from_json(cls, text: str):
+    """Inverse of :func:`to_json` for the given class."""
+    return TypeAdapter(cls).validate_json(text)
+
+
+def to_jsonable(obj) -> dict:
+    return json.loads(to_json(obj))

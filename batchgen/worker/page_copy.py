@@ -1,0 +1,333 @@
+"""Page copies between KV pools: synchronous and asynchronous, CPU and CUDA.
+
+Each tier's KV lives in one tensor, page outermost, so one page of all layers is
+one contiguous chunk and a run of consecutive page ids is one contiguous slice::
+
+    pool[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+         ^ page id  '------------- one page: contiguous -------------'
+
+How a batch moves. The pairs ``src_ids[i] -> dst_ids[i]`` are sorted by the id on
+the *keyed* side and cut into runs of consecutive keyed ids; a run is one slice
+of the keyed pool. The keyed side is the host (CPU) pool: DMA between host and
+device needs a contiguous host slice. When both pools are on the host, it is the
+side whose ids make fewer runs. Per run, the other side's ids decide the call:
+
+    other ids of the run   | call (one per run)
+    -----------------------|-------------------------------------------------
+    consecutive            | slice.copy_(slice)               one memcpy / DMA
+    scattered, dst side    | dst.index_copy_(0, ids, block)   scatter
+    scattered, src side    | src.index_select(0, ids)         gather
+
+``block`` is the keyed slice, moved to the other side's device first when the
+two differ (a staging tensor on the GPU). Fresh pools hand out consecutive ids,
+so a batch is usually a handful of runs. Runs are also cut at ``MAX_RUN_BYTES``
+so GPU staging stays bounded. Two pools on the same CUDA device skip runs: one
+gather and one scatter kernel per chunk of that size.
+
+Process state: ``_ASYNC_QUEUE``, created empty at import, lazily starts one
+worker thread (CPU copies) and one side stream per CUDA device (CUDA copies).
+Async copies issued from one thread therefore run in issue order.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# Largest run (bytes) one call moves; bounds the staging tensor a GPU copy allocates.
+MAX_RUN_BYTES = 64 * 2**20
+
+
+def new_page_tensor(
+    shape: tuple[int, ...],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    pin_memory: bool = False,
+) -> Tensor:
+    """A zero-filled pool of pages; ``pin_memory`` (CPU only, needs CUDA) makes DMA async."""
+    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
+
+def copy_pages(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]) -> None:
+    """Set ``dst[dst_ids[i]] = src[src_ids[i]]`` for every i; mutates ``dst`` only.
+
+    Returns once the copy is complete (in stream order for GPU -> GPU, like any
+    torch op; host <-> device copies synchronise the current stream).
+    Raises ValueError for mismatched pools or ids, naming the offending id.
+    """
+    _issue_copies(src, src_ids, dst, dst_ids)
+    if src.device != dst.device:
+        torch.cuda.current_stream(_cuda_device(src, dst)).synchronize()
+
+
+class CopyError(RuntimeError):
+    """An async page copy failed; ``cause`` is the exception that stopped it."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"async page copy failed: {cause!r}")
+        self.cause = cause
+
+
+class CopyHandle:
+    """Completion of one ``copy_pages_async`` call; does not touch the pools.
+
+    Backed by a future (CPU copies, and copies that failed while being issued)
+    or by a CUDA event recorded on the side stream after the copy.
+    """
+
+    __slots__ = ("_completion", "_cuda_error")
+
+    def __init__(self, completion: Future[None] | torch.cuda.Event) -> None:
+        self._completion = completion
+        self._cuda_error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the copy has finished, successfully or not; never blocks."""
+        if isinstance(self._completion, Future):
+            return self._completion.done()
+        if self._cuda_error is None:
+            try:
+                return self._completion.query()
+            except RuntimeError as error:
+                self._cuda_error = error
+        return True
+
+    def wait(self) -> None:
+        """Block until the copy has finished; raise CopyError if it failed."""
+        if isinstance(self._completion, Future):
+            cause = self._completion.exception()
+        else:
+            if self._cuda_error is None:
+                try:
+                    self._completion.synchronize()
+                except RuntimeError as error:
+                    self._cuda_error = error
+            cause = self._cuda_error
+        if cause is not None:
+            raise CopyError(cause) from cause
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the copy failed; None while it runs and after it succeeded."""
+        if isinstance(self._completion, Future):
+            return self._completion.exception() if self._completion.done() else None
+        return self._cuda_error
+
+
+def copy_pages_async(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]) -> CopyHandle:
+    """Start ``copy_pages`` in the background and return its handle.
+
+    Mutates ``dst`` once the copy runs. Until ``done()``, the caller must not
+    write the ``src`` pages nor read or write the ``dst`` pages. Copy failures,
+    invalid ids included, surface as CopyError from ``wait()``, not here.
+    """
+    if src.is_cuda or dst.is_cuda:
+        return _ASYNC_QUEUE.issue_on_side_stream(src, src_ids, dst, dst_ids)
+    return CopyHandle(_ASYNC_QUEUE.submit(copy_pages, src, tuple(src_ids), dst, tuple(dst_ids)))
+
+
+class _AsyncCopyQueue:
+    """Where async copies run: one worker thread (CPU), one side stream per CUDA device.
+
+    Both are created on first use; the module holds the only instance.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._side_streams: dict[int, torch.cuda.Stream] = {}
+
+    def submit(self, *call) -> Future[None]:
+        """Run ``call`` (a function and its arguments) on the worker thread."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page-copy")
+        return self._executor.submit(*call)
+
+    def issue_on_side_stream(
+        self, src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]
+    ) -> CopyHandle:
+        """Enqueue the copy behind the current stream's work; mutates ``dst`` on the GPU timeline."""
+        try:
+            device = _cuda_device(src, dst)
+            side_stream = self._side_stream(device)
+            side_stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side_stream):
+                _issue_copies(src, src_ids, dst, dst_ids)
+                finished = torch.cuda.Event()
+                finished.record(side_stream)
+            for pool in (src, dst):
+                if pool.is_cuda:  # keep the caching allocator off pool memory until the copy ran
+                    pool.record_stream(side_stream)
+        except Exception as error:
+            failed: Future[None] = Future()
+            failed.set_exception(error)
+            return CopyHandle(failed)
+        return CopyHandle(finished)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            if device.index not in self._side_streams:
+                self._side_streams[device.index] = torch.cuda.Stream(device)
+            return self._side_streams[device.index]
+
+
+_ASYNC_QUEUE = _AsyncCopyQueue()
+
+
+class _Run(NamedTuple):
+    """Sorted pairs ``start..stop-1``: keyed ids ``key_start, key_start + 1, ...``.
+
+    ``other_start`` is the other side's first id; the other ids themselves sit in
+    the sorted other-id tensor that comes with the runs.
+    """
+
+    key_start: int
+    other_start: int
+    start: int
+    stop: int
+    other_is_consecutive: bool
+
+    @property
+    def num_pages(self) -> int:
+        return self.stop - self.start
+
+
+def _issue_copies(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]) -> None:
+    """Validate, then enqueue every copy on the current stream (CPU: run them); mutates ``dst``."""
+    src_index, dst_index = _checked_ids(src, src_ids, dst, dst_ids)
+    if not len(src_index):
+        return
+    if src.is_cuda and dst.is_cuda:
+        _copy_within_device(src, src_index, dst, dst_index)
+        return
+    max_run_pages = _max_run_pages(src)
+    if src.is_cuda:
+        _copy_dst_keyed(src, dst, *_runs(dst_index, src_index, max_run_pages))
+    elif dst.is_cuda:
+        _copy_src_keyed(src, dst, *_runs(src_index, dst_index, max_run_pages))
+    elif _num_runs(dst_index) < _num_runs(src_index):
+        _copy_dst_keyed(src, dst, *_runs(dst_index, src_index, max_run_pages))
+    else:
+        _copy_src_keyed(src, dst, *_runs(src_index, dst_index, max_run_pages))
+
+
+def _copy_within_device(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: Tensor) -> None:
+    """One gather and one scatter kernel per chunk of pairs; mutates ``dst``."""
+    src_index, dst_index = _on_device(src_index, src.device), _on_device(dst_index, dst.device)
+    max_chunk_pages = _max_run_pages(src)
+    for start in range(0, len(src_index), max_chunk_pages):
+        chunk = slice(start, start + max_chunk_pages)
+        dst.index_copy_(0, dst_index[chunk], src.index_select(0, src_index[chunk]))
+
+
+def _copy_src_keyed(src: Tensor, dst: Tensor, runs: list[_Run], sorted_dst_index: Tensor) -> None:
+    """Each run: a ``src`` slice into ``dst``, scattered if its dst ids are; mutates ``dst``."""
+    sorted_dst_index = _on_device(sorted_dst_index, dst.device)
+    for run in runs:
+        src_slice = src[run.key_start : run.key_start + run.num_pages]
+        if run.other_is_consecutive:
+            dst[run.other_start : run.other_start + run.num_pages].copy_(src_slice, non_blocking=True)
+        else:
+            block = src_slice.to(dst.device, non_blocking=True)
+            dst.index_copy_(0, sorted_dst_index[run.start : run.stop], block)
+
+
+def _copy_dst_keyed(src: Tensor, dst: Tensor, runs: list[_Run], sorted_src_index: Tensor) -> None:
+    """Each run: ``src`` pages, gathered if their ids are scattered, into a ``dst`` slice; mutates ``dst``."""
+    sorted_src_index = _on_device(sorted_src_index, src.device)
+    for run in runs:
+        dst_slice = dst[run.key_start : run.key_start + run.num_pages]
+        if run.other_is_consecutive:
+            dst_slice.copy_(src[run.other_start : run.other_start + run.num_pages], non_blocking=True)
+        elif src.device == dst.device:
+            torch.index_select(src, 0, sorted_src_index[run.start : run.stop], out=dst_slice)
+        else:
+            dst_slice.copy_(src.index_select(0, sorted_src_index[run.start : run.stop]), non_blocking=True)
+
+
+def _runs(key_index: Tensor, other_index: Tensor, max_run_pages: int) -> tuple[list[_Run], Tensor]:
+    """Cut the pairs, sorted by key id, where key ids stop being consecutive or a run fills up.
+
+    Returns the runs and the other ids in sorted order. Mutates nothing.
+    """
+    key_ids, order = torch.sort(key_index, stable=True)
+    other_ids = other_index[order]
+    positions = torch.arange(len(key_ids))
+    is_run_start = torch.ones(len(key_ids), dtype=torch.bool)
+    is_run_start[1:] = key_ids[1:] != key_ids[:-1] + 1
+    first_of_consecutive = torch.cummax(torch.where(is_run_start, positions, 0), dim=0).values
+    is_run_start |= (positions - first_of_consecutive) % max_run_pages == 0
+    starts = is_run_start.nonzero().flatten()
+    stops = torch.cat([starts[1:], torch.tensor([len(key_ids)])])
+    other_breaks = torch.zeros(len(key_ids), dtype=torch.long)
+    other_breaks[1:] = other_ids[1:] != other_ids[:-1] + 1
+    other_breaks_so_far = torch.cumsum(other_breaks, dim=0)
+    other_is_consecutive = other_breaks_so_far[stops - 1] == other_breaks_so_far[starts]
+    runs = list(
+        map(
+            _Run,
+            key_ids[starts].tolist(),
+            other_ids[starts].tolist(),
+            starts.tolist(),
+            stops.tolist(),
+            other_is_consecutive.tolist(),
+        )
+    )
+    return runs, other_ids
+
+
+def _num_runs(page_index: Tensor) -> int:
+    """How many runs of consecutive ids ``page_index`` makes once sorted."""
+    sorted_ids = torch.sort(page_index).values
+    return 1 + int(torch.count_nonzero(sorted_ids[1:] != sorted_ids[:-1] + 1))
+
+
+def _checked_ids(
+    src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]
+) -> tuple[Tensor, Tensor]:
+    """The ids as CPU int64 tensors, after checking the pools and ids fit together; mutates nothing."""
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(
+            f"pages differ: src is {src.dtype}{list(src.shape[1:])}, dst is {dst.dtype}{list(dst.shape[1:])}"
+        )
+    if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+        raise ValueError("src and dst share memory; copy_pages moves pages between two pools")
+    if src.is_cuda and dst.is_cuda and src.device != dst.device:
+        raise ValueError(f"src is on {src.device} and dst on {dst.device}; copies between GPUs are not supported")
+    src_ids, dst_ids = [operator.index(i) for i in src_ids], [operator.index(i) for i in dst_ids]
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"src_ids has {len(src_ids)} ids but dst_ids has {len(dst_ids)}")
+    for name, ids, pool in (("src_ids", src_ids, src), ("dst_ids", dst_ids, dst)):
+        if min(ids, default=0) < 0 or max(ids, default=0) >= pool.shape[0]:
+            position, page_id = next((p, i) for p, i in enumerate(ids) if not 0 <= i < pool.shape[0])
+            raise ValueError(f"{name}[{position}] = {page_id} is outside the pool's pages 0..{pool.shape[0] - 1}")
+    if len(set(dst_ids)) != len(dst_ids):
+        position, page_id = next((p, i) for p, i in enumerate(dst_ids) if i in dst_ids[:p])
+        raise ValueError(f"dst_ids[{position}] = {page_id} repeats a destination page")
+    # Through numpy: four times faster than torch.tensor(list) at a thousand ids.
+    return torch.from_numpy(np.array(src_ids, dtype=np.int64)), torch.from_numpy(np.array(dst_ids, dtype=np.int64))
+
+
+def _max_run_pages(pool: Tensor) -> int:
+    """Pages in a run (or chunk) of at most MAX_RUN_BYTES, and at least one page."""
+    return max(1, MAX_RUN_BYTES // (pool[0].numel() * pool.element_size()))
+
+
+def _on_device(index: Tensor, device: torch.device) -> Tensor:
+    """``index`` on ``device``; CUDA goes through pinned memory so issuing never blocks."""
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index
+
+
+def _cuda_device(src: Tensor, dst: Tensor) -> torch.device:
+    return src.device if src.is_cuda else dst.device

@@ -1,0 +1,267 @@
+"""Loading: seeded tiny models, HF-format directories, and an error that says what is wrong for each bad input."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from batchgen.config import ModelConfig
+from batchgen.model.llama import LlamaForCausalLM
+from batchgen.model.loader import ModelLoadError, load_model
+
+HF_CONFIG = dict(
+    model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+)
+NUM_TENSORS_PER_LAYER = 9
+
+
+def reference_tensors(hf_config: dict) -> dict[str, torch.Tensor]:
+    """A full state dict for ``hf_config`` (default torch init), as a checkpoint would hold it."""
+    model = LlamaForCausalLM(ModelConfig.from_hf_dict(hf_config))
+    return {name: param.detach().clone() for name, param in model.named_parameters()}  # tied lm_head not listed
+
+
+def write_checkpoint(directory, hf_config: dict = HF_CONFIG, tensors: dict | None = None):
+    """config.json + model.safetensors in ``directory``; returns the tensors written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = reference_tensors(hf_config) if tensors is None else tensors
+    (directory / "config.json").write_text(json.dumps(hf_config))
+    save_file(tensors, directory / "model.safetensors")
+    return tensors
+
+
+def assert_weights_equal(model, tensors: dict[str, torch.Tensor]) -> None:
+    state = model.state_dict()
+    assert set(state) - {"lm_head.weight"} == set(tensors) - {"lm_head.weight"}
+    for name, tensor in tensors.items():
+        assert torch.equal(state[name], tensor), name
+
+
+# --- seeded tiny models ---------------------------------------------------------------------------
+
+
+def test_same_seed_gives_identical_weights():
+    first, second = load_model("tiny", seed=11).state_dict(), load_model("tiny", seed=11).state_dict()
+    assert list(first) == list(second)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_different_seed_gives_different_weights():
+    first, second = load_model("tiny", seed=0).state_dict(), load_model("tiny", seed=1).state_dict()
+    for name in first:
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(first[name], second[name]), name
+
+
+def test_seeded_weights_are_pinned_bit_for_bit():
+    weights = load_model("tiny", seed=0).state_dict()
+    assert weights["model.embed_tokens.weight"][0, :3].tolist() == [
+        -0.00025935107260011137, 0.01858295127749443, -0.02851112000644207,
+    ]
+    assert weights["lm_head.weight"][-1, -3:].tolist() == [
+        -0.033597320318222046, 0.009402421303093433, 0.01250363327562809,
+    ]
+
+
+def test_seeded_init_is_hf_like():
+    weights = load_model("tiny").state_dict()
+    embedding = weights["model.embed_tokens.weight"]
+    assert abs(embedding.std().item() - 0.02) < 0.001 and abs(embedding.mean().item()) < 0.001
+    assert torch.equal(weights["model.norm.weight"], torch.ones(64))
+    assert torch.equal(weights["model.layers.1.input_layernorm.weight"], torch.ones(64))
+
+
+def test_bfloat16_load_is_the_float32_weights_rounded():
+    full, half = load_model("tiny", seed=2).state_dict(), load_model("tiny", seed=2, dtype="bfloat16").state_dict()
+    for name in full:
+        assert half[name].dtype == torch.bfloat16
+        assert torch.equal(half[name], full[name].bfloat16()), name
+
+
+def test_loaded_model_has_no_meta_tensors_and_no_grad():
+    model = load_model("tiny")
+    assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+# --- HF-format directories ---------------------------------------------------------------------------
+
+
+def test_directory_checkpoint_loads_every_tensor(tmp_path):
+    tensors = write_checkpoint(tmp_path)
+    assert_weights_equal(load_model(str(tmp_path)), tensors)
+
+
+def test_sharded_checkpoint_loads_through_its_index(tmp_path):
+    tensors = reference_tensors(HF_CONFIG)
+    names = list(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:7], "model-00002-of-00002.safetensors": names[7:]}
+    for shard, shard_names in shards.items():
+        save_file({name: tensors[name] for name in shard_names}, tmp_path / shard)
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    assert_weights_equal(load_model(str(tmp_path)), tensors)
+
+
+def test_tied_embeddings_share_one_parameter(tmp_path):
+    tensors = write_checkpoint(tmp_path, dict(HF_CONFIG, tie_word_embeddings=True))
+    assert "lm_head.weight" not in tensors
+    model = load_model(str(tmp_path), dtype="bfloat16")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"].bfloat16())
+
+
+def test_tied_checkpoint_that_also_stores_lm_head_loads(tmp_path):
+    config = dict(HF_CONFIG, tie_word_embeddings=True)
+    tensors = reference_tensors(config)
+    write_checkpoint(tmp_path, config, {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()})
+    model = load_model(str(tmp_path))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_rotary_inv_freq_buffers_are_ignored(tmp_path):
+    tensors = reference_tensors(HF_CONFIG)
+    write_checkpoint(tmp_path, tensors={**tensors, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(2)})
+    assert_weights_equal(load_model(str(tmp_path)), tensors)
+
+
+def test_rope_theta_is_read_from_transformers5_rope_parameters(tmp_path):
+    config = {k: v for k, v in HF_CONFIG.items() if k != "rope_theta"}
+    write_checkpoint(tmp_path, dict(config, rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}))
+    assert load_model(str(tmp_path)).config.rope_theta == 500000.0
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+
+
+def load_error(spec: str, **kwargs) -> str:
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(spec, **kwargs)
+    return str(caught.value)
+
+
+def test_model_load_error_is_a_value_error():
+    assert issubclass(ModelLoadError, ValueError)
+
+
+def test_unknown_name_lists_the_names_and_allows_a_directory():
+    message = load_error("tinyy")
+    assert "unknown model name 'tinyy'" in message
+    assert "tiny, llama2-7b-geometry" in message and "directory" in message
+
+
+def test_missing_directory_is_named(tmp_path):
+    missing = tmp_path / "absent"
+    assert load_error(str(missing)) == f"{missing}: directory does not exist"
+
+
+def test_a_file_is_not_a_model_directory(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_text("")
+    assert f"{path}: is a file" in load_error(str(path))
+
+
+def test_missing_config_json(tmp_path):
+    save_file(reference_tensors(HF_CONFIG), tmp_path / "model.safetensors")
+    assert load_error(str(tmp_path)).startswith(f"{tmp_path / 'config.json'}: missing")
+
+
+def test_config_json_that_is_not_json(tmp_path):
+    write_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{vocab_size: 32")
+    assert f"{tmp_path / 'config.json'}: not valid JSON" in load_error(str(tmp_path))
+
+
+def test_config_json_missing_a_key(tmp_path):
+    write_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in HF_CONFIG.items() if k != "hidden_size"}))
+    assert load_error(str(tmp_path)) == f"{tmp_path / 'config.json'}: missing key 'hidden_size'"
+
+
+def test_config_json_with_invalid_geometry(tmp_path):
+    write_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dict(HF_CONFIG, num_key_value_heads=3)))
+    message = load_error(str(tmp_path))
+    assert "config.json: invalid model config" in message and "must be a multiple of num_kv_heads (3)" in message
+
+
+def test_scaled_rope_is_rejected(tmp_path):
+    write_checkpoint(tmp_path)
+    rope_scaling = {"rope_type": "llama3", "factor": 8.0}
+    (tmp_path / "config.json").write_text(json.dumps(dict(HF_CONFIG, rope_scaling=rope_scaling)))
+    assert "rope_type 'llama3' is not supported; allowed: 'default'" in load_error(str(tmp_path))
+
+
+def test_sliding_window_attention_is_rejected(tmp_path):
+    write_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dict(HF_CONFIG, use_sliding_window=True, sliding_window=64)))
+    assert "use_sliding_window is not supported" in load_error(str(tmp_path))
+
+
+def test_non_silu_activation_is_rejected(tmp_path):
+    write_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dict(HF_CONFIG, hidden_act="gelu")))
+    assert "hidden_act 'gelu' is not supported; allowed: 'silu'" in load_error(str(tmp_path))
+
+
+def test_directory_without_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    message = load_error(str(tmp_path))
+    assert message.startswith(f"{tmp_path}: no safetensors files")
+    assert "model.safetensors" in message and "model.safetensors.index.json" in message
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    tensors = write_checkpoint(tmp_path)
+    weight_map = {name: "model.safetensors" for name in tensors}
+    weight_map["model.norm.weight"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    message = load_error(str(tmp_path))
+    assert message == (
+        f"{tmp_path / 'model.safetensors.index.json'}: names 1 shard(s) missing from {tmp_path}: "
+        "model-00002-of-00002.safetensors"
+    )
+
+
+def test_unreadable_safetensors_file(tmp_path):
+    write_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    assert f"{tmp_path / 'model.safetensors'}: not a readable safetensors file" in load_error(str(tmp_path))
+
+
+def test_missing_tensors_are_counted_and_five_named(tmp_path):
+    tensors = reference_tensors(HF_CONFIG)
+    layer_1 = [name for name in tensors if name.startswith("model.layers.1.")]
+    assert len(layer_1) == NUM_TENSORS_PER_LAYER
+    write_checkpoint(tmp_path, tensors={k: v for k, v in tensors.items() if k not in layer_1})
+    message = load_error(str(tmp_path))
+    assert f"{tmp_path}: 9 tensor(s) missing from the checkpoint" in message
+    assert sum(name in message for name in layer_1) == 5
+
+
+def test_untied_checkpoint_without_lm_head_is_missing_it(tmp_path):
+    tensors = reference_tensors(HF_CONFIG)
+    del tensors["lm_head.weight"]
+    write_checkpoint(tmp_path, tensors=tensors)
+    assert "1 tensor(s) missing from the checkpoint, e.g. lm_head.weight" in load_error(str(tmp_path))
+
+
+def test_unexpected_tensors_are_named(tmp_path):
+    tensors = reference_tensors(HF_CONFIG)
+    write_checkpoint(tmp_path, tensors={**tensors, "model.layers.2.mlp.up_proj.weight": torch.ones(32, 16)})
+    message = load_error(str(tmp_path))
+    assert "1 tensor(s) the model does not have, e.g. model.layers.2.mlp.up_proj.weight" in message
+
+
+def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
+    tensors = reference_tensors(HF_CONFIG)
+    write_checkpoint(tmp_path, tensors={**tensors, "model.layers.0.self_attn.k_proj.weight": torch.ones(16, 16)})
+    message = load_error(str(tmp_path))
+    assert "tensor model.layers.0.self_attn.k_proj.weight has shape [16, 16], expected [8, 16]" in message
+
+
+def test_unsupported_dtype_lists_the_allowed_ones():
+    assert load_error("tiny", dtype="float64") == "unsupported dtype 'float64'; allowed: float32, bfloat16, float16"
