@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from compare import RunSummary
 from batchgen.worker.state import RequestOutput, WorkerStats
 from batchgen.worker.worker import Worker
 from batchgen.workloads import Workload
@@ -26,6 +27,7 @@ class RunResult:
     leaked_host_pages: int
     loads_in_flight: int
     live_requests: int
+    compare_summary: RunSummary | None = None
 
     @property
     def tokens_generated(self) -> int:
@@ -52,11 +54,17 @@ class RunResult:
 
 
 def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = False,
-                 on_step: Callable[[int, int], None] | None = None, max_steps: int = 1_000_000) -> RunResult:
+                 on_step: Callable[[int, int], None] | None = None, max_steps: int = 1_000_000,
+                 source: str | None = None, scale: float = 1.0) -> RunResult:
     """Submit ``workload`` at its arrival steps and step until every request is released.
 
     Mutates the worker. ``on_step(num_released, num_requests)`` reports progress.
+    In compare mode the run is one compare run: its divergences carry the
+    workload's name, seed and ``source`` (name or file, for replay/minimize), and a
+    summary record closes it.
     """
+    if worker.kv_compare is not None:
+        worker.kv_compare.begin_run(workload.name, seed=workload.seed, source=source, scale=scale)
     start_step = worker.state.step
     before = _copy_stats(worker.state.stats)
     arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
@@ -82,6 +90,7 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
         if on_step is not None:
             on_step(sum(u in worker.state.outputs for u in uuids), len(uuids))
     wall = time.perf_counter() - started
+    compare_summary = worker.kv_compare.end_run() if worker.kv_compare is not None else None
     after = worker.state.stats
     delta = WorkerStats(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(WorkerStats)})
     delta.peak_gpu_pages, delta.peak_host_pages = after.peak_gpu_pages, after.peak_host_pages
@@ -95,6 +104,7 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
         leaked_host_pages=worker.host_kv.num_pages - worker.host_kv.free_pages(),
         loads_in_flight=len([r for r in worker.state.requests.values() if r.load_handle is not None]),
         live_requests=len(worker.state.requests),
+        compare_summary=compare_summary,
     )
 
 

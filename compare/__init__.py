@@ -1,0 +1,51 @@
+"""compare: a generic dual-path ("shadow") comparison harness.
+
+Run an authoritative path and a shadow path of the same operation, compare their canonical
+results, log each divergence as a JSON line, and aggregate logs into reports for CI. It knows
+nothing of the code it compares (it never imports `batchgen`).
+
+    canonical  canonicalize / flatten / wildcard       plain comparable data and leaf paths
+    diff       diff -> Diff                              equal?, differing paths, explanation
+    observation Observation, Comparison                 one path's outcome; both compared
+    shadow     ShadowExecutor                            run both paths, return the authoritative
+    records    DivergenceRecord, RunSummary              the versioned JSON line schema
+    sink       JsonlSink, read_log(s), write_atomic      durable append, tolerant read
+    report     aggregate -> Report, render_*             per op / field path / (workload, op)
+    minimize   ddmin                                     shrink a failing input
+
+Names are imported on first use (PEP 562), so `python -m compare.records` runs without the
+package having imported that module already. `diff` is the exception: the submodule shares the
+function's name, and importing the submodule later would rebind `compare.diff` to the module.
+"""
+
+import importlib
+from typing import Any
+
+from compare.diff import Diff, diff
+
+_MODULES = {
+    "compare.canonical": ("Keyed", "canonicalize", "flatten", "wildcard"),
+    "compare.observation": ("Comparison", "Observation"),
+    "compare.shadow": ("DivergenceError", "HarnessWarning", "ShadowExecutor", "ShadowStats"),
+    "compare.records": ("SCHEMA_VERSION", "DivergenceRecord", "LogRecord", "RecordError",
+                        "RunSummary", "json_schema", "parse_record", "write_json_schema"),
+    "compare.sink": ("JsonlSink", "LogReadResult", "read_log", "read_logs", "write_atomic"),
+    "compare.report": ("Report", "aggregate", "render_json", "render_junit", "render_markdown",
+                       "render_text"),
+    "compare.minimize": ("ddmin",),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
+
+__all__ = sorted([*_HOME, "Diff", "diff"])
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'compare' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -10,19 +10,20 @@ How a batch moves. The pairs ``src_ids[i] -> dst_ids[i]`` are sorted by the id o
 the *keyed* side and cut into runs of consecutive keyed ids; a run is one slice
 of the keyed pool. The keyed side is the host (CPU) pool: DMA between host and
 device needs a contiguous host slice. When both pools are on the host, it is the
-side whose ids make fewer runs. Per run, the other side's ids decide the call:
+side whose ids make fewer runs (src on a tie: on CPU ``index_copy_`` uses every
+core, ``index_select`` one). Per run, the other side's ids decide the call:
 
-    other ids of the run   | call (one per run)
-    -----------------------|-------------------------------------------------
-    consecutive            | slice.copy_(slice)               one memcpy / DMA
-    scattered, dst side    | dst.index_copy_(0, ids, block)   scatter
-    scattered, src side    | src.index_select(0, ids)         gather
+    other ids of the run  | call (one per run)
+    ----------------------|------------------------------------------------------
+    consecutive           | dst_slice.copy_(src_slice)             memcpy or DMA
+    scattered, dst keyed  | src.index_select(0, ids) -> dst_slice  gather
+    scattered, src keyed  | dst.index_copy_(0, ids, src_slice)     scatter
 
-``block`` is the keyed slice, moved to the other side's device first when the
-two differ (a staging tensor on the GPU). Fresh pools hand out consecutive ids,
-so a batch is usually a handful of runs. Runs are also cut at ``MAX_RUN_BYTES``
-so GPU staging stays bounded. Two pools on the same CUDA device skip runs: one
-gather and one scatter kernel per chunk of that size.
+Between host and device the gather or scatter runs on the GPU, through a staging
+tensor, and the DMA moves one contiguous run. Fresh pools hand out consecutive
+ids, so a batch is usually a handful of runs. Runs are also cut at
+``MAX_RUN_BYTES`` so staging stays bounded. Two pools on the same CUDA device
+skip runs: one gather and one scatter kernel per chunk of that size.
 
 Process state: ``_ASYNC_QUEUE``, created empty at import, lazily starts one
 worker thread (CPU copies) and one side stream per CUDA device (CUDA copies).

@@ -49,9 +49,11 @@ class PendingAppend:
 
 class Worker:
     def __init__(self, model, *, cache_config: CacheConfig, engine_config: EngineConfig | None = None,
-                 kv_gate: KvGateConfig | None = None, device: str | torch.device = "cpu", kv_storage: bool = True):
-        """``kv_gate`` picks the KV path (default: plan). ``kv_storage=False`` keeps the
-        pools bookkeeping-only (null-model runs)."""
+                 kv_gate: KvGateConfig | None = None, shadow_path: str | None = None,
+                 device: str | torch.device = "cpu", kv_storage: bool = True):
+        """``kv_gate`` picks the KV path (default: plan) and compare mode; ``shadow_path``
+        overrides the compared path (the authoritative one itself: the A/A noise check).
+        ``kv_storage=False`` keeps the pools bookkeeping-only (null-model runs)."""
         self.model = model
         self.model_config = model.config
         self.cache_config = cache_config
@@ -70,7 +72,13 @@ class Worker:
         self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
         self._watermark_pages = math.ceil(cache_config.watermark * cache_config.num_gpu_pages)
         self.kv_gate = kv_gate or KvGateConfig()
-        self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
+        self.kv_compare = None
+        if self.kv_gate.compare != "off":
+            from batchgen.worker.kv_compare import KvCompare
+
+            self.kv_compare = self._kv = KvCompare(self.kv_target(), self.kv_gate, shadow_path=shadow_path)
+        else:
+            self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
 
     def kv_target(self) -> KvTarget:
         """The worker's live state, pools and pending appends, as the KV ops see them."""

@@ -1,0 +1,177 @@
+"""Canonical forms: plain data that two paths' results can be compared on.
+
+`canonicalize` turns the objects a path produces into nested dicts, lists and scalars, so that
+two results are equal exactly when their canonical forms are `==`. `flatten` turns a canonical
+form into `{leaf path: value}` so a difference can be named (`requests[r17].gpu_pages[3]`), and
+`wildcard` folds ids and indexes out of a path so differences can be counted per field.
+
+    object                          canonical form            path component
+    dataclass / pydantic model      dict of fields            .field
+    Mapping (ids -> values)         Keyed, str keys, sorted   [key]
+    list / tuple                    list                      [index]
+    set / frozenset                 sorted list               [index]
+    Enum                            its name
+    None, bool, int, float, str     itself
+
+Nothing here mutates its input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel
+
+_SCALARS = (str, int, float, bool, type(None))
+_EXACT_SCALARS = frozenset(_SCALARS)
+_BRACKETED = re.compile(r"\[[^\]]*\]")
+
+
+class Keyed(dict):
+    """A collection keyed by id (requests by id): its keys render as `[key]` in flattened paths.
+
+    It compares equal to a plain dict with the same items; only path rendering differs.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Keyed({dict.__repr__(self)})"
+
+
+class _Unsupported(Exception):
+    """Raised inside `_canon`; collects the path to the offending value while unwinding."""
+
+    def __init__(self, value: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.value = value
+        self.reason = reason
+        self.parts: list[str] = []  # innermost first; each already rendered (".f", "[k]")
+
+
+def canonicalize(obj: Any) -> Any:
+    """Return the canonical form of `obj` (a new object; `obj` is not modified).
+
+    Dataclasses (slotted and frozen too) and pydantic models become plain dicts of their fields
+    (pydantic models field by field, shallowly, so nested models and mappings keep their kind);
+    mappings become `Keyed` with str keys (enum keys by name) in sorted order; sets become sorted
+    lists. Any other type raises TypeError naming the type and its path, e.g.
+    `cannot canonicalize bytes at requests[r17].blob`. Pass objects, not canonical forms: a
+    plain dict is a mapping here, so the field dicts of a canonical form would become `Keyed`.
+    """
+    try:
+        return _canon(obj)
+    except _Unsupported as error:
+        path = "".join(reversed(error.parts)).lstrip(".") or "<root>"
+        raise TypeError(
+            f"cannot canonicalize {type(error.value).__qualname__} at {path}: {error.reason}"
+        ) from None
+
+
+def _canon(obj: Any) -> Any:
+    if type(obj) in _EXACT_SCALARS:
+        return obj
+    if isinstance(obj, Enum):
+        return obj.name
+    if isinstance(obj, _SCALARS):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _canon_fields(obj, (f.name for f in dataclasses.fields(obj)))
+    if isinstance(obj, BaseModel):
+        return _canon_fields(obj, (name for name, _ in obj))
+    if isinstance(obj, Mapping):
+        return _canon_mapping(obj)
+    if isinstance(obj, (list, tuple)):
+        return _canon_items(obj)
+    if isinstance(obj, (set, frozenset)):
+        return _sorted(_canon_items(obj, index_parts=False))
+    raise _Unsupported(obj, "supported: dataclasses, pydantic models, mappings, lists, tuples, "
+                            "sets, enums, None, bool, int, float, str")
+
+
+def _canon_fields(obj: Any, names: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            out[name] = _canon(getattr(obj, name))
+        except _Unsupported as error:
+            error.parts.append(f".{name}")
+            raise
+    return out
+
+
+def _canon_mapping(obj: Mapping) -> Keyed:
+    items: list[tuple[str, Any]] = []
+    for key, value in obj.items():
+        text = key.name if isinstance(key, Enum) else str(key)
+        try:
+            items.append((text, _canon(value)))
+        except _Unsupported as error:
+            error.parts.append(f"[{text}]")
+            raise
+    items.sort(key=lambda item: item[0])
+    out = Keyed(items)
+    if len(out) != len(items):
+        raise _Unsupported(obj, "two keys render as the same string")
+    return out
+
+
+def _canon_items(items: Any, *, index_parts: bool = True) -> list[Any]:
+    out: list[Any] = []
+    for index, item in enumerate(items):
+        try:
+            out.append(_canon(item))
+        except _Unsupported as error:
+            error.parts.append(f"[{index}]" if index_parts else "[*]")
+            raise
+    return out
+
+
+def _sorted(items: list[Any]) -> list[Any]:
+    """Sort set members: natively when they are comparable, else by their JSON text."""
+    try:
+        return sorted(items)
+    except TypeError:
+        return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
+
+
+def flatten(canonical: Any) -> dict[str, Any]:
+    """Map every leaf path of a canonical form to its value (a new dict).
+
+    Plain dict keys render `.key` (no leading dot at the top: `state.requests`), `Keyed` keys
+    `[key]`, list indexes `[i]`. Empty containers are leaves with value `[]` or `{}`, so an
+    absent field differs from an empty one. A scalar at the top flattens to `{"": value}`.
+    """
+    out: dict[str, Any] = {}
+    _flatten(canonical, "", out)
+    return out
+
+
+def _flatten(node: Any, path: str, out: dict[str, Any]) -> None:
+    if isinstance(node, dict):
+        if not node:
+            out[path] = {}
+        elif isinstance(node, Keyed):
+            for key, value in node.items():
+                _flatten(value, f"{path}[{key}]", out)
+        else:
+            for key, value in node.items():
+                _flatten(value, f"{path}.{key}" if path else str(key), out)
+    elif isinstance(node, list):
+        if not node:
+            out[path] = []
+        for index, value in enumerate(node):
+            _flatten(value, f"{path}[{index}]", out)
+    else:
+        out[path] = node
+
+
+def wildcard(path: str) -> str:
+    """Replace every bracketed component with `[*]`: `requests[r17].gpu_pages[3]` ->
+    `requests[*].gpu_pages[*]`."""
+    return _BRACKETED.sub("[*]", path)

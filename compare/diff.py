@@ -1,0 +1,68 @@
+"""Compare two canonical forms: equal or not, which leaf paths differ, and why.
+
+Equality is decided on the canonical forms (`==` first, then flattened leaf by leaf); deepdiff
+only explains a difference that is already known, and only over the differing leaves, so its
+cost is O(what differs), not O(state).
+
+Ignore globs match flattened paths: `*` matches any run of characters (dots and brackets
+included) and `?` one character; brackets are literal, so `requests[*].last_seen` reads as
+written and `stats.*` drops everything under `stats`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepdiff import DeepDiff
+
+from compare.canonical import flatten
+
+MAX_DETAIL_PATHS = 50  # leaves explained in `Diff.detail`; the rest are only counted
+
+
+@dataclass(frozen=True, slots=True)
+class Diff:
+    """The outcome of comparing an expected and an actual canonical form."""
+
+    equal: bool
+    paths: tuple[str, ...] = ()  # sorted flattened paths that differ or exist on one side only
+    detail: dict = field(default_factory=dict)  # JSON-safe deepdiff explanation; {} when equal
+
+
+def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
+    """Compare two canonical forms, dropping differences at paths that match an `ignore` glob."""
+    if expected == actual:
+        return Diff(equal=True)
+    left, right = flatten(expected), flatten(actual)
+    paths = [path for path in sorted(left.keys() | right.keys())
+             if path not in left or path not in right or not _same(left[path], right[path])]
+    if ignore:
+        ignored = re.compile("|".join(_glob_to_regex(glob) for glob in ignore))
+        paths = [path for path in paths if not ignored.fullmatch(path)]
+    if not paths:
+        return Diff(equal=True)
+    return Diff(equal=False, paths=tuple(paths), detail=_explain(left, right, paths))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Leaf equality where NaN equals NaN (two paths computing the same NaN agree)."""
+    return a == b or (a != a and b != b)
+
+
+def _glob_to_regex(glob: str) -> str:
+    return "(?:" + re.escape(glob).replace(r"\*", ".*").replace(r"\?", ".") + ")"
+
+
+def _explain(left: dict[str, Any], right: dict[str, Any], paths: list[str]) -> dict:
+    """Run deepdiff over the differing leaves only and return its report as plain JSON data."""
+    shown = paths[:MAX_DETAIL_PATHS]
+    report = DeepDiff({p: left[p] for p in shown if p in left},
+                      {p: right[p] for p in shown if p in right}, verbose_level=2)
+    detail = json.loads(report.to_json())
+    if len(paths) > len(shown):
+        detail["omitted_paths"] = len(paths) - len(shown)
+    return detail

@@ -1,0 +1,159 @@
+"""The divergence log's records: one JSON line each, versioned, with a published JSON Schema.
+
+A log holds `DivergenceRecord`s (one per diverging compared step) and a `RunSummary` per run
+(how many steps were compared, so reports have a denominator). `parse_record` reads one line
+back and says exactly what is wrong with a bad one.
+
+Regenerate the checked-in schema after changing a record:
+
+    python -m compare.records docs/divergence.schema.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from compare.observation import Comparison
+from compare.shadow import ShadowStats
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = (1,)
+
+
+class RecordError(ValueError):
+    """A log line that is not a valid record of a supported schema version."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DivergenceRecord(_Record):
+    """One compared step where the shadow path diverged from the authoritative path."""
+
+    record_type: Literal["divergence"] = "divergence"
+    schema_version: Literal[1] = SCHEMA_VERSION
+    run_id: str
+    workload: str
+    seed: int
+    step: int
+    op: str
+    authoritative: str  # the path whose result was used, e.g. "plan"
+    shadow: str  # the path run on a fork, e.g. "legacy"
+    kind: str  # "state", "copies", "exception", "invalid_plan", ...
+    field_paths: list[str]  # flattened paths that differ, e.g. "requests[r17].gpu_pages[3]"
+    diff: dict  # JSON-safe explanation of the difference (deepdiff over the differing leaves)
+    exception: str | None  # "<path> raised <Type>: <message>" for each side that raised
+    replay: dict  # opaque: op input + pre-state, whatever the binding needs to replay the op
+    created_at: float  # Unix time
+
+    @classmethod
+    def from_comparison(cls, comparison: Comparison, *, run_id: str, workload: str, seed: int,
+                        replay: dict, created_at: float) -> DivergenceRecord:
+        """Build the record of a diverged comparison (ValueError for a matched one)."""
+        if comparison.kind is None:
+            raise ValueError(f"{comparison.op} step {comparison.step} matched: not a divergence")
+        raised = [f"{seen.path} raised {type(seen.exception).__qualname__}: {seen.exception}"
+                  for seen in (comparison.authoritative, comparison.shadow) if seen.raised]
+        return cls(
+            run_id=run_id, workload=workload, seed=seed, step=comparison.step, op=comparison.op,
+            authoritative=comparison.authoritative.path, shadow=comparison.shadow.path,
+            kind=comparison.kind, field_paths=list(comparison.field_paths),
+            diff=comparison.diff.detail if comparison.diff is not None else {},
+            exception="; ".join(raised) or None, replay=replay, created_at=created_at,
+        )
+
+
+class RunSummary(_Record):
+    """Totals of one run, written when it ends: the denominators of a report."""
+
+    record_type: Literal["run_summary"] = "run_summary"
+    schema_version: Literal[1] = SCHEMA_VERSION
+    run_id: str
+    workload: str
+    seed: int
+    authoritative: str
+    shadow: str
+    steps_compared: dict[str, int]  # per op
+    divergences: dict[str, int]  # per op
+    harness_errors: int
+    compare_seconds: float  # harness time on top of the authoritative path
+    authoritative_seconds: float  # time in the authoritative path on compared steps
+
+    @classmethod
+    def from_stats(cls, stats: ShadowStats, *, run_id: str, workload: str, seed: int,
+                   authoritative: str, shadow: str) -> RunSummary:
+        """Build a run's summary from its executor's counters."""
+        return cls(
+            run_id=run_id, workload=workload, seed=seed, authoritative=authoritative,
+            shadow=shadow, steps_compared=dict(stats.num_compared),
+            divergences=dict(stats.num_divergences), harness_errors=stats.num_harness_errors,
+            compare_seconds=stats.compare_seconds,
+            authoritative_seconds=stats.authoritative_seconds,
+        )
+
+
+LogRecord = Annotated[Union[DivergenceRecord, RunSummary], Field(discriminator="record_type")]
+
+_MODELS: dict[str, type[_Record]] = {"divergence": DivergenceRecord, "run_summary": RunSummary}
+
+
+def parse_record(line: str) -> LogRecord:
+    """Parse one log line; RecordError says what is wrong (JSON, type, version, fields)."""
+    try:
+        data: Any = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise RecordError(f"not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise RecordError(f"expected a JSON object, found {type(data).__name__}")
+    record_type = data.get("record_type")
+    if record_type not in _MODELS:
+        raise RecordError(f"unknown record_type {record_type!r}; known: "
+                          + ", ".join(repr(name) for name in _MODELS))
+    version = data.get("schema_version")
+    if version is None:
+        raise RecordError(f"a {record_type} record without schema_version")
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        supported = ", ".join(str(v) for v in SUPPORTED_SCHEMA_VERSIONS)
+        raise RecordError(f"unsupported schema_version {version!r} in a {record_type} record; "
+                          f"this reader supports {supported}")
+    try:
+        return _MODELS[record_type].model_validate(data)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(str(part) for part in problem['loc']) or '<record>'}: "
+                             f"{problem['msg'].lower()}" for problem in error.errors())
+        raise RecordError(f"invalid {record_type} record: {problems}") from None
+
+
+def json_schema() -> dict:
+    """The JSON Schema of one log line (either record type)."""
+    schema = TypeAdapter(LogRecord).json_schema()
+    schema["title"] = "compare log record"
+    schema["description"] = ("One line of a compare divergence log (JSON Lines), "
+                             f"schema_version {SCHEMA_VERSION}.")
+    return schema
+
+
+def write_json_schema(path: str | Path) -> None:
+    """Write `json_schema()` to `path`, atomically (replaces the file)."""
+    from compare.sink import write_atomic  # sink imports this module; import here, not above
+
+    write_atomic(path, json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m compare.records PATH  (writes the log record JSON Schema)",
+              file=sys.stderr)
+        return 2
+    write_json_schema(argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

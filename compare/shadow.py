@@ -1,0 +1,249 @@
+"""Shadow execution: run an authoritative path and a shadow path of one op, compare, report.
+
+`ShadowExecutor.run` returns the authoritative result, always: shadow exceptions are captured,
+failures inside the harness (context capture, diff, classifier, divergence hook) go through one
+funnel (`on_harness_error`), and an authoritative exception reaches the caller unchanged. Only
+"raise" mode turns a divergence into an error (`DivergenceError`), for tests and CI.
+
+Order of one compared step, and why:
+
+    1. context()        pre-state / replay info, captured before anything runs
+    2. shadow()         on a fork that may read the real state lazily, so it must run (and be
+                        canonicalised) BEFORE the authoritative path mutates anything
+    3. authoritative()  on the real state; returns (result, canonical)
+    4. compare          exceptions by type, values with `diff`, then classify
+    5. report           on_divergence(comparison, context); DivergenceError in "raise" mode
+
+A/A noise check: pass the same path as both `authoritative` and `shadow` (on a fork); every
+divergence it reports is noise (nondeterminism, ids, timings) to ignore or fix, not a bug in the
+other path. Nothing special is needed for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal, TypeVar
+
+from compare.diff import diff
+from compare.observation import Comparison, Observation
+
+R = TypeVar("R")
+
+UNCLASSIFIED = "unclassified"  # the kind recorded when the classifier itself fails
+_MAX_MESSAGE_PATHS = 10
+
+
+class DivergenceError(AssertionError):
+    """Raised in "raise" mode when the shadow path diverges from the authoritative one."""
+
+    def __init__(self, comparison: Comparison) -> None:
+        super().__init__(_describe(comparison))
+        self.comparison = comparison
+
+
+class HarnessWarning(RuntimeWarning):
+    """Emitted by the default `on_harness_error`: the harness failed, the caller did not."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowStats:
+    """A snapshot of an executor's counters (later runs do not change it).
+
+    Times cover compared steps only: `authoritative_seconds` inside the authoritative callable
+    (including its canonicalisation), `compare_seconds` everything else the harness added.
+    """
+
+    num_compared: Mapping[str, int]  # per op
+    num_divergences: Mapping[str, int]  # per op
+    num_harness_errors: int
+    compare_seconds: float
+    authoritative_seconds: float
+
+
+def _ignore_divergence(comparison: Comparison, context: Any) -> None:
+    """Default `on_divergence`: divergences are only counted."""
+
+
+def _warn_harness_error(operation: str, error: BaseException) -> None:
+    """Default `on_harness_error`: warn and carry on (the executor counts every call)."""
+    warnings.warn(f"compare harness failed in {operation}: {error!r}", HarnessWarning)
+
+
+def _no_context() -> None:
+    return None
+
+
+class ShadowExecutor:
+    """Runs ops on two paths and compares them; mutates only its own counters.
+
+    `mode`: "log" reports divergences through `on_divergence`; "raise" also raises
+    `DivergenceError`. `sample` in [0, 1] and `seed` pick the compared steps; `ops` limits
+    comparison to those ops (None: all). `ignore` holds path globs (see `compare.diff`).
+    `classify(paths)` names a value divergence, `exception_kind(exc)` an exception divergence.
+    `on_harness_error(operation, error)` receives every failure inside the harness; one that
+    raises makes harness failures fatal (useful in tests). `clock` can be faked in tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: Literal["log", "raise"],
+        sample: float = 1.0,
+        seed: int = 0,
+        ops: Collection[str] | None = None,
+        ignore: Sequence[str] = (),
+        classify: Callable[[tuple[str, ...]], str] = lambda paths: "state",
+        exception_kind: Callable[[BaseException], str] = lambda error: "exception",
+        on_divergence: Callable[[Comparison, Any], None] = _ignore_divergence,
+        on_harness_error: Callable[[str, BaseException], None] = _warn_harness_error,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if mode not in ("log", "raise"):
+            raise ValueError(f"mode must be 'log' or 'raise', not {mode!r}")
+        if not 0.0 <= sample <= 1.0:
+            raise ValueError(f"sample must be in [0, 1], not {sample!r}")
+        self._mode = mode
+        self._sample = sample
+        self._seed = seed
+        self._ops = frozenset(ops) if ops is not None else None
+        self._ignore = tuple(ignore)
+        self._classify = classify
+        self._exception_kind = exception_kind
+        self._on_divergence = on_divergence
+        self._on_harness_error = on_harness_error
+        self._clock = clock
+        self._num_compared: dict[str, int] = {}
+        self._num_divergences: dict[str, int] = {}
+        self._num_harness_errors = 0
+        self._compare_seconds = 0.0
+        self._authoritative_seconds = 0.0
+
+    def should_compare(self, op: str, step: int) -> bool:
+        """Whether (op, step) is compared: the ops filter, then a hash of (seed, op, step) below
+        `sample`. Deterministic and independent of call order; mutates nothing."""
+        if self._ops is not None and op not in self._ops:
+            return False
+        if self._sample >= 1.0:
+            return True
+        key = f"{self._seed}\0{op}\0{step}".encode()
+        digest = hashlib.blake2b(key, digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2.0**64 < self._sample
+
+    def run(
+        self,
+        op: str,
+        step: int,
+        *,
+        authoritative: Callable[[], tuple[R, Any]],
+        shadow: Callable[[], Any],
+        context: Callable[[], Any] = _no_context,
+        shadow_path: str,
+        authoritative_path: str,
+    ) -> R:
+        """Run one op on both paths (when sampled) and return the authoritative result.
+
+        `authoritative()` returns (result, canonical form); `shadow()` returns a canonical form.
+        Mutates the executor's counters; whatever the callables mutate is theirs.
+        """
+        if not self.should_compare(op, step):
+            return authoritative()[0]
+        started = self._clock()
+        authoritative_seconds = 0.0
+        try:
+            captured = self._guard("context", context)
+            shadow_seen = self._observe(shadow_path, shadow)
+            authoritative_started = self._clock()
+            try:
+                result, value = authoritative()
+            except Exception as error:
+                authoritative_seconds = self._clock() - authoritative_started
+                seen = Observation(authoritative_path, None, error, authoritative_seconds)
+                self._settle(op, step, seen, shadow_seen, captured)
+                raise
+            authoritative_seconds = self._clock() - authoritative_started
+            seen = Observation(authoritative_path, value, None, authoritative_seconds)
+            comparison = self._settle(op, step, seen, shadow_seen, captured)
+        finally:
+            self._authoritative_seconds += authoritative_seconds
+            self._compare_seconds += self._clock() - started - authoritative_seconds
+        if self._mode == "raise" and comparison is not None and not comparison.matched:
+            raise DivergenceError(comparison) from comparison.shadow.exception
+        return result
+
+    def stats(self) -> ShadowStats:
+        """A frozen snapshot of the counters."""
+        return ShadowStats(
+            num_compared=MappingProxyType(dict(self._num_compared)),
+            num_divergences=MappingProxyType(dict(self._num_divergences)),
+            num_harness_errors=self._num_harness_errors,
+            compare_seconds=self._compare_seconds,
+            authoritative_seconds=self._authoritative_seconds,
+        )
+
+    def _observe(self, path: str, run: Callable[[], Any]) -> Observation:
+        started = self._clock()
+        try:
+            value = run()
+        except Exception as error:
+            return Observation(path, None, error, self._clock() - started)
+        return Observation(path, value, None, self._clock() - started)
+
+    def _settle(self, op: str, step: int, authoritative: Observation, shadow: Observation,
+                context: Any) -> Comparison | None:
+        """Compare, count, and report a divergence; None when the comparison itself failed."""
+        self._num_compared[op] = self._num_compared.get(op, 0) + 1
+        comparison = self._guard("compare", self._compare, op, step, authoritative, shadow)
+        if comparison is None or comparison.matched:
+            return comparison
+        self._num_divergences[op] = self._num_divergences.get(op, 0) + 1
+        self._guard("on_divergence", self._on_divergence, comparison, context)
+        return comparison
+
+    def _compare(self, op: str, step: int, authoritative: Observation,
+                 shadow: Observation) -> Comparison:
+        if authoritative.raised or shadow.raised:
+            if type(authoritative.exception) is type(shadow.exception):
+                return Comparison(op, step, authoritative, shadow, None, None)
+            # When both raised (different types), classify the shadow's: it is the path under
+            # test, and the authoritative exception reaches the caller anyway.
+            error = shadow.exception if shadow.raised else authoritative.exception
+            kind = self._name("exception_kind", self._exception_kind, error)
+            return Comparison(op, step, authoritative, shadow, None, kind)
+        outcome = diff(authoritative.value, shadow.value, ignore=self._ignore)
+        kind = None if outcome.equal else self._name("classify", self._classify, outcome.paths)
+        return Comparison(op, step, authoritative, shadow, outcome, kind)
+
+    def _name(self, operation: str, namer: Callable[[Any], str], argument: Any) -> str:
+        """Call a classifier; if it fails, report that and keep the divergence as unclassified."""
+        kind = self._guard(operation, namer, argument)
+        return kind if kind is not None else UNCLASSIFIED
+
+    def _guard(self, operation: str, call: Callable[..., Any], *args: Any) -> Any:
+        """Run `call`; on failure, funnel the error and return None."""
+        try:
+            return call(*args)
+        except Exception as error:
+            self._num_harness_errors += 1
+            self._on_harness_error(operation, error)
+            return None
+
+
+def _describe(comparison: Comparison) -> str:
+    authoritative, shadow = comparison.authoritative, comparison.shadow
+    lines = [f"{comparison.op} step {comparison.step}: {comparison.kind} divergence, "
+             f"shadow {shadow.path!r} vs authoritative {authoritative.path!r}"]
+    paths = comparison.field_paths
+    if paths:
+        more = len(paths) - _MAX_MESSAGE_PATHS
+        lines.append("paths: " + ", ".join(paths[:_MAX_MESSAGE_PATHS])
+                     + (f" (+{more} more)" if more > 0 else ""))
+    for seen in (authoritative, shadow):
+        if seen.raised:
+            lines.append(f"{seen.path} raised {type(seen.exception).__qualname__}: "
+                         f"{seen.exception}")
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""Where records go: an append-only JSON Lines log, its reader, and atomic report writes.
+
+Durability: `JsonlSink.write` hands each complete line to the OS in `os.write` calls on an
+O_APPEND descriptor before returning, so a process killed at any point (SIGKILL included) leaves
+every record written before it intact; at worst the last line is cut short, and `read_log`
+skips such a torn last line with a warning. (Surviving a power loss needs `close()`'s fsync.)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from compare.records import DivergenceRecord, LogRecord, RecordError, RunSummary, parse_record
+
+
+class JsonlSink:
+    """Appends records to a JSON Lines file, one line per record.
+
+    Mutates the file (append only) and its own descriptor. The file and its parent directories
+    are created on the first write. If the file ends in a line torn by an earlier crash, the
+    first write terminates that line first, so the new record never fuses with it.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def write(self, record: DivergenceRecord | RunSummary) -> None:
+        data = (record.model_dump_json() + "\n").encode()
+        if self._fd is None:
+            self._fd = self._open()
+            if _ends_torn(self._fd):
+                warnings.warn(f"{self.path}: last line was cut short (earlier crash?); "
+                              "terminating it before appending")
+                data = b"\n" + data
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def close(self) -> None:
+        """Flush the file to disk and close it; a later write reopens it."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def __enter__(self) -> JsonlSink:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    def _open(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+
+
+def _ends_torn(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+
+
+@dataclass(frozen=True, slots=True)
+class LogReadResult:
+    """Records read back from one or more logs."""
+
+    records: tuple[LogRecord, ...]
+    num_read: int  # records parsed
+    num_skipped: int  # torn last lines skipped
+    warnings: tuple[str, ...]  # one per skipped line, naming file and line
+
+
+def read_log(path: str | Path) -> LogReadResult:
+    """Read every record of a log; mutates nothing.
+
+    Blank lines are ignored. A last line without a trailing newline that does not parse (a write
+    cut short) is skipped with a warning; any other bad line raises RecordError naming
+    `file:line` and the reason. A missing or unreadable file raises RecordError too.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise RecordError(f"{path}: cannot read divergence log: {error.strerror}") from None
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    records: list[LogRecord] = []
+    for number, raw in enumerate(lines, start=1):
+        if raw.strip():
+            records.append(_parse(path, number, raw))
+    if not tail.strip():
+        return LogReadResult(tuple(records), len(records), 0, ())
+    try:
+        records.append(_parse(path, len(lines) + 1, tail))
+    except RecordError as error:
+        warning = f"{error}; skipped as a torn last line"
+        return LogReadResult(tuple(records), len(records), 1, (warning,))
+    return LogReadResult(tuple(records), len(records), 0, ())
+
+
+def _parse(path: Path, number: int, raw: bytes) -> LogRecord:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RecordError(f"{path}:{number}: invalid UTF-8 at byte {error.start} of the line") \
+            from None
+    try:
+        return parse_record(text)
+    except RecordError as error:
+        raise RecordError(f"{path}:{number}: {error}") from None
+
+
+def read_logs(paths: Iterable[str | Path]) -> LogReadResult:
+    """Read several logs, in order, into one result."""
+    results = [read_log(path) for path in paths]
+    return LogReadResult(
+        records=tuple(record for result in results for record in result.records),
+        num_read=sum(result.num_read for result in results),
+        num_skipped=sum(result.num_skipped for result in results),
+        warnings=tuple(warning for result in results for warning in result.warnings),
+    )
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Replace `path` with `text` (UTF-8) so readers see the old file or the new, never half.
+
+    Writes a temp file in the same directory, flushes and fsyncs it, then `os.replace`s it.
+    Creates parent directories.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temp, 0o644)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,92 @@
+import importlib
+import json
+
+import pytest
+
+from compare.canonical import Keyed
+from compare.diff import MAX_DETAIL_PATHS, Diff, diff
+
+# `compare.diff` names the function on the package; the module is reached through sys.modules.
+diff_module = importlib.import_module("compare.diff")
+
+
+def _state(**pages):
+    return {"requests": Keyed({rid: {"gpu_pages": list(p)} for rid, p in pages.items()}),
+            "stats": {"num_steps": 1}}
+
+
+def _forbid(name):
+    def forbidden(*args, **kwargs):
+        raise AssertionError(f"{name} must not run")
+    return forbidden
+
+
+def test_takes_the_fast_path_for_equal_forms_without_flattening_or_deepdiff(monkeypatch):
+    monkeypatch.setattr(diff_module, "flatten", _forbid("flatten"))
+    monkeypatch.setattr(diff_module, "DeepDiff", _forbid("DeepDiff"))
+    assert diff(_state(r1=[1, 2]), _state(r1=[1, 2])) == Diff(equal=True, paths=(), detail={})
+
+
+def test_lists_changed_added_and_removed_leaf_paths_sorted():
+    result = diff(_state(r1=[1, 2], r2=[5]), _state(r1=[1, 3, 4], r3=[6]))
+    assert not result.equal
+    assert result.paths == ("requests[r1].gpu_pages[1]", "requests[r1].gpu_pages[2]",
+                            "requests[r2].gpu_pages[0]", "requests[r3].gpu_pages[0]")
+
+
+def test_explains_a_difference_with_json_safe_deepdiff_detail():
+    result = diff({"phase": "RUNNING", "pages": [1]}, {"phase": "SWAPPED", "pages": []})
+    assert json.loads(json.dumps(result.detail)) == result.detail
+    assert result.detail["values_changed"]["root['phase']"] == {
+        "old_value": "RUNNING", "new_value": "SWAPPED"}
+    assert result.detail["dictionary_item_removed"] == {"root['pages[0]']": 1}
+    assert result.detail["dictionary_item_added"] == {"root['pages']": []}
+
+
+def test_runs_deepdiff_over_the_differing_leaves_only(monkeypatch):
+    seen = []
+
+    class RecordingDeepDiff:
+        def __init__(self, left, right, **kwargs):
+            seen.append((left, right))
+
+        def to_json(self):
+            return "{}"
+
+    monkeypatch.setattr(diff_module, "DeepDiff", RecordingDeepDiff)
+    diff(_state(r1=[1, 2], r2=[7]), _state(r1=[1, 3], r2=[7]))
+    assert seen == [({"requests[r1].gpu_pages[1]": 2}, {"requests[r1].gpu_pages[1]": 3})]
+
+
+def test_drops_differences_at_paths_matching_an_ignore_glob():
+    expected, actual = _state(r1=[1]), _state(r1=[2])
+    actual["stats"] = {"num_steps": 2}
+    assert diff(expected, actual, ignore=["stats.*"]).paths == ("requests[r1].gpu_pages[0]",)
+
+
+def test_reads_brackets_in_ignore_globs_literally():
+    result = diff(_state(r1=[1], r2=[2]), _state(r1=[9], r2=[8]),
+                  ignore=["requests[*].gpu_pages[0]"])
+    assert result == Diff(equal=True)
+
+
+def test_is_equal_without_running_deepdiff_when_every_difference_is_ignored(monkeypatch):
+    monkeypatch.setattr(diff_module, "DeepDiff", _forbid("DeepDiff"))
+    assert diff({"t": 1.0}, {"t": 2.0}, ignore=["t"]).equal
+
+
+def test_treats_nan_as_equal_to_nan():
+    assert diff({"loss": float("nan")}, {"loss": float("nan")}).equal
+
+
+def test_tells_an_empty_list_from_an_absent_field():
+    assert diff({"pages": [], "n": 1}, {"n": 1}).paths == ("pages",)
+
+
+@pytest.mark.parametrize("extra", [1, 25])
+def test_bounds_the_detail_and_counts_the_omitted_paths(extra):
+    num = MAX_DETAIL_PATHS + extra
+    result = diff({"pages": list(range(num))}, {"pages": [-1] * num})
+    assert len(result.paths) == num
+    assert len(result.detail["values_changed"]) == MAX_DETAIL_PATHS
+    assert result.detail["omitted_paths"] == extra

@@ -1,0 +1,69 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compare.minimize import ddmin
+
+
+def needs(*required):
+    """A failure that happens whenever every `required` item is present."""
+    return lambda items: set(required) <= set(items)
+
+
+def test_finds_the_known_minimal_subset():
+    assert ddmin(list(range(40)), needs(3, 17, 31)) == [3, 17, 31]
+
+
+def test_keeps_the_original_order():
+    assert ddmin(["evict", "alloc", "poll", "migrate", "release"],
+                 needs("migrate", "alloc")) == ["alloc", "migrate"]
+
+
+def test_shrinks_to_a_single_item():
+    assert ddmin(list(range(100)), needs(64)) == [64]
+
+
+def test_finds_an_order_dependent_failure():
+    def alloc_after_release(items):
+        return "release" in items and "alloc" in items[items.index("release"):]
+
+    ops = ["poll", "alloc", "release", "evict", "migrate", "alloc", "poll"]
+    assert ddmin(ops, alloc_after_release) == ["release", "alloc"]
+
+
+def test_refuses_an_input_that_does_not_fail():
+    with pytest.raises(ValueError, match="still_fails"):
+        ddmin([1, 2, 3], needs(4))
+
+
+def test_tests_each_subsequence_at_most_once():
+    seen = []
+
+    def still_fails(items):
+        seen.append(tuple(items))
+        return {2, 9} <= set(items)
+
+    ddmin(list(range(16)), still_fails)
+    assert len(seen) == len(set(seen))
+
+
+def test_stops_at_the_test_budget_with_a_warning_and_the_smallest_failure_so_far():
+    calls = []
+
+    def still_fails(items):
+        calls.append(len(items))
+        return {0, 63} <= set(items)
+
+    with pytest.warns(UserWarning, match="stopped after 12 tests"):
+        result = ddmin(list(range(64)), still_fails, max_tests=12)
+    assert len(calls) == 12
+    assert still_fails(result) and len(result) < 64
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 30).flatmap(
+    lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1), min_size=1, max_size=4))))
+def test_returns_a_one_minimal_subsequence(case):
+    n, required = case
+    result = ddmin(list(range(n)), needs(*required))
+    assert result == sorted(required)

@@ -1,0 +1,299 @@
+import ast
+import dataclasses
+import importlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from compare.observation import Comparison, Observation
+from compare.shadow import UNCLASSIFIED, DivergenceError, HarnessWarning, ShadowExecutor
+
+shadow_module = importlib.import_module("compare.shadow")
+
+SAME = {"pages": [1, 2]}
+OTHER = {"pages": [1, 3]}
+
+
+def raising(error):
+    def call(*args, **kwargs):
+        raise error
+    return call
+
+
+def make(mode="log", **options):
+    """An executor, and a recorder of what it reports through its hooks."""
+    recorder = SimpleNamespace(divergences=[], harness_errors=[])
+    options.setdefault("on_divergence", lambda *report: recorder.divergences.append(report))
+    options.setdefault("on_harness_error", lambda *error: recorder.harness_errors.append(error))
+    return ShadowExecutor(mode=mode, **options), recorder
+
+
+def run(executor, *, auth=SAME, shadow=SAME, op="alloc", step=0, **kwargs):
+    """One step where each path returns its canonical value, or raises it if an exception."""
+    authoritative = raising(auth) if isinstance(auth, BaseException) else lambda: ("result", auth)
+    other = raising(shadow) if isinstance(shadow, BaseException) else lambda: shadow
+    return executor.run(op, step, authoritative=authoritative, shadow=other,
+                        shadow_path="legacy", authoritative_path="plan", **kwargs)
+
+
+def test_returns_the_authoritative_result_when_the_paths_agree():
+    executor, recorder = make()
+    assert run(executor) == "result"
+    assert recorder.divergences == []
+
+
+def test_returns_the_authoritative_result_and_reports_a_divergence_in_log_mode():
+    executor, recorder = make()
+    assert run(executor, shadow=OTHER, step=7) == "result"
+    [(comparison, _)] = recorder.divergences
+    assert (comparison.op, comparison.step, comparison.kind) == ("alloc", 7, "state")
+    assert comparison.field_paths == ("pages[1]",)
+    assert (comparison.authoritative.path, comparison.authoritative.value) == ("plan", SAME)
+    assert (comparison.shadow.path, comparison.shadow.value) == ("legacy", OTHER)
+
+
+def test_runs_context_then_shadow_then_authoritative():
+    executor, _ = make()
+    order = []
+    executor.run("alloc", 0,
+                 authoritative=lambda: order.append("authoritative") or ("result", SAME),
+                 shadow=lambda: order.append("shadow") or SAME,
+                 context=lambda: order.append("context"),
+                 shadow_path="legacy", authoritative_path="plan")
+    assert order == ["context", "shadow", "authoritative"]
+
+
+def test_passes_the_captured_context_to_on_divergence():
+    executor, recorder = make()
+    run(executor, shadow=OTHER, context=lambda: {"pre": "state"})
+    assert recorder.divergences[0][1] == {"pre": "state"}
+
+
+def test_continues_without_context_when_capturing_it_fails():
+    executor, recorder = make()
+    error = RuntimeError("no snapshot")
+    assert run(executor, shadow=OTHER, context=raising(error)) == "result"
+    assert recorder.harness_errors == [("context", error)]
+    assert recorder.divergences[0][1] is None
+
+
+def test_swallows_exceptions_raised_by_the_shadow():
+    executor, recorder = make()
+    error = KeyError("r17")
+    assert run(executor, shadow=error) == "result"
+    [(comparison, _)] = recorder.divergences
+    assert comparison.kind == "exception"
+    assert comparison.shadow.exception is error
+    assert comparison.diff is None
+
+
+def test_raises_divergence_error_not_the_shadow_exception_in_raise_mode():
+    executor, _ = make("raise")
+    error = KeyError("r17")
+    with pytest.raises(DivergenceError) as raised:
+        run(executor, shadow=error)
+    assert raised.value.__cause__ is error
+    assert raised.value.comparison.shadow.exception is error
+
+
+def test_lets_keyboard_interrupt_from_the_shadow_through():
+    executor, _ = make()
+    with pytest.raises(KeyboardInterrupt):
+        run(executor, shadow=KeyboardInterrupt())
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_reraises_the_authoritative_exception_unchanged_after_recording_it(mode):
+    executor, recorder = make(mode)
+    error = ValueError("pool exhausted")
+    with pytest.raises(ValueError) as raised:
+        run(executor, auth=error)
+    assert raised.value is error
+    [(comparison, _)] = recorder.divergences
+    assert comparison.kind == "exception"
+    assert comparison.authoritative.exception is error
+
+
+def test_matches_when_both_paths_raise_the_same_exception_type():
+    executor, recorder = make("raise")
+    with pytest.raises(ValueError, match="plan"):
+        run(executor, auth=ValueError("plan"), shadow=ValueError("legacy"))
+    assert recorder.divergences == []
+    assert executor.stats().num_compared == {"alloc": 1}
+
+
+def test_names_exception_divergences_with_exception_kind():
+    executor, recorder = make(exception_kind=lambda error: type(error).__name__)
+    with pytest.raises(ValueError):
+        run(executor, auth=ValueError("plan"), shadow=KeyError("legacy"))
+    assert recorder.divergences[0][0].kind == "KeyError"
+
+
+def test_raises_divergence_error_naming_op_step_kind_and_paths_in_raise_mode():
+    executor, recorder = make("raise")
+    with pytest.raises(DivergenceError) as raised:
+        run(executor, shadow=OTHER, op="evict", step=12)
+    message = str(raised.value)
+    assert "evict step 12: state divergence" in message
+    assert "paths: pages[1]" in message
+    assert isinstance(raised.value, AssertionError)
+    assert len(recorder.divergences) == 1
+
+
+def test_names_value_divergences_with_the_classifier():
+    executor, recorder = make(classify=lambda paths: "copies" if paths[0].startswith("copies")
+                              else "state")
+    run(executor, auth={"copies": [1]}, shadow={"copies": [2]})
+    assert recorder.divergences[0][0].kind == "copies"
+
+
+def test_ignores_differences_at_ignored_paths():
+    executor, recorder = make(ignore=["stats.*"])
+    run(executor, auth={"stats": {"t": 1}}, shadow={"stats": {"t": 2}})
+    assert recorder.divergences == []
+
+
+def test_funnels_a_broken_classifier_and_keeps_the_divergence_unclassified():
+    error = RuntimeError("classifier bug")
+    executor, recorder = make(classify=raising(error))
+    assert run(executor, shadow=OTHER) == "result"
+    assert recorder.harness_errors == [("classify", error)]
+    assert recorder.divergences[0][0].kind == UNCLASSIFIED
+
+
+def test_funnels_a_broken_divergence_hook_and_still_returns_the_result():
+    error = OSError("disk full")
+    executor, recorder = make(on_divergence=raising(error))
+    assert run(executor, shadow=OTHER) == "result"
+    assert recorder.harness_errors == [("on_divergence", error)]
+    assert executor.stats().num_divergences == {"alloc": 1}
+
+
+def test_funnels_a_failing_diff_and_still_returns_the_result(monkeypatch):
+    error = RecursionError("too deep")
+    monkeypatch.setattr(shadow_module, "diff", raising(error))
+    executor, recorder = make("raise")
+    assert run(executor, shadow=OTHER) == "result"
+    assert recorder.harness_errors == [("compare", error)]
+    assert executor.stats().num_harness_errors == 1
+
+
+def test_warns_about_harness_errors_by_default():
+    executor = ShadowExecutor(mode="log", classify=raising(RuntimeError("classifier bug")))
+    with pytest.warns(HarnessWarning, match="classify"):
+        assert run(executor, shadow=OTHER) == "result"
+    assert executor.stats().num_harness_errors == 1
+
+
+def test_a_raising_harness_hook_makes_harness_errors_fatal():
+    def fail(operation, error):
+        raise error
+
+    executor = ShadowExecutor(mode="log", classify=raising(RuntimeError("classifier bug")),
+                              on_harness_error=fail)
+    with pytest.raises(RuntimeError, match="classifier bug"):
+        run(executor, shadow=OTHER)
+
+
+def test_never_calls_shadow_or_context_for_ops_outside_the_filter():
+    executor, _ = make(ops={"evict"})
+    called = []
+    result = executor.run("alloc", 0, authoritative=lambda: ("result", SAME),
+                          shadow=lambda: called.append("shadow"),
+                          context=lambda: called.append("context"),
+                          shadow_path="legacy", authoritative_path="plan")
+    assert result == "result"
+    assert called == []
+    assert (executor.stats().num_compared, executor.stats().authoritative_seconds) == ({}, 0.0)
+
+
+def test_samples_steps_as_a_function_of_seed_op_and_step_only():
+    first, _ = make(sample=0.3, seed=1)
+    second, _ = make(sample=0.3, seed=1)
+    keys = [(op, step) for op in ("alloc", "evict") for step in range(400)]
+    picked = {key for key in keys if first.should_compare(*key)}
+    assert picked == {key for key in reversed(keys) if second.should_compare(*key)}
+    assert 0.2 < len(picked) / len(keys) < 0.4
+    other_seed, _ = make(sample=0.3, seed=2)
+    assert picked != {key for key in keys if other_seed.should_compare(*key)}
+    assert all(make(sample=1.0)[0].should_compare(*key) for key in keys)
+    assert not any(make(sample=0.0)[0].should_compare(*key) for key in keys)
+
+
+def test_reports_no_divergence_when_one_path_is_compared_with_itself():
+    executor, recorder = make("raise")
+
+    def path():  # one path on both sides
+        return {"pages": [1, 2], "free": {3: "x"}}
+    for step in range(5):
+        executor.run("alloc", step, authoritative=lambda: (None, path()), shadow=path,
+                     shadow_path="legacy", authoritative_path="legacy")
+    assert recorder.divergences == []
+    assert executor.stats().num_compared == {"alloc": 5}
+
+
+def test_counts_compared_steps_and_divergences_per_op():
+    executor, _ = make()
+    run(executor, op="alloc")
+    run(executor, op="alloc", shadow=OTHER)
+    run(executor, op="evict", shadow=OTHER)
+    stats = executor.stats()
+    assert stats.num_compared == {"alloc": 2, "evict": 1}
+    assert stats.num_divergences == {"alloc": 1, "evict": 1}
+    assert stats.num_harness_errors == 0
+
+
+def test_measures_shadow_authoritative_and_harness_time_with_the_injected_clock():
+    now = [100.0]
+    executor, recorder = make(clock=lambda: now[0])
+
+    def advance(seconds, value):
+        now[0] += seconds
+        return value
+
+    executor.run("alloc", 0, authoritative=lambda: advance(5.0, ("result", SAME)),
+                 shadow=lambda: advance(2.0, OTHER), shadow_path="legacy",
+                 authoritative_path="plan")
+    comparison = recorder.divergences[0][0]
+    assert (comparison.shadow.duration_s, comparison.authoritative.duration_s) == (2.0, 5.0)
+    stats = executor.stats()
+    assert (stats.compare_seconds, stats.authoritative_seconds) == (2.0, 5.0)
+
+
+def test_stats_is_an_immutable_snapshot():
+    executor, _ = make()
+    run(executor)
+    stats = executor.stats()
+    run(executor)
+    assert stats.num_compared == {"alloc": 1}
+    with pytest.raises(TypeError):
+        stats.num_compared["alloc"] = 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.num_harness_errors = 3
+
+
+def test_observations_and_comparisons_are_immutable():
+    seen = Observation("plan", SAME)
+    comparison = Comparison("alloc", 0, seen, seen, None, None)
+    assert comparison.matched and not seen.raised
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        seen.value = OTHER
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        comparison.kind = "state"
+
+
+def test_rejects_an_unknown_mode_or_a_sample_outside_zero_to_one():
+    with pytest.raises(ValueError, match="mode"):
+        ShadowExecutor(mode="loud")
+    with pytest.raises(ValueError, match="sample"):
+        ShadowExecutor(mode="log", sample=1.5)
+
+
+def test_compare_package_never_imports_batchgen():
+    package = Path(shadow_module.__file__).parent
+    for source in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(name.split(".")[0] == "batchgen" for name in names), source.name

@@ -1,0 +1,182 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from compare.records import DivergenceRecord, RecordError, RunSummary
+from compare.sink import JsonlSink, LogReadResult, read_log, read_logs, write_atomic
+
+
+def make_record(step, payload=""):
+    return DivergenceRecord(run_id="run-1", workload="L2-2048", seed=0, step=step, op="alloc",
+                            authoritative="plan", shadow="legacy", kind="state",
+                            field_paths=[f"requests[r{step}].gpu_pages[0]"], diff={},
+                            exception=None, replay={"payload": payload}, created_at=1.0)
+
+
+def make_summary():
+    return RunSummary(run_id="run-1", workload="L2-2048", seed=0, authoritative="plan",
+                      shadow="legacy", steps_compared={"alloc": 3}, divergences={"alloc": 2},
+                      harness_errors=0, compare_seconds=0.1, authoritative_seconds=1.0)
+
+
+def write_log(path, records):
+    with JsonlSink(path) as sink:
+        for record in records:
+            sink.write(record)
+
+
+def test_appends_one_line_per_record_creating_parent_directories(tmp_path):
+    path = tmp_path / "logs" / "run" / "divergences.jsonl"
+    write_log(path, [make_record(0), make_summary()])
+    write_log(path, [make_record(1)])
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["record_type"] for line in lines] == [
+        "divergence", "run_summary", "divergence"]
+
+
+def test_opens_the_file_only_on_the_first_write(tmp_path):
+    path = tmp_path / "divergences.jsonl"
+    with JsonlSink(path):
+        pass
+    assert not path.exists()
+
+
+def test_reads_back_exactly_what_was_written(tmp_path):
+    path = tmp_path / "log.jsonl"
+    records = [make_record(0), make_record(1, "ü"), make_summary()]
+    write_log(path, records)
+    assert read_log(path) == LogReadResult(tuple(records), 3, 0, ())
+
+
+def test_keeps_every_complete_record_when_the_writer_is_killed_with_sigkill(tmp_path):
+    path = tmp_path / "log.jsonl"
+    child = textwrap.dedent(f"""
+        import sys
+        from compare.records import DivergenceRecord
+        from compare.sink import JsonlSink
+        sink = JsonlSink({str(path)!r})
+        for step in range(20000):
+            sink.write(DivergenceRecord(
+                run_id="run-1", workload="w", seed=0, step=step, op="alloc",
+                authoritative="plan", shadow="legacy", kind="state", field_paths=[], diff={{}},
+                exception=None, replay={{"payload": "x" * 4096}}, created_at=1.0))
+            if step == 19:
+                print("ready", flush=True)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        time.sleep(0.05)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        process.stdout.close()
+    assert process.returncode == -signal.SIGKILL
+    result = read_log(path)
+    assert result.num_read >= 20
+    assert [record.step for record in result.records] == list(range(result.num_read))
+    assert result.num_skipped == (0 if path.read_bytes().endswith(b"\n") else 1)
+
+
+def test_skips_a_torn_last_line_with_a_warning_naming_file_and_line(tmp_path):
+    path = tmp_path / "log.jsonl"
+    write_log(path, [make_record(0), make_record(1)])
+    with open(path, "ab") as file:
+        file.write(make_record(2).model_dump_json().encode()[:40])
+    result = read_log(path)
+    assert [record.step for record in result.records] == [0, 1]
+    assert (result.num_read, result.num_skipped) == (2, 1)
+    [warning] = result.warnings
+    assert warning.startswith(f"{path}:3: not JSON")
+    assert warning.endswith("skipped as a torn last line")
+
+
+def test_skips_a_torn_last_line_cut_inside_a_multibyte_character(tmp_path):
+    path = tmp_path / "log.jsonl"
+    write_log(path, [make_record(0)])
+    line = make_record(1, "é" * 10).model_dump_json().encode()
+    with open(path, "ab") as file:
+        file.write(line[:line.index("é".encode()) + 1])
+    result = read_log(path)
+    assert (result.num_read, result.num_skipped) == (1, 1)
+    assert "invalid UTF-8" in result.warnings[0]
+
+
+def test_accepts_a_complete_last_line_without_a_newline(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text(make_record(0).model_dump_json())
+    assert read_log(path).num_read == 1
+
+
+def test_raises_naming_file_and_line_for_a_bad_line_before_the_last(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join([make_record(0).model_dump_json(), "{oops",
+                               make_record(1).model_dump_json()]) + "\n")
+    with pytest.raises(RecordError, match=rf"^{path}:2: not JSON"):
+        read_log(path)
+
+
+def test_raises_for_invalid_utf8_before_the_last_line(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"a": "\xff"}\n' + make_record(0).model_dump_json().encode() + b"\n")
+    with pytest.raises(RecordError, match=rf"^{path}:1: invalid UTF-8"):
+        read_log(path)
+
+
+def test_raises_for_a_missing_log(tmp_path):
+    with pytest.raises(RecordError, match="cannot read divergence log"):
+        read_log(tmp_path / "absent.jsonl")
+
+
+def test_terminates_a_torn_last_line_before_appending(tmp_path):
+    path = tmp_path / "log.jsonl"
+    write_log(path, [make_record(0)])
+    with open(path, "ab") as file:
+        file.write(b'{"record_type": "div')
+    with pytest.warns(UserWarning, match="cut short"):
+        write_log(path, [make_record(2)])
+    lines = path.read_bytes().split(b"\n")
+    assert lines[1] == b'{"record_type": "div'
+    assert DivergenceRecord.model_validate_json(lines[2]).step == 2
+    with pytest.raises(RecordError, match=rf"{path}:2:"):
+        read_log(path)
+
+
+def test_merges_several_logs_in_order(tmp_path):
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_log(first, [make_record(0)])
+    write_log(second, [make_record(1), make_summary()])
+    with open(second, "a") as file:
+        file.write("{")
+    result = read_logs([first, second])
+    assert [type(record).__name__ for record in result.records] == [
+        "DivergenceRecord", "DivergenceRecord", "RunSummary"]
+    assert (result.num_read, result.num_skipped, len(result.warnings)) == (3, 1, 1)
+
+
+def test_write_atomic_replaces_the_file_and_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "out" / "report.md"
+    write_atomic(path, "old")
+    write_atomic(path, "new ✓")
+    assert path.read_text(encoding="utf-8") == "new ✓"
+    assert [p.name for p in path.parent.iterdir()] == ["report.md"]
+
+
+def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "report.md"
+    write_atomic(path, "old")
+
+    def broken_replace(source, target):
+        raise OSError("device full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="device full"):
+        write_atomic(path, "new")
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.md"]
