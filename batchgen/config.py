@@ -7,6 +7,7 @@ workload files) and frozen, so a component that receives one cannot change it.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -112,3 +113,6 @@ class EngineConfig(_Frozen):
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="token budget per step")
     max_num_seqs: int = Field(default=64, gt=0, description="requests scheduled per step")
     max_load_retries: int = Field(default=1, ge=0, description="retries of a failed host->GPU load")
+    load_timeout_steps: int = Field(default=8, ge=1, description="steps a load may stay incomplete before it fails")
+    load_failure: Literal["recompute", "fail"] = Field(
+        default="recompute", description="after the last retry: recompute the request, or fail it")

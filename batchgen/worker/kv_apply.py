@@ -35,7 +35,7 @@ def geometry_of(target: KvTarget) -> KvGeometry:
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         page_size=cache.page_size, dtype_size=DTYPE_SIZES[cache.dtype], num_gpu_pages=cache.num_gpu_pages,
         num_host_pages=cache.num_host_pages, watermark=cache.watermark, max_num_seqs=engine.max_num_seqs,
-        max_load_retries=engine.max_load_retries,
+        max_load_retries=engine.max_load_retries, load_failure=engine.load_failure,
     )
 
 
@@ -138,11 +138,14 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load completed; nothing to {step.action.value}")
         if step.action is PollAction.RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} has no retries left")
+        if step.action is PollAction.FAIL and not step.reason:
+            raise PlanRejected(f"PollPlan.steps[{i}].reason", f"failing {step.uuid!r} needs a reason")
     stats = target.state.stats
     for step in plan.steps:
         req = target.state.requests[step.uuid]
         req.load_handle = None
         if step.action is PollAction.COMPLETE:
+            req.load_started_step = None
             target.host_kv.release_pages(step.uuid)
             req.host_page_ids = ()
             req.phase = Phase.RUNNING
@@ -151,6 +154,7 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
         if step.action is PollAction.RETRY:
             req.num_load_retries += 1
             req.load_handle = target.host_kv.load_to_gpu_async(step.uuid, list(req.gpu_page_ids))
+            req.load_started_step = target.state.step
             stats.loads += 1
             continue
         target.gpu_kv.release_pages(step.uuid)
@@ -158,8 +162,12 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
         req.gpu_page_ids, req.host_page_ids = (), ()
         req.num_cached_tokens = 0
         req.num_load_retries = 0
-        req.phase = Phase.WAITING
-        stats.recompute_preemptions += 1
+        req.load_started_step = None
+        if step.action is PollAction.FAIL:
+            req.phase, req.finish_reason = Phase.FAILED, step.reason
+        else:
+            req.phase = Phase.WAITING
+            stats.recompute_preemptions += 1
 
 
 def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
@@ -236,6 +244,7 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
         target.gpu_kv.take_pages(load.uuid, list(load.gpu_page_ids))
         req.gpu_page_ids = load.gpu_page_ids
         req.load_handle = target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))
+        req.load_started_step = target.state.step
         req.phase = Phase.LOADING
         req.num_load_retries = 0
         target.state.stats.loads += 1

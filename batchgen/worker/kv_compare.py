@@ -56,6 +56,7 @@ def canonical_kv(target: KvTarget, scope: Sequence[str], result, gpu_events, hos
                 "gpu_page_ids": list(req.gpu_page_ids), "host_page_ids": list(req.host_page_ids),
                 "num_load_retries": req.num_load_retries, "swapped_step": req.swapped_step,
                 "finish_reason": req.finish_reason, "has_load": req.load_handle is not None,
+                "load_started_step": req.load_started_step,
                 "has_pending_append": u in target.pending_appends,
             }
         elif u in done:

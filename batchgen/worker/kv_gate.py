@@ -8,6 +8,7 @@ BATCHGEN_WORKER_KV_COMPARE           off, log, raise       off                  
 BATCHGEN_WORKER_KV_COMPARE_SAMPLE    float in (0, 1]       1.0                   fraction of steps compared (seeded)
 BATCHGEN_WORKER_KV_COMPARE_LOG       path                  kv-divergences.jsonl  divergence log (JSON Lines)
 BATCHGEN_WORKER_KV_COMPARE_OPS       comma list of ops     all                   ops compared: poll,release,evict,migrate,alloc
+BATCHGEN_WORKER_KV_LOAD_FAILURE      recompute, fail       (engine: recompute)   after a load's last retry: recompute or fail
 ==================================== ===================== ===================== ===========================================
 
 Precedence: default < environment < CLI option. An unknown name in the family
@@ -34,6 +35,7 @@ GATE_FLAGS = {
     "compare_sample": ("BATCHGEN_WORKER_KV_COMPARE_SAMPLE", "--kv-compare-sample", "a float in (0, 1]"),
     "compare_log": ("BATCHGEN_WORKER_KV_COMPARE_LOG", "--kv-compare-log", "a file path"),
     "compare_ops": ("BATCHGEN_WORKER_KV_COMPARE_OPS", "--kv-compare-ops", f"a comma list of {', '.join(KV_OPS)}"),
+    "load_failure": ("BATCHGEN_WORKER_KV_LOAD_FAILURE", "--kv-load-failure", "recompute, fail"),
 }
 
 
@@ -49,6 +51,7 @@ class KvGateConfig(BaseModel):
     compare_sample: float = Field(default=1.0, gt=0.0, le=1.0)
     compare_log: str = Field(default="kv-divergences.jsonl", min_length=1)
     compare_ops: tuple[str, ...] = KV_OPS
+    load_failure: Literal["recompute", "fail"] | None = None  # None: keep the engine config's policy
 
     @field_validator("compare_ops", mode="before")
     @classmethod
@@ -92,7 +95,7 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
         field = str(error["loc"][0])
         env, _, allowed = GATE_FLAGS[field]
         source = sources.get(field, env)
-        choices = allowed.split(", ") if field in ("path", "compare") else []
+        choices = allowed.split(", ") if field in ("path", "compare", "load_failure") else []
         close = difflib.get_close_matches(str(values.get(field)), choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise GateError(f"{source}={values.get(field)!r} is invalid ({error['msg']}); allowed: {allowed}{hint}") from None

@@ -36,6 +36,11 @@ def decode_demand(view: RequestKvView, page_size: int) -> int:
     return -(-view.num_tokens // page_size) - len(view.gpu_page_ids)
 
 
+def load_failure_reason(error: str) -> str:
+    """The finish reason of a request failed by its load."""
+    return f"load failed: {error}"
+
+
 def _split(page_ids: list[int], sizes: list[int]) -> list[tuple[int, ...]]:
     out, start = [], 0
     for size in sizes:
@@ -51,16 +56,17 @@ class KVCacheManager:
 
     def plan_poll(self, req: PollRequest) -> PollPlan:
         views = {view.uuid: view for view in req.snapshot.requests}
-        max_retries = req.snapshot.geometry.max_load_retries
+        geometry = req.snapshot.geometry
         steps = []
         for outcome in req.outcomes:
             if outcome.error is None:
-                action = PollAction.COMPLETE
-            elif views[outcome.uuid].num_load_retries < max_retries:
-                action = PollAction.RETRY
+                steps.append(PollStep(outcome.uuid, PollAction.COMPLETE))
+            elif views[outcome.uuid].num_load_retries < geometry.max_load_retries:
+                steps.append(PollStep(outcome.uuid, PollAction.RETRY))
+            elif geometry.load_failure == "fail":
+                steps.append(PollStep(outcome.uuid, PollAction.FAIL, load_failure_reason(outcome.error)))
             else:
-                action = PollAction.RECOMPUTE
-            steps.append(PollStep(outcome.uuid, action))
+                steps.append(PollStep(outcome.uuid, PollAction.RECOMPUTE))
         return PollPlan(tuple(steps))
 
     def plan_release(self, req: ReleaseRequest) -> ReleasePlan:

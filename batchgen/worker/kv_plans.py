@@ -30,6 +30,7 @@ class PollAction(str, enum.Enum):
     COMPLETE = "complete"  # load landed: RUNNING, host pages freed
     RETRY = "retry"  # load failed: start it again into the same pages
     RECOMPUTE = "recompute"  # load failed too often: drop KV, WAITING
+    FAIL = "fail"  # load failed too often: drop KV, FAILED with the load error
 
 
 # ---- snapshot ------------------------------------------------------------------------
@@ -47,6 +48,7 @@ class KvGeometry:
     watermark: float  # fraction of GPU pages kept free
     max_num_seqs: int
     max_load_retries: int
+    load_failure: str = "recompute"  # after the last retry: "recompute" or "fail"
 
     @property
     def page_bytes(self) -> int:
@@ -117,6 +119,7 @@ class AllocRequest:
 class PollStep:
     uuid: str
     action: PollAction
+    reason: str | None = None  # FAIL: the request's failure reason
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,8 @@ Policies (shared, by contract, with the plan layer):
 - alloc: per scheduled request in batch order, pages for all its tokens;
   a request whose pages do not fit is left out of this step.
 - poll: a completed load makes the request RUNNING and frees its host pages; a
-  failed one is retried up to ``max_load_retries`` times, then recomputed.
+  failed (or timed-out) one is retried up to ``max_load_retries`` times, then
+  recomputed, or failed when ``load_failure`` is "fail".
 - release: done requests give back GPU and host pages, have their in-flight
   load drained and their pending append dropped, and become outputs.
 """
@@ -61,12 +62,14 @@ class LegacyKvPath:
             if error is None:
                 self.host_kv.release_pages(uuid)
                 req.host_page_ids = ()
+                req.load_started_step = None
                 req.phase = Phase.RUNNING
                 continue
             stats.load_failures += 1
             if req.num_load_retries < self.engine_config.max_load_retries:
                 req.num_load_retries += 1
                 req.load_handle = self.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))
+                req.load_started_step = self.state.step
                 stats.loads += 1
                 continue
             self.gpu_kv.release_pages(uuid)
@@ -74,8 +77,12 @@ class LegacyKvPath:
             req.gpu_page_ids, req.host_page_ids = (), ()
             req.num_cached_tokens = 0
             req.num_load_retries = 0
-            req.phase = Phase.WAITING
-            stats.recompute_preemptions += 1
+            req.load_started_step = None
+            if self.engine_config.load_failure == "fail":
+                req.phase, req.finish_reason = Phase.FAILED, f"load failed: {error}"
+            else:
+                req.phase = Phase.WAITING
+                stats.recompute_preemptions += 1
 
     # ---- release -----------------------------------------------------------------
     def release(self, uuids: Sequence[str]) -> None:
@@ -147,6 +154,7 @@ class LegacyKvPath:
                 break
             req.gpu_page_ids = tuple(self.gpu_kv.allocate_pages(req.uuid, num_pages))
             req.load_handle = self.host_kv.load_to_gpu_async(req.uuid, list(req.gpu_page_ids))
+            req.load_started_step = self.state.step
             req.phase = Phase.LOADING
             req.num_load_retries = 0
             self.state.stats.loads += 1

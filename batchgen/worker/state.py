@@ -63,6 +63,7 @@ class RequestState:
     gpu_page_ids: tuple[int, ...] = ()  # page table (tuple: shared, never copied, by snapshots)
     host_page_ids: tuple[int, ...] = ()
     load_handle: AsyncHandle | None = None
+    load_started_step: int | None = None  # step the in-flight load was issued
     num_load_retries: int = 0
     swapped_step: int | None = None  # step the KV went to host
     finish_reason: str | None = None  # "length", "eos", "abort", or the failure

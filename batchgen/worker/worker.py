@@ -57,7 +57,10 @@ class Worker:
         self.model = model
         self.model_config = model.config
         self.cache_config = cache_config
+        self.kv_gate = kv_gate or KvGateConfig()
         self.engine_config = engine_config or EngineConfig()
+        if self.kv_gate.load_failure is not None:
+            self.engine_config = self.engine_config.model_copy(update={"load_failure": self.kv_gate.load_failure})
         self.device = torch.device(device)
         gpu_tensor = host_tensor = None
         if kv_storage:
@@ -71,7 +74,6 @@ class Worker:
         self.state = WorkerState()
         self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
         self._watermark_pages = math.ceil(cache_config.watermark * cache_config.num_gpu_pages)
-        self.kv_gate = kv_gate or KvGateConfig()
         self.kv_compare = None
         if self.kv_gate.compare != "off":
             from batchgen.worker.kv_compare import KvCompare
@@ -139,11 +141,24 @@ class Worker:
 
     # ---- worker-side steps -------------------------------------------------------------
     def _observe_loads(self) -> dict[str, str | None]:
-        """Wait for every load issued last step; uuid -> None (done) or the error text."""
+        """Outcomes of in-flight loads: uuid -> None (done) or the error text. Pure.
+
+        A copy issued last step is waited for: it overlapped that step's forward.
+        A handle that says it may stall (``may_stall``, e.g. fault injection) is
+        only read when done; one incomplete after ``load_timeout_steps`` steps
+        counts as failed. Loads still pending are left out.
+        """
         observed = {}
+        timeout = self.engine_config.load_timeout_steps
         for req in self.state.in_phase(Phase.LOADING):
+            handle = req.load_handle
+            if getattr(handle, "may_stall", False) and not handle.done():
+                age = self.state.step - req.load_started_step
+                if age >= timeout:
+                    observed[req.uuid] = f"LoadTimeout: no completion after {age} steps"
+                continue
             try:
-                req.load_handle.wait()
+                handle.wait()
                 observed[req.uuid] = None
             except Exception as exc:  # a failed copy is an input to poll, not a crash
                 observed[req.uuid] = f"{type(exc).__name__}: {exc}"
