@@ -25,6 +25,7 @@ import torch
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.llama import SeqInput
 from batchgen.model.paged_kv import kv_page_shape, write_kv
+from batchgen.worker.faults import FaultInjector
 from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
 from batchgen.worker.kv_target import KvTarget
@@ -50,10 +51,11 @@ class PendingAppend:
 class Worker:
     def __init__(self, model, *, cache_config: CacheConfig, engine_config: EngineConfig | None = None,
                  kv_gate: KvGateConfig | None = None, shadow_path: str | None = None,
-                 device: str | torch.device = "cpu", kv_storage: bool = True):
+                 faults: FaultInjector | None = None, device: str | torch.device = "cpu", kv_storage: bool = True):
         """``kv_gate`` picks the KV path (default: plan) and compare mode; ``shadow_path``
         overrides the compared path (the authoritative one itself: the A/A noise check).
-        ``kv_storage=False`` keeps the pools bookkeeping-only (null-model runs)."""
+        ``faults`` injects a seeded fault schedule. ``kv_storage=False`` keeps the pools
+        bookkeeping-only (null-model runs)."""
         self.model = model
         self.model_config = model.config
         self.cache_config = cache_config
@@ -71,6 +73,9 @@ class Worker:
             host_tensor = new_page_tensor(host_shape, dtype=dtype, device="cpu", pin_memory=self.device.type == "cuda")
         self.gpu_kv = GpuKvPool(cache_config.num_gpu_pages, gpu_tensor)
         self.host_kv = HostKvPool(cache_config.num_host_pages, host_tensor, self.gpu_kv)
+        self.faults = faults
+        if faults is not None:
+            self.host_kv = faults.host_pool(self.host_kv)
         self.state = WorkerState()
         self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
         self._watermark_pages = math.ceil(cache_config.watermark * cache_config.num_gpu_pages)
@@ -103,10 +108,13 @@ class Worker:
             req.phase, req.finish_reason = Phase.FINISHED, "abort"
 
     def has_unfinished(self) -> bool:
-        return bool(self.state.requests)
+        """Live requests remain, or injected faults still hold pages."""
+        return bool(self.state.requests) or (self.faults is not None and self.faults.has_reservations())
 
     def step(self) -> None:
         """Run one step. Mutates state, pools, pending appends, stats."""
+        if self.faults is not None:
+            self.faults.before_step(self)
         observed = self._observe_loads()
         if observed:
             self._kv_poll(observed)
@@ -254,8 +262,9 @@ class Worker:
     def check_integrity(self) -> None:
         """Raise AssertionError on any pool or page-table inconsistency. Pure."""
         live = self.state.requests
-        self.gpu_kv.check_integrity(live)
-        self.host_kv.check_integrity(live)
+        owners = set(live) | (self.faults.owner_ids() if self.faults is not None else set())
+        self.gpu_kv.check_integrity(owners)
+        self.host_kv.check_integrity(owners)
         for uuid, req in live.items():
             assert self.gpu_kv.pages_of(uuid) == req.gpu_page_ids, f"{uuid}: GPU page table != pool"
             assert self.host_kv.pages_of(uuid) == req.host_page_ids, f"{uuid}: host page table != pool"
