@@ -76,8 +76,12 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
 
-    def token_ids(self) -> list[int]:
-        return [*self.request.prompt_ids, *self.output_ids]
+    def token_ids(self, start: int = 0) -> list[int]:
+        """Tokens from position ``start`` on (prompt, then outputs)."""
+        prompt = self.request.prompt_ids
+        if start >= len(prompt):
+            return self.output_ids[start - len(prompt):]
+        return [*prompt[start:], *self.output_ids]
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,7 +211,7 @@ class Worker:
         Mutates requests (cached count, outputs, phase), pending appends, stats.
         """
         reqs = [self.state.requests[uuid] for uuid in served]
-        seqs = [SeqInput(token_ids=r.token_ids()[r.num_cached_tokens:], start_pos=r.num_cached_tokens,
+        seqs = [SeqInput(token_ids=r.token_ids(r.num_cached_tokens), start_pos=r.num_cached_tokens,
                          page_ids=list(r.gpu_page_ids)) for r in reqs]
         out = self.model.forward(seqs, self.gpu_kv.tensor)
         for req, seq, kv in zip(reqs, seqs, out.new_kv):
