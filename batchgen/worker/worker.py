@@ -18,6 +18,7 @@ KV ops (``kv_ops``) decide through the path the gate picked.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from batchgen.model.llama import SeqInput
 from batchgen.model.paged_kv import kv_page_shape, write_kv
 from batchgen.worker.faults import FaultInjector
 from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
-from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
+from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, gate_config
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_copy import new_page_tensor
 from batchgen.worker.sampler import sample
@@ -52,14 +53,15 @@ class Worker:
     def __init__(self, model, *, cache_config: CacheConfig, engine_config: EngineConfig | None = None,
                  kv_gate: KvGateConfig | None = None, shadow_path: str | None = None,
                  faults: FaultInjector | None = None, device: str | torch.device = "cpu", kv_storage: bool = True):
-        """``kv_gate`` picks the KV path (default: plan) and compare mode; ``shadow_path``
+        """``kv_gate`` picks the KV path and compare mode; without one it is parsed from the
+        ``BATCHGEN_WORKER_KV_*`` environment (GateError if invalid; unset: plan, no compare). ``shadow_path``
         overrides the compared path (the authoritative one itself: the A/A noise check).
         ``faults`` injects a seeded fault schedule. ``kv_storage=False`` keeps the pools
         bookkeeping-only (null-model runs)."""
         self.model = model
         self.model_config = model.config
         self.cache_config = cache_config
-        self.kv_gate = kv_gate or KvGateConfig()
+        self.kv_gate = kv_gate if kv_gate is not None else gate_config(os.environ)
         self.engine_config = engine_config or EngineConfig()
         if self.kv_gate.load_failure is not None:
             self.engine_config = self.engine_config.model_copy(update={"load_failure": self.kv_gate.load_failure})

@@ -1,0 +1,279 @@
+"""Shrink a logged KV divergence to a minimal workload, and write it as a regression test.
+
+:func:`minimize_divergence` reloads the record's workload (``replay``'s
+``workload_source`` and ``scale``, the record's ``seed``) and delta-debugs it
+with ``compare.ddmin``, in two passes:
+
+    requests  the fewest requests that still diverge
+    steps     the remaining requests' step counts, as units ddmin can drop:
+              one unit per max_new_tokens above 1, per arrival_step above 0 and
+              per abort_step above 0 (all at their floor first: often enough)
+
+A candidate workload "still fails" when a fresh worker in compare mode ``log``
+(the record's authoritative and shadow paths) logs a divergence with the
+record's :class:`DivergenceSignature`: same op, same kind, same set of
+wildcarded field paths. A candidate's run stops at its first such divergence;
+one that crashes or stalls counts by what it logged before.
+
+:func:`write_regression` writes the minimal workload (JSON) and a pytest file
+that runs it in compare mode ``raise`` and fails until the bug is fixed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from compare import DivergenceRecord, ddmin, read_log, wildcard, write_atomic
+from batchgen.model.loader import load_model
+from batchgen.runner import run_workload
+from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.worker import Worker
+from batchgen.workloads import Workload, WorkloadRequest, load_workload
+
+_STEP_FIELDS = (("max_new_tokens", 1), ("arrival_step", 0), ("abort_step", 0))  # (field, floor)
+
+
+class MinimizeError(ValueError):
+    """The record's divergence does not reproduce on its own workload."""
+
+
+class WorkerFactory(Protocol):
+    """Builds the worker one candidate workload runs on, with the gate and shadow path given."""
+
+    def __call__(self, workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str) -> Worker: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DivergenceSignature:
+    """What makes two divergences "the same failure" while minimising."""
+
+    op: str
+    kind: str
+    field_paths: tuple[str, ...]  # wildcarded (``requests[*].gpu_page_ids[*]``), sorted, each once
+
+    @classmethod
+    def of(cls, record: DivergenceRecord) -> DivergenceSignature:
+        return cls(record.op, record.kind, tuple(sorted({wildcard(path) for path in record.field_paths})))
+
+    @property
+    def slug(self) -> str:
+        """An identifier naming the signature: ``<op>_<kind>_<hash of the paths>``."""
+        digest = hashlib.blake2b("\n".join(self.field_paths).encode(), digest_size=4).hexdigest()
+        return re.sub(r"\W", "_", f"{self.op}_{self.kind}_{digest}")
+
+
+@dataclass(frozen=True, slots=True)
+class MinimizeResult:
+    workload: Workload  # the minimal workload that still diverges (named "<original>-min")
+    signature: DivergenceSignature
+    num_tests: int  # candidate workloads run
+    kv_path: str  # the authoritative path the divergence needs
+    shadow_path: str
+
+
+def tiny_worker_factory() -> WorkerFactory:
+    """Workers over one tiny model (loaded here, shared) with the workload's cache and engine configs."""
+    model = load_model("tiny")
+
+    def make_worker(workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str) -> Worker:
+        return Worker(model, cache_config=workload.cache, engine_config=workload.engine, kv_gate=kv_gate,
+                      shadow_path=shadow_path)
+
+    return make_worker
+
+
+def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory | None = None,
+                        max_tests: int = 400) -> MinimizeResult:
+    """Delta-debug the record's workload down to a minimal one with the same divergence.
+
+    Runs at most ``max_tests`` candidate workloads (ddmin warns when the budget
+    ends a pass early). Raises MinimizeError when the full workload does not
+    diverge as recorded. Writes only temporary logs, removed before it returns.
+    """
+    replay = record.replay
+    scale = replay.get("scale", 1.0)
+    workload = load_workload(replay["workload_source"], seed=record.seed, scale=scale)
+    signature = DivergenceSignature.of(record)
+    with tempfile.TemporaryDirectory(prefix="batchgen-minimize-") as log_dir:
+        search = _Search(signature, make_worker or tiny_worker_factory(), replay["kv_path"], replay["shadow_path"],
+                         Path(log_dir), replay["workload_source"], scale)
+        if not search.fails(workload):
+            raise MinimizeError(
+                f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed {record.seed}, "
+                f"scale {scale}) shows no {signature.kind} divergence at "
+                f"{', '.join(signature.field_paths) or 'no field path'}")
+        requests = ddmin(workload.requests, lambda subset: search.fails(_with_requests(workload, subset)),
+                         max_tests=max(1, max_tests - search.num_tests))
+        smallest = _with_requests(workload, requests)
+        if search.num_tests < max_tests:
+            smallest = _shrink_steps(search, workload, requests, max_tests)
+    minimal = smallest.model_copy(update={"name": f"{workload.name}-min"})
+    return MinimizeResult(minimal, signature, search.num_tests, replay["kv_path"], replay["shadow_path"])
+
+
+def _shrink_steps(search: _Search, workload: Workload, requests: list[WorkloadRequest], max_tests: int) -> Workload:
+    """The step pass: every step field at its floor if that still fails, else ddmin over the units."""
+    floor = _with_steps(workload, requests, [])
+    if search.fails(floor):
+        return floor
+    if search.num_tests >= max_tests:
+        return _with_requests(workload, requests)
+    units = ddmin(_step_units(requests), lambda kept: search.fails(_with_steps(workload, requests, kept)),
+                  max_tests=max_tests - search.num_tests)
+    return _with_steps(workload, requests, units)
+
+
+class _Search:
+    """Runs candidate workloads and remembers each verdict. Mutates only itself and its log dir."""
+
+    def __init__(self, signature: DivergenceSignature, make_worker: WorkerFactory, kv_path: str, shadow_path: str,
+                 log_dir: Path, source: str, scale: float):
+        self.signature = signature
+        self.make_worker = make_worker
+        self.kv_path, self.shadow_path = kv_path, shadow_path
+        self.log_dir, self.source, self.scale = log_dir, source, scale
+        self.num_tests = 0
+        self._verdicts: dict[str, bool] = {}
+
+    def fails(self, workload: Workload) -> bool:
+        key = workload.model_dump_json()
+        if key not in self._verdicts:
+            self._verdicts[key] = self._run(workload)
+        return self._verdicts[key]
+
+    def _run(self, workload: Workload) -> bool:
+        self.num_tests += 1
+        log = self.log_dir / f"candidate-{self.num_tests}.jsonl"
+        gate = KvGateConfig(path=self.kv_path, compare="log", compare_log=str(log))
+        worker = self.make_worker(workload, kv_gate=gate, shadow_path=self.shadow_path)
+        num_logged = 0
+
+        def stop_once_seen(num_released: int, num_requests: int) -> None:
+            nonlocal num_logged
+            total = sum(worker.kv_compare.executor.stats().num_divergences.values())
+            if total > num_logged:
+                num_logged = total
+                if self._logged(log):
+                    raise _Seen
+
+        seen = False
+        try:
+            run_workload(worker, workload, on_step=stop_once_seen, max_steps=_step_limit(workload),
+                         source=self.source, scale=self.scale)
+        except _Seen:
+            seen = True
+        except Exception:  # a crash or a stall: the log still says what diverged before it
+            pass
+        finally:
+            worker.kv_compare.sink.close()
+        seen = seen or self._logged(log)
+        log.unlink(missing_ok=True)
+        return seen
+
+    def _logged(self, log: Path) -> bool:
+        if not log.exists():
+            return False
+        return any(isinstance(record, DivergenceRecord) and DivergenceSignature.of(record) == self.signature
+                   for record in read_log(log).records)
+
+
+class _Seen(Exception):
+    """Ends a candidate's run at its first divergence with the signature."""
+
+
+def _step_limit(workload: Workload) -> int:
+    """Steps after which a candidate counts as stalled: generous for any run that makes progress."""
+    reqs = workload.requests
+    return 4 * (max(r.arrival_step for r in reqs) + sum(r.max_new_tokens + (r.abort_step or 0) for r in reqs)) + 64
+
+
+def _with_requests(workload: Workload, requests: Sequence[WorkloadRequest]) -> Workload:
+    return workload.model_copy(update={"requests": list(requests)})
+
+
+def _step_units(requests: Sequence[WorkloadRequest]) -> list[tuple[int, str]]:
+    """One (request index, field) item per step a field stands above its floor."""
+    units = []
+    for index, req in enumerate(requests):
+        for field, floor in _STEP_FIELDS:
+            value = getattr(req, field)
+            if value is not None:
+                units += [(index, field)] * (value - floor)
+    return units
+
+
+def _with_steps(workload: Workload, requests: Sequence[WorkloadRequest], units: Sequence[tuple[int, str]]) -> Workload:
+    """``requests`` with each step field at its floor plus the units kept for it."""
+    kept = Counter(units)
+    shrunk = [req.model_copy(update={field: floor + kept[index, field] for field, floor in _STEP_FIELDS
+                                     if getattr(req, field) is not None})
+              for index, req in enumerate(requests)]
+    return _with_requests(workload, shrunk)
+
+
+# ---- the regression test ----------------------------------------------------------------------------
+_TEST_TEMPLATE = '''\
+"""Regression test written by batchgen.minimize: fails until the KV divergence below is fixed."""
+
+# The workload makes the shadow path diverge from the authoritative one:
+#   authoritative: {kv_path}
+#   shadow:        {shadow_path}
+#   op:            {op}
+#   kind:          {kind}
+#   field paths:   {paths}
+
+from pathlib import Path
+
+from batchgen.model.loader import load_model
+from batchgen.runner import run_workload
+from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.worker import Worker
+from batchgen.workloads import load_workload
+
+WORKLOAD = Path(__file__).parent / {workload_literal}
+
+
+def test_no_{slug}_divergence(tmp_path):
+    workload = load_workload(str(WORKLOAD))
+    gate = KvGateConfig(path={kv_path_literal}, compare="raise", compare_log=str(tmp_path / "kv-divergences.jsonl"))
+    worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
+                    kv_gate=gate, shadow_path={shadow_path_literal})
+    result = run_workload(worker, workload, source=str(WORKLOAD))
+    assert not result.compare_summary.divergences
+'''
+
+
+def write_regression(result: MinimizeResult, workload_path: str | Path, test_path: str | Path) -> None:
+    """Write the minimal workload (JSON) and a pytest file that replays it in compare mode ``raise``.
+
+    Both files are replaced atomically. The test names the workload by its path
+    relative to the test file, is named after the signature
+    (``test_no_<slug>_divergence``), and runs the tiny model: KV decisions depend
+    on the workload alone while the model emits no EOS (the tiny one has none).
+    """
+    workload_path, test_path = Path(workload_path), Path(test_path)
+    relative = Path(os.path.relpath(workload_path.resolve(), test_path.resolve().parent)).as_posix()
+    signature = result.signature
+    source = _TEST_TEMPLATE.format(
+        slug=signature.slug, op=_comment(signature.op), kind=_comment(signature.kind),
+        kv_path=_comment(result.kv_path), shadow_path=_comment(result.shadow_path),
+        paths="\n#                  ".join(map(_comment, signature.field_paths)) or "(none: a side raised)",
+        workload_literal=json.dumps(relative), kv_path_literal=json.dumps(result.kv_path),
+        shadow_path_literal=json.dumps(result.shadow_path),  # a JSON string is a Python string literal
+    )
+    write_atomic(workload_path, result.workload.model_dump_json(indent=2) + "\n")
+    write_atomic(test_path, source)
+
+
+def _comment(text: str) -> str:
+    """``text`` on one line, safe inside a ``#`` comment."""
+    return " ".join(text.split())

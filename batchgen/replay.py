@@ -1,0 +1,296 @@
+"""Replay one logged KV divergence offline, from its record alone.
+
+:func:`rebuild_target` turns a :class:`compare.DivergenceRecord`'s ``replay``
+payload back into the op's pre-state; :func:`replay_record` runs the
+authoritative path on one rebuilt target and the shadow path on a fork of
+another (as compare mode does), diffs their canonical forms, and says whether
+the logged divergence came back. Nothing outside the record is read.
+
+What comes from the record and what is synthesised (nothing a KV op's
+canonical result depends on is synthesised, except where noted)::
+
+    record                                  rebuilt as
+    snapshot.geometry                       model / cache / engine configs (other model
+                                            fields: any valid values; the KV ops never read them)
+    snapshot.requests (the op's scope)      a RequestState each: phase, page tables, cached
+                                            count, retries, swapped step; prompt = num_tokens
+                                            zeros, no outputs, finish reason None; a
+                                            CompletedHandle as the load of a LOADING request
+                                            (or of a done one holding both tiers' pages),
+                                            issued the step before
+    snapshot.num_loading                    LOADING stand-ins outside the scope, no pages
+    free counts + pools' alloc events       bookkeeping-only pools: scope pages owned as the
+                                            views say; free queue = ids the sides allocated
+                                            (the legacy side's order, then the other's extras),
+                                            then other unowned ids ascending, cut at the free
+                                            count; every other page owned by PLACEHOLDER_OWNER
+    (not recorded) counters                 zero: a counter divergence has the same path,
+                                            but other absolute values in the diff detail
+    (not recorded) pending appends          poll / release (before the flush) only: a done
+                                            request served last step (0 < cached ==
+                                            num_tokens - 1, GPU pages only). Inferred: a
+                                            request aborted after an unserved step looks the same
+
+The rebuilt target is checked: the op request the plan path builds from it
+must equal the recorded one, or :class:`ReplayError` names the differing fields.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from compare import DivergenceRecord, Observation, diff
+from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig
+from batchgen.worker.kv_apply import PlanKvPath
+from batchgen.worker.kv_backends import CompletedHandle, GpuKvPool, HostKvPool
+from batchgen.worker.kv_compare import canonical_kv, classify, exception_kind, fork_target
+from batchgen.worker.kv_gate import build_kv_path
+from batchgen.worker.kv_plans import (
+    AllocRequest, EvictionRequest, KvGeometry, MigrationRequest, PollRequest, ReleaseRequest,
+    RequestKvView, from_json, to_jsonable,
+)
+from batchgen.worker.kv_target import KvTarget
+from batchgen.worker.page_pool import PagePool, PageOwnershipError
+from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, WorkerState
+
+PLACEHOLDER_OWNER = "<replay:not-in-scope>"  # owns the pages held outside the op's scope
+LOADING_STAND_IN = "<replay:loading-{}>"  # LOADING requests counted but outside the scope
+_REORDER_OWNER = "<replay:reorder>"
+_PRE_FLUSH_OPS = ("poll", "release")  # ops that run before the worker flushes pending appends
+
+OP_REQUEST_TYPES = {"poll": PollRequest, "release": ReleaseRequest, "evict": EvictionRequest,
+                    "migrate": MigrationRequest, "alloc": AllocRequest}
+
+
+class ReplayError(ValueError):
+    """A record whose op cannot be rebuilt (unknown op, inconsistent pre-state)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOutcome:
+    """What replaying a record's op gave, and whether it matches the logged divergence."""
+
+    reproduced: bool  # same kind and same field paths as the record (exceptions: same kind)
+    kind: str | None  # the replayed divergence's kind; None when the two paths agreed
+    field_paths: tuple[str, ...]  # flattened paths that differ (sorted); () when a side raised
+    diff: dict  # JSON-safe explanation of field_paths; {} when they agree or a side raised
+    exceptions: tuple[str, ...]  # "<path> raised <Type>: <message>" per side that raised
+
+
+@dataclass(frozen=True, slots=True)
+class _BoundOp:
+    """One op with its recorded input bound: how to run it, build its request, find its scope."""
+
+    run: Callable[[Any], Any]  # KV path -> the op's result
+    build_request: Callable[[PlanKvPath], Any]  # the op request the plan path builds
+    scope: Callable[[WorkerState], list[str]]  # what compare mode forks and canonicalises
+
+
+def op_request(record: DivergenceRecord):
+    """The record's typed op request (snapshot + op input). Pure."""
+    replay = record.replay
+    op = replay.get("op")
+    cls = OP_REQUEST_TYPES.get(op)
+    if cls is None:
+        raise ReplayError(f"record of step {record.step}: unknown op {op!r}; known: {', '.join(OP_REQUEST_TYPES)}")
+    if replay.get("request_type") != cls.__name__:
+        raise ReplayError(f"op {op!r} needs a {cls.__name__}, the record holds {replay.get('request_type')!r}")
+    try:
+        return from_json(cls, json.dumps(replay.get("request")))
+    except ValidationError as error:
+        raise ReplayError(f"op {op!r}: the recorded request is not a valid {cls.__name__}: {error}") from None
+
+
+def rebuild_target(record: DivergenceRecord) -> KvTarget:
+    """A fresh target holding the op's pre-state as the record describes it. Pure."""
+    request = op_request(record)
+    snapshot = request.snapshot
+    geometry = snapshot.geometry
+    model_config, cache_config, engine_config = _configs(geometry)
+    state = WorkerState(step=snapshot.step)
+    for view in snapshot.requests:
+        state.requests[view.uuid] = _request_state(view, snapshot.step)
+    next_index = max((view.arrival_index for view in snapshot.requests), default=-1) + 1
+    num_stand_ins = snapshot.num_loading - sum(view.phase == Phase.LOADING.value for view in snapshot.requests)
+    for i in range(num_stand_ins):
+        uuid = LOADING_STAND_IN.format(i)
+        state.requests[uuid] = RequestState(Request(uuid, (0,), 1), next_index + i, Phase.LOADING,
+                                            load_handle=CompletedHandle(), load_started_step=snapshot.step - 1)
+    state.num_submitted = next_index + max(num_stand_ins, 0)
+    gpu_pages = _pool("gpu", geometry.num_gpu_pages, {v.uuid: v.gpu_page_ids for v in snapshot.requests},
+                      snapshot.num_free_gpu_pages, _allocated_ids(record.replay, "gpu"))
+    host_pages = _pool("host", geometry.num_host_pages, {v.uuid: v.host_page_ids for v in snapshot.requests},
+                       snapshot.num_free_host_pages, _allocated_ids(record.replay, "host"))
+    gpu = GpuKvPool(geometry.num_gpu_pages, None, pages=gpu_pages)
+    host = HostKvPool(geometry.num_host_pages, None, gpu, pages=host_pages)
+    pending: dict[str, None] = {}  # the KV ops only test membership and drop entries
+    if record.replay["op"] in _PRE_FLUSH_OPS:
+        pending = {view.uuid: None for view in snapshot.requests if _served_last_step(view)}
+    return KvTarget(state, gpu, host, pending, model_config, cache_config, engine_config)
+
+
+def replay_record(record: DivergenceRecord) -> ReplayOutcome:
+    """Run both paths through the record's op, each on its own rebuilt pre-state, and compare.
+
+    Pure function of the record: the targets it mutates are its own. Compares as
+    ``compare.ShadowExecutor`` does: exceptions by type, values with ``compare.diff``.
+    """
+    request = op_request(record)
+    op = _bind(record.replay["op"], request)
+    authoritative_target, shadow_target = rebuild_target(record), rebuild_target(record)
+    _check_request(record, request, op.build_request(PlanKvPath(authoritative_target)))
+    kv_path, shadow_path = record.replay["kv_path"], record.replay["shadow_path"]
+    authoritative = _observe(kv_path, lambda: _run_authoritative(authoritative_target, kv_path, op))
+    shadow = _observe(shadow_path, lambda: _run_shadow(shadow_target, shadow_path, op))
+    exceptions = tuple(f"{seen.path} raised {type(seen.exception).__qualname__}: {seen.exception}"
+                       for seen in (authoritative, shadow) if seen.raised)
+    if authoritative.raised or shadow.raised:
+        paths, detail = (), {}
+        if type(authoritative.exception) is type(shadow.exception):
+            kind = None
+        else:
+            kind = exception_kind(shadow.exception if shadow.raised else authoritative.exception)
+    else:
+        outcome = diff(authoritative.value, shadow.value)
+        paths, detail = outcome.paths, outcome.detail
+        kind = None if outcome.equal else classify(outcome.paths)
+    reproduced = kind == record.kind and paths == tuple(record.field_paths)
+    return ReplayOutcome(reproduced, kind, paths, detail, exceptions)
+
+
+# ---- running one side ------------------------------------------------------------------------
+def _bind(op: str, request) -> _BoundOp:
+    if op == "poll":
+        observed = {outcome.uuid: outcome.error for outcome in request.outcomes}
+        return _BoundOp(lambda path: path.poll(observed), lambda plan: plan.poll_request(observed),
+                        lambda state: list(observed))
+    if op == "release":
+        uuids = list(request.uuids)
+        return _BoundOp(lambda path: path.release(uuids), lambda plan: plan.release_request(uuids),
+                        lambda state: list(uuids))
+    if op == "evict":
+        return _BoundOp(lambda path: path.evict(), lambda plan: plan.eviction_request(),
+                        lambda state: _in_phases(state, Phase.RUNNING))
+    if op == "migrate":
+        return _BoundOp(lambda path: path.migrate(), lambda plan: plan.migration_request(),
+                        lambda state: _in_phases(state, Phase.RUNNING, Phase.SWAPPED, Phase.LOADING))
+    batch = list(request.batch)
+    return _BoundOp(lambda path: path.allocate(batch), lambda plan: plan.alloc_request(batch),
+                    lambda state: list(batch))
+
+
+def _in_phases(state: WorkerState, *phases: Phase) -> list[str]:
+    return [uuid for uuid, req in state.requests.items() if req.phase in phases]
+
+
+def _run_authoritative(target: KvTarget, path: str, op: _BoundOp) -> dict:
+    """The op on ``target`` itself, its pools journaling; mutates ``target``."""
+    scope = op.scope(target.state)
+    gpu, host = target.gpu_kv, target.host_kv
+    gpu.pages.journal, host.pages.journal, host.copies = [], [], []
+    result = op.run(build_kv_path(path, target))
+    return canonical_kv(target, scope, result, gpu.journal, host.journal, host.copies)
+
+
+def _run_shadow(target: KvTarget, path: str, op: _BoundOp) -> dict:
+    """The op on a fork of ``target``'s scope, as compare mode runs the shadow path."""
+    scope = op.scope(target.state)
+    fork = fork_target(target, scope)
+    result = op.run(build_kv_path(path, fork))
+    return canonical_kv(fork, scope, result, fork.gpu_kv.journal, fork.host_kv.journal, fork.host_kv.copies)
+
+
+def _observe(path: str, run: Callable[[], dict]) -> Observation:
+    try:
+        return Observation(path, run())
+    except Exception as error:
+        return Observation(path, None, error)
+
+
+def _check_request(record: DivergenceRecord, recorded, rebuilt) -> None:
+    """ReplayError unless the rebuilt pre-state yields the recorded op request."""
+    if rebuilt != recorded:
+        paths = diff(to_jsonable(recorded), to_jsonable(rebuilt)).paths
+        raise ReplayError(f"{record.op} step {record.step}: the rebuilt pre-state gives a different op request "
+                          f"at {', '.join(paths[:10])}")
+
+
+# ---- rebuilding the pre-state ------------------------------------------------------------------
+def _configs(geometry: KvGeometry) -> tuple[ModelConfig, CacheConfig, EngineConfig]:
+    dtype = next((name for name, size in DTYPE_SIZES.items() if size == geometry.dtype_size), None)
+    if dtype is None:
+        raise ReplayError(f"no cache dtype has {geometry.dtype_size}-byte elements; known: {DTYPE_SIZES}")
+    model = ModelConfig(vocab_size=2, hidden_size=geometry.num_kv_heads * geometry.head_dim, intermediate_size=1,
+                        num_layers=geometry.num_layers, num_heads=geometry.num_kv_heads,
+                        num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+                        max_context=geometry.num_gpu_pages * geometry.page_size)
+    cache = CacheConfig(page_size=geometry.page_size, num_gpu_pages=geometry.num_gpu_pages,
+                        num_host_pages=geometry.num_host_pages, dtype=dtype, watermark=geometry.watermark)
+    engine = EngineConfig(max_num_seqs=geometry.max_num_seqs, max_load_retries=geometry.max_load_retries,
+                          load_failure=geometry.load_failure)
+    return model, cache, engine
+
+
+def _request_state(view: RequestKvView, step: int) -> RequestState:
+    phase = Phase(view.phase)
+    had_load = phase is Phase.LOADING or bool(view.gpu_page_ids and view.host_page_ids)
+    return RequestState(
+        Request(view.uuid, (0,) * view.num_tokens, max_new_tokens=1), view.arrival_index, phase,
+        num_cached_tokens=view.num_cached_tokens, gpu_page_ids=tuple(view.gpu_page_ids),
+        host_page_ids=tuple(view.host_page_ids), load_handle=CompletedHandle() if had_load else None,
+        load_started_step=step - 1 if had_load else None, num_load_retries=view.num_load_retries,
+        swapped_step=view.swapped_step,
+    )
+
+
+def _served_last_step(view: RequestKvView) -> bool:
+    """Whether a request still holds last step's K/V as a pending append (inferred)."""
+    return (Phase(view.phase) in DONE_PHASES and 0 < view.num_cached_tokens == view.num_tokens - 1
+            and bool(view.gpu_page_ids) and not view.host_page_ids)
+
+
+def _allocated_ids(replay: dict, tier: str) -> list[int]:
+    """Page ids the sides allocated in ``tier``, in the order the original free queue held them.
+
+    The legacy path allocates straight from the queue head, so its events give the
+    queue's order; the plan path's only do while it is correct. So: the legacy
+    side's ids first (the authoritative's when neither or both sides are legacy),
+    then the other side's extras.
+    """
+    legacy_is_shadow = replay["shadow_path"] == "legacy" and replay["kv_path"] != "legacy"
+    sides = ("shadow", "authoritative") if legacy_is_shadow else ("authoritative", "shadow")
+    pools = replay.get("pools") or {}
+    ids: list[int] = []
+    for side in sides:
+        for kind, _uuid, page_ids in (pools.get(side) or {}).get(tier, ()):
+            if kind == "alloc":
+                ids.extend(page_ids)
+    return list(dict.fromkeys(ids))
+
+
+def _pool(name: str, num_pages: int, owned: dict[str, Sequence[int]], num_free: int,
+          first_free: Sequence[int]) -> PagePool:
+    """A pool whose owners are ``owned`` and whose free queue starts with ``first_free``."""
+    pool = PagePool(name, num_pages)
+    try:
+        for uuid, page_ids in owned.items():
+            if page_ids:
+                pool.take_pages(uuid, page_ids)
+    except PageOwnershipError as error:
+        raise ReplayError(f"the recorded page tables are inconsistent: {error}") from None
+    unowned = [page_id for page_id in range(num_pages) if pool.is_free(page_id)]
+    if num_free > len(unowned):
+        raise ReplayError(f"{name}: {num_free} free pages recorded, but the scope leaves only {len(unowned)} unowned")
+    head = [page_id for page_id in first_free if pool.is_free(page_id)]
+    free = list(dict.fromkeys([*head, *unowned]))[:num_free]
+    held_elsewhere = sorted(set(unowned) - set(free))
+    if held_elsewhere:
+        pool.take_pages(PLACEHOLDER_OWNER, held_elsewhere)
+    pool.take_pages(_REORDER_OWNER, free)  # the queue is now empty ...
+    pool.release_pages(_REORDER_OWNER)  # ... and refills in ``free``'s order
+    return pool

@@ -1,0 +1,137 @@
+import ast
+import importlib.util
+
+import pytest
+
+import batchgen.worker.kv_manager as kv_manager
+from compare import DivergenceError, DivergenceRecord, read_log
+from batchgen.config import TINY_MODELS
+from batchgen.minimize import DivergenceSignature, MinimizeError, minimize_divergence, write_regression
+from batchgen.model.null_model import NullModel
+from batchgen.runner import run_workload
+from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.kv_plans import AllocPlan, Destination, EvictionPlan, PageGrant, Victim
+from batchgen.worker.worker import Worker
+from batchgen.workloads import builtin_workload, load_workload
+
+Manager = kv_manager.KVCacheManager
+
+
+def inject_alloc_bug(monkeypatch):
+    """Grants come in reverse page order: diverges at the first request needing two pages."""
+    correct = Manager.plan_allocation
+
+    def plan_allocation(self, req):
+        plan = correct(self, req)
+        return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
+
+    monkeypatch.setattr(Manager, "plan_allocation", plan_allocation)
+
+
+def inject_evict_bug(monkeypatch):
+    """Victims are dropped for recompute although the host has room: needs memory pressure."""
+    correct = Manager.plan_eviction
+    monkeypatch.setattr(Manager, "plan_eviction", lambda self, req: EvictionPlan(tuple(
+        Victim(v.uuid, Destination.RECOMPUTE, v.gpu_page_ids, ()) for v in correct(self, req).victims)))
+
+
+def null_worker(workload, *, kv_gate, shadow_path):
+    return Worker(NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache, engine_config=workload.engine,
+                  kv_storage=False, kv_gate=kv_gate, shadow_path=shadow_path)
+
+
+def divergences(workload, log, *, source="smoke"):
+    worker = null_worker(workload, kv_gate=KvGateConfig(path="legacy", compare="log", compare_log=str(log)),
+                         shadow_path="plan")
+    run_workload(worker, workload, source=source)
+    return [r for r in read_log(log).records if isinstance(r, DivergenceRecord)] if log.exists() else []
+
+
+def first_divergence(tmp_path):
+    return divergences(builtin_workload("smoke"), tmp_path / "kv.jsonl")[0]
+
+
+def test_minimising_keeps_the_signature_with_fewer_requests_and_steps(tmp_path, monkeypatch):
+    inject_evict_bug(monkeypatch)
+    record = first_divergence(tmp_path)
+    result = minimize_divergence(record, make_worker=null_worker)
+    smoke = {r.uuid: r for r in builtin_workload("smoke").requests}
+    minimal = result.workload.requests
+    assert result.signature == DivergenceSignature.of(record) and result.signature.op == "evict"
+    assert 1 < len(minimal) < len(smoke)
+    assert all(r.max_new_tokens <= smoke[r.uuid].max_new_tokens and r.arrival_step <= smoke[r.uuid].arrival_step
+               for r in minimal)
+    assert sum(r.max_new_tokens for r in minimal) < sum(smoke[r.uuid].max_new_tokens for r in minimal)
+    assert (result.workload.name, result.kv_path, result.shadow_path) == ("smoke-min", "legacy", "plan")
+    assert 0 < result.num_tests <= 400
+    again = divergences(result.workload, tmp_path / "again.jsonl")
+    assert result.signature in {DivergenceSignature.of(r) for r in again}
+
+
+def test_a_divergence_at_the_first_alloc_shrinks_to_one_request_of_one_token_on_the_tiny_model(tmp_path, monkeypatch):
+    inject_alloc_bug(monkeypatch)
+    result = minimize_divergence(first_divergence(tmp_path))  # the default worker: the tiny model
+    [request] = result.workload.requests
+    assert (request.max_new_tokens, request.arrival_step) == (1, 0)
+    assert result.signature.field_paths == ("pools.gpu[*][*][*]", "requests[*].gpu_page_ids[*]")
+
+
+def test_the_written_regression_test_fails_until_the_bug_is_fixed(tmp_path, monkeypatch):
+    inject_alloc_bug(monkeypatch)
+    result = minimize_divergence(first_divergence(tmp_path), make_worker=null_worker)
+    workload_path = tmp_path / "regressions" / "workloads" / f"{result.signature.slug}.json"
+    test_path = tmp_path / "regressions" / "tests" / f"test_kv_{result.signature.slug}.py"
+    write_regression(result, workload_path, test_path)
+
+    assert load_workload(str(workload_path)) == result.workload
+    source = test_path.read_text()
+    tree = ast.parse(source)
+    name = f"test_no_{result.signature.slug}_divergence"
+    assert [f.name for f in tree.body if isinstance(f, ast.FunctionDef)] == [name]
+    assert f'Path(__file__).parent / "../workloads/{result.signature.slug}.json"' in source
+    spec = importlib.util.spec_from_file_location("generated_regression", test_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(DivergenceError, match="alloc step 0: state divergence"):
+        getattr(module, name)(tmp_path)
+    monkeypatch.undo()
+    getattr(module, name)(tmp_path)
+
+
+def test_a_record_that_does_not_reproduce_is_refused(tmp_path, monkeypatch):
+    inject_alloc_bug(monkeypatch)
+    record = first_divergence(tmp_path)
+    monkeypatch.undo()
+    with pytest.raises(MinimizeError, match="shows no state divergence at pools.gpu"):
+        minimize_divergence(record, make_worker=null_worker)
+
+
+def test_minimising_stops_at_the_test_budget(tmp_path, monkeypatch):
+    inject_evict_bug(monkeypatch)
+    record = first_divergence(tmp_path)
+    with pytest.warns(UserWarning, match="ddmin stopped after"):
+        result = minimize_divergence(record, make_worker=null_worker, max_tests=3)
+    assert result.num_tests <= 3
+    assert result.signature == DivergenceSignature.of(record)
+
+
+def test_a_workload_file_is_reloaded_from_its_path(tmp_path, monkeypatch):
+    inject_alloc_bug(monkeypatch)
+    source = tmp_path / "two.json"
+    two = builtin_workload("smoke").model_copy(update={"name": "two"})
+    two = two.model_copy(update={"requests": two.requests[:2]})
+    source.write_text(two.model_dump_json())
+    record = divergences(two, tmp_path / "kv.jsonl", source=str(source))[0]
+    result = minimize_divergence(record, make_worker=null_worker)
+    assert result.workload.name == "two-min" and len(result.workload.requests) == 1
+
+
+def test_the_signature_wildcards_ids_and_indexes():
+    record = DivergenceRecord(
+        run_id="r", workload="smoke", seed=0, step=3, op="alloc", authoritative="legacy", shadow="plan",
+        kind="state",
+        field_paths=["requests[r2].gpu_page_ids[3]", "pools.gpu[0][2][1]", "requests[r1].gpu_page_ids[0]"],
+        diff={}, exception=None, replay={}, created_at=0.0)
+    signature = DivergenceSignature.of(record)
+    assert signature.field_paths == ("pools.gpu[*][*][*]", "requests[*].gpu_page_ids[*]")
+    assert signature.slug.startswith("alloc_state_") and signature.slug.isidentifier()

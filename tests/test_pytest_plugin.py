@@ -1,0 +1,108 @@
+import os
+
+import pytest
+
+# Imported here so the in-process pytester runs reuse these modules instead of re-importing them.
+import batchgen.worker.kv_compare  # noqa: F401
+import batchgen.worker.kv_manager  # noqa: F401
+import batchgen.worker.legacy_kv  # noqa: F401
+from compare import DivergenceRecord, read_log
+from batchgen.model.null_model import NullModel  # noqa: F401
+from batchgen.worker.kv_gate import GATE_FLAGS
+from batchgen.worker.worker import Worker  # noqa: F401
+
+pytest_plugins = ["pytester"]
+
+PLUGIN = ("-p", "batchgen.pytest_plugin")
+
+BUGGY_WORKER_TEST = """
+import batchgen.worker.kv_manager as kv_manager
+from batchgen.config import TINY_MODELS, CacheConfig
+from batchgen.model.null_model import NullModel
+from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.kv_plans import AllocPlan, PageGrant
+from batchgen.worker.state import Request
+from batchgen.worker.worker import Worker
+
+
+def reversed_grants(monkeypatch):
+    correct = kv_manager.KVCacheManager.plan_allocation
+
+    def plan_allocation(self, req):
+        plan = correct(self, req)
+        return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
+
+    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_allocation", plan_allocation)
+
+
+def run(**gate):
+    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=CacheConfig(page_size=4, num_gpu_pages=16,
+                    num_host_pages=8), kv_storage=False, **gate)
+    worker.add_request(Request("r0", tuple(range(1, 10)), max_new_tokens=2))
+    while worker.has_unfinished():
+        worker.step()
+
+
+def test_worker_with_a_buggy_manager(monkeypatch):
+    reversed_grants(monkeypatch)
+    run()
+
+
+def test_worker_with_an_explicit_gate(monkeypatch):
+    reversed_grants(monkeypatch)
+    run(kv_gate=KvGateConfig())
+"""
+
+
+@pytest.fixture(autouse=True)
+def no_gate_environment(monkeypatch):
+    """The inner sessions run in this process: start them without any gate variable set."""
+    for env, _, _ in GATE_FLAGS.values():
+        monkeypatch.delenv(env, raising=False)
+
+
+@pytest.fixture
+def buggy(pytester):
+    pytester.makepyfile(test_buggy=BUGGY_WORKER_TEST)
+    return pytester
+
+
+def test_a_worker_with_a_buggy_manager_fails_under_raise(buggy):
+    result = buggy.runpytest(*PLUGIN, "--kv-compare=raise", "-k", "buggy_manager")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*DivergenceError: alloc step 0: state divergence*"])
+
+
+def test_a_worker_with_a_buggy_manager_passes_when_off(buggy):
+    buggy.runpytest(*PLUGIN, "--kv-compare=off").assert_outcomes(passed=2)
+    buggy.runpytest(*PLUGIN).assert_outcomes(passed=2)
+
+
+def test_log_mode_passes_and_logs_the_divergence(buggy, tmp_path):
+    log = tmp_path / "kv.jsonl"
+    result = buggy.runpytest(*PLUGIN, "--kv-compare=log", f"--kv-compare-log={log}")
+    result.assert_outcomes(passed=2)
+    records = [r for r in read_log(log).records if isinstance(r, DivergenceRecord)]
+    assert [(r.op, r.step, r.authoritative, r.shadow) for r in records] == [("alloc", 0, "plan", "legacy")]
+    result.stdout.fnmatch_lines([f"kv-compare: 1 divergences in {log}"])
+
+
+def test_a_worker_with_an_explicit_gate_keeps_it(buggy):
+    buggy.runpytest(*PLUGIN, "--kv-compare=raise", "-k", "explicit_gate").assert_outcomes(passed=1)
+
+
+def test_the_gate_variables_are_restored_after_each_test(pytester):
+    pytester.makepyfile(test_env="""
+        import os
+
+        def test_sees_the_mode():
+            assert os.environ["BATCHGEN_WORKER_KV_COMPARE"] == "log"
+    """)
+    pytester.runpytest(*PLUGIN, "--kv-compare=log").assert_outcomes(passed=1)
+    assert "BATCHGEN_WORKER_KV_COMPARE" not in os.environ
+
+
+def test_an_unknown_mode_is_a_usage_error(pytester):
+    result = pytester.runpytest(*PLUGIN, "--kv-compare=loud")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-compare: invalid choice: 'loud'*"])

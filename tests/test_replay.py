@@ -1,0 +1,202 @@
+import pytest
+
+import batchgen.worker.kv_manager as kv_manager
+from compare import DivergenceRecord, read_log
+from batchgen.config import TINY_MODELS
+from batchgen.model.null_model import NullModel
+from batchgen.replay import PLACEHOLDER_OWNER, ReplayError, rebuild_target, replay_record
+from batchgen.runner import run_workload
+from batchgen.worker.faults import FaultInjector, FaultSpec
+from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.kv_plans import (
+    AllocPlan, Destination, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan, PollStep,
+    ReleasePlan, Victim,
+)
+from batchgen.worker.state import Phase
+from batchgen.worker.worker import Worker
+from batchgen.workloads import builtin_workload
+
+Manager = kv_manager.KVCacheManager
+
+
+def reversed_grants(plan):
+    return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
+
+
+def victims_recomputed(plan):
+    return EvictionPlan(tuple(Victim(v.uuid, Destination.RECOMPUTE, v.gpu_page_ids, ()) for v in plan.victims))
+
+
+def reversed_loads(plan):
+    return MigrationPlan(tuple(LoadStart(l.uuid, l.gpu_page_ids[::-1], l.host_page_ids) for l in plan.loads))
+
+
+def pending_appends_kept(plan):
+    return ReleasePlan(plan.released, ())
+
+
+def completed_loads_retried(plan):
+    return PollPlan(tuple(PollStep(s.uuid, PollAction.RETRY) for s in plan.steps))
+
+
+BUGS = {  # op -> (plan method, how the bug rewrites its plan)
+    "alloc": ("plan_allocation", reversed_grants),
+    "evict": ("plan_eviction", victims_recomputed),
+    "migrate": ("plan_migration", reversed_loads),
+    "release": ("plan_release", pending_appends_kept),
+    "poll": ("plan_poll", completed_loads_retried),
+}
+
+
+def inject(monkeypatch, op):
+    """Make one KVCacheManager method return a wrong plan (undone by monkeypatch.undo())."""
+    name, rewrite = BUGS[op]
+    correct = getattr(Manager, name)
+    monkeypatch.setattr(Manager, name, lambda self, req: rewrite(correct(self, req)))
+
+
+def divergences(tmp_path, *, path="legacy", faults=None):
+    """Run smoke in compare mode log (with a fault schedule SPEC); the divergence records it wrote."""
+    workload = builtin_workload("smoke")
+    log = tmp_path / "kv.jsonl"
+    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache, engine_config=workload.engine,
+                    kv_storage=False, kv_gate=KvGateConfig(path=path, compare="log", compare_log=str(log)),
+                    faults=FaultInjector(FaultSpec.parse(faults)) if faults else None)
+    run_workload(worker, workload, source="smoke")
+    return [r for r in read_log(log).records if isinstance(r, DivergenceRecord)] if log.exists() else []
+
+
+@pytest.mark.parametrize("op", sorted(BUGS))
+def test_a_logged_divergence_reproduces_from_its_record_alone(tmp_path, monkeypatch, op):
+    inject(monkeypatch, op)
+    records = divergences(tmp_path)
+    assert records and {r.op for r in records} == {op}
+    for record in records:
+        outcome = replay_record(record)
+        assert outcome.reproduced, (record.step, outcome)
+        assert outcome.kind == record.kind
+        assert outcome.field_paths == tuple(record.field_paths)
+
+
+FAULTS = "seed=3,load_fail=0.3,load_fail_late=0.2,load_hang=0.1,abort=0.15,host_shrink=0.2,gpu_refuse=0.1"
+
+
+@pytest.mark.parametrize("op", ["migrate", "poll", "release"])
+def test_divergences_under_failed_loads_aborts_and_held_pages_reproduce(tmp_path, monkeypatch, op):
+    inject(monkeypatch, op)
+    records = divergences(tmp_path, faults=FAULTS)
+    assert records
+    assert all(replay_record(record).reproduced for record in records)
+
+
+def test_a_divergence_on_the_authoritative_plan_path_reproduces_with_the_same_page_ids(tmp_path, monkeypatch):
+    inject(monkeypatch, "alloc")
+    records = divergences(tmp_path, path="plan")
+    assert records and all(r.authoritative == "plan" for r in records)
+    for record in records:
+        outcome = replay_record(record)
+        assert outcome.reproduced and outcome.diff == record.diff
+
+
+def test_an_invalid_plan_reproduces_as_the_same_exception_kind(tmp_path, monkeypatch):
+    inject(monkeypatch, "poll")
+    record = divergences(tmp_path)[0]
+    outcome = replay_record(record)
+    assert record.kind == outcome.kind == "invalid_plan"
+    assert outcome.reproduced and outcome.field_paths == ()
+    assert len(outcome.exceptions) == 1 and outcome.exceptions[0].startswith("plan raised PlanRejected: PollPlan")
+
+
+@pytest.mark.parametrize("op", sorted(BUGS))
+def test_replay_says_not_reproduced_once_the_bug_is_gone(tmp_path, monkeypatch, op):
+    inject(monkeypatch, op)
+    records = divergences(tmp_path)
+    monkeypatch.undo()
+    for record in records:
+        outcome = replay_record(record)
+        assert not outcome.reproduced
+        assert (outcome.kind, outcome.field_paths, outcome.exceptions) == (None, (), ())
+
+
+def test_replay_is_a_pure_function_of_the_record(tmp_path, monkeypatch):
+    inject(monkeypatch, "evict")
+    record = divergences(tmp_path)[0]
+    before = record.model_dump_json()
+    assert replay_record(record) == replay_record(record)
+    assert record.model_dump_json() == before
+
+
+# ---- the rebuilt pre-state, on a hand-written record --------------------------------------------
+GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "page_size": 4, "dtype_size": 4,
+            "num_gpu_pages": 10, "num_host_pages": 4, "watermark": 0.0, "max_num_seqs": 8, "max_load_retries": 1}
+
+
+def alloc_record(*, views, num_free_gpu, authoritative_ids, shadow_ids, batch):
+    snapshot = {"step": 7, "geometry": GEOMETRY, "num_free_gpu_pages": num_free_gpu, "num_free_host_pages": 4,
+                "requests": views, "num_loading": 0}
+    pools = {side: {"gpu": [["alloc", batch[-1], ids]], "host": [], "num_free_gpu": num_free_gpu - len(ids),
+                    "num_free_host": 4} for side, ids in (("authoritative", authoritative_ids), ("shadow", shadow_ids))}
+    replay = {"op": "alloc", "request_type": "AllocRequest", "request": {"snapshot": snapshot, "batch": batch},
+              "pools": pools, "kv_path": "legacy", "shadow_path": "plan", "workload_source": "smoke", "scale": 1.0}
+    return DivergenceRecord(run_id="r", workload="smoke", seed=0, step=7, op="alloc", authoritative="legacy",
+                            shadow="plan", kind="state", field_paths=["requests[b].gpu_page_ids[0]"], diff={},
+                            exception=None, replay=replay, created_at=0.0)
+
+
+VIEWS = [["a", "running", 0, 9, 8, [3, 4, 5], [], 0, None], ["b", "waiting", 1, 6, 0, [], [], 0, None]]
+
+
+def test_the_rebuilt_free_queue_hands_out_the_allocated_ids_first():
+    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"])
+    target = rebuild_target(record)
+    assert target.gpu_kv.peek_free_pages(5) == [7, 2, 9, 0, 1]
+    assert target.gpu_kv.pages_of("a") == (3, 4, 5)
+    assert target.gpu_kv.pages_of(PLACEHOLDER_OWNER) == (6, 8)
+    target.gpu_kv.check_integrity()
+    target.host_kv.check_integrity()
+    assert target.host_kv.peek_free_pages(4) == [0, 1, 2, 3]
+
+
+def test_the_legacy_sides_allocation_order_comes_first_when_it_is_the_shadow():
+    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[2, 7], shadow_ids=[7, 2], batch=["a", "b"])
+    plan_first = record.model_copy(update={"replay": {**record.replay, "kv_path": "plan", "shadow_path": "legacy"}})
+    assert rebuild_target(plan_first).gpu_kv.peek_free_pages(3) == [7, 2, 0]
+
+
+def test_the_rebuilt_requests_match_the_views():
+    target = rebuild_target(alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9],
+                                         batch=["a", "b"]))
+    a, b = target.state.requests["a"], target.state.requests["b"]
+    assert (a.phase, a.num_tokens, a.num_cached_tokens, a.gpu_page_ids) == (Phase.RUNNING, 9, 8, (3, 4, 5))
+    assert (b.phase, b.num_tokens, b.arrival_index) == (Phase.WAITING, 6, 1)
+    assert target.state.step == 7 and target.pending_appends == {}
+    assert (target.cache_config.page_size, target.engine_config.max_num_seqs) == (4, 8)
+
+
+def test_a_record_whose_pages_are_owned_twice_is_refused():
+    views = [VIEWS[0], ["b", "running", 1, 6, 5, [5, 6], [], 0, None]]
+    record = alloc_record(views=views, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    with pytest.raises(ReplayError, match="inconsistent"):
+        rebuild_target(record)
+
+
+def test_a_record_with_more_free_pages_than_unowned_ones_is_refused():
+    record = alloc_record(views=VIEWS, num_free_gpu=8, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    with pytest.raises(ReplayError, match="8 free pages recorded"):
+        rebuild_target(record)
+
+
+def test_a_record_of_an_unknown_op_is_refused():
+    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    bad = record.model_copy(update={"replay": {**record.replay, "op": "defrag"}})
+    with pytest.raises(ReplayError, match="unknown op 'defrag'"):
+        replay_record(bad)
+
+
+def test_a_record_the_rebuilt_state_cannot_match_is_refused():
+    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    request = record.replay["request"]
+    tampered = {**request, "snapshot": {**request["snapshot"], "num_loading": -1}}
+    bad = record.model_copy(update={"replay": {**record.replay, "request": tampered}})
+    with pytest.raises(ReplayError, match="snapshot.num_loading"):
+        replay_record(bad)
