@@ -8,7 +8,9 @@ append tensors stay the worker's: a plan only names which ones to drop.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from functools import partial
+from operator import attrgetter
 
 from batchgen.config import DTYPE_SIZES
 from batchgen.worker.kv_manager import KVCacheManager, decode_demand
@@ -44,6 +46,17 @@ def view_of(req: RequestState) -> RequestKvView:
                          req.gpu_page_ids, req.host_page_ids, req.num_load_retries, req.swapped_step)
 
 
+# views_of(scope) == tuple(view_of(r) for r in scope), built in C (attrgetter, tuple.__new__): snapshots
+# take thousands of views per step, and this is their hot path.
+_VIEW_FIELDS = attrgetter("request.uuid", "phase._value_", "arrival_index", "num_tokens", "num_cached_tokens",
+                          "gpu_page_ids", "host_page_ids", "num_load_retries", "swapped_step")
+_new_view = partial(tuple.__new__, RequestKvView)
+
+
+def views_of(scope: Iterable[RequestState]) -> tuple[RequestKvView, ...]:
+    return tuple(map(_new_view, map(_VIEW_FIELDS, scope)))
+
+
 class PlanKvPath:
     """The KV ops through :class:`KVCacheManager` plans, applied to ``target``."""
 
@@ -60,7 +73,7 @@ class PlanKvPath:
             step=state.step, geometry=self.geometry,
             num_free_gpu_pages=self.target.gpu_kv.free_pages(),
             num_free_host_pages=self.target.host_kv.free_pages(),
-            requests=tuple(view_of(r) for r in scope),
+            requests=views_of(scope),
             num_loading=sum(1 for r in state.requests.values() if r.phase is Phase.LOADING),
         )
 
@@ -256,15 +269,19 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) ->
     scheduled = set(batch)
     granted: set[int] = set()
     page_size = target.cache_config.page_size
-    for i, grant in enumerate(plan.grants):
-        field = f"AllocPlan.grants[{i}]"
+    requests, admissible = target.state.requests, (Phase.RUNNING, Phase.WAITING)
+    for i, grant in enumerate(plan.grants):  # field names are formatted only on the error paths (hot loop)
         if grant.uuid not in scheduled:
-            raise PlanRejected(f"{field}.uuid", f"{grant.uuid!r} is not scheduled this step")
-        req = _request(target, f"{field}.uuid", grant.uuid, (Phase.RUNNING, Phase.WAITING))
-        need = decode_demand(view_of(req), page_size)
+            raise PlanRejected(f"AllocPlan.grants[{i}].uuid", f"{grant.uuid!r} is not scheduled this step")
+        req = requests.get(grant.uuid)
+        if req is None or req.phase not in admissible:
+            _request(target, f"AllocPlan.grants[{i}].uuid", grant.uuid, admissible)  # raises, naming the problem
+        need = decode_demand(req, page_size)  # reads num_tokens and gpu_page_ids, which a RequestState has too
         if len(grant.new_page_ids) != need:
-            raise PlanRejected(f"{field}.new_page_ids", f"{len(grant.new_page_ids)} pages granted, {need} needed")
-        _check_free(target.gpu_kv, f"{field}.new_page_ids", grant.new_page_ids, granted)
+            raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
+                               f"{len(grant.new_page_ids)} pages granted, {need} needed")
+        if grant.new_page_ids:
+            _check_free(target.gpu_kv, f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids, granted)
     for grant in plan.grants:
         req = target.state.requests[grant.uuid]
         if grant.new_page_ids:

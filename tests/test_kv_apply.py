@@ -1,0 +1,391 @@
+"""Plan application: every invalid plan is rejected, naming its field, with the target untouched;
+valid plans give exactly the expected state.
+
+The target (``make_target``), page_size 4, GPU pool 12 pages, host pool 8, step 7::
+
+    uuid    phase     tokens  cached  GPU pages  host pages  other
+    run0    RUNNING   7       6       0,1        -           demand 0
+    run1    RUNNING   9       8       2,3        -           demand 1, pending append
+    swap2   SWAPPED   7       6       -          0,1         swapped at step 6
+    load3   LOADING   5       4       4,5        2,3         in-flight load, 0 retries
+    wait4   WAITING   5       0       -          -
+    done5   FINISHED  5       4       6,7        -           pending append
+    swap6   SWAPPED   3       2       -          4           swapped at step 6
+
+    GPU free queue 8,9,10,11      host free queue 5,6,7
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
+from batchgen.worker.kv_apply import (
+    PlanKvPath, PlanRejected, apply_alloc_plan, apply_eviction_plan, apply_migration_plan, apply_poll_plan,
+    apply_release_plan, view_of, views_of,
+)
+from batchgen.worker.kv_backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
+from batchgen.worker.kv_plans import (
+    AllocPlan, Destination, DoesNotFit, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan,
+    PollStep, ReleasePlan, Victim,
+)
+from batchgen.worker.kv_target import KvTarget
+from batchgen.worker.state import Phase, Request, RequestOutput, RequestState, TokenLogprobs, WorkerState
+from batchgen.worker.worker import PendingAppend
+
+CACHE = CacheConfig(page_size=4, num_gpu_pages=12, num_host_pages=8, watermark=0.0)
+ENGINE = EngineConfig(max_num_seqs=8, max_load_retries=1)
+LOGPROBS = TokenLogprobs((5, 6), (-0.1, -2.5))
+
+
+class FailingHandle:
+    """A load whose copy failed: ``wait`` raises."""
+
+    def __init__(self):
+        self.num_waits = 0
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        self.num_waits += 1
+        raise OSError("injected copy failure")
+
+
+def make_target() -> KvTarget:
+    state = WorkerState(step=7)
+    gpu = GpuKvPool(CACHE.num_gpu_pages)
+    host = HostKvPool(CACHE.num_host_pages, None, gpu)
+    host.copies = []
+
+    def add(uuid, phase, prompt_len, num_outputs, cached, *, gpu_ids=(), host_ids=(), **fields):
+        req = RequestState(Request(uuid, tuple(range(1, prompt_len + 1)), max_new_tokens=16),
+                           arrival_index=len(state.requests), phase=phase, output_ids=[5] * num_outputs,
+                           output_logprobs=[LOGPROBS] * num_outputs, num_cached_tokens=cached,
+                           gpu_page_ids=tuple(gpu_ids), host_page_ids=tuple(host_ids), **fields)
+        if gpu_ids:
+            gpu.take_pages(uuid, list(gpu_ids))
+        if host_ids:
+            host.take_pages(uuid, list(host_ids))
+        state.requests[uuid] = req
+
+    add("run0", Phase.RUNNING, 6, 1, 6, gpu_ids=(0, 1))
+    add("run1", Phase.RUNNING, 8, 1, 8, gpu_ids=(2, 3))
+    add("swap2", Phase.SWAPPED, 5, 2, 6, host_ids=(0, 1), swapped_step=6)
+    add("load3", Phase.LOADING, 4, 1, 4, gpu_ids=(4, 5), host_ids=(2, 3), load_handle=CompletedHandle(),
+        load_started_step=6, swapped_step=5)
+    add("wait4", Phase.WAITING, 5, 0, 0)
+    add("done5", Phase.FINISHED, 3, 2, 4, gpu_ids=(6, 7), finish_reason="length")
+    add("swap6", Phase.SWAPPED, 2, 1, 2, host_ids=(4,), swapped_step=6)
+    state.num_submitted = len(state.requests)
+    pending = {"run1": PendingAppend(8, None), "done5": PendingAppend(4, None)}
+    return KvTarget(state, gpu, host, pending, TINY_MODELS["tiny"], CACHE, ENGINE)
+
+
+def deep_dump(target: KvTarget) -> dict:
+    """Everything a plan could change: state (handles by identity), both pools' internals, copies, pending."""
+    state = target.state
+
+    def request(req: RequestState) -> dict:
+        fields = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
+        fields["load_handle"] = id(req.load_handle) if req.load_handle is not None else None
+        return copy.deepcopy(fields)
+
+    return {
+        "step": state.step,
+        "num_submitted": state.num_submitted,
+        "requests": [(uuid, request(req)) for uuid, req in state.requests.items()],
+        "outputs": list(state.outputs.items()),
+        "stats": dataclasses.asdict(state.stats),
+        "gpu": copy.deepcopy(vars(target.gpu_kv.pages)),
+        "host": copy.deepcopy(vars(target.host_kv.pages)),
+        "copies": list(target.host_kv.copies),
+        "pending": list(target.pending_appends.items()),
+    }
+
+
+def free_queue(pool) -> list[int]:
+    return list(pool.pages._queue[pool.pages._head:])
+
+
+def test_the_fixture_target_is_consistent():
+    target = make_target()
+    target.gpu_kv.check_integrity(target.state.requests)
+    target.host_kv.check_integrity(target.state.requests)
+    assert free_queue(target.gpu_kv) == [8, 9, 10, 11] and free_queue(target.host_kv) == [5, 6, 7]
+
+
+def test_bulk_snapshot_views_equal_per_request_views_in_every_phase():
+    target = make_target()
+    reqs = list(target.state.requests.values())
+    expected = tuple(view_of(r) for r in reqs)
+    assert {v.phase for v in expected} == {"running", "swapped", "loading", "waiting", "finished"}
+    assert views_of(reqs) == expected
+    assert repr(views_of(reqs)) == repr(expected)  # RequestKvView records, not bare tuples
+    assert views_of([]) == ()
+
+
+# ---- invalid plans -----------------------------------------------------------------------------------
+def poll(plan, observed):
+    return lambda target: apply_poll_plan(target, plan, observed)
+
+
+def release(plan):
+    return lambda target: apply_release_plan(target, plan)
+
+
+def evict(plan):
+    return lambda target: apply_eviction_plan(target, plan)
+
+
+def migrate(plan):
+    return lambda target: apply_migration_plan(target, plan)
+
+
+def alloc(plan, batch=("run0", "run1", "wait4")):
+    return lambda target: apply_alloc_plan(target, plan, list(batch))
+
+
+def _set(uuid, **fields):
+    def change(target):
+        for name, value in fields.items():
+            setattr(target.state.requests[uuid], name, value)
+    return change
+
+
+COMPLETE, RETRY, RECOMPUTE, FAIL = PollAction.COMPLETE, PollAction.RETRY, PollAction.RECOMPUTE, PollAction.FAIL
+HOST, DROP = Destination.HOST, Destination.RECOMPUTE
+
+# (case id, setup applied to the fresh target first or None, the application, the field named)
+INVALID = [
+    # poll
+    ("poll unknown uuid", None, poll(PollPlan((PollStep("ghost", COMPLETE),)), {"ghost": None}), "PollPlan.steps[0].uuid"),
+    ("poll wrong phase", None, poll(PollPlan((PollStep("load3", COMPLETE), PollStep("run0", COMPLETE))),
+                                    {"load3": None, "run0": None}), "PollPlan.steps[1].uuid"),
+    ("poll completes a failed load", None, poll(PollPlan((PollStep("load3", COMPLETE),)), {"load3": "OSError: x"}),
+     "PollPlan.steps[0].action"),
+    ("poll retries a landed load", None, poll(PollPlan((PollStep("load3", RETRY),)), {"load3": None}),
+     "PollPlan.steps[0].action"),
+    ("poll retries with no retries left", _set("load3", num_load_retries=1),
+     poll(PollPlan((PollStep("load3", RETRY),)), {"load3": "OSError: x"}), "PollPlan.steps[0].action"),
+    ("poll fails without a reason", None, poll(PollPlan((PollStep("load3", FAIL),)), {"load3": "OSError: x"}),
+     "PollPlan.steps[0].reason"),
+    ("poll misses an observed load", None, poll(PollPlan(()), {"load3": None}), "PollPlan.steps"),
+    ("poll names a load twice", None, poll(PollPlan((PollStep("load3", COMPLETE),) * 2), {"load3": None}),
+     "PollPlan.steps"),
+    # release
+    ("release unknown uuid", None, release(ReleasePlan(("done5", "ghost"), ("done5",))), "ReleasePlan.released[1]"),
+    ("release a running request", None, release(ReleasePlan(("run0",), ())), "ReleasePlan.released[0]"),
+    ("release a request twice", None, release(ReleasePlan(("done5", "done5"), ())), "ReleasePlan.released"),
+    ("drop the pending append of a request not released", None,
+     release(ReleasePlan(("done5",), ("done5", "run1"))), "ReleasePlan.drop_pending_append_ids[1]"),
+    # eviction
+    ("evict unknown uuid", None, evict(EvictionPlan((Victim("ghost", DROP, (), ()),))), "EvictionPlan.victims[0].uuid"),
+    ("evict a swapped request", None, evict(EvictionPlan((Victim("swap2", DROP, (), ()),))),
+     "EvictionPlan.victims[0].uuid"),
+    ("evict with a stale GPU page table", None, evict(EvictionPlan((Victim("run1", DROP, (2,), ()),))),
+     "EvictionPlan.victims[0].gpu_page_ids"),
+    ("evict to host with too few host pages", None,
+     evict(EvictionPlan((Victim("run1", HOST, (2, 3), (5, 6)), Victim("run0", HOST, (0, 1), (7,))))),
+     "EvictionPlan.victims[1].host_page_ids"),
+    ("evict for recompute with host pages", None, evict(EvictionPlan((Victim("run1", DROP, (2, 3), (5, 6)),))),
+     "EvictionPlan.victims[0].host_page_ids"),
+    ("evict into an owned host page", None, evict(EvictionPlan((Victim("run1", HOST, (2, 3), (5, 0)),))),
+     "EvictionPlan.victims[0].host_page_ids"),
+    ("evict into a host page out of range", None, evict(EvictionPlan((Victim("run1", HOST, (2, 3), (5, 8)),))),
+     "EvictionPlan.victims[0].host_page_ids"),
+    ("evict granting a host page twice", None,
+     evict(EvictionPlan((Victim("run1", HOST, (2, 3), (5, 6)), Victim("run0", HOST, (0, 1), (6, 7))))),
+     "EvictionPlan.victims[1].host_page_ids"),
+    ("evict a request twice", None, evict(EvictionPlan((Victim("run1", DROP, (2, 3), ()),) * 2)), "EvictionPlan.victims"),
+    # migration
+    ("migrate unknown uuid", None, migrate(MigrationPlan((LoadStart("ghost", (8,), (0,)),))), "MigrationPlan.loads[0].uuid"),
+    ("migrate a running request", None, migrate(MigrationPlan((LoadStart("run0", (8, 9), (0, 1)),))),
+     "MigrationPlan.loads[0].uuid"),
+    ("migrate from the wrong host pages", None, migrate(MigrationPlan((LoadStart("swap2", (8, 9), (1, 0)),))),
+     "MigrationPlan.loads[0].host_page_ids"),
+    ("migrate into too many GPU pages", None, migrate(MigrationPlan((LoadStart("swap2", (8, 9, 10), (0, 1)),))),
+     "MigrationPlan.loads[0].gpu_page_ids"),
+    ("migrate into an owned GPU page", None,
+     migrate(MigrationPlan((LoadStart("swap6", (8,), (4,)), LoadStart("swap2", (9, 0), (0, 1))))),
+     "MigrationPlan.loads[1].gpu_page_ids"),
+    ("migrate granting a GPU page twice in one load", None, migrate(MigrationPlan((LoadStart("swap2", (8, 8), (0, 1)),))),
+     "MigrationPlan.loads[0].gpu_page_ids"),
+    ("migrate granting a GPU page twice across loads", None,
+     migrate(MigrationPlan((LoadStart("swap2", (8, 9), (0, 1)), LoadStart("swap6", (9,), (4,))))),
+     "MigrationPlan.loads[1].gpu_page_ids"),
+    ("migrate a request twice", None, migrate(MigrationPlan((LoadStart("swap6", (8,), (4,)),) * 2)), "MigrationPlan.loads"),
+    # allocation
+    ("grant for an unscheduled request", None, alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("done5", ())), ())),
+     "AllocPlan.grants[1].uuid"),
+    ("grant for an unknown scheduled request", None, alloc(AllocPlan((PageGrant("ghost", ()),), ()), batch=("ghost",)),
+     "AllocPlan.grants[0].uuid"),
+    ("grant for a swapped request", None, alloc(AllocPlan((PageGrant("swap2", (8, 9)),), ()), batch=("swap2",)),
+     "AllocPlan.grants[0].uuid"),
+    ("grant of the wrong page count", None, alloc(AllocPlan((PageGrant("run0", ()), PageGrant("run1", (8, 9))), ())),
+     "AllocPlan.grants[1].new_page_ids"),
+    ("grant of an owned page", None, alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 3))), ())),
+     "AllocPlan.grants[1].new_page_ids"),
+    ("grant of a page twice", None, alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 8))), ())),
+     "AllocPlan.grants[1].new_page_ids"),
+    ("grant to a request twice", None, alloc(AllocPlan((PageGrant("run0", ()),) * 2, ())), "AllocPlan.grants"),
+]
+
+
+@pytest.mark.parametrize(("setup", "apply", "field"), [case[1:] for case in INVALID], ids=[case[0] for case in INVALID])
+def test_an_invalid_plan_is_rejected_naming_its_field_and_changes_nothing(setup, apply, field):
+    target = make_target()
+    if setup is not None:
+        setup(target)
+    before = deep_dump(target)
+    with pytest.raises(PlanRejected) as raised:
+        apply(target)
+    assert raised.value.field == field
+    assert str(raised.value).startswith(f"{field}: ")
+    assert deep_dump(target) == before
+
+
+def test_plan_rejected_is_a_value_error_whose_message_says_why():
+    target = make_target()
+    with pytest.raises(ValueError, match=r"^EvictionPlan\.victims\[0\]\.host_page_ids: page 0 is not free in the host pool$"):
+        apply_eviction_plan(target, EvictionPlan((Victim("run1", HOST, (2, 3), (0, 5)),)))
+
+
+def test_a_plan_built_before_the_pool_changed_is_rejected_not_half_applied():
+    target = make_target()
+    path = PlanKvPath(target)
+    plan = path.manager.plan_allocation(path.alloc_request(["run1", "wait4"]))
+    assert plan == AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), ())
+    target.gpu_kv.take_pages("intruder", [10])  # page 10 was taken after the snapshot
+    before = deep_dump(target)
+    with pytest.raises(PlanRejected, match=r"^AllocPlan\.grants\[1\]\.new_page_ids: page 10 is not free"):
+        apply_alloc_plan(target, plan, ["run1", "wait4"])
+    assert deep_dump(target) == before
+
+
+# ---- valid plans ---------------------------------------------------------------------------------------
+def test_poll_complete_makes_the_request_running_and_frees_its_host_pages():
+    target = make_target()
+    apply_poll_plan(target, PollPlan((PollStep("load3", COMPLETE),)), {"load3": None})
+    req = target.state.requests["load3"]
+    assert (req.phase, req.gpu_page_ids, req.host_page_ids, req.load_handle, req.load_started_step) == (
+        Phase.RUNNING, (4, 5), (), None, None)
+    assert free_queue(target.host_kv) == [5, 6, 7, 2, 3]
+    assert free_queue(target.gpu_kv) == [8, 9, 10, 11]
+    assert dataclasses.asdict(target.state.stats) == dataclasses.asdict(type(target.state.stats)())
+
+
+def test_poll_retry_restarts_the_load_into_the_same_pages():
+    target = make_target()
+    apply_poll_plan(target, PollPlan((PollStep("load3", RETRY),)), {"load3": "OSError: x"})
+    req = target.state.requests["load3"]
+    assert (req.phase, req.gpu_page_ids, req.host_page_ids, req.num_load_retries, req.load_started_step) == (
+        Phase.LOADING, (4, 5), (2, 3), 1, 7)
+    assert req.load_handle is not None
+    assert target.host_kv.copies == [CopyOp("load", "load3", (2, 3), (4, 5))]
+    assert (target.state.stats.load_failures, target.state.stats.loads) == (1, 1)
+
+
+def test_poll_recompute_drops_both_tiers_and_sends_the_request_back_to_waiting():
+    target = make_target()
+    target.state.requests["load3"].num_load_retries = 1
+    apply_poll_plan(target, PollPlan((PollStep("load3", RECOMPUTE),)), {"load3": "OSError: x"})
+    req = target.state.requests["load3"]
+    assert (req.phase, req.gpu_page_ids, req.host_page_ids, req.num_cached_tokens, req.num_load_retries) == (
+        Phase.WAITING, (), (), 0, 0)
+    assert free_queue(target.gpu_kv) == [8, 9, 10, 11, 4, 5]
+    assert free_queue(target.host_kv) == [5, 6, 7, 2, 3]
+    assert (target.state.stats.load_failures, target.state.stats.recompute_preemptions) == (1, 1)
+
+
+def test_poll_fail_marks_the_request_failed_with_the_plans_reason():
+    target = make_target()
+    target.state.requests["load3"].num_load_retries = 1
+    apply_poll_plan(target, PollPlan((PollStep("load3", FAIL, "load failed: OSError: x"),)), {"load3": "OSError: x"})
+    req = target.state.requests["load3"]
+    assert (req.phase, req.finish_reason, req.gpu_page_ids, req.host_page_ids) == (
+        Phase.FAILED, "load failed: OSError: x", (), ())
+    assert (target.state.stats.load_failures, target.state.stats.recompute_preemptions) == (1, 0)
+
+
+def test_release_frees_both_tiers_keeps_the_output_and_drops_only_its_pending_append():
+    target = make_target()
+    apply_release_plan(target, ReleasePlan(("done5",), ("done5",)))
+    assert "done5" not in target.state.requests
+    assert target.state.outputs == {"done5": RequestOutput("done5", Phase.FINISHED, "length", (5, 5), (LOGPROBS,) * 2)}
+    assert free_queue(target.gpu_kv) == [8, 9, 10, 11, 6, 7]
+    assert list(target.pending_appends) == ["run1"]
+
+
+def test_release_waits_for_an_aborted_requests_load_even_when_it_fails():
+    target = make_target()
+    req = target.state.requests["load3"]
+    handle = req.load_handle = FailingHandle()
+    req.phase, req.finish_reason = Phase.FINISHED, "abort"
+    apply_release_plan(target, ReleasePlan(("load3",), ("load3",)))
+    assert handle.num_waits == 1
+    assert target.state.outputs["load3"].finish_reason == "abort"
+    assert free_queue(target.gpu_kv) == [8, 9, 10, 11, 4, 5]
+    assert free_queue(target.host_kv) == [5, 6, 7, 2, 3]
+
+
+def test_eviction_stores_host_victims_drops_recompute_victims_in_plan_order():
+    target = make_target()
+    apply_eviction_plan(target, EvictionPlan((Victim("run1", HOST, (2, 3), (6, 5)), Victim("run0", DROP, (0, 1), ()))))
+    run1, run0 = target.state.requests["run1"], target.state.requests["run0"]
+    assert (run1.phase, run1.gpu_page_ids, run1.host_page_ids, run1.swapped_step, run1.num_cached_tokens) == (
+        Phase.SWAPPED, (), (6, 5), 7, 8)
+    assert (run0.phase, run0.gpu_page_ids, run0.host_page_ids, run0.num_cached_tokens, run0.output_ids) == (
+        Phase.WAITING, (), (), 0, [5])
+    assert target.host_kv.copies == [CopyOp("store", "run1", (2, 3), (6, 5))]
+    assert free_queue(target.gpu_kv) == [8, 9, 10, 11, 2, 3, 0, 1]
+    assert free_queue(target.host_kv) == [7]
+    assert (target.state.stats.evictions, target.state.stats.recompute_preemptions) == (1, 1)
+    assert list(target.pending_appends) == ["run1", "done5"]  # the worker's, untouched by eviction
+
+
+def test_migration_grants_exactly_the_planned_gpu_pages_and_starts_the_loads():
+    target = make_target()
+    apply_migration_plan(target, MigrationPlan((LoadStart("swap2", (10, 8), (0, 1)), LoadStart("swap6", (11,), (4,)))))
+    swap2, swap6 = target.state.requests["swap2"], target.state.requests["swap6"]
+    assert (swap2.phase, swap2.gpu_page_ids, swap2.host_page_ids, swap2.load_started_step) == (
+        Phase.LOADING, (10, 8), (0, 1), 7)
+    assert (swap6.phase, swap6.gpu_page_ids, swap6.host_page_ids) == (Phase.LOADING, (11,), (4,))
+    assert swap2.load_handle is not None and swap6.load_handle is not None
+    assert target.host_kv.copies == [CopyOp("load", "swap2", (0, 1), (10, 8)), CopyOp("load", "swap6", (4,), (11,))]
+    assert free_queue(target.gpu_kv) == [9]
+    assert target.state.stats.loads == 2
+    target.gpu_kv.check_integrity(target.state.requests)
+
+
+def test_allocation_appends_granted_pages_admits_waiting_requests_and_returns_the_served():
+    target = make_target()
+    plan = AllocPlan((PageGrant("run0", ()), PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), ())
+    assert apply_alloc_plan(target, plan, ["run0", "run1", "wait4"]) == ["run0", "run1", "wait4"]
+    requests = target.state.requests
+    assert [(requests[u].phase, requests[u].gpu_page_ids) for u in ("run0", "run1", "wait4")] == [
+        (Phase.RUNNING, (0, 1)), (Phase.RUNNING, (2, 3, 8)), (Phase.RUNNING, (9, 10))]
+    assert free_queue(target.gpu_kv) == [11]
+
+
+def test_allocation_leaves_out_what_does_not_fit():
+    target = make_target()
+    plan = AllocPlan((PageGrant("run1", (8,)),), (DoesNotFit("wait4", 2, 1),))
+    assert apply_alloc_plan(target, plan, ["run1", "wait4"]) == ["run1"]
+    assert target.state.requests["wait4"].phase is Phase.WAITING
+    assert free_queue(target.gpu_kv) == [9, 10, 11]
+
+
+def test_the_plan_path_applies_what_its_manager_plans():
+    target = make_target()
+    path = PlanKvPath(target)
+    assert path.allocate(["run0", "run1", "wait4"]) == ["run0", "run1", "wait4"]
+    assert [target.state.requests[u].gpu_page_ids for u in ("run1", "wait4")] == [(2, 3, 8), (9, 10)]
+    path.release(["done5"])
+    assert list(target.pending_appends) == ["run1"] and "done5" in target.state.outputs
+    target.gpu_kv.check_integrity(target.state.requests)
+    target.host_kv.check_integrity(target.state.requests)
+
