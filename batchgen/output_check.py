@@ -11,7 +11,8 @@ the top two candidates are (almost) tied. The rule, after vLLM's
 
 Position i is a near-tie when each run's token is among the other run's top-2
 ids at i, and the reference's log-probabilities of the two tokens differ by
-less than ``tolerance``. Everything here is pure.
+less than ``tolerance``. ``compare_exact`` makes the same checks with no
+allowance, for two runs that batch identically. Everything here is pure.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def first_difference(reference_ids: tuple[int, ...], candidate_ids: tuple[int, .
     return None
 
 
-def near_tie_problem(reference: RequestOutput, candidate: RequestOutput, position: int, *, tolerance: float) -> str | None:
+def near_tie_problem(reference: RequestOutput, candidate: RequestOutput, position: int, *,
+                     tolerance: float) -> str | None:
     """None when the differing tokens at ``position`` are a near-tie, else why not."""
     ref_token, cand_token = reference.output_ids[position], candidate.output_ids[position]
     where = f"{reference.uuid}: token {position} is {ref_token} in the reference, {cand_token} in the candidate"

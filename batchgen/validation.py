@@ -2,19 +2,21 @@
 
 Five runs, one model::
 
-    role       worker                       workload   pool                        checks
-    ---------  ---------------------------  ---------  --------------------------  ----------------------------------
-    shared     one worker for both runs     L2-2048    L2-4096's (see below)       evicted; clean after; integrity at
-               (the system under test)      L2-4096                                every step; tokens == reference
-    reference  a fresh worker per workload  both       every request fits at once  no eviction, load or recompute
-    fresh      a fresh worker               L2-4096    the shared worker's         tokens == shared run's, exactly
+    role       worker                       workload   pool                        checks (every run: pools
+                                                                                   consistent after every step)
+    ---------  ---------------------------  ---------  --------------------------  ----------------------------
+    shared     one worker for both runs     L2-2048    L2-4096's (see below)       evicted; clean after;
+               (the system under test)      L2-4096                                tokens == reference's
+    reference  a fresh worker per workload  both       every request fits at once  no eviction, load, recompute
+    fresh      a fresh worker               L2-4096    the shared worker's         == the shared run, exactly
 
 The shared worker's cache is L2-4096's: the smallest built-in pool that can
 hold L2-4096's longest request (L2-2048's pool cannot), so L2-4096 runs under
 exactly the pressure it was sized for and L2-2048 under less, but still enough
 to evict; both evicting is checked, not assumed (below scale 1 L2-2048 may stop
-evicting, and the report says so). Both traces share one engine config. The
-page dtype follows the model's dtype, and so does the near-tie tolerance.
+evicting, and the report says so). The two traces build the same engine
+config; the worker takes L2-4096's. The page dtype follows the model's dtype,
+and so does the near-tie tolerance.
 
 "Clean after" means: no GPU or host page held, no load in flight, no live
 request state, and ``worker.check_integrity()`` passes. Comparing against the
@@ -102,9 +104,9 @@ def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: s
     tolerance = NEAR_TIE_TOLERANCES[dtype]
     session = _Session(on_progress)
 
-    shared = Worker(model, cache_config=cache, engine_config=second.engine, device=device)
+    shared = _new_worker(model, cache, second.engine, device)
     for workload in (first, second):
-        result = session.run("shared", shared, workload, check_integrity=True)
+        result = session.run("shared", shared, workload)
         if result is None:  # the worker's state is broken; later checks would only repeat it
             return session.report(cache, tolerance, started)
         session.check_clean(shared, result)
@@ -112,12 +114,12 @@ def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: s
 
     for workload in (first, second):
         roomy = workload.with_cache(**_no_eviction_pool(workload, dtype))
-        reference = session.run("reference", _fresh_worker(model, roomy.cache, roomy.engine, device), roomy)
+        reference = session.run("reference", _new_worker(model, roomy.cache, roomy.engine, device), roomy)
         if reference is not None:
             session.check_no_eviction(reference)
             session.compare(reference, session.shared_results[workload.name], tolerance)
 
-    fresh = session.run("fresh", _fresh_worker(model, cache, second.engine, device), second)
+    fresh = session.run("fresh", _new_worker(model, cache, second.engine, device), second)
     if fresh is not None:
         session.check_same_run(fresh, session.shared_results[second.name])
     return session.report(cache, tolerance, started)
@@ -132,14 +134,15 @@ class _Session:
         self.failures: list[str] = []
         self.shared_results: dict[str, RunResult] = {}
 
-    def run(self, role: str, worker: Worker, workload: Workload, *, check_integrity: bool = False) -> RunResult | None:
-        """Run ``workload`` on ``worker``; None (and a failure) if an integrity check failed mid-run."""
+    def run(self, role: str, worker: Worker, workload: Workload) -> RunResult | None:
+        """Run ``workload`` on ``worker``, checking its pools after every step; None (and a failure)
+        if a check failed mid-run."""
         label = f"{workload.name} {role}"
         on_step = None if self.on_progress is None else (lambda done, total: self.on_progress(label, done, total))
         try:
-            result = run_workload(worker, workload, check_integrity=check_integrity, on_step=on_step)
+            result = run_workload(worker, workload, check_integrity=True, on_step=on_step)
         except AssertionError as error:
-            self.failures.append(f"{label}: integrity check failed at step {worker.state.step}: {error}")
+            self.failures.append(f"{label}: integrity check failed at step {worker.state.step}: {_first_line(error)}")
             return None
         self.runs.append(ValidationRun(role, workload.name, result.summary()))
         if role == "shared":
@@ -156,7 +159,7 @@ class _Session:
         try:
             worker.check_integrity()
         except AssertionError as error:
-            self.failures.append(f"{label}: integrity check failed after the run: {error}")
+            self.failures.append(f"{label}: integrity check failed after the run: {_first_line(error)}")
 
     def check_evicted(self, result: RunResult) -> None:
         if result.stats.evictions == 0:
@@ -190,7 +193,7 @@ class _Session:
                                 failures=list(self.failures), wall_s=time.perf_counter() - started)
 
 
-def _fresh_worker(model, cache: CacheConfig, engine: EngineConfig, device: str | torch.device) -> Worker:
+def _new_worker(model, cache: CacheConfig, engine: EngineConfig, device: str | torch.device) -> Worker:
     return Worker(model, cache_config=cache, engine_config=engine, device=device)
 
 
@@ -209,6 +212,11 @@ def _no_eviction_pool(workload: Workload, dtype: str) -> dict:
 
 def _run_counters(result: RunResult) -> dict[str, int]:
     return {name: result.summary()[name] for name in SAME_RUN_COUNTERS}
+
+
+def _first_line(error: AssertionError) -> str:
+    """The check's own message (pytest appends its assert rewrite on later lines)."""
+    return str(error).partition("\n")[0]
 
 
 def _dtype_name(model) -> str:

@@ -1,0 +1,243 @@
+"""PagePool: FIFO ids, exact-id takes, errors, integrity; ForkedPagePool: same ids, base untouched."""
+
+import copy
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchgen.worker.page_pool import OutOfPages, PageOwnershipError, PagePool, PoolEvent
+
+
+def pool_with_history() -> PagePool:
+    """8 pages; 'a' holds 0-2 then releases them, 'b' holds 3-4: free queue [5, 6, 7, 0, 1, 2]."""
+    pool = PagePool("gpu", 8)
+    pool.allocate_pages("a", 3)
+    pool.allocate_pages("b", 2)
+    pool.release_pages("a")
+    return pool
+
+
+def internals(pool: PagePool) -> dict:
+    return copy.deepcopy(vars(pool))
+
+
+# ---- FIFO order ------------------------------------------------------------------------------
+def test_allocation_takes_ids_from_the_queue_head_in_order():
+    pool = PagePool("gpu", 6)
+    assert pool.allocate_pages("a", 2) == [0, 1]
+    assert pool.allocate_pages("b", 3) == [2, 3, 4]
+    assert pool.pages_of("a") == (0, 1)
+    assert pool.num_free == 1
+
+
+def test_released_pages_join_the_tail_and_are_reused_in_release_order():
+    pool = pool_with_history()
+    assert pool.peek_free_pages(6) == [5, 6, 7, 0, 1, 2]
+    assert pool.allocate_pages("c", 4) == [5, 6, 7, 0]
+    pool.release_pages("b")
+    assert pool.allocate_pages("d", 4) == [1, 2, 3, 4]
+
+
+def test_an_owner_growing_keeps_its_page_table_order():
+    pool = PagePool("gpu", 6)
+    pool.allocate_pages("a", 2)
+    pool.allocate_pages("b", 1)
+    pool.allocate_pages("a", 2)
+    assert pool.pages_of("a") == (0, 1, 3, 4)
+    assert pool.release_pages("a") == [0, 1, 3, 4]
+    assert pool.peek_free_pages(5) == [5, 0, 1, 3, 4]
+
+
+def test_releasing_an_owner_without_pages_changes_nothing():
+    pool = pool_with_history()
+    before = internals(pool)
+    assert pool.release_pages("nobody") == []
+    assert internals(pool) == before
+
+
+def test_peek_does_not_mutate():
+    pool = pool_with_history()
+    before = internals(pool)
+    assert pool.peek_free_pages(2) == [5, 6]
+    assert internals(pool) == before
+
+
+# ---- take_pages ------------------------------------------------------------------------------
+def test_take_of_the_queue_head_leaves_the_rest_of_the_queue_in_order():
+    pool = pool_with_history()
+    pool.take_pages("c", [5, 6])
+    assert pool.pages_of("c") == (5, 6)
+    assert pool.peek_free_pages(4) == [7, 0, 1, 2]
+
+
+def test_take_out_of_queue_order_removes_exactly_those_ids():
+    pool = pool_with_history()
+    pool.take_pages("c", [1, 7])
+    assert pool.pages_of("c") == (1, 7)
+    assert pool.peek_free_pages(4) == [5, 6, 0, 2]
+    pool.check_integrity()
+
+
+def test_take_rejects_a_page_named_twice_and_changes_nothing():
+    pool = pool_with_history()
+    before = internals(pool)
+    with pytest.raises(PageOwnershipError, match=r"^gpu: page ids \[5, 5\] name a page twice$"):
+        pool.take_pages("c", [5, 5])
+    assert internals(pool) == before
+
+
+def test_take_rejects_an_out_of_range_page_and_changes_nothing():
+    pool = pool_with_history()
+    before = internals(pool)
+    with pytest.raises(PageOwnershipError, match=r"^gpu: page 8 is out of range \[0, 8\)$"):
+        pool.take_pages("c", [5, 8])
+    assert internals(pool) == before
+
+
+def test_take_rejects_an_owned_page_and_changes_nothing():
+    pool = pool_with_history()
+    before = internals(pool)
+    with pytest.raises(PageOwnershipError, match=r"^gpu: page 3 is not free$"):
+        pool.take_pages("c", [5, 3])
+    assert internals(pool) == before
+
+
+# ---- errors ----------------------------------------------------------------------------------
+def test_allocating_more_than_free_raises_out_of_pages_and_changes_nothing():
+    pool = pool_with_history()
+    before = internals(pool)
+    with pytest.raises(OutOfPages, match=r"^gpu: 7 pages requested, 6 free$"):
+        pool.allocate_pages("c", 7)
+    assert internals(pool) == before
+    assert not pool.can_allocate(7) and pool.can_allocate(6)
+
+
+def test_allocating_a_negative_count_is_rejected():
+    with pytest.raises(ValueError, match=r"^gpu: cannot allocate -1 pages$"):
+        PagePool("gpu", 4).allocate_pages("a", -1)
+
+
+def test_a_negative_pool_size_is_rejected():
+    with pytest.raises(ValueError, match=r"^host: num_pages must be >= 0, got -1$"):
+        PagePool("host", -1)
+
+
+# ---- integrity -------------------------------------------------------------------------------
+def test_integrity_holds_for_a_used_pool():
+    pool = pool_with_history()
+    pool.check_integrity(live_uuids={"b"})
+
+
+def test_integrity_catches_a_page_both_free_and_owned():
+    pool = pool_with_history()
+    pool._queue.append(3)  # corrupt: 3 is owned by "b"
+    with pytest.raises(AssertionError, match="gpu: free 7 \\+ owned 2 != total 8"):
+        pool.check_integrity()
+
+
+def test_integrity_catches_an_owned_page_marked_free():
+    pool = pool_with_history()
+    pool._free_flags[3] = 1  # corrupt: 3 is owned by "b"
+    with pytest.raises(AssertionError, match="gpu: owned page marked free"):
+        pool.check_integrity()
+
+
+def test_integrity_catches_a_lost_page():
+    pool = pool_with_history()
+    pool._owned["b"].pop()  # corrupt: page 4 is neither free nor owned
+    with pytest.raises(AssertionError, match="gpu: free 6 \\+ owned 1 != total 8"):
+        pool.check_integrity()
+
+
+def test_integrity_catches_pages_of_an_owner_no_longer_live():
+    pool = pool_with_history()
+    with pytest.raises(AssertionError, match=r"gpu: pages owned by requests no longer live: \['b'\]"):
+        pool.check_integrity(live_uuids=set())
+
+
+def test_journal_records_each_mutation_when_enabled():
+    pool = PagePool("host", 4)
+    pool.journal = []
+    pool.allocate_pages("a", 2)
+    pool.take_pages("b", [3])
+    pool.allocate_pages("c", 0)
+    pool.release_pages("a")
+    assert pool.journal == [PoolEvent("alloc", "a", (0, 1)), PoolEvent("alloc", "b", (3,)),
+                            PoolEvent("release", "a", (0, 1))]
+
+
+# ---- ForkedPagePool --------------------------------------------------------------------------
+def test_fork_hands_out_the_ids_the_base_would_and_leaves_the_base_untouched():
+    base = pool_with_history()
+    twin = copy.deepcopy(base)
+    before = internals(base)
+    fork = base.fork()
+    for pool in (fork, twin):
+        assert pool.allocate_pages("c", 2) == [5, 6]
+        pool.release_pages("b")
+        assert pool.allocate_pages("d", 5) == [7, 0, 1, 2, 3]
+        pool.take_pages("e", [4])
+        assert pool.num_free == 0
+        assert (pool.pages_of("b"), pool.pages_of("c"), pool.pages_of("d")) == ((), (5, 6), (7, 0, 1, 2, 3))
+    assert internals(base) == before
+
+
+def test_fork_journals_its_events():
+    fork = pool_with_history().fork()
+    fork.allocate_pages("c", 2)
+    fork.release_pages("b")
+    fork.take_pages("d", [3])
+    assert fork.journal == [PoolEvent("alloc", "c", (5, 6)), PoolEvent("release", "b", (3, 4)),
+                            PoolEvent("alloc", "d", (3,))]
+
+
+def test_fork_take_rejects_pages_it_does_not_have_free():
+    fork = pool_with_history().fork()
+    fork.allocate_pages("c", 1)
+    with pytest.raises(PageOwnershipError, match=r"^gpu: page 5 is not free$"):
+        fork.take_pages("d", [5])
+    with pytest.raises(PageOwnershipError, match=r"^gpu: page 3 is not free$"):
+        fork.take_pages("d", [3])
+
+
+def test_fork_raises_once_its_base_changed():
+    base = pool_with_history()
+    fork = base.fork()
+    base.allocate_pages("c", 1)
+    with pytest.raises(RuntimeError, match=r"^gpu: fork used after its base pool changed$"):
+        fork.allocate_pages("d", 1)
+    with pytest.raises(RuntimeError, match="fork used after its base pool changed"):
+        _ = fork.num_free
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["alloc", "release", "take"]), st.sampled_from("abcd"),
+                         st.integers(0, 5)), max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(history=OPS, ops=OPS)
+def test_fork_matches_a_copy_of_the_base_for_any_op_sequence(history, ops):
+    base = PagePool("gpu", 12)
+    apply_ops(base, history)
+    before = internals(base)
+    twin, fork = copy.deepcopy(base), base.fork()
+    assert apply_ops(fork, ops) == apply_ops(twin, ops)
+    assert internals(base) == before
+    assert fork.num_free == twin.num_free
+    assert all(fork.pages_of(uuid) == twin.pages_of(uuid) for uuid in "abcd")
+
+
+def apply_ops(pool, ops) -> list:
+    """Apply (op, uuid, n) triples that fit; returns what each op gave. Mutates ``pool``."""
+    results = []
+    for op, uuid, n in ops:
+        if op == "alloc" and pool.can_allocate(n):
+            results.append(pool.allocate_pages(uuid, n))
+        elif op == "release":
+            results.append(pool.release_pages(uuid))
+        elif op == "take" and pool.can_allocate(n):
+            page_ids = pool.peek_free_pages(n)[::-1]  # out of queue order
+            pool.take_pages(uuid, page_ids)
+            results.append(page_ids)
+    return results

@@ -1,0 +1,88 @@
+"""Workloads: seeded built-in traces, and workload files that load or fail with a named problem."""
+
+import re
+
+import pytest
+
+from batchgen.workloads import BUILTIN_WORKLOADS, WorkloadError, builtin_workload, load_workload
+
+
+@pytest.mark.parametrize("name", BUILTIN_WORKLOADS)
+def test_builtin_trace_is_the_same_for_the_same_seed_and_differs_for_another(name):
+    assert builtin_workload(name, seed=3) == builtin_workload(name, seed=3)
+    assert builtin_workload(name, seed=3).requests != builtin_workload(name, seed=4).requests
+    assert load_workload(name, seed=3) == builtin_workload(name, seed=3)
+
+
+@pytest.mark.parametrize("name, context", [("L2-2048", 2048), ("L2-4096", 4096)])
+def test_l2_trace_reaches_its_context_and_outgrows_its_gpu_pool(name, context):
+    workload = builtin_workload(name)
+    assert len(workload.requests) == 32
+    assert workload.max_context == context
+    demand = sum(workload.cache.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in workload.requests)
+    assert workload.cache.pages_for(context) < workload.cache.num_gpu_pages < demand
+
+
+def test_scale_grows_the_request_count_and_the_pools_above_one():
+    small, large = builtin_workload("L2-2048", scale=0.25), builtin_workload("L2-2048", scale=2.0)
+    assert (len(small.requests), len(large.requests)) == (8, 64)
+    assert small.cache == builtin_workload("L2-2048").cache
+    assert large.cache.num_gpu_pages == 2 * builtin_workload("L2-2048").cache.num_gpu_pages
+
+
+def test_token_ids_stay_inside_the_vocabulary():
+    workload = builtin_workload("smoke", vocab_size=7)
+    assert all(0 < token < 7 for r in workload.requests for token in r.prompt_ids)
+
+
+def test_unknown_workload_name_lists_the_builtin_ones():
+    with pytest.raises(WorkloadError, match=r"^unknown workload 'L2-1024'; built-in workloads are smoke, L2-2048, "
+                                            r"L2-4096, or give the path of a workload JSON file$"):
+        load_workload("L2-1024")
+
+
+def test_a_non_positive_scale_is_rejected():
+    with pytest.raises(WorkloadError, match=r"^scale must be > 0, got 0$"):
+        builtin_workload("smoke", scale=0)
+
+
+def test_workload_json_round_trips(tmp_path):
+    workload = builtin_workload("smoke", seed=5)
+    path = tmp_path / "smoke.json"
+    path.write_text(workload.model_dump_json())
+    assert load_workload(str(path)) == workload
+
+
+REQUEST = '{"uuid": "a", "prompt_ids": [1, 2], "max_new_tokens": 3}'
+CACHE = '{"num_gpu_pages": 4, "num_host_pages": 1}'
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"name": "x",', r"is not valid JSON: Expecting property name enclosed in double quotes \(line 1, column 14\)"),
+    (b"\xff\xfe{}", r"is not valid UTF-8 \(invalid start byte at byte 0\)"),
+    (f'{{"name": "x", "cache": {{"num_gpu_pages": "many", "num_host_pages": 0}}, "requests": [{REQUEST}]}}'.encode(),
+     r"is invalid: cache.num_gpu_pages: Input should be a valid integer"),
+    (f'{{"name": "x", "cache": {CACHE}, "requests": [{{"uuid": "a", "prompt_ids": [1, "two"], '
+     f'"max_new_tokens": 3}}]}}'.encode(), r"is invalid: requests.0.prompt_ids.1: Input should be a valid integer"),
+    (f'{{"name": "x", "cache": {CACHE}, "requests": [{{"uuid": "a", "prompt_ids": [1], "max_new_tokens": -3, '
+     f'"arrival_step": -1}}]}}'.encode(),
+     r"is invalid: requests.0.max_new_tokens: Input should be greater than or equal to 1; "
+     r"requests.0.arrival_step: Input should be greater than or equal to 0$"),
+    (f'{{"name": "x", "cache": {CACHE}, "requests": [{REQUEST}, {REQUEST}]}}'.encode(),
+     r"is invalid: <root>: Value error, request uuid 'a' appears twice$"),
+    (f'{{"name": "x", "cache": {CACHE}, "requests": []}}'.encode(),
+     r"is invalid: requests: List should have at least 1 item"),
+    (b"[1, 2]", r"is invalid: <root>: Input should be a valid dictionary"),
+], ids=["bad-json", "invalid-utf8", "wrong-type", "wrong-token-type", "negative-numbers", "duplicate-uuid",
+        "no-requests", "not-an-object"])
+def test_malformed_workload_file_names_the_problem(tmp_path, content, problem):
+    path = tmp_path / "workload.json"
+    path.write_bytes(content)
+    with pytest.raises(WorkloadError, match=f"^workload file '{re.escape(str(path))}' {problem}"):
+        load_workload(str(path))
+
+
+def test_missing_workload_file_is_named(tmp_path):
+    path = tmp_path / "absent.json"
+    with pytest.raises(WorkloadError, match=f"^workload file '{re.escape(str(path))}' does not exist$"):
+        load_workload(str(path))
