@@ -65,6 +65,8 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
     """
     if worker.kv_compare is not None:
         worker.kv_compare.begin_run(workload.name, seed=workload.seed, source=source, scale=scale)
+    for req in workload.requests:  # reject a bad workload before any step runs
+        worker.validate_request(req.to_request())
     start_step = worker.state.step
     before = _copy_stats(worker.state.stats)
     arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)

@@ -23,7 +23,7 @@ class WorkloadError(ValueError):
 
 
 class WorkloadRequest(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     uuid: str = Field(min_length=1)
     prompt_ids: list[int] = Field(min_length=1)

@@ -8,10 +8,11 @@
     store: GPU pages of a request -> its host pages   (synchronous; eviction)
     load : its host pages -> GPU pages                 (async handle; migration)
 
-A pool without a tensor is bookkeeping-only (null-model runs, forks). A fork
-records the copies it would issue instead of issuing them; the real pools
-record theirs too while ``journal`` is a list, so compare mode can check the
-ordered copy operations of one op.
+A pool without a tensor is bookkeeping-only (null-model runs, forks). A forked
+host pool records the copies it would issue instead of issuing them; the real
+host pool records the copies it issues while its ``copies`` is a list (compare
+mode sets one for the duration of an op), so the ordered copy operations of one
+op can be checked.
 """
 
 from __future__ import annotations

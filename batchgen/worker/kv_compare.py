@@ -2,68 +2,96 @@
 
 Per compared op (``compare.ShadowExecutor`` fixes the order)::
 
-    context       the op's request (frozen snapshot of its scope): replay input
+    context       the op's request (frozen snapshot of its scope): replay input;
+                  taken from the authoritative path when it is the plan path
     shadow        fork the scope's requests and both pools (bookkeeping only: no
                   tensors; the forked host pool records the copies it would issue),
-                  run the shadow path on the fork, canonicalise
+                  run the shadow path on the fork, canonicalise all but requests
     authoritative run the authoritative path on the worker with the pools
-                  journaling, canonicalise, stop journaling
-    compare       canonical forms: scope requests, new outputs, pending appends,
+                  journaling, canonicalise; then find the scope requests whose
+                  post-states differ between fork and worker (one C-level pass)
+                  and add those, from each side, to both canonical forms
+    compare       canonical forms: differing requests, new outputs, pending appends,
                   counters, each pool's allocator diff, the ordered copy ops
 
-Cost is O(the op's scope): the requests an op may read (RUNNING for evict, the
-batch for alloc, ...), never all state. Divergences go to a JSON Lines log with
-what ``replay`` needs; each run ends with a summary record.
+A request whose post-state is the same on both sides has equal canonical entries,
+so leaving it out gives the same verdict and field paths as canonicalising the
+whole scope (what ``replay`` does). Cost: per request in the op's scope (the
+requests an op may read: RUNNING for evict, the batch for alloc, ...; never all
+state), one copy and one C-level field check; canonical forms of the requests
+that differ only; pool journals and copy lists of what the op did. Ops the
+executor does not sample run the authoritative path alone. Divergences go to a
+JSON Lines log with what ``replay`` needs; each run ends with a summary record.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import operator
 import time
 import uuid as uuid_lib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import repeat, starmap
+from types import SimpleNamespace
 
 from compare import DivergenceRecord, JsonlSink, Keyed, RunSummary, ShadowExecutor
 from batchgen.worker.kv_apply import PlanKvPath, PlanRejected
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
 from batchgen.worker.kv_plans import to_jsonable
 from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.state import Phase, WorkerState
+from batchgen.worker.state import Phase, RequestState, WorkerState
 
 STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
+
+# RequestState(*_request_fields(req)) is copy.copy(req), about 5x faster (a fork copies its whole scope).
+_request_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestState)))
+
+# The RequestState fields behind canonical_kv's view of a live request (pending appends are checked apart).
+KV_FIELDS = ("phase", "num_cached_tokens", "gpu_page_ids", "host_page_ids", "num_load_retries", "swapped_step",
+             "finish_reason", "load_handle", "load_started_step")
+_kv_fields = operator.attrgetter(*KV_FIELDS)
+_RELEASED = SimpleNamespace(**{name: None for name in KV_FIELDS})  # stands for a request no longer live
+
+
+def differing_requests(scope: Sequence[str], a: KvTarget, b: KvTarget) -> list[str]:
+    """The requests of ``scope`` whose ``canonical_kv`` entries may differ between two post-states of one op
+    (a fork and the worker). Pure. A request left out has equal entries on both sides; one named may
+    still turn out equal. One C-level pass over the scope; pending appends and outputs only when present."""
+    mine = map(_kv_fields, map(a.state.requests.get, scope, repeat(_RELEASED)))
+    theirs = map(_kv_fields, map(b.state.requests.get, scope, repeat(_RELEASED)))
+    differing = [u for u, x, y in zip(scope, mine, theirs) if x != y]
+    if a.pending_appends or b.pending_appends:  # poll and release: small scopes
+        differing += [u for u in scope if (u in a.pending_appends) != (u in b.pending_appends)]
+    if len(a.state.requests) < len(scope) or len(b.state.requests) < len(scope):  # released on both sides?
+        gone = [u for u in scope if u not in a.state.requests and u not in b.state.requests]
+        differing += [u for u in gone if _output_key(a, u) != _output_key(b, u)]
+    return list(dict.fromkeys(differing))
+
+
+def _output_key(target: KvTarget, uuid: str) -> tuple | None:
+    out = target.state.outputs.get(uuid)
+    return None if out is None else (out.phase, out.finish_reason, len(out.output_ids))
 
 
 def fork_target(target: KvTarget, scope: Sequence[str]) -> KvTarget:
     """A target over copies of the scope's requests and forked pools; the original is untouched."""
     state = target.state
-    forked = WorkerState(step=state.step, requests={u: copy.copy(state.requests[u]) for u in scope},
+    copies = starmap(RequestState, map(_request_fields, map(state.requests.__getitem__, scope)))
+    forked = WorkerState(step=state.step, requests=dict(zip(scope, copies)),
                          stats=copy.copy(state.stats), num_submitted=state.num_submitted)
     gpu = target.gpu_kv.fork()
     host = target.host_kv.fork(gpu)
-    pending = {u: target.pending_appends[u] for u in scope if u in target.pending_appends}
+    live_pending = target.pending_appends
+    pending = {u: live_pending[u] for u in scope if u in live_pending} if live_pending else {}
     return KvTarget(forked, gpu, host, pending, target.model_config, target.cache_config, target.engine_config)
 
 
 def canonical_kv(target: KvTarget, scope: Sequence[str], result, gpu_events, host_events, copies) -> dict:
-    """The comparable post-state of one op on ``target``. Pure."""
+    """The comparable post-state of one op on ``target``, over the requests in ``scope``. Pure."""
     requests, outputs = Keyed(), Keyed()
-    live, done = target.state.requests, target.state.outputs
-    for u in scope:
-        req = live.get(u)
-        if req is not None:
-            requests[u] = {
-                "phase": req.phase.value, "num_cached_tokens": req.num_cached_tokens,
-                "gpu_page_ids": list(req.gpu_page_ids), "host_page_ids": list(req.host_page_ids),
-                "num_load_retries": req.num_load_retries, "swapped_step": req.swapped_step,
-                "finish_reason": req.finish_reason, "has_load": req.load_handle is not None,
-                "load_started_step": req.load_started_step,
-                "has_pending_append": u in target.pending_appends,
-            }
-        elif u in done:
-            out = done[u]
-            outputs[u] = {"phase": out.phase.value, "finish_reason": out.finish_reason,
-                          "num_output_ids": len(out.output_ids),
-                          "has_pending_append": u in target.pending_appends}
+    add_requests(requests, outputs, target, scope)
     stats = target.state.stats
     return {
         "requests": requests,
@@ -80,12 +108,68 @@ def canonical_kv(target: KvTarget, scope: Sequence[str], result, gpu_events, hos
     }
 
 
+def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Sequence[str]) -> None:
+    """Canonicalise ``uuids`` on ``target`` into ``requests`` (live) and ``outputs`` (released). Mutates both."""
+    live, done = target.state.requests, target.state.outputs
+    for u in uuids:
+        req = live.get(u)
+        if req is not None:
+            requests[u] = {
+                "phase": req.phase.value, "num_cached_tokens": req.num_cached_tokens,
+                "gpu_page_ids": list(req.gpu_page_ids), "host_page_ids": list(req.host_page_ids),
+                "num_load_retries": req.num_load_retries, "swapped_step": req.swapped_step,
+                "finish_reason": req.finish_reason, "has_load": req.load_handle is not None,
+                "load_started_step": req.load_started_step,
+                "has_pending_append": u in target.pending_appends,
+            }
+        elif u in done:
+            out = done[u]
+            outputs[u] = {"phase": out.phase.value, "finish_reason": out.finish_reason,
+                          "num_output_ids": len(out.output_ids),
+                          "has_pending_append": u in target.pending_appends}
+
+
 def classify(paths: tuple[str, ...]) -> str:
     return "copies" if all(p.startswith("copies") for p in paths) else "state"
 
 
 def exception_kind(error: BaseException) -> str:
     return "invalid_plan" if isinstance(error, PlanRejected) else "exception"
+
+
+class _RecordingPlanKvPath(PlanKvPath):
+    """The plan path, keeping the last op request it built: as the authoritative path it hands
+    compare mode the replay context, so that the op's snapshot is built once, not twice."""
+
+    last_request = None
+
+    def poll_request(self, observed):
+        self.last_request = super().poll_request(observed)
+        return self.last_request
+
+    def release_request(self, uuids):
+        self.last_request = super().release_request(uuids)
+        return self.last_request
+
+    def eviction_request(self):
+        self.last_request = super().eviction_request()
+        return self.last_request
+
+    def migration_request(self):
+        self.last_request = super().migration_request()
+        return self.last_request
+
+    def alloc_request(self, batch):
+        self.last_request = super().alloc_request(batch)
+        return self.last_request
+
+
+@dataclass(frozen=True, slots=True)
+class _ShadowRun:
+    """What the authoritative step of an op needs from its shadow step."""
+
+    fork: KvTarget  # the shadow's post-state
+    canonical: dict  # the shadow's canonical form, its requests and outputs still to be filled in
 
 
 class KvCompare:
@@ -100,14 +184,18 @@ class KvCompare:
                  sink: JsonlSink | None = None, seed: int = 0):
         self.target = target
         self.gate = gate
-        self.authoritative = build_kv_path(gate.path, target)
         self.authoritative_path = gate.path
         self.shadow_path = shadow_path or gate.shadow_path
-        self._requests = PlanKvPath(target)  # builds op requests (the replay context)
+        if gate.path == "plan":  # its op requests are the replay context
+            self.authoritative = self._requests = _RecordingPlanKvPath(target)
+        else:
+            self.authoritative = build_kv_path(gate.path, target)
+            self._requests = _RecordingPlanKvPath(target)  # builds the replay context before each op
         self.sink = sink if sink is not None else JsonlSink(gate.compare_log)
         self.seed = seed
         self.run_id = self.workload = self.workload_source = ""
         self.scale = 1.0
+        self._shadow_run: _ShadowRun | None = None  # handed from an op's shadow step to its authoritative step
         self.executor = self.begin_run("unnamed", seed=seed)
 
     # ---- runs ----------------------------------------------------------------------------
@@ -155,30 +243,45 @@ class KvCompare:
         return [u for u, r in self.target.state.requests.items() if r.phase in phases]
 
     def _compare(self, op: str, scope: list[str], call: Callable, request: Callable):
+        step = self.target.state.step
+        if not self.executor.should_compare(op, step):
+            return call(self.authoritative)
+        self._shadow_run = None
+        self._requests.last_request = None
         return self.executor.run(
-            op, self.target.state.step,
-            context=lambda: (op, request()),
+            op, step,
+            context=lambda: op if self._requests is self.authoritative else (op, request()),
             shadow=lambda: self._run_shadow(scope, call),
             authoritative=lambda: self._run_authoritative(scope, call),
             shadow_path=self.shadow_path, authoritative_path=self.authoritative_path,
         )
 
     def _run_shadow(self, scope: list[str], call: Callable) -> dict:
+        """The shadow path on a fork. Its canonical form's requests and outputs are left for the
+        authoritative step to fill in, once both post-states exist. Sets ``_shadow_run``."""
         fork = fork_target(self.target, scope)
         result = call(build_kv_path(self.shadow_path, fork))
-        return canonical_kv(fork, scope, result, fork.gpu_kv.journal, fork.host_kv.journal, fork.host_kv.copies)
+        canonical = canonical_kv(fork, (), result, fork.gpu_kv.journal, fork.host_kv.journal, fork.host_kv.copies)
+        self._shadow_run = _ShadowRun(fork, canonical)
+        return canonical
 
     def _run_authoritative(self, scope: list[str], call: Callable):
+        """The authoritative path on the worker; both canonical forms get the requests that differ."""
+        shadow, self._shadow_run = self._shadow_run, None
         gpu, host = self.target.gpu_kv, self.target.host_kv
         gpu.pages.journal, host.pages.journal, host.copies = [], [], []
         try:
             result = call(self.authoritative)
-            return result, canonical_kv(self.target, scope, result, gpu.journal, host.journal, host.copies)
+            if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
+                return result, canonical_kv(self.target, scope, result, gpu.journal, host.journal, host.copies)
+            differing = differing_requests(scope, shadow.fork, self.target)
+            add_requests(shadow.canonical["requests"], shadow.canonical["outputs"], shadow.fork, differing)
+            return result, canonical_kv(self.target, differing, result, gpu.journal, host.journal, host.copies)
         finally:
             gpu.pages.journal = host.pages.journal = host.copies = None
 
     def _record(self, comparison, context) -> None:
-        op, request = context
+        op, request = context if isinstance(context, tuple) else (context, self._requests.last_request)
         replay = {
             "op": op,
             "request_type": type(request).__name__,

@@ -6,24 +6,25 @@ one contiguous chunk and a run of consecutive page ids is one contiguous slice::
     pool[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
          ^ page id  '------------- one page: contiguous -------------'
 
-How a batch moves. The pairs ``src_ids[i] -> dst_ids[i]`` are sorted by the id on
-the *keyed* side and cut into runs of consecutive keyed ids; a run is one slice
-of the keyed pool. The keyed side is the host (CPU) pool: DMA between host and
-device needs a contiguous host slice. When both pools are on the host, it is the
-side whose ids make fewer runs (dst on a tie: the CPU gathers faster than it
-scatters). Per run, the other side's ids decide the call:
+How a batch moves. The pairs ``src_ids[i] -> dst_ids[i]`` are sorted by the ids of
+the *keyed* side and cut into runs of consecutive keyed ids, so a run is one
+slice of the keyed pool. Between host and device the keyed side is the host pool
+(a DMA needs a contiguous host slice); between two host pools it is the side
+whose ids make fewer runs (dst on a tie: the CPU gathers faster than it
+scatters). Each run is one call, the first row that applies:
 
-    other ids of the run  | call (one per run)
-    ----------------------|------------------------------------------------------
-    consecutive           | dst_slice.copy_(src_slice)             memcpy or DMA
-    scattered, dst keyed  | src.index_select(0, ids) -> dst_slice  gather
-    scattered, src keyed  | dst.index_copy_(0, ids, src_slice)     scatter
+    run                                  | call
+    -------------------------------------|-------------------------------------------
+    on CPU, under CPU_PARALLEL_MIN_BYTES | dst[d].copy_(src[s]), page by page
+    both sides' ids consecutive          | dst_slice.copy_(src_slice): memcpy or DMA
+    dst consecutive, src scattered       | index_select(src) -> dst_slice: gather
+    src consecutive, dst scattered       | dst.index_copy_(src_slice): scatter
 
-Between host and device the gather or scatter runs on the GPU, through a staging
-tensor, and the DMA moves one contiguous run. Fresh pools hand out consecutive
-ids, so a batch is usually a handful of runs. Runs are also cut at
+With a GPU involved, gathers and scatters run on the GPU through a staging
+tensor, the DMA moves the contiguous host slice, and runs are cut at
 ``MAX_RUN_BYTES`` so staging stays bounded. Two pools on the same CUDA device
-skip runs: one gather and one scatter kernel per chunk of that size.
+skip runs: one gather and one scatter kernel per chunk of that size. Fresh pools
+hand out consecutive ids, so a batch is usually a handful of runs.
 
 Process state: ``_ASYNC_QUEUE``, created empty at import, lazily starts one
 worker thread (CPU copies) and one side stream per CUDA device (CUDA copies).
@@ -42,11 +43,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-# Largest run (bytes) one call moves; bounds the staging tensor a GPU copy allocates.
+# Largest run (bytes) one call moves when a GPU is involved; bounds GPU staging.
 MAX_RUN_BYTES = 64 * 2**20
-# CPU gathers of at least this many bytes use every core, in rows of at most
-# CPU_GATHER_ROW_ELEMENTS (below torch's parallel grain of 32768 elements).
-CPU_PARALLEL_GATHER_BYTES = 4 * 2**20
+# CPU gathers and scatters smaller than this go page by page, like a plain loop:
+# on a busy machine, waking torch's thread pool for each short run costs ms.
+CPU_PARALLEL_MIN_BYTES = 4 * 2**20
+# Row length (elements) of a parallel CPU gather, below torch's grain of 32768.
 CPU_GATHER_ROW_ELEMENTS = 8192
 
 
@@ -189,17 +191,18 @@ _ASYNC_QUEUE = _AsyncCopyQueue()
 
 
 class _Run(NamedTuple):
-    """Sorted pairs ``start..stop-1``: keyed ids ``key_start, key_start + 1, ...``.
+    """Pairs ``start..stop-1`` of the sorted ids; the keyed side's ids are consecutive.
 
-    ``other_start`` is the other side's first id; the other ids themselves sit in
-    the sorted other-id tensor that comes with the runs.
+    ``src_start`` / ``dst_start`` are the first ids; the others sit in the sorted
+    id tensors that come with the runs.
     """
 
-    key_start: int
-    other_start: int
     start: int
     stop: int
-    other_is_consecutive: bool
+    src_start: int
+    dst_start: int
+    src_is_consecutive: bool
+    dst_is_consecutive: bool
 
     @property
     def num_pages(self) -> int:
@@ -213,16 +216,12 @@ def _issue_copies(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Seq
         return
     if src.is_cuda and dst.is_cuda:
         _copy_within_device(src, src_index, dst, dst_index)
-        return
-    max_run_pages = _max_run_pages(src)
-    if src.is_cuda:
-        _copy_dst_keyed(src, dst, *_runs(dst_index, src_index, max_run_pages))
-    elif dst.is_cuda:
-        _copy_src_keyed(src, dst, *_runs(src_index, dst_index, max_run_pages))
-    elif _num_runs(src_index) < _num_runs(dst_index):
-        _copy_src_keyed(src, dst, *_runs(src_index, dst_index, max_run_pages))
+    elif src.is_cuda or dst.is_cuda:
+        runs = _runs(src_index, dst_index, key_is_dst=src.is_cuda, max_run_pages=_max_run_pages(src))
+        _copy_runs(src, dst, *runs)
     else:
-        _copy_dst_keyed(src, dst, *_runs(dst_index, src_index, max_run_pages))
+        key_is_dst = _num_runs(dst_index) <= _num_runs(src_index)
+        _copy_runs(src, dst, *_runs(src_index, dst_index, key_is_dst=key_is_dst, max_run_pages=len(src_index)))
 
 
 def _copy_within_device(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: Tensor) -> None:
@@ -234,55 +233,58 @@ def _copy_within_device(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: 
         dst.index_copy_(0, dst_index[chunk], src.index_select(0, src_index[chunk]))
 
 
-def _copy_src_keyed(src: Tensor, dst: Tensor, runs: list[_Run], sorted_dst_index: Tensor) -> None:
-    """Each run: a ``src`` slice into ``dst``, scattered if its dst ids are; mutates ``dst``."""
+def _copy_runs(src: Tensor, dst: Tensor, runs: list[_Run], sorted_src_index: Tensor, sorted_dst_index: Tensor) -> None:
+    """One call per run (see the module's table), small CPU runs page by page; mutates ``dst``."""
+    on_cpu = not (src.is_cuda or dst.is_cuda)
+    min_parallel_pages = CPU_PARALLEL_MIN_BYTES / (src[0].numel() * src.element_size())
+    sorted_src_ids, sorted_dst_ids = sorted_src_index.tolist(), sorted_dst_index.tolist()
+    sorted_src_index = _on_device(sorted_src_index, src.device)
     sorted_dst_index = _on_device(sorted_dst_index, dst.device)
     for run in runs:
-        src_slice = src[run.key_start : run.key_start + run.num_pages]
-        if run.other_is_consecutive:
-            dst[run.other_start : run.other_start + run.num_pages].copy_(src_slice, non_blocking=True)
+        if on_cpu and run.num_pages < min_parallel_pages:
+            for src_id, dst_id in zip(sorted_src_ids[run.start : run.stop], sorted_dst_ids[run.start : run.stop]):
+                dst[dst_id].copy_(src[src_id])
+            continue
+        src_slice = src[run.src_start : run.src_start + run.num_pages]
+        dst_slice = dst[run.dst_start : run.dst_start + run.num_pages]
+        if run.src_is_consecutive and run.dst_is_consecutive:
+            dst_slice.copy_(src_slice, non_blocking=True)
+        elif run.dst_is_consecutive:
+            _gather(src, sorted_src_index[run.start : run.stop], dst_slice)
         else:
-            block = src_slice.to(dst.device, non_blocking=True)
-            dst.index_copy_(0, sorted_dst_index[run.start : run.stop], block)
+            dst.index_copy_(0, sorted_dst_index[run.start : run.stop], src_slice.to(dst.device, non_blocking=True))
 
 
-def _copy_dst_keyed(src: Tensor, dst: Tensor, runs: list[_Run], sorted_src_index: Tensor) -> None:
-    """Each run: ``src`` pages, gathered if their ids are scattered, into a ``dst`` slice; mutates ``dst``."""
-    sorted_src_index = _on_device(sorted_src_index, src.device)
-    for run in runs:
-        dst_slice = dst[run.key_start : run.key_start + run.num_pages]
-        if run.other_is_consecutive:
-            dst_slice.copy_(src[run.other_start : run.other_start + run.num_pages], non_blocking=True)
-        elif src.device == dst.device:
-            _gather_on_cpu(src, sorted_src_index[run.start : run.stop], dst_slice)
-        else:
-            dst_slice.copy_(src.index_select(0, sorted_src_index[run.start : run.stop]), non_blocking=True)
+def _gather(src: Tensor, src_index: Tensor, out: Tensor) -> None:
+    """``out[j] = src[src_index[j]]``, ``out`` being a slice of a pool; mutates ``out``.
 
-
-def _gather_on_cpu(src: Tensor, src_index: Tensor, out: Tensor) -> None:
-    """``out[j] = src[src_index[j]]``; mutates ``out``.
-
-    CPU ``index_select`` copies rows of torch's parallel grain or more on one
-    thread, so a large gather takes each page as ``rows_per_page`` smaller rows and
-    uses every core (128 KiB pages, 2 cores: 0.5x -> 1.1x a plain copy). Small
-    gathers stay on one thread: waking the pool would cost more than it saves.
+    From the GPU: gather into staging, then one DMA. On the CPU, ``index_select``
+    copies rows of torch's parallel grain or more on one thread, so each page is
+    taken as ``rows_per_page`` smaller rows (128 KiB pages, 2 cores: 0.5x -> 1.1x
+    a plain copy).
     """
+    if src.is_cuda:
+        out.copy_(src.index_select(0, src_index), non_blocking=True)
+        return
     page_numel = src[0].numel()
     rows_per_page = 1
-    if len(src_index) * page_numel * src.element_size() >= CPU_PARALLEL_GATHER_BYTES:
-        while page_numel // rows_per_page > CPU_GATHER_ROW_ELEMENTS and page_numel % (2 * rows_per_page) == 0:
-            rows_per_page *= 2
+    while page_numel // rows_per_page > CPU_GATHER_ROW_ELEMENTS and page_numel % (2 * rows_per_page) == 0:
+        rows_per_page *= 2
     row_index = (src_index[:, None] * rows_per_page + torch.arange(rows_per_page)).flatten()
     torch.index_select(src.view(len(src) * rows_per_page, -1), 0, row_index, out=out.view(len(row_index), -1))
 
 
-def _runs(key_index: Tensor, other_index: Tensor, max_run_pages: int) -> tuple[list[_Run], Tensor]:
-    """Cut the pairs, sorted by key id, where key ids stop being consecutive or a run fills up.
+def _runs(
+    src_index: Tensor, dst_index: Tensor, *, key_is_dst: bool, max_run_pages: int
+) -> tuple[list[_Run], Tensor, Tensor]:
+    """Sort the pairs by the keyed side's ids and cut them where those stop being consecutive.
 
-    Returns the runs and the other ids in sorted order. Mutates nothing.
+    Runs are also cut at ``max_run_pages``. Returns the runs and the src and dst
+    ids in sorted order. Mutates nothing.
     """
-    key_ids, order = torch.sort(key_index, stable=True)
-    other_ids = other_index[order]
+    _, order = torch.sort(dst_index if key_is_dst else src_index, stable=True)
+    src_ids, dst_ids = src_index[order], dst_index[order]
+    key_ids = dst_ids if key_is_dst else src_ids
     positions = torch.arange(len(key_ids))
     is_run_start = torch.ones(len(key_ids), dtype=torch.bool)
     is_run_start[1:] = key_ids[1:] != key_ids[:-1] + 1
@@ -290,21 +292,26 @@ def _runs(key_index: Tensor, other_index: Tensor, max_run_pages: int) -> tuple[l
     is_run_start |= (positions - first_of_consecutive) % max_run_pages == 0
     starts = is_run_start.nonzero().flatten()
     stops = torch.cat([starts[1:], torch.tensor([len(key_ids)])])
-    other_breaks = torch.zeros(len(key_ids), dtype=torch.long)
-    other_breaks[1:] = other_ids[1:] != other_ids[:-1] + 1
-    other_breaks_so_far = torch.cumsum(other_breaks, dim=0)
-    other_is_consecutive = other_breaks_so_far[stops - 1] == other_breaks_so_far[starts]
     runs = list(
         map(
             _Run,
-            key_ids[starts].tolist(),
-            other_ids[starts].tolist(),
             starts.tolist(),
             stops.tolist(),
-            other_is_consecutive.tolist(),
+            src_ids[starts].tolist(),
+            dst_ids[starts].tolist(),
+            _is_consecutive_between(src_ids, starts, stops).tolist(),
+            _is_consecutive_between(dst_ids, starts, stops).tolist(),
         )
     )
-    return runs, other_ids
+    return runs, src_ids, dst_ids
+
+
+def _is_consecutive_between(page_ids: Tensor, starts: Tensor, stops: Tensor) -> Tensor:
+    """Per run, whether ``page_ids[start:stop]`` counts up by one."""
+    breaks = torch.zeros(len(page_ids), dtype=torch.long)
+    breaks[1:] = page_ids[1:] != page_ids[:-1] + 1
+    breaks_so_far = torch.cumsum(breaks, dim=0)
+    return breaks_so_far[stops - 1] == breaks_so_far[starts]
 
 
 def _num_runs(page_index: Tensor) -> int:

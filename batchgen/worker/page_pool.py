@@ -217,6 +217,8 @@ class ForkedPagePool:
         if len(set(page_ids)) != len(page_ids):
             raise PageOwnershipError(f"{self.name}: page ids {page_ids} name a page twice")
         for page_id in page_ids:
+            if not 0 <= page_id < self.num_pages:
+                raise PageOwnershipError(f"{self.name}: page {page_id} is out of range [0, {self.num_pages})")
             if not self.is_free(page_id):
                 raise PageOwnershipError(f"{self.name}: page {page_id} is not free")
         self._assign(uuid, page_ids)

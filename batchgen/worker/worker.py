@@ -97,7 +97,7 @@ class Worker:
     # ---- client API ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request (WAITING). Raises RequestError, changing nothing, if it is invalid."""
-        self._validate(request)
+        self.validate_request(request)
         self.state.requests[request.uuid] = RequestState(request, arrival_index=self.state.num_submitted)
         self.state.num_submitted += 1
 
@@ -234,7 +234,8 @@ class Worker:
         stats.peak_gpu_pages = max(stats.peak_gpu_pages, self.gpu_kv.num_pages - self.gpu_kv.free_pages())
         stats.peak_host_pages = max(stats.peak_host_pages, self.host_kv.num_pages - self.host_kv.free_pages())
 
-    def _validate(self, request: Request) -> None:
+    def validate_request(self, request: Request) -> None:
+        """Raise RequestError if ``request`` cannot be served by this worker. Pure."""
         uuid, prompt = request.uuid, request.prompt_ids
         where = f"request {uuid!r}"
         if uuid in self.state.requests or uuid in self.state.outputs:
