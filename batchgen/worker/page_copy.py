@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -152,12 +152,12 @@ class _AsyncCopyQueue:
         self._executor: ThreadPoolExecutor | None = None
         self._side_streams: dict[int, torch.cuda.Stream] = {}
 
-    def submit(self, *call) -> Future[None]:
-        """Run ``call`` (a function and its arguments) on the worker thread."""
+    def submit(self, copy: Callable[..., None], *args: object) -> Future[None]:
+        """Run ``copy(*args)`` on the worker thread, after every copy submitted before it."""
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page-copy")
-        return self._executor.submit(*call)
+        return self._executor.submit(copy, *args)
 
     def issue_on_side_stream(
         self, src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]
@@ -181,6 +181,7 @@ class _AsyncCopyQueue:
         return CopyHandle(finished)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The device's side stream: taken from torch's pool once, then kept for every async copy."""
         with self._lock:
             if device.index not in self._side_streams:
                 self._side_streams[device.index] = torch.cuda.Stream(device)

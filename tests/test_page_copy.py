@@ -1,0 +1,230 @@
+"""Behaviour of batchgen.worker.page_copy: exact bytes, untouched neighbours, clear errors."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+import torch
+
+from batchgen.worker import page_copy
+from batchgen.worker.page_copy import CopyError, copy_pages, copy_pages_async, new_page_tensor
+
+PAGE_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, page_size, num_kv_heads, head_dim
+NUM_PAGES = 32
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# The "GPU" pool's device: a CPU tensor stands in for it everywhere; CUDA where there is one.
+GPU_POOL_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+
+
+def make_pool(
+    num_pages: int = NUM_PAGES,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    page_shape: tuple[int, ...] = PAGE_SHAPE,
+) -> torch.Tensor:
+    """A pool whose every page holds distinct random values."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn((num_pages, *page_shape), generator=generator).to(dtype)
+
+
+def reference_copy(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> torch.Tensor:
+    """What copy_pages must produce, one page at a time, on a clone of ``dst``."""
+    expected = dst.clone()
+    for src_id, dst_id in zip(src_ids, dst_ids):
+        expected[dst_id] = src[src_id]
+    return expected
+
+
+def page_checksums(pool: torch.Tensor, page_ids: list[int]) -> list[str]:
+    """SHA-256 of each page's bytes."""
+    return [hashlib.sha256(pool[i].cpu().view(torch.uint8).numpy().tobytes()).hexdigest() for i in page_ids]
+
+
+shuffled = list(range(NUM_PAGES))
+random.Random(7).shuffle(shuffled)
+
+ID_PATTERNS = {
+    "consecutive": (list(range(4, 20)), list(range(10, 26))),
+    "reversed": (list(range(15, -1, -1)), list(range(16, 32))),
+    "shuffled": (shuffled[:20], shuffled[12:]),
+    "mixed_runs": ([0, 1, 2, 3, 9, 10, 11, 30, 20, 21, 5], [8, 9, 10, 11, 0, 1, 2, 31, 17, 16, 29]),
+    "consecutive_src_scattered_dst": (list(range(6)), [30, 2, 17, 5, 11, 0]),
+    "scattered_src_consecutive_dst": ([30, 2, 17, 5, 11, 0], list(range(20, 26))),
+    "one_src_page_to_many": ([3, 3, 3], [0, 1, 2]),
+}
+
+
+@pytest.mark.parametrize("pattern", ID_PATTERNS)
+def test_copy_pages_moves_exact_bytes_and_leaves_other_pages_untouched(pattern):
+    src_ids, dst_ids = ID_PATTERNS[pattern]
+    src, dst = make_pool(seed=1), make_pool(seed=2)
+    src_before = src.clone()
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+
+    copy_pages(src, src_ids, dst, dst_ids)
+
+    assert torch.equal(dst, expected)
+    assert torch.equal(src, src_before)
+
+
+@pytest.mark.parametrize("page_shape", [PAGE_SHAPE, (3, 5)], ids=["even_page", "odd_page"])
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "single_thread"])
+@pytest.mark.parametrize("pattern", ID_PATTERNS)
+def test_cpu_gathers_and_scatters_move_exact_bytes_split_into_rows_or_not(pattern, parallel, page_shape, monkeypatch):
+    monkeypatch.setattr(page_copy, "CPU_PARALLEL_MIN_BYTES", 0 if parallel else 2**40)
+    monkeypatch.setattr(page_copy, "CPU_GATHER_ROW_ELEMENTS", 16)
+    src_ids, dst_ids = ID_PATTERNS[pattern]
+    src, dst = make_pool(seed=1, page_shape=page_shape), make_pool(seed=2, page_shape=page_shape)
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+
+    copy_pages(src, src_ids, dst, dst_ids)
+
+    assert torch.equal(dst, expected)
+
+
+def test_copy_pages_moves_bfloat16_bytes_exactly():
+    src, dst = make_pool(dtype=torch.bfloat16, seed=1), make_pool(dtype=torch.bfloat16, seed=2)
+    src_ids, dst_ids = ID_PATTERNS["mixed_runs"]
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+
+    copy_pages(src, src_ids, dst, dst_ids)
+
+    assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_copy_pages_with_no_ids_changes_nothing():
+    src, dst = make_pool(seed=1), make_pool(seed=2)
+    dst_before = dst.clone()
+
+    copy_pages(src, [], dst, [])
+
+    assert torch.equal(dst, dst_before)
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "message"),
+    [
+        ([0, 1, 2], [0, 1], "src_ids has 3 ids but dst_ids has 2"),
+        ([0, 32, 1], [0, 1, 2], r"src_ids\[1\] = 32 is outside the pool's pages 0..31"),
+        ([0, 1], [-1, 2], r"dst_ids\[0\] = -1 is outside the pool's pages 0..31"),
+        ([0, 1, 2], [4, 5, 4], r"dst_ids\[2\] = 4 repeats a destination page"),
+    ],
+    ids=["length_mismatch", "src_id_past_the_pool", "negative_dst_id", "repeated_dst_id"],
+)
+def test_copy_pages_rejects_bad_ids_and_leaves_dst_untouched(src_ids, dst_ids, message):
+    src, dst = make_pool(seed=1), make_pool(seed=2)
+    dst_before = dst.clone()
+
+    with pytest.raises(ValueError, match=message):
+        copy_pages(src, src_ids, dst, dst_ids)
+
+    assert torch.equal(dst, dst_before)
+
+
+def test_copy_pages_rejects_pools_with_different_pages():
+    with pytest.raises(ValueError, match="pages differ"):
+        copy_pages(make_pool(), [0], make_pool(dtype=torch.bfloat16), [0])
+
+
+def test_copy_pages_rejects_a_non_contiguous_pool():
+    with pytest.raises(ValueError, match="pools must be contiguous"):
+        copy_pages(make_pool(), [0], make_pool(2 * NUM_PAGES)[::2], [0])
+
+
+def test_copy_pages_rejects_src_and_dst_sharing_memory():
+    pool = make_pool()
+
+    with pytest.raises(ValueError, match="src and dst share memory"):
+        copy_pages(pool, [1], pool, [2])
+
+
+def test_new_page_tensor_is_zeroed_with_requested_shape_and_dtype():
+    pool = new_page_tensor((3, *PAGE_SHAPE), dtype=torch.bfloat16, device="cpu")
+
+    assert pool.shape == (3, *PAGE_SHAPE)
+    assert pool.dtype == torch.bfloat16
+    assert not pool.any()
+
+
+@pytest.mark.parametrize("device", GPU_POOL_DEVICES)
+def test_copy_pages_async_ends_with_the_same_bytes_as_copy_pages(device):
+    src_ids, dst_ids = ID_PATTERNS["mixed_runs"]
+    src, dst = make_pool(seed=1).to(device), make_pool(seed=2)
+    expected = reference_copy(src.cpu(), src_ids, dst, dst_ids)
+
+    handle = copy_pages_async(src, src_ids, dst, dst_ids)
+    handle.wait()
+
+    assert handle.done()
+    assert handle.error is None
+    assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("device", GPU_POOL_DEVICES)
+def test_copy_pages_async_reports_a_failed_copy_as_copy_error_with_its_cause(device):
+    src, dst = make_pool(seed=1).to(device), make_pool(seed=2)
+    dst_before = dst.clone()
+
+    handle = copy_pages_async(src, [0, 99], dst, [0, 1])
+
+    with pytest.raises(CopyError) as raised:
+        handle.wait()
+    assert handle.done()
+    assert isinstance(raised.value.cause, ValueError)
+    assert "src_ids[1] = 99" in str(raised.value.cause)
+    assert raised.value.__cause__ is raised.value.cause
+    assert handle.error is raised.value.cause
+    assert torch.equal(dst, dst_before)
+
+
+def test_copy_pages_async_runs_copies_in_issue_order():
+    first, second, third = make_pool(seed=1), make_pool(seed=2), make_pool(seed=3)
+    expected = third.clone()
+    expected[4:8] = first[0:4]
+
+    copy_pages_async(first, range(4), second, range(10, 14))
+    handle = copy_pages_async(second, range(10, 14), third, range(4, 8))
+    handle.wait()
+
+    assert torch.equal(third, expected)
+
+
+def store_and_load(gpu_pool: torch.Tensor, host_pool: torch.Tensor) -> None:
+    """Evict pages 3, 7, 8, 9 of ``gpu_pool`` to host, scribble on them, load them back elsewhere."""
+    gpu_ids, host_ids, reload_ids = [3, 7, 8, 9], [10, 11, 12, 13], [20, 5, 6, 31]
+    before = page_checksums(gpu_pool, gpu_ids)
+
+    copy_pages_async(gpu_pool, gpu_ids, host_pool, host_ids).wait()
+    gpu_pool[gpu_ids] = 0
+    copy_pages_async(host_pool, host_ids, gpu_pool, reload_ids).wait()
+
+    assert page_checksums(host_pool, host_ids) == before
+    assert page_checksums(gpu_pool, reload_ids) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", GPU_POOL_DEVICES)
+def test_round_trip_gpu_pool_to_host_and_back_preserves_page_bytes(device, dtype):
+    gpu_pool = make_pool(dtype=dtype, seed=1).to(device)
+    host_pool = new_page_tensor((NUM_PAGES, *PAGE_SHAPE), dtype=dtype, device="cpu", pin_memory=device == "cuda")
+
+    store_and_load(gpu_pool, host_pool)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("pattern", ID_PATTERNS)
+def test_copy_pages_matches_reference_between_cuda_and_host(pattern, monkeypatch):
+    monkeypatch.setattr(page_copy, "MAX_RUN_BYTES", 3 * make_pool(1)[0].numel() * 4)
+    src_ids, dst_ids = ID_PATTERNS[pattern]
+    for src_device, dst_device in [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")]:
+        src, dst = make_pool(seed=1).to(src_device), make_pool(seed=2).to(dst_device)
+        expected = reference_copy(src.cpu(), src_ids, dst.cpu(), dst_ids)
+
+        copy_pages(src, src_ids, dst, dst_ids)
+
+        assert torch.equal(dst.cpu(), expected), (src_device, dst_device)
