@@ -9,9 +9,16 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def validation_summary(error: ValidationError, limit: int = 5) -> str:
+    """``field.path: message; ...`` for the first ``limit`` problems (no pydantic internals)."""
+    problems = [f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in error.errors()[:limit]]
+    more = error.error_count() - limit
+    return "; ".join(problems) + (f"; and {more} more" if more > 0 else "")
 
 
 class _Frozen(BaseModel):
@@ -47,6 +54,8 @@ class ModelConfig(_Frozen):
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":
         """Build from a HF ``config.json`` dict (Llama or Qwen2 keys)."""
         num_heads = hf["num_attention_heads"]
+        if not isinstance(num_heads, int) or num_heads <= 0:
+            raise ValueError(f"num_attention_heads must be a positive integer, got {num_heads!r}")
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None

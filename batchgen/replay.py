@@ -45,7 +45,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from compare import DivergenceRecord, Observation, diff
-from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig
+from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig, validation_summary
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_backends import CompletedHandle, GpuKvPool, HostKvPool
 from batchgen.worker.kv_compare import canonical_kv, classify, exception_kind, fork_target
@@ -103,7 +103,8 @@ def op_request(record: DivergenceRecord):
     try:
         return from_json(cls, json.dumps(replay.get("request")))
     except ValidationError as error:
-        raise ReplayError(f"op {op!r}: the recorded request is not a valid {cls.__name__}: {error}") from None
+        raise ReplayError(f"op {op!r}: the recorded request is not a valid {cls.__name__}: "
+                          f"{validation_summary(error)}") from None
 
 
 def rebuild_target(record: DivergenceRecord) -> KvTarget:

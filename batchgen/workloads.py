@@ -14,8 +14,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from batchgen.config import CacheConfig, EngineConfig
+from batchgen.config import CacheConfig, EngineConfig, validation_summary
 from batchgen.worker.state import Request
+
+
+MAX_STEPS = 1_000_000  # bound on any step count in a workload (arrivals, aborts, new tokens)
+MAX_SCALE = 1000.0
 
 
 class WorkloadError(ValueError):
@@ -27,9 +31,9 @@ class WorkloadRequest(BaseModel):
 
     uuid: str = Field(min_length=1)
     prompt_ids: list[int] = Field(min_length=1)
-    max_new_tokens: int = Field(ge=1)
-    arrival_step: int = Field(default=0, ge=0)
-    abort_step: int | None = Field(default=None, ge=0, description="step (relative to arrival) to abort at")
+    max_new_tokens: int = Field(ge=1, le=MAX_STEPS)
+    arrival_step: int = Field(default=0, ge=0, le=MAX_STEPS)
+    abort_step: int | None = Field(default=None, ge=0, le=MAX_STEPS, description="step (relative to arrival) to abort at")
     temperature: float = Field(default=0.0, ge=0.0)
     seed: int = 0
 
@@ -115,8 +119,8 @@ BUILTIN_WORKLOADS = ("smoke", "L2-2048", "L2-4096")
 
 def builtin_workload(name: str, *, seed: int = 0, scale: float = 1.0, vocab_size: int = 512) -> Workload:
     """A named, seeded trace; ``scale`` grows request count and pools (e.g. for a GPU)."""
-    if scale <= 0:
-        raise WorkloadError(f"scale must be > 0, got {scale}")
+    if not 0 < scale <= MAX_SCALE:
+        raise WorkloadError(f"scale must be in (0, {MAX_SCALE:g}], got {scale}")
     if name == "smoke":
         return _smoke_trace(seed=seed, scale=scale, vocab_size=vocab_size)
     if name in ("L2-2048", "L2-4096"):
@@ -145,5 +149,4 @@ def load_workload(spec: str, *, seed: int = 0, scale: float = 1.0, vocab_size: i
     except json.JSONDecodeError as exc:
         raise WorkloadError(f"workload file {spec!r} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:5])
-        raise WorkloadError(f"workload file {spec!r} is invalid: {problems}") from None
+        raise WorkloadError(f"workload file {spec!r} is invalid: {validation_summary(exc)}") from None

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from batchgen.config import TINY_MODELS, ModelConfig
+from batchgen.config import TINY_MODELS, ModelConfig, validation_summary
 from batchgen.model.llama import LlamaForCausalLM
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,10 +124,13 @@ def _read_config(directory: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: not valid JSON ({error})") from error
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
+    normalised = _normalised_hf_config(raw, path)  # raises ModelLoadError naming the path
     try:
-        return ModelConfig.from_hf_dict(_normalised_hf_config(raw, path))
+        return ModelConfig.from_hf_dict(normalised)
     except KeyError as error:
         raise ModelLoadError(f"{path}: missing key {error.args[0]!r}") from error
+    except ValidationError as error:
+        raise ModelLoadError(f"{path}: invalid model config: {validation_summary(error)}") from None
     except (ValueError, TypeError) as error:
         raise ModelLoadError(f"{path}: invalid model config: {error}") from error
 
@@ -182,13 +186,21 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return [directory / name for name in shard_names]
 
 
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors header names of weights we can convert
+
+
 def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in ``files``, read from the headers only."""
+    """Name -> shape of every tensor in ``files``, read from the headers only; rejects non-float tensors."""
     shapes = {}
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as reader:
-                shapes.update({name: tuple(reader.get_slice(name).get_shape()) for name in reader.keys()})
+                for name in reader.keys():
+                    header = reader.get_slice(name)
+                    if header.get_dtype() not in FLOAT_DTYPES:
+                        raise ModelLoadError(f"{file}: tensor {name} has dtype {header.get_dtype()}; "
+                                             f"weights must be one of {', '.join(FLOAT_DTYPES)}")
+                    shapes[name] = tuple(header.get_shape())
         except SafetensorError as error:
             raise ModelLoadError(f"{file}: not a readable safetensors file ({error})") from error
     return shapes

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -63,6 +64,16 @@ class KvGateConfig(BaseModel):
             raise ValueError(f"unknown ops {unknown}" if unknown else "no ops named")
         return tuple(op for op in KV_OPS if op in value)
 
+    @field_validator("compare_log")
+    @classmethod
+    def _log_is_a_file_path(cls, value: str) -> str:
+        path = Path(value)
+        if path.is_dir():
+            raise ValueError(f"{value} is a directory")
+        if path.parent.exists() and not path.parent.is_dir():
+            raise ValueError(f"{path.parent} is not a directory")
+        return value
+
     @property
     def shadow_path(self) -> str:
         return "legacy" if self.path == "plan" else "plan"
@@ -98,7 +109,8 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
         choices = allowed.split(", ") if field in ("path", "compare", "load_failure") else []
         close = difflib.get_close_matches(str(values.get(field)), choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise GateError(f"{source}={values.get(field)!r} is invalid ({error['msg']}); allowed: {allowed}{hint}") from None
+        reason = error["msg"].removeprefix("Value error, ")
+        raise GateError(f"{source}={values.get(field)!r} is invalid ({reason}); allowed: {allowed}{hint}") from None
 
 
 def build_kv_path(name: str, target):

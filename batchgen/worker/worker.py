@@ -41,6 +41,10 @@ class RequestError(ValueError):
     """A request was rejected; the worker state is unchanged."""
 
 
+class PoolAllocationError(ValueError):
+    """The KV page pools do not fit in memory."""
+
+
 @dataclass(frozen=True, slots=True)
 class PendingAppend:
     """K/V a forward produced for positions [start_pos, start_pos + n), not yet in pages."""
@@ -68,11 +72,7 @@ class Worker:
         self.device = torch.device(device)
         gpu_tensor = host_tensor = None
         if kv_storage:
-            dtype = TORCH_DTYPES[cache_config.dtype]
-            shape = kv_page_shape(self.model_config, cache_config.page_size, cache_config.num_gpu_pages)
-            gpu_tensor = new_page_tensor(shape, dtype=dtype, device=self.device)
-            host_shape = (cache_config.num_host_pages, *shape[1:])
-            host_tensor = new_page_tensor(host_shape, dtype=dtype, device="cpu", pin_memory=self.device.type == "cuda")
+            gpu_tensor, host_tensor = self._page_tensors()
         self.gpu_kv = GpuKvPool(cache_config.num_gpu_pages, gpu_tensor)
         self.host_kv = HostKvPool(cache_config.num_host_pages, host_tensor, self.gpu_kv)
         self.faults = faults
@@ -88,6 +88,24 @@ class Worker:
             self.kv_compare = self._kv = KvCompare(self.kv_target(), self.kv_gate, shadow_path=shadow_path)
         else:
             self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
+
+    def _page_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both tiers' page tensors; PoolAllocationError (sizes named) when memory refuses."""
+        cache = self.cache_config
+        dtype = TORCH_DTYPES[cache.dtype]
+        shape = kv_page_shape(self.model_config, cache.page_size, cache.num_gpu_pages)
+        host_shape = (cache.num_host_pages, *shape[1:])
+        tiers = ((shape, self.device, False), (host_shape, torch.device("cpu"), self.device.type == "cuda"))
+        tensors = []
+        for tier_shape, device, pinned in tiers:
+            try:
+                tensors.append(new_page_tensor(tier_shape, dtype=dtype, device=device, pin_memory=pinned))
+            except (RuntimeError, MemoryError) as error:
+                gib = math.prod(tier_shape) * torch.finfo(dtype).bits / 8 / 2**30
+                raise PoolAllocationError(
+                    f"cannot allocate {tier_shape[0]} KV pages ({gib:.1f} GiB) on {device}: "
+                    f"{str(error).splitlines()[0]}; lower num_gpu_pages/num_host_pages") from None
+        return tensors[0], tensors[1]
 
     def kv_target(self) -> KvTarget:
         """The worker's live state, pools and pending appends, as the KV ops see them."""
