@@ -1,74 +1,121 @@
-"""Back-to-back validation: one worker runs L2-2048, then L2-4096 (DESIGN 7).
+"""Back-to-back validation in compare mode: L2-2048, then L2-4096, on one worker per KV direction (DESIGN 7).
 
-Five runs, one model::
+Nine runs, one model::
 
-    role       worker                       workload   pool                        checks (every run: pools
-                                                                                   consistent after every step)
-    ---------  ---------------------------  ---------  --------------------------  ----------------------------
-    shared     one worker for both runs     L2-2048    L2-4096's (see below)       evicted; clean after;
-               (the system under test)      L2-4096                                tokens == reference's
-    reference  a fresh worker per workload  both       every request fits at once  no eviction, load, recompute
-    fresh      a fresh worker               L2-4096    the shared worker's         == the shared run, exactly
+    role         worker                            workload   pool                     checks (every run: pools
+                                                                                       consistent after every step)
+    -----------  --------------------------------  ---------  -----------------------  ----------------------------
+    legacy/plan  one worker per direction runs      L2-2048    L2-4096's (see below)    evicted; clean after; no
+    plan/legacy  both workloads in compare mode     L2-4096                             divergence; tokens ==
+    plan/plan    "log" (authoritative/shadow path;                                      reference's
+                 plan/plan is the A/A noise check)
+    reference    a fresh worker per workload        both       every request fits       no eviction, load, recompute
+    fresh        a fresh worker, plan path          L2-4096    the shared workers'      == each direction's L2-4096
 
-The shared worker's cache is L2-4096's: the smallest built-in pool that can
-hold L2-4096's longest request (L2-2048's pool cannot), so L2-4096 runs under
-exactly the pressure it was sized for and L2-2048 under less, but still enough
-to evict; both evicting is checked, not assumed (below scale 1 L2-2048 may stop
-evicting, and the report says so). The two traces build the same engine
-config; the worker takes L2-4096's. The page dtype follows the model's dtype,
-and so does the near-tie tolerance.
+A direction's worker serves with its authoritative path and shadows every KV op
+of every step with the other path on a bookkeeping fork; plan/plan shadows the
+plan path with itself, so any divergence it reports is noise in the harness,
+not a bug in either path. The shared workers' cache is L2-4096's: the smallest
+built-in pool that holds L2-4096's longest request, so L2-4096 runs under the
+pressure it was sized for and L2-2048 under less, but still enough to evict
+(checked, not assumed: below scale 1 L2-2048 may stop evicting). The page dtype
+follows the model's dtype, and so does the near-tie tolerance.
 
 "Clean after" means: no GPU or host page held, no load in flight, no live
 request state, and ``worker.check_integrity()`` passes. Comparing against the
 reference allows near-ties (``output_check``); the fresh run batches exactly
-like the shared one, so it must match token for token, counters included.
+like a shared one, so it must match token for token, counters included.
+
+Every compare run appends its divergences and its ``RunSummary`` to one log,
+``divergences.jsonl`` in the reports directory (emptied first); the markdown,
+JUnit and JSON reports are rendered from it by ``compare.report``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from compare import DivergenceRecord, Report, RunSummary, aggregate, read_log, write_atomic
+from compare.report import render_json, render_junit, render_markdown
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
 from batchgen.runner import RunResult, run_workload
-from batchgen.worker.worker import Worker
-from batchgen.workloads import Workload, builtin_workload
+from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.worker import RequestError, Worker
+from batchgen.workloads import BUILTIN_WORKLOADS, Workload, WorkloadError, load_workload
 
+# Built-in names or workload files, run in this order on each shared worker (the last one's pool and engine).
 BACK_TO_BACK_WORKLOADS = ("L2-2048", "L2-4096")
-# Counters that must match between the shared and the fresh L2-4096 run (peaks are lifetime maxima, so not these).
+# Counters that must match between a shared and the fresh L2-4096 run (peaks are lifetime maxima, so not these).
 SAME_RUN_COUNTERS = ("steps", "evictions", "loads", "load_failures", "recompute_preemptions", "tokens_generated")
+# Report kind -> file name in the reports directory; the log comes first, the rest are rendered from it.
+REPORT_FILES = {"jsonl": "divergences.jsonl", "md": "divergences.md", "junit": "divergences.xml",
+                "json": "divergences.json"}
+_RENDERERS = {"md": render_markdown, "junit": render_junit, "json": render_json}
+_MAX_NAMED_PATHS = 3  # field paths a divergence failure line names
 
 # on_progress(label of the run, requests released, requests in the workload)
 ProgressCallback = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True, slots=True)
-class ValidationRun:
-    """One run of the validation: who ran what, and ``RunResult.summary()`` of it."""
+class KvDirection:
+    """One compare-mode configuration: the path that serves and the path shadowed on forks."""
 
-    role: str  # "shared", "reference" or "fresh"
+    authoritative: str
+    shadow: str
+
+    @property
+    def role(self) -> str:
+        return f"{self.authoritative}/{self.shadow}"
+
+    @property
+    def is_noise_check(self) -> bool:
+        """A/A: the shadow is the authoritative path itself, so a divergence is harness noise."""
+        return self.authoritative == self.shadow
+
+
+DIRECTIONS = (KvDirection("legacy", "plan"), KvDirection("plan", "legacy"), KvDirection("plan", "plan"))
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationRun:
+    """One run of the validation: who ran what, and ``RunResult.summary()`` of it (plus its compare counts)."""
+
+    role: str  # a direction's role ("legacy/plan", ...), "reference" or "fresh"
     workload: str
     summary: dict
+    kv_path: str = "plan"  # the authoritative path
+    shadow_path: str | None = None  # None: compare mode off
 
     @property
     def label(self) -> str:
         return f"{self.workload} {self.role}"
+
+    def to_dict(self) -> dict:
+        return {"role": self.role, "kv_path": self.kv_path, "shadow_path": self.shadow_path, **self.summary}
 
 
 @dataclass(frozen=True)
 class ValidationReport:
     """The verdict: ``ok`` when ``failures`` is empty; each failure names the run and what failed."""
 
-    cache: CacheConfig  # the shared (and fresh) worker's pool
+    cache: CacheConfig  # the shared (and fresh) workers' pool
     near_tie_tolerance: float
+    workloads: tuple[str, ...]
     runs: tuple[ValidationRun, ...]
     failures: list[str]
+    compare: Report  # aggregated over every compare run's log records
+    reports: dict[str, str]  # report kind -> file written; empty when no reports directory was given
     wall_s: float
 
     @property
@@ -77,81 +124,197 @@ class ValidationReport:
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of the whole report."""
+        compare = self.compare
         return {
             "ok": self.ok,
             "failures": list(self.failures),
+            "workloads": list(self.workloads),
+            "directions": [direction.role for direction in DIRECTIONS],
+            "divergences": compare.num_divergences,
+            "divergences_by_op": {stats.op: stats.num_divergences for stats in compare.ops},
+            "steps_compared": {stats.op: stats.num_compared for stats in compare.ops},
+            "harness_errors": compare.num_harness_errors,
+            "compare_seconds": round(compare.compare_seconds, 3),
+            "authoritative_seconds": round(compare.authoritative_seconds, 3),
+            "compare_overhead": compare_overhead(compare),
+            "leaked_gpu_pages": sum(run.summary["leaked_gpu_pages"] for run in self.runs),
+            "leaked_host_pages": sum(run.summary["leaked_host_pages"] for run in self.runs),
             "cache": self.cache.model_dump(),
             "near_tie_tolerance": self.near_tie_tolerance,
-            "runs": [{"role": run.role, **run.summary} for run in self.runs],
+            "runs": [run.to_dict() for run in self.runs],
+            "reports": dict(self.reports),
             "wall_s": round(self.wall_s, 3),
         }
 
 
-def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: str | torch.device = "cpu",
-                          on_progress: ProgressCallback | None = None) -> ValidationReport:
-    """Run the back-to-back validation on ``model`` (already on ``device``) and judge it.
+def compare_overhead(report: Report) -> float | None:
+    """Harness time over authoritative time on compared steps (None before anything was compared)."""
+    if report.authoritative_seconds <= 0:
+        return None
+    return round(report.compare_seconds / report.authoritative_seconds, 3)
 
-    Builds its own workers; mutates nothing it is given. Raises only for bad
-    input (WorkloadError for a bad scale, RequestError for a model whose
-    context or vocabulary cannot serve the traces); every check that fails is
-    a line in ``failures``.
+
+def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: str | torch.device = "cpu",
+                          reports_dir: str | Path | None = None,
+                          on_progress: ProgressCallback | None = None) -> ValidationReport:
+    """Run the back-to-back validation on ``model`` (already on ``device``) in every direction and judge it.
+
+    Builds its own workers (explicit gates: the ``BATCHGEN_WORKER_KV_*`` environment
+    does not apply). Writes the divergence log and its reports into ``reports_dir``
+    (replacing earlier ones), or into a temporary directory removed before it
+    returns when None. Raises only for bad input (WorkloadError for a bad scale or
+    workload file, RequestError for a model whose context or vocabulary cannot
+    serve the traces); every check that fails is a line in ``failures``.
     """
     started = time.perf_counter()
-    first, second = (builtin_workload(name, seed=seed, scale=scale, vocab_size=model.config.vocab_size)
-                     for name in BACK_TO_BACK_WORKLOADS)
+    workloads = tuple(load_workload(name, seed=seed, scale=scale, vocab_size=model.config.vocab_size)
+                      for name in BACK_TO_BACK_WORKLOADS)
     dtype = _dtype_name(model)
-    cache = second.cache.model_copy(update={"dtype": dtype})
+    cache = workloads[-1].cache.model_copy(update={"dtype": dtype})
     tolerance = NEAR_TIE_TOLERANCES[dtype]
-    session = _Session(on_progress)
-
-    shared = _new_worker(model, cache, second.engine, device)
-    for workload in (first, second):
-        result = session.run("shared", shared, workload)
-        if result is None:  # the worker's state is broken; later checks would only repeat it
-            return session.report(cache, tolerance, started)
-        session.check_clean(shared, result)
-        session.check_evicted(result)
-
-    for workload in (first, second):
-        roomy = workload.with_cache(**_no_eviction_pool(workload, dtype))
-        reference = session.run("reference", _new_worker(model, roomy.cache, roomy.engine, device), roomy)
-        if reference is not None:
-            session.check_no_eviction(reference)
-            session.compare(reference, session.shared_results[workload.name], tolerance)
-
-    fresh = session.run("fresh", _new_worker(model, cache, second.engine, device), second)
-    if fresh is not None:
-        session.check_same_run(fresh, session.shared_results[second.name])
-    return session.report(cache, tolerance, started)
+    with _reports_directory(reports_dir) as directory:
+        sources = {workload.name: _source(spec) for spec, workload in zip(BACK_TO_BACK_WORKLOADS, workloads)}
+        session = _Session(model, device, directory / REPORT_FILES["jsonl"], sources, on_progress)
+        for direction in DIRECTIONS:
+            session.run_back_to_back(direction, workloads, cache, workloads[-1].engine, scale)
+        if session.shared:
+            session.check_against_references(workloads, dtype, tolerance)
+            session.check_against_fresh(workloads[-1], cache)
+        compare = aggregate(session.read_log())
+        written = write_reports(directory, compare) if reports_dir is not None else {}
+    return ValidationReport(cache=cache, near_tie_tolerance=tolerance, workloads=tuple(w.name for w in workloads),
+                            runs=tuple(session.runs), failures=list(session.failures), compare=compare,
+                            reports=written, wall_s=time.perf_counter() - started)
 
 
+def write_reports(directory: Path, compare: Report) -> dict[str, str]:
+    """Render ``compare`` next to its log in ``directory``, each file replaced atomically; kind -> path."""
+    written = {"jsonl": str(directory / REPORT_FILES["jsonl"])}
+    for kind, render in _RENDERERS.items():
+        path = directory / REPORT_FILES[kind]
+        write_atomic(path, render(compare))
+        written[kind] = str(path)
+    return written
+
+
+@contextlib.contextmanager
+def _reports_directory(reports_dir: str | Path | None) -> Iterator[Path]:
+    """``reports_dir`` (created, its old log removed), or a temporary directory for the log alone."""
+    if reports_dir is None:
+        with tempfile.TemporaryDirectory(prefix="batchgen-validate-") as temporary:
+            yield Path(temporary)
+        return
+    directory = Path(reports_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / REPORT_FILES["jsonl"]).unlink(missing_ok=True)
+    yield directory
+
+
+@dataclass
 class _Session:
-    """Collects runs and failures while the validation goes; mutated by every method."""
+    """Builds workers, runs them, and collects runs and failures; mutated by every method."""
 
-    def __init__(self, on_progress: ProgressCallback | None):
-        self.on_progress = on_progress
-        self.runs: list[ValidationRun] = []
-        self.failures: list[str] = []
-        self.shared_results: dict[str, RunResult] = {}
+    model: object
+    device: str | torch.device
+    log: Path  # the compare runs' divergence log
+    sources: dict[str, str]  # workload name -> how replay/minimize reload it
+    on_progress: ProgressCallback | None
+    runs: list[ValidationRun] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    shared: dict[KvDirection, dict[str, RunResult]] = field(default_factory=dict)  # direction -> workload -> run
 
-    def run(self, role: str, worker: Worker, workload: Workload) -> RunResult | None:
-        """Run ``workload`` on ``worker``, checking its pools after every step; None (and a failure)
-        if a check failed mid-run."""
+    # ---- the three kinds of run ----------------------------------------------------------------
+    def run_back_to_back(self, direction: KvDirection, workloads: tuple[Workload, ...], cache: CacheConfig,
+                         engine: EngineConfig, scale: float) -> None:
+        """Every workload in turn on one compare-mode worker; stops at the first run that breaks it."""
+        gate = KvGateConfig(path=direction.authoritative, compare="log", compare_log=str(self.log))
+        worker = Worker(self.model, cache_config=cache, engine_config=engine, kv_gate=gate,
+                        shadow_path=direction.shadow, device=self.device)
+        try:
+            for workload in workloads:
+                result = self.run(direction.role, worker, workload, direction=direction, scale=scale)
+                if result is None:  # the worker's state is broken; later runs would only repeat it
+                    return
+                self.shared.setdefault(direction, {})[workload.name] = result
+                self.check_clean(f"{workload.name} {direction.role}", worker, result)
+                self.check_evicted(f"{workload.name} {direction.role}", result)
+        finally:
+            worker.kv_compare.sink.close()
+
+    def check_against_references(self, workloads: tuple[Workload, ...], dtype: str, tolerance: float) -> None:
+        """Each workload on a pool that never evicts; every direction's tokens must match it (near-ties allowed)."""
+        for workload in workloads:
+            roomy = workload.with_cache(**_no_eviction_pool(workload, dtype))
+            reference = self.run("reference", self.plain_worker(roomy.cache, roomy.engine), roomy)
+            if reference is None:
+                continue
+            self.check_no_eviction(reference)
+            for direction, results in self.shared.items():
+                if workload.name in results:
+                    self.compare(reference, results[workload.name], f"{workload.name} {direction.role}", tolerance)
+
+    def check_against_fresh(self, last: Workload, cache: CacheConfig) -> None:
+        """The last workload on a fresh worker (plan path); every direction's run of it must be this run."""
+        fresh = self.run("fresh", self.plain_worker(cache, last.engine), last)
+        if fresh is None:
+            return
+        for direction, results in self.shared.items():
+            if last.name in results:
+                self.check_same_run(fresh, results[last.name], f"{last.name} {direction.role}")
+
+    def plain_worker(self, cache: CacheConfig, engine: EngineConfig) -> Worker:
+        """A worker on the default (plan) path with compare mode off, whatever the environment says."""
+        return Worker(self.model, cache_config=cache, engine_config=engine, kv_gate=KvGateConfig(), device=self.device)
+
+    def run(self, role: str, worker: Worker, workload: Workload, *, direction: KvDirection | None = None,
+            scale: float = 1.0) -> RunResult | None:
+        """Run ``workload`` on ``worker``, checking its pools after every step; None (and a failure) if a
+        check failed or the worker raised mid-run. A compare run carries its label as its workload name."""
         label = f"{workload.name} {role}"
         on_step = None if self.on_progress is None else (lambda done, total: self.on_progress(label, done, total))
+        named = workload if direction is None else workload.model_copy(update={"name": label})
         try:
-            result = run_workload(worker, workload, check_integrity=True, on_step=on_step)
+            result = run_workload(worker, named, check_integrity=True, on_step=on_step,
+                                  source=self.sources.get(workload.name), scale=scale)
+        except (RequestError, WorkloadError):
+            raise  # bad input, not a failed check
         except AssertionError as error:
             self.failures.append(f"{label}: integrity check failed at step {worker.state.step}: {_first_line(error)}")
+            self.end_compare_run(label, worker, direction)
             return None
-        self.runs.append(ValidationRun(role, workload.name, result.summary()))
-        if role == "shared":
-            self.shared_results[workload.name] = result
+        except Exception as error:  # e.g. a plan the applier rejected on the authoritative path
+            self.failures.append(f"{label}: raised at step {worker.state.step}: {type(error).__name__}: "
+                                 f"{_first_line(error)}")
+            self.end_compare_run(label, worker, direction)
+            return None
+        self.runs.append(_validation_run(role, workload.name, result, direction))
+        if result.compare_summary is not None:
+            self.check_divergences(label, direction, result.compare_summary)
         return result
 
-    def check_clean(self, worker: Worker, result: RunResult) -> None:
+    def end_compare_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:
+        """Close the compare run of a run that broke off: its summary record, and its divergences judged."""
+        if worker.kv_compare is not None:
+            self.check_divergences(label, direction, worker.kv_compare.end_run())
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def check_divergences(self, label: str, direction: KvDirection, summary: RunSummary) -> None:
+        """No divergence and no harness error in one compare run; a failure names the first divergence."""
+        if summary.harness_errors:
+            self.failures.append(f"{label}: {_plural(summary.harness_errors, 'compare harness error')} "
+                                 f"(the comparison itself failed; see the warnings)")
+        num_divergences = sum(summary.divergences.values())
+        if not num_divergences:
+            return
+        by_op = ", ".join(f"{op}: {n}" for op, n in sorted(summary.divergences.items()) if n)
+        noise = " (A/A noise check: both sides run the same path)" if direction.is_noise_check else ""
+        first = self.first_divergence(summary.run_id)
+        self.failures.append(
+            f"{label}: {_plural(num_divergences, 'divergence')} of the {direction.shadow} shadow from the "
+            f"authoritative {direction.authoritative} path{noise} ({by_op}); first: {_describe(first)}")
+
+    def check_clean(self, label: str, worker: Worker, result: RunResult) -> None:
         """After a run: nothing held, nothing in flight, no request state, pools consistent."""
-        label = f"{result.workload} shared"
         leftovers = {"GPU pages held": result.leaked_gpu_pages, "host pages held": result.leaked_host_pages,
                      "loads in flight": result.loads_in_flight, "live requests": result.live_requests}
         self.failures += [f"{label}: {count} {what} after the run (expected 0)"
@@ -161,12 +324,11 @@ class _Session:
         except AssertionError as error:
             self.failures.append(f"{label}: integrity check failed after the run: {_first_line(error)}")
 
-    def check_evicted(self, result: RunResult) -> None:
+    def check_evicted(self, label: str, result: RunResult) -> None:
         if result.stats.evictions == 0:
             self.failures.append(
-                f"{result.workload} shared: never evicted to host (recompute preemptions: "
-                f"{result.stats.recompute_preemptions}), so the run did not exercise the host tier; "
-                f"use a larger --scale")
+                f"{label}: never evicted to host (recompute preemptions: {result.stats.recompute_preemptions}), "
+                f"so the run did not exercise the host tier; use a larger --scale")
 
     def check_no_eviction(self, reference: RunResult) -> None:
         stats = reference.stats
@@ -175,26 +337,63 @@ class _Session:
                 f"{reference.workload} reference: its pool was meant to avoid all KV pressure but it saw "
                 f"{stats.evictions} evictions, {stats.loads} loads, {stats.recompute_preemptions} recomputes")
 
-    def compare(self, reference: RunResult, shared: RunResult, tolerance: float) -> None:
-        """Shared run's tokens vs the no-eviction reference, near-ties allowed."""
-        self.failures += [f"{shared.workload} shared vs reference: {problem}"
+    def compare(self, reference: RunResult, shared: RunResult, label: str, tolerance: float) -> None:
+        """A shared run's tokens vs the no-eviction reference, near-ties allowed."""
+        self.failures += [f"{label} vs reference: {problem}"
                           for problem in compare_outputs(reference.outputs, shared.outputs, tolerance=tolerance)]
 
-    def check_same_run(self, fresh: RunResult, shared: RunResult) -> None:
-        """The shared worker's L2-4096 run must be the fresh worker's: tokens, steps and counters."""
-        label = f"{shared.workload} shared vs fresh"
+    def check_same_run(self, fresh: RunResult, shared: RunResult, label: str) -> None:
+        """A shared worker's run of the last workload must be the fresh worker's: tokens, steps and counters."""
+        label = f"{label} vs fresh"
         self.failures += [f"{label}: {problem}" for problem in compare_exact(fresh.outputs, shared.outputs)]
         fresh_counters, shared_counters = _run_counters(fresh), _run_counters(shared)
         self.failures += [f"{label}: {name} {shared_counters[name]} on the shared worker, {value} on a fresh one"
                           for name, value in fresh_counters.items() if shared_counters[name] != value]
 
-    def report(self, cache: CacheConfig, tolerance: float, started: float) -> ValidationReport:
-        return ValidationReport(cache=cache, near_tie_tolerance=tolerance, runs=tuple(self.runs),
-                                failures=list(self.failures), wall_s=time.perf_counter() - started)
+    # ---- the log ---------------------------------------------------------------------------------
+    def read_log(self) -> tuple:
+        """Every record the compare runs logged (none when nothing was logged); a torn line is a failure."""
+        if not self.log.exists():
+            return ()
+        result = read_log(self.log)
+        self.failures += [f"divergence log: {warning}" for warning in result.warnings]
+        return result.records
+
+    def first_divergence(self, run_id: str) -> DivergenceRecord | None:
+        if not self.log.exists():
+            return None
+        return next((record for record in read_log(self.log).records
+                     if isinstance(record, DivergenceRecord) and record.run_id == run_id), None)
 
 
-def _new_worker(model, cache: CacheConfig, engine: EngineConfig, device: str | torch.device) -> Worker:
-    return Worker(model, cache_config=cache, engine_config=engine, device=device)
+def _validation_run(role: str, workload: str, result: RunResult, direction: KvDirection | None) -> ValidationRun:
+    """The run's summary under its workload's own name, with its compare counts in compare mode."""
+    summary = {**result.summary(), "workload": workload}
+    compared = result.compare_summary
+    if compared is not None:
+        summary |= {"steps_compared": dict(compared.steps_compared),
+                    "divergences": sum(compared.divergences.values()),
+                    "divergences_by_op": dict(compared.divergences), "harness_errors": compared.harness_errors}
+    if direction is None:
+        return ValidationRun(role, workload, summary)
+    return ValidationRun(role, workload, summary, kv_path=direction.authoritative, shadow_path=direction.shadow)
+
+
+def _describe(record: DivergenceRecord | None) -> str:
+    """``op step N, kind at path, path (+k more)``: one divergence on one line."""
+    if record is None:
+        return "not in the log"
+    where = f"{record.op} step {record.step}, {record.kind}"
+    if not record.field_paths:
+        return f"{where}: {record.exception}"
+    more = len(record.field_paths) - _MAX_NAMED_PATHS
+    return (f"{where} at {', '.join(record.field_paths[:_MAX_NAMED_PATHS])}"
+            + (f" (+{more} more)" if more > 0 else ""))
+
+
+def _source(name: str) -> str:
+    """How ``replay``/``minimize`` reload a workload: its built-in name, or its file's absolute path."""
+    return name if name in BUILTIN_WORKLOADS else str(Path(name).resolve())
 
 
 def _no_eviction_pool(workload: Workload, dtype: str) -> dict:
@@ -214,7 +413,11 @@ def _run_counters(result: RunResult) -> dict[str, int]:
     return {name: result.summary()[name] for name in SAME_RUN_COUNTERS}
 
 
-def _first_line(error: AssertionError) -> str:
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _first_line(error: BaseException) -> str:
     """The check's own message (pytest appends its assert rewrite on later lines)."""
     return str(error).partition("\n")[0]
 

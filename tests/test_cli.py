@@ -1,17 +1,25 @@
-"""The batchgen command (exit codes, JSON, error lines) and the back-to-back validation it reports."""
+"""The batchgen command: exit codes, JSON, error lines; the KV path flags, faults, report, replay and minimize.
 
+(``batchgen validate`` is tested with the validation, in test_validation.py.)
+"""
+
+import ast
 import json
+import os
 import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
 
-import batchgen.validation
+import batchgen.worker.kv_manager as kv_manager
+from compare import DivergenceRecord, RunSummary, read_log
 from batchgen.cli import main
-from batchgen.model.loader import load_model
-from batchgen.validation import validate_back_to_back
-from batchgen.worker.kv_backends import GpuKvPool
-from batchgen.workloads import builtin_workload
+from batchgen.worker.kv_gate import ENV_PREFIX
+from batchgen.worker.kv_plans import AllocPlan, PageGrant
+from batchgen.workloads import builtin_workload, load_workload
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,6 +30,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def no_gate_environment(monkeypatch):
+    """Tests start from an environment without BATCHGEN_WORKER_KV_* (they set what they test)."""
+    for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+
+
+def reversed_grants(monkeypatch):
+    """The plan path hands out each grant's pages in reverse order: an alloc divergence at the first
+    request needing two pages (undone by monkeypatch.undo())."""
+    correct = kv_manager.KVCacheManager.plan_allocation
+
+    def plan_allocation(self, req):
+        plan = correct(self, req)
+        return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
+
+    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_allocation", plan_allocation)
+
 
 RUN_KEYS = {"requests", "tokens_generated", "tokens_per_s", "evictions", "loads", "recompute_preemptions",
             "peak_gpu_pages", "peak_host_pages", "leaked_gpu_pages", "leaked_host_pages", "model", "device", "seed"}
@@ -68,6 +96,147 @@ def test_help_explains_every_flag_with_its_default(command, capsys):
         assert re.search(f"{flag} .*?\\(default: {re.escape(default)}\\)", text), flag
 
 
+def test_run_help_names_each_kv_variable_and_shows_the_fault_grammar(capsys):
+    assert main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    text = re.sub(r"(?<=\w-) ", "", " ".join(out.split()))  # argparse may break a line after a hyphen
+    for flag, env, default in [("--kv-path", "PATH", "plan"), ("--kv-compare", "COMPARE", "off"),
+                               ("--kv-compare-sample", "COMPARE_SAMPLE", "1.0"),
+                               ("--kv-compare-log", "COMPARE_LOG", "kv-divergences.jsonl"),
+                               ("--kv-compare-ops", "COMPARE_OPS", "poll,release,evict,migrate,alloc"),
+                               ("--kv-load-failure", "LOAD_FAILURE", "the workload's engine config")]:
+        assert re.search(f"{flag} .*?\\(default: \\$BATCHGEN_WORKER_KV_{env}, else {re.escape(default)}\\)", text), flag
+    assert re.search(r"--kv-load-retries N .*?\(default: the workload's engine config\)", text)
+    assert re.search(r"--faults SPEC .*?\(default: no faults\)", text)
+    assert "    load_fail_late=P       a load fails 1-3 steps after it was issued\n" in out
+    assert "    abort_phases=A+B       waiting, prefilling, decoding, swapped, loading (default: all)\n" in out
+
+
+@pytest.mark.parametrize("command, flag, default", [("validate", "--reports-dir", "reports"),
+                                                    ("report", "--format", "text"), ("report", "--out", "stdout"),
+                                                    ("minimize", "--out-dir", "reports/minimized"),
+                                                    ("minimize", "--max-tests", "400")])
+def test_help_of_the_log_commands_gives_each_default(command, flag, default, capsys):
+    assert main([command, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(f"{flag} .*?\\(default: {re.escape(default)}\\)", text), flag
+
+
+# ---- run: KV path flags, compare mode, faults ----------------------------------------------------
+def run_json(capsys, *flags: str) -> dict:
+    """``batchgen run --workload smoke --json FLAGS``: its summary."""
+    assert main(["run", "--workload", "smoke", "--json", *flags]) == 0
+    return one_json_object(capsys.readouterr().out)
+
+
+def test_run_says_which_kv_path_ran(capsys):
+    summary = run_json(capsys)
+    assert (summary["kv_path"], summary["kv_compare"], summary["load_failure"]) == ("plan", "off", "recompute")
+    assert not {"steps_compared", "divergences", "compare_log", "faults", "failed_requests"} & summary.keys()
+    assert run_json(capsys, "--kv-path", "legacy")["kv_path"] == "legacy"
+
+
+def test_a_plan_run_without_compare_never_imports_the_legacy_path():
+    code = ("import sys, torch; torch.set_num_threads(1); from batchgen.cli import main; "
+            "code = main(['run', '--workload', 'smoke', '--json']); "
+            "print('legacy imported' if 'batchgen.worker.legacy_kv' in sys.modules else 'legacy not imported'); "
+            "sys.exit(code)")
+    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**env, "OMP_NUM_THREADS": "1"})
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines()[-1] == "legacy not imported"
+
+
+def test_the_environment_decides_when_an_option_is_absent(capsys, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_PATH", "legacy")
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_LOAD_FAILURE", "fail")
+    summary = run_json(capsys)
+    assert (summary["kv_path"], summary["load_failure"]) == ("legacy", "fail")
+
+
+def test_an_option_beats_the_environment(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_PATH", "legacy")
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE", "log")
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE_LOG", str(tmp_path / "env.jsonl"))
+    summary = run_json(capsys, "--kv-path", "plan", "--kv-compare-log", str(tmp_path / "cli.jsonl"))
+    assert (summary["kv_path"], summary["kv_shadow_path"], summary["kv_compare"]) == ("plan", "legacy", "log")
+    assert summary["compare_log"] == str(tmp_path / "cli.jsonl")
+    assert (tmp_path / "cli.jsonl").exists() and not (tmp_path / "env.jsonl").exists()
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"BATCHGEN_WORKER_KV_PAHT": "plan"},
+     "batchgen: error: unknown variable BATCHGEN_WORKER_KV_PAHT; did you mean BATCHGEN_WORKER_KV_PATH? Valid names: "
+     "BATCHGEN_WORKER_KV_COMPARE, BATCHGEN_WORKER_KV_COMPARE_LOG, BATCHGEN_WORKER_KV_COMPARE_OPS, "
+     "BATCHGEN_WORKER_KV_COMPARE_SAMPLE, BATCHGEN_WORKER_KV_LOAD_FAILURE, BATCHGEN_WORKER_KV_PATH"),
+    ({"BATCHGEN_WORKER_KV_COMPARE": "yes"},
+     "batchgen: error: BATCHGEN_WORKER_KV_COMPARE='yes' is invalid (Input should be 'off', 'log' or 'raise'); "
+     "allowed: off, log, raise"),
+], ids=["unknown-name", "bad-value"])
+def test_a_bad_gate_environment_exits_2_naming_the_variable(capsys, monkeypatch, environment, message):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--workload", "smoke"]) == 2
+    assert error_line(capsys) == message
+
+
+def test_compare_mode_reports_steps_compared_per_op_and_divergences(capsys, tmp_path):
+    log = tmp_path / "kv.jsonl"
+    summary = run_json(capsys, "--kv-path", "legacy", "--kv-compare", "log", "--kv-compare-log", str(log))
+    assert (summary["kv_path"], summary["kv_shadow_path"], summary["compare_log"]) == ("legacy", "plan", str(log))
+    assert sorted(summary["steps_compared"]) == ["alloc", "evict", "migrate", "poll", "release"]
+    assert all(count > 0 for count in summary["steps_compared"].values())
+    assert (summary["divergences"], summary["divergences_by_op"], summary["harness_errors"]) == (0, {}, 0)
+    [record] = read_log(log).records
+    assert isinstance(record, RunSummary) and record.steps_compared == summary["steps_compared"]
+
+
+def test_compare_ops_and_sample_limit_what_is_compared(capsys, tmp_path):
+    full = run_json(capsys, "--kv-compare", "log", "--kv-compare-log", str(tmp_path / "all.jsonl"))
+    some = run_json(capsys, "--kv-compare", "log", "--kv-compare-log", str(tmp_path / "some.jsonl"),
+                    "--kv-compare-ops", "evict,alloc", "--kv-compare-sample", "0.5")
+    assert sorted(some["steps_compared"]) == ["alloc", "evict"]
+    assert 0 < some["steps_compared"]["alloc"] < full["steps_compared"]["alloc"]
+
+
+def test_compare_mode_divergences_are_counted_per_op_in_the_table(capsys, tmp_path, monkeypatch):
+    reversed_grants(monkeypatch)
+    log = tmp_path / "kv.jsonl"
+    assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log", str(log)]) == 0
+    out = capsys.readouterr().out
+    records = [r for r in read_log(log).records if isinstance(r, DivergenceRecord)]
+    assert records
+    assert re.search(rf"│ divergences +│ +{len(records)} │", out)
+    assert re.search(rf"│ divergences_by_op +│ +alloc {len(records)} │", out)
+    assert re.search(r"│ steps_compared +│ +alloc \d+, evict \d+, migrate \d+, poll \d+, release \d+ │", out)
+
+
+def test_compare_mode_raise_stops_at_the_first_divergence_with_exit_1(capsys, tmp_path, monkeypatch):
+    reversed_grants(monkeypatch)
+    log = tmp_path / "kv.jsonl"
+    assert main(["run", "--workload", "smoke", "--kv-path", "legacy", "--kv-compare", "raise",
+                 "--kv-compare-log", str(log)]) == 1
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchgen:")]
+    assert line.startswith("batchgen: divergence: alloc step 0: state divergence, shadow 'plan' vs authoritative "
+                           "'legacy'; paths: pools.gpu[0][2][0], ")
+    assert line.endswith(f"(logged to {log})")
+    [record] = read_log(log).records
+    assert (record.op, record.step) == ("alloc", 0)
+
+
+def test_faults_and_load_options_reach_the_worker(capsys):
+    summary = run_json(capsys, "--faults", "seed=1,load_fail=1", "--kv-load-retries", "0",
+                       "--kv-load-failure", "fail", "--kv-load-timeout-steps", "3")
+    assert (summary["max_load_retries"], summary["load_timeout_steps"], summary["load_failure"]) == (0, 3, "fail")
+    assert (summary["faults"], summary["fault_aborts"]) == ("seed=1,load_fail=1", 0)
+    assert 0 < summary["loads"] == summary["load_failures"] == summary["failed_requests"]  # no retry: each fails
+    retried = run_json(capsys, "--faults", "seed=1,load_fail=1", "--kv-load-retries", "2", "--kv-load-failure", "fail")
+    assert 0 < retried["load_failures"] == 3 * retried["failed_requests"]
+    aborted = run_json(capsys, "--faults", "seed=3,abort=0.3")
+    assert aborted["fault_aborts"] > 0 and aborted["failed_requests"] == 0
+
+
 # ---- bad input -------------------------------------------------------------------------------
 def error_line(capsys) -> str:
     lines = capsys.readouterr().err.strip().splitlines()
@@ -94,8 +263,39 @@ def error_line(capsys) -> str:
      "batchgen: error: argument --dtype: invalid choice: 'float64' (choose from "),
     (["run"], "batchgen: error: the following arguments are required: --workload (see 'batchgen run --help')"),
     (["serve"], "batchgen: error: argument COMMAND: invalid choice: 'serve' (choose from "),
+    (["run", "--workload", "smoke", "--kv-path", "lgacy"],
+     "batchgen: error: --kv-path='lgacy' is invalid (Input should be 'plan' or 'legacy'); allowed: plan, legacy; "
+     "did you mean 'legacy'?"),
+    (["run", "--workload", "smoke", "--kv-compare", "shadow"],
+     "batchgen: error: --kv-compare='shadow' is invalid (Input should be 'off', 'log' or 'raise'); "
+     "allowed: off, log, raise"),
+    (["run", "--workload", "smoke", "--kv-compare-sample", "0"],
+     "batchgen: error: --kv-compare-sample='0' is invalid (Input should be greater than 0); allowed: a float in (0, 1]"),
+    (["run", "--workload", "smoke", "--kv-compare-ops", "alloc,free"],
+     "batchgen: error: --kv-compare-ops='alloc,free' is invalid (unknown ops ['free']); "
+     "allowed: a comma list of poll, release, evict, migrate, alloc"),
+    (["run", "--workload", "smoke", "--kv-load-failure", "retry"],
+     "batchgen: error: --kv-load-failure='retry' is invalid (Input should be 'recompute' or 'fail'); "
+     "allowed: recompute, fail"),
+    (["run", "--workload", "smoke", "--kv-load-retries", "-1"],
+     "batchgen: error: argument --kv-load-retries: must be an integer >= 0, got '-1' (see 'batchgen run --help')"),
+    (["run", "--workload", "smoke", "--kv-load-timeout-steps", "0"],
+     "batchgen: error: argument --kv-load-timeout-steps: must be an integer >= 1, got '0' "
+     "(see 'batchgen run --help')"),
+    (["run", "--workload", "smoke", "--faults", "load_fail=2"],
+     "batchgen: error: --faults: load_fail=2 must be a probability in [0, 1]"),
+    (["run", "--workload", "smoke", "--faults", "load_fial=0.1"],
+     "batchgen: error: --faults: 'load_fial=0.1' is not KEY=VALUE with KEY one of abort, abort_phases, "),
+    (["report"], "batchgen: error: the following arguments are required: LOG (see 'batchgen report --help')"),
+    (["report", "x.jsonl", "--format", "html"], "batchgen: error: argument --format: invalid choice: 'html' "),
+    (["replay", "x.jsonl"],
+     "batchgen: error: the following arguments are required: --index (see 'batchgen replay --help')"),
+    (["minimize", "x.jsonl", "--index", "-1"],
+     "batchgen: error: argument --index: must be an integer >= 0, got '-1' (see 'batchgen minimize --help')"),
 ], ids=["unknown-workload", "unknown-model", "negative-scale", "nan-scale", "zero-scale", "negative-seed",
-        "unknown-dtype", "no-workload", "unknown-command"])
+        "unknown-dtype", "no-workload", "unknown-command", "kv-path-typo", "kv-compare-mode", "kv-compare-sample",
+        "kv-compare-ops", "kv-load-failure", "kv-load-retries", "kv-load-timeout", "faults-probability",
+        "faults-key", "report-no-log", "report-format", "replay-no-index", "minimize-negative-index"])
 def test_bad_input_exits_2_with_one_error_line(capsys, argv, message):
     assert main(argv) == 2
     assert error_line(capsys).startswith(message)  # argparse words its choice lists per Python version
@@ -131,62 +331,183 @@ def test_cuda_without_cuda_exits_2(monkeypatch, capsys):
                                   "allowed here: --device cpu")
 
 
-# ---- validate --------------------------------------------------------------------------------
+
+
+# ---- report ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model():
-    return load_model("tiny")
+def logs(tmp_path_factory) -> tuple:
+    """Two smoke runs in compare mode (legacy serving, plan shadowed): a clean log, and one with alloc divergences."""
+    directory = tmp_path_factory.mktemp("logs")
+    clean, buggy = directory / "clean.jsonl", directory / "buggy.jsonl"
+    flags = ["run", "--workload", "smoke", "--kv-path", "legacy", "--kv-compare", "log", "--json", "--kv-compare-log"]
+    assert main([*flags, str(clean)]) == 0
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        reversed_grants(monkeypatch)
+        assert main([*flags, str(buggy)]) == 0
+    return clean, buggy
 
 
-@pytest.fixture
-def cheap_pair(monkeypatch):
-    """Validate smoke then L2-2048 (on L2-2048's pool) instead of the two L2 traces: seconds, not minutes."""
-    monkeypatch.setattr(batchgen.validation, "BACK_TO_BACK_WORKLOADS", ("smoke", "L2-2048"))
+def num_divergences(log) -> int:
+    return sum(isinstance(record, DivergenceRecord) for record in read_log(log).records)
 
 
-def test_validate_json_passes_at_a_scale_where_both_l2_workloads_evict(capsys):
-    assert main(["validate", "--scale", "0.25", "--seed", "3", "--json"]) == 0
-    report = one_json_object(capsys.readouterr().out)
-    assert (report["ok"], report["failures"]) == (True, [])
-    runs = {(run["workload"], run["role"]): run for run in report["runs"]}
-    assert list(runs) == [("L2-2048", "shared"), ("L2-4096", "shared"), ("L2-2048", "reference"),
-                          ("L2-4096", "reference"), ("L2-4096", "fresh")]
-    assert runs["L2-2048", "shared"]["evictions"] > 0 and runs["L2-4096", "shared"]["evictions"] > 0
-    assert all(runs[name, "reference"][counter] == 0 for name in ("L2-2048", "L2-4096")
-               for counter in ("evictions", "loads", "recompute_preemptions"))
-    assert report["cache"] == builtin_workload("L2-4096", seed=3, scale=0.25).cache.model_dump()
-    assert (report["near_tie_tolerance"], report["model"], report["seed"], report["scale"]) == (1e-4, "tiny", 3, 0.25)
+def test_report_exits_0_without_divergences_and_1_with_them(logs, capsys):
+    clean, buggy = logs
+    assert main(["report", str(clean)]) == 0
+    assert capsys.readouterr().out.startswith("0 divergences in ")
+    assert main(["report", str(buggy)]) == 1
+    assert capsys.readouterr().out.startswith(f"{num_divergences(buggy)} divergences in ")
 
 
-def test_validation_fails_a_workload_that_never_evicted(model, cheap_pair):
-    progress = []
-    report = validate_back_to_back(model, seed=4, scale=0.25, on_progress=lambda *update: progress.append(update))
-    assert report.failures == ["smoke shared: never evicted to host (recompute preemptions: 0), so the run did not "
-                               "exercise the host tier; use a larger --scale"]
-    assert [run.label for run in report.runs] == ["smoke shared", "L2-2048 shared", "smoke reference",
-                                                  "L2-2048 reference", "L2-2048 fresh"]
-    assert report.runs[1].summary["evictions"] > 0
-    assert progress[-1] == ("L2-2048 fresh", 8, 8)
-
-
-def test_validate_exits_1_and_prints_each_failure(capsys, cheap_pair):
-    assert main(["validate", "--scale", "0.25", "--seed", "4"]) == 1
+@pytest.mark.parametrize("format_", ["text", "md", "junit", "json"])
+def test_report_renders_each_format(logs, capsys, format_):
+    _, buggy = logs
+    assert main(["report", str(buggy), "--format", format_]) == 1
     out = capsys.readouterr().out
-    assert "batchgen validate: FAILED" in out
-    assert [line for line in out.splitlines() if line.startswith("FAIL ")] == [
-        "FAIL smoke shared: never evicted to host (recompute preemptions: 0), so the run did not exercise the "
-        "host tier; use a larger --scale"]
+    count = num_divergences(buggy)
+    if format_ == "text":
+        assert "By op" in out and "By field path" in out and "requests[*].gpu_page_ids[*]" in out
+    elif format_ == "md":
+        assert out.startswith(f"### {count} divergences in ") and "| alloc |" in out
+    elif format_ == "junit":
+        suite = ET.fromstring(out).find("testsuite")
+        [failed] = [case for case in suite.iter("testcase") if case.find("failure") is not None]
+        assert (failed.get("name"), suite.get("failures")) == ("smoke.alloc", "1")
+    else:
+        assert json.loads(out)["num_divergences"] == count
 
 
-def test_validation_reports_a_leak_and_stops(model, cheap_pair, monkeypatch):
-    real_release = GpuKvPool.release_pages
+def test_report_merges_logs(logs, capsys):
+    clean, buggy = logs
+    assert main(["report", str(clean), str(buggy), "--format", "json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["num_runs"], report["num_divergences"]) == (2, num_divergences(buggy))
 
-    def release_all_but_one(pool, uuid):
-        if uuid != "smoke-r1":
-            real_release(pool, uuid)
 
-    monkeypatch.setattr(GpuKvPool, "release_pages", release_all_but_one)
-    report = validate_back_to_back(model)
-    assert not report.ok and report.runs == ()
-    assert len(report.failures) == 1
-    assert re.fullmatch(r"smoke shared: integrity check failed at step \d+: "
-                        r"gpu: pages owned by requests no longer live: \['smoke-r1'\]", report.failures[0])
+def test_report_out_writes_the_file_instead_of_stdout(logs, capsys, tmp_path):
+    _, buggy = logs
+    out = tmp_path / "ci" / "divergences.xml"
+    assert main(["report", str(buggy), "--format", "junit", "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert re.fullmatch(rf"batchgen: wrote {re.escape(str(out))}: {num_divergences(buggy)} divergences in "
+                        r"\d+ compared steps", captured.err.strip())
+    assert ET.parse(out).getroot().tag == "testsuites"
+
+
+@pytest.mark.parametrize("out, reason", [("log.jsonl/report.md", "log.jsonl is not a directory"),
+                                         ("reports", "Is a directory")], ids=["under-a-file", "a-directory"])
+def test_report_out_that_cannot_be_written_exits_2_saying_why(logs, capsys, monkeypatch, tmp_path, out, reason):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "log.jsonl").write_bytes(logs[1].read_bytes())
+    assert main(["report", "log.jsonl", "--out", out]) == 2
+    assert error_line(capsys) == f"batchgen: error: --out {out}: cannot write the report: {reason}"
+
+
+def test_report_md_is_appended_to_the_github_step_summary(logs, capsys, monkeypatch, tmp_path):
+    _, buggy = logs
+    summary = tmp_path / "step-summary.md"
+    summary.write_text("## earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    assert main(["report", str(buggy), "--format", "md"]) == 1
+    markdown = capsys.readouterr().out
+    assert summary.read_text() == "## earlier step\n" + markdown
+    assert main(["report", str(buggy), "--format", "junit"]) == 1  # only md goes to the summary
+    assert summary.read_text() == "## earlier step\n" + markdown
+
+
+def test_report_without_step_summary_variable_writes_no_summary(logs, capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", str(logs[1]), "--format", "md"]) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("content, reason", [
+    (None, "cannot read divergence log: No such file or directory"),
+    ('{"record_type": "run_summary"\n', "1: not JSON: Expecting ',' delimiter: line 1 column 30 (char 29)"),
+    ("SUMMARY_V9", "1: unsupported schema_version 9 in a run_summary record; this reader supports 1"),
+    ('{"record_type": "divergence", "schema_version": 1}\n', "1: invalid divergence record: run_id: field required"),
+], ids=["missing", "not-json", "unknown-schema-version", "missing-fields"])
+def test_report_exits_2_naming_the_file_line_and_why(logs, capsys, tmp_path, content, reason):
+    path = tmp_path / "bad.jsonl"
+    if content == "SUMMARY_V9":
+        record = json.loads(logs[0].read_text().splitlines()[0])
+        content = json.dumps({**record, "schema_version": 9}) + "\n"
+    if content is not None:
+        path.write_text(content)
+    assert main(["report", str(logs[0]), str(path)]) == 2
+    message = error_line(capsys)
+    assert message.startswith(f"batchgen: error: {path}{':' if content is not None else ': '}{reason}"), message
+
+
+def test_report_skips_a_torn_last_line_with_a_warning(logs, capsys, tmp_path):
+    torn = tmp_path / "torn.jsonl"
+    torn.write_bytes(logs[1].read_bytes() + b'{"record_type": "divergence", "sche')
+    assert main(["report", str(torn), "--format", "json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["num_divergences"] == num_divergences(logs[1])
+    [warning] = captured.err.strip().splitlines()
+    assert warning.startswith(f"batchgen: warning: {torn}:") and warning.endswith("; skipped as a torn last line")
+
+
+# ---- replay and minimize -----------------------------------------------------------------------
+def test_replay_reproduces_a_logged_divergence_while_the_bug_is_there(logs, capsys, monkeypatch):
+    _, buggy = logs
+    reversed_grants(monkeypatch)
+    count = num_divergences(buggy)
+    assert main(["replay", str(buggy), "--index", str(count - 1)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"record {count - 1} of {count} divergence records in {re.escape(str(buggy))}: alloc step "
+                        r"\d+ of smoke \(seed 0, run smoke-\w+\), authoritative legacy, shadow plan", lines[0])
+    logged = re.fullmatch(r"logged:   state divergence at (\d+) field paths", lines[1])
+    assert logged and lines.index(f"replayed: state divergence at {logged[1]} field paths") == 2 + int(logged[1])
+    assert all(line.startswith("    ") for line in lines[2:2 + int(logged[1])])  # the field paths, both times
+    assert any(line.startswith("    requests[smoke-r") for line in lines[2:2 + int(logged[1])])
+    assert "diff:" in lines
+    assert lines[-1] == "reproduced: yes"
+
+
+def test_replay_exits_1_once_the_bug_is_fixed(logs, capsys):
+    assert main(["replay", str(logs[1]), "--index", "0"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "replayed: no divergence: the two paths agree" in lines and lines[-1] == "reproduced: no"
+
+
+def test_replay_index_out_of_range_exits_2_naming_the_range(logs, capsys):
+    clean, buggy = logs
+    count = num_divergences(buggy)
+    assert main(["replay", str(buggy), "--index", str(count)]) == 2
+    assert error_line(capsys) == (f"batchgen: error: --index {count} is out of range: {buggy} holds {count} "
+                                  f"divergence records, so --index is 0 to {count - 1} (run summaries are not counted)")
+    assert main(["replay", str(clean), "--index", "0"]) == 2
+    assert error_line(capsys) == (f"batchgen: error: {clean}: no divergence record to pick; its 1 records are all run "
+                                  f"summaries")
+
+
+def test_minimize_writes_the_minimal_workload_and_a_regression_test(logs, capsys, monkeypatch, tmp_path):
+    reversed_grants(monkeypatch)
+    out_dir = tmp_path / "minimized"
+    assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(out_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    smoke = builtin_workload("smoke")
+    shrink = re.fullmatch(r"alloc state divergence \(pools.gpu\[\*\]\[\*\]\[\*\], requests\[\*\].gpu_page_ids\[\*\]\): "
+                          rf"requests 8 -> 1, new tokens {sum(r.max_new_tokens for r in smoke.requests)} -> 1, "
+                          r"(\d+) tests run", lines[0])
+    assert shrink and int(shrink[1]) > 0, lines[0]
+    [workload_path] = out_dir.glob("*.json")
+    [test_path] = out_dir.glob("test_kv_*.py")
+    assert lines[1:] == [f"workload: {workload_path}", f"test:     {test_path}"]
+    assert len(load_workload(str(workload_path)).requests) == 1
+    tree = ast.parse(test_path.read_text())
+    assert [node.name for node in tree.body if isinstance(node, ast.FunctionDef)] == [
+        f"test_no_{workload_path.stem}_divergence"]
+
+
+def test_minimize_exits_1_when_the_divergence_does_not_reproduce(logs, capsys, tmp_path):
+    assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(tmp_path)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchgen:")]
+    assert errors == ["batchgen: not reproduced: alloc step 0: workload 'smoke' (seed 0, scale 1.0) shows no state "
+                      "divergence at pools.gpu[*][*][*], requests[*].gpu_page_ids[*]"]
+    assert list(tmp_path.iterdir()) == []

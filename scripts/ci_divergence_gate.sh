@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# CI divergence gate: the back-to-back validation in compare mode (both KV directions + the A/A noise check),
+# then its divergence log rendered for the CI job: markdown on stdout and in the job summary
+# ($GITHUB_STEP_SUMMARY, appended to by `batchgen report --format md` when it is set) and JUnit XML for a
+# test reporter.
+#
+# Usage: scripts/ci_divergence_gate.sh [VALIDATE FLAGS...]     e.g. --scale 0.5, --seed 3
+#   REPORTS_DIR   where the log and reports go (default: reports)
+#   PYTHON        the interpreter with batchgen installed (default: .venv/bin/python, else python3)
+#
+# Writes REPORTS_DIR/divergences.{jsonl,md,xml,json}. Exits with `batchgen validate`'s status: 0 when
+# every check passed, 1 on any divergence or failed check, 2 on bad input; a log that cannot be
+# rendered (exit 2 of `batchgen report`) fails the gate too.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+REPORTS_DIR=${REPORTS_DIR:-reports}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # tiny models on shared CI cores: one thread is fastest
+
+"$PY" -m batchgen validate --reports-dir "$REPORTS_DIR" "$@"
+status=$?
+
+log="$REPORTS_DIR/divergences.jsonl"
+if [ -f "$log" ]; then
+    # Exit 1 only says "there are divergences" (validate already failed for them); 2 is an unreadable log.
+    "$PY" -m batchgen report "$log" --format md
+    md_status=$?
+    "$PY" -m batchgen report "$log" --format junit --out "$REPORTS_DIR/divergences.xml"
+    junit_status=$?
+    for report_status in "$md_status" "$junit_status"; do
+        if [ "$report_status" -ge 2 ] && [ "$status" -eq 0 ]; then
+            status=$report_status
+        fi
+    done
+else
+    echo "ci_divergence_gate: no divergence log at $log (validate stopped before any compare run)" >&2
+    [ "$status" -eq 0 ] && status=1
+fi
+
+echo "ci_divergence_gate: exit $status; reports in $REPORTS_DIR/" >&2
+exit "$status"

@@ -1,0 +1,213 @@
+"""Back-to-back validation in compare mode: every direction, the A/A check, the reports, and each failure it names.
+
+The workloads are two small pressure traces (8 requests over 10 GPU pages of 4 tokens: eviction,
+migration and recompute every few steps) given to the validation as workload files through
+``BACK_TO_BACK_WORKLOADS``: the nine runs take seconds. ``make run`` runs the L2 traces.
+"""
+
+import json
+import random
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+import batchgen.validation
+import batchgen.worker.kv_manager as kv_manager
+from compare import DivergenceRecord, RunSummary, read_log
+from batchgen.cli import main
+from batchgen.config import CacheConfig, EngineConfig
+from batchgen.model.loader import load_model
+from batchgen.validation import DIRECTIONS, REPORT_FILES, validate_back_to_back
+from batchgen.worker.kv_backends import GpuKvPool
+from batchgen.worker.kv_plans import AllocPlan, PageGrant, PollAction, PollPlan, PollStep
+from batchgen.workloads import Workload, WorkloadRequest
+
+ROLES = [direction.role for direction in DIRECTIONS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread while this module runs: on shared, busy cores torch's default
+    (one thread per core) stalls in spin-waits, 5-10x slower for these tiny models."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny")
+
+
+def pressure_workload(name: str, *, num_requests: int = 8, seed: int = 1) -> Workload:
+    """Requests of 15-34 tokens over 10 GPU pages of 4 tokens (6 host pages): a lot of eviction."""
+    rng = random.Random(seed)
+    requests = [
+        WorkloadRequest(uuid=f"{name}-r{i}", prompt_ids=[rng.randrange(1, 512) for _ in range(rng.randint(5, 14))],
+                        max_new_tokens=rng.randint(10, 20), arrival_step=i // 4)
+        for i in range(num_requests)
+    ]
+    cache = CacheConfig(page_size=4, num_gpu_pages=10, num_host_pages=6)
+    return Workload(name=name, seed=seed, cache=cache, engine=EngineConfig(max_num_seqs=8), requests=requests)
+
+
+def use_workloads(monkeypatch, tmp_path, *workloads: Workload) -> list[str]:
+    """Make the validation run ``workloads`` (as files) back to back; their names."""
+    paths = []
+    for workload in workloads:
+        path = tmp_path / f"{workload.name}.json"
+        path.write_text(workload.model_dump_json())
+        paths.append(str(path))
+    monkeypatch.setattr(batchgen.validation, "BACK_TO_BACK_WORKLOADS", tuple(paths))
+    return [workload.name for workload in workloads]
+
+
+@pytest.fixture
+def two_pressure_workloads(monkeypatch, tmp_path):
+    return use_workloads(monkeypatch, tmp_path, pressure_workload("pa", seed=1), pressure_workload("pb", seed=2))
+
+
+def reversed_grants(monkeypatch):
+    """The plan path hands out each grant's pages in reverse order: an alloc divergence, tokens unchanged."""
+    correct = kv_manager.KVCacheManager.plan_allocation
+
+    def plan_allocation(self, req):
+        plan = correct(self, req)
+        return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
+
+    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_allocation", plan_allocation)
+
+
+def one_json_object(stdout: str) -> dict:
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 1, stdout
+    return json.loads(lines[0])
+
+
+# ---- a clean validation --------------------------------------------------------------------------
+def test_validate_compares_both_directions_and_the_aa_check_and_finds_no_divergence(
+        two_pressure_workloads, tmp_path, capsys):
+    reports = tmp_path / "reports"
+    assert main(["validate", "--json", "--reports-dir", str(reports)]) == 0
+    report = one_json_object(capsys.readouterr().out)
+    assert (report["ok"], report["failures"], report["divergences"]) == (True, [], 0)
+    assert report["workloads"] == ["pa", "pb"] and report["directions"] == ["legacy/plan", "plan/legacy", "plan/plan"]
+    assert sorted(report["steps_compared"]) == ["alloc", "evict", "migrate", "poll", "release"]
+    assert all(count > 0 for count in report["steps_compared"].values())
+    assert report["divergences_by_op"] == dict.fromkeys(report["steps_compared"], 0)
+    assert (report["leaked_gpu_pages"], report["leaked_host_pages"], report["harness_errors"]) == (0, 0, 0)
+    assert report["compare_overhead"] > 0
+    runs = [(run["workload"], run["role"], run["kv_path"], run["shadow_path"]) for run in report["runs"]]
+    assert runs == [("pa", "legacy/plan", "legacy", "plan"), ("pb", "legacy/plan", "legacy", "plan"),
+                    ("pa", "plan/legacy", "plan", "legacy"), ("pb", "plan/legacy", "plan", "legacy"),
+                    ("pa", "plan/plan", "plan", "plan"), ("pb", "plan/plan", "plan", "plan"),
+                    ("pa", "reference", "plan", None), ("pb", "reference", "plan", None),
+                    ("pb", "fresh", "plan", None)]
+    for run in report["runs"][:6]:
+        assert run["evictions"] > 0 and run["divergences"] == 0 and sum(run["steps_compared"].values()) > 0
+    assert report["reports"] == {kind: str(reports / name) for kind, name in REPORT_FILES.items()}
+
+
+def test_validate_writes_the_log_and_three_reports_rendered_from_it(two_pressure_workloads, tmp_path, capsys):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "divergences.jsonl").write_text("left over from an earlier run\n")
+    assert main(["validate", "--reports-dir", str(reports)]) == 0
+    summaries = read_log(reports / "divergences.jsonl").records
+    assert all(isinstance(record, RunSummary) for record in summaries)
+    assert [(s.workload, s.authoritative, s.shadow) for s in summaries] == [
+        (f"{name} {role}", *role.split("/")) for role in ROLES for name in ("pa", "pb")]
+    assert (reports / "divergences.md").read_text().startswith("### 0 divergences in ")
+    suite = ET.parse(reports / "divergences.xml").getroot().find("testsuite")
+    assert suite.get("failures") == "0" and int(suite.get("tests")) == 6 * 5
+    assert json.loads((reports / "divergences.json").read_text())["num_divergences"] == 0
+    assert not list(reports.glob(".*.tmp"))
+
+
+def test_validate_prints_steps_compared_divergences_overhead_and_per_run_counters(
+        two_pressure_workloads, tmp_path, capsys):
+    assert main(["validate", "--reports-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("batchgen validate: PASSED in ")
+    assert re.search(r"^steps compared: alloc \d+, evict \d+, migrate \d+, poll \d+, release \d+$", out, re.M)
+    assert "divergences: 0 (alloc 0, evict 0, migrate 0, poll 0, release 0); harness errors: 0" in out
+    assert re.search(r"^compare overhead: [\d.]+ s of harness on [\d.]+ s in the authoritative path \([\d.]+x\); "
+                     r"[\d.]+% of the compare runs' wall time$", out, re.M)
+    assert "compare runs: workload, authoritative path, shadow path" in out and "reference and fresh runs" in out
+    assert "FAIL" not in out
+
+
+def test_the_environment_gate_does_not_change_the_validation(two_pressure_workloads, model, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_PATH", "legacy")
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE", "raise")
+    report = validate_back_to_back(model)
+    assert report.ok, report.failures
+    assert [(run.role, run.kv_path, run.shadow_path) for run in report.runs][6:] == [
+        ("reference", "plan", None), ("reference", "plan", None), ("fresh", "plan", None)]
+    assert report.reports == {}  # no reports directory: the log lived in a temporary one
+
+
+# ---- failures it names ---------------------------------------------------------------------------
+def test_a_buggy_plan_method_fails_validation_naming_each_diverging_run(two_pressure_workloads, tmp_path, monkeypatch,
+                                                                        capsys):
+    reversed_grants(monkeypatch)
+    reports = tmp_path / "reports"
+    assert main(["validate", "--reports-dir", str(reports)]) == 1
+    fails = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL ")]
+    assert len(fails) == 4, fails  # A/A: both sides run the same buggy plan path, so they agree
+    for line, (name, direction) in zip(fails, [(n, d) for d in DIRECTIONS[:2] for n in ("pa", "pb")]):
+        assert re.fullmatch(
+            rf"FAIL {name} {direction.role}: \d+ divergences of the {direction.shadow} shadow from the authoritative "
+            rf"{direction.authoritative} path \(alloc: \d+\); first: alloc step \d+, state at "
+            rf"pools\.gpu\[\d+\]\[2\]\[\d+\].*", line)
+    records = [r for r in read_log(reports / "divergences.jsonl").records if isinstance(r, DivergenceRecord)]
+    assert records and {r.op for r in records} == {"alloc"}
+    assert {r.workload for r in records} == {f"{name} {d.role}" for d in DIRECTIONS[:2] for name in ("pa", "pb")}
+    markdown = (reports / "divergences.md").read_text()
+    assert markdown.startswith(f"### {len(records)} divergences in ") and "`pools.gpu[*][*][*]`" in markdown
+    suite = ET.parse(reports / "divergences.xml").getroot().find("testsuite")
+    assert int(suite.get("failures")) == 4
+
+
+def test_a_plan_the_applier_rejects_is_a_named_failure_not_a_crash(two_pressure_workloads, model, monkeypatch):
+    correct = kv_manager.KVCacheManager.plan_poll
+    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_poll", lambda self, req: PollPlan(
+        tuple(PollStep(s.uuid, PollAction.RETRY) for s in correct(self, req).steps)))
+    report = validate_back_to_back(model)
+    assert not report.ok
+    assert any(re.fullmatch(r"pa legacy/plan: \d+ divergences? of the plan shadow from the authoritative legacy "
+                            r"path \(poll: \d+\); first: poll step \d+, invalid_plan: plan raised PlanRejected: .*",
+                            failure) for failure in report.failures), report.failures
+    assert any(re.fullmatch(r"pa plan/legacy: raised at step \d+: PlanRejected: .*", failure)
+               for failure in report.failures), report.failures
+    assert not any(failure.startswith("pb plan/legacy") for failure in report.failures)  # that worker stopped
+
+
+def test_validation_fails_a_workload_that_never_evicted(model, monkeypatch, tmp_path):
+    use_workloads(monkeypatch, tmp_path, pressure_workload("light", num_requests=1), pressure_workload("pb", seed=2))
+    progress = []
+    report = validate_back_to_back(model, on_progress=lambda *update: progress.append(update))
+    assert report.failures == [f"light {role}: never evicted to host (recompute preemptions: 0), so the run did not "
+                               f"exercise the host tier; use a larger --scale" for role in ROLES]
+    assert [run.label for run in report.runs] == [
+        "light legacy/plan", "pb legacy/plan", "light plan/legacy", "pb plan/legacy", "light plan/plan",
+        "pb plan/plan", "light reference", "pb reference", "pb fresh"]
+    assert progress[-1] == ("pb fresh", 8, 8)
+
+
+def test_validation_reports_a_leak_in_every_direction_and_stops_each(model, two_pressure_workloads, monkeypatch):
+    real_release = GpuKvPool.release_pages
+
+    def release_all_but_one(pool, uuid):
+        if uuid != "pa-r1":
+            real_release(pool, uuid)
+
+    monkeypatch.setattr(GpuKvPool, "release_pages", release_all_but_one)
+    report = validate_back_to_back(model)
+    assert not report.ok and report.runs == ()
+    assert len(report.failures) == 3
+    for failure, role in zip(report.failures, ROLES):
+        assert re.fullmatch(rf"pa {role}: integrity check failed at step \d+: pa-r1: GPU page table != pool", failure)
