@@ -45,7 +45,7 @@ from batchgen.worker import faults as faults_module
 from batchgen.worker.faults import FaultInjector, FaultSpec, FaultSpecError
 from batchgen.worker.kv_gate import GATE_FLAGS, GateError, KvGateConfig, gate_config
 from batchgen.worker.state import Phase
-from batchgen.worker.worker import RequestError, Worker
+from batchgen.worker.worker import PoolAllocationError, RequestError, Worker
 from batchgen.workloads import BUILTIN_WORKLOADS, WorkloadError, load_workload
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -69,7 +69,7 @@ class UsageError(ValueError):
     """Flags this machine cannot serve (e.g. ``--device cuda`` without CUDA), or a bad index or file."""
 
 
-INPUT_ERRORS = (UsageError, WorkloadError, ModelLoadError, RequestError, GateError, FaultSpecError, RecordError,
+INPUT_ERRORS = (UsageError, WorkloadError, ModelLoadError, RequestError, PoolAllocationError, GateError, FaultSpecError, RecordError,
                 ReplayError)
 
 

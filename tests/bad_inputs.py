@@ -147,9 +147,6 @@ def case(case_id: str, category: str, description: str, argv: str | list[str], e
 
 
 CLI, GATE, WORKLOAD, CHECKPOINT, LOG, FAULTS = CATEGORIES
-# A request the worker rejects before the first step (Worker.validate_request, called by run_workload).
-BLANK_LINE = ("cli._run opens the rich progress bar before run_workload validates the requests; closing it on "
-              "a non-terminal stderr writes an empty line before the error line")
 RUN = "run --workload smoke"
 
 CASES: tuple[BadInput, ...] = (
@@ -186,9 +183,7 @@ CASES: tuple[BadInput, ...] = (
          build=both(divergence_log(GOOD_LOG), write("reports/keep.txt", "kept\n"))),
     case("report-out-under-a-file", CLI, "report --out inside a path whose parent is a file",
          "report div.jsonl --out div.jsonl/report.md", ("--out div.jsonl/report.md", "not a directory"),
-         build=divergence_log(GOOD_LOG),
-         known_bug="cli._report shows OSError.strerror of the mkdir in compare.write_atomic: 'File exists', "
-                   "which does not say that div.jsonl is a file"),
+         build=divergence_log(GOOD_LOG)),
     case("replay-no-index", CLI, "replay without --index", "replay div.jsonl", ("required: --index",),
          build=divergence_log(GOOD_LOG)),
     case("replay-index-out-of-range", CLI, "replay --index past the log's last divergence",
@@ -264,19 +259,23 @@ CASES: tuple[BadInput, ...] = (
          ("requests.0.max_new_tokens", "greater than or equal to 1"), build=workload({"max_new_tokens": -5})),
     case("workload-negative-arrival", WORKLOAD, "a negative arrival_step", "run --workload workload.json",
          ("requests.0.arrival_step", "greater than or equal to 0"), build=workload({"arrival_step": -1})),
-    case("workload-huge-max-new-tokens", WORKLOAD, "max_new_tokens of 10**12, beyond the model's context",
+    case("workload-huge-max-new-tokens", WORKLOAD, "max_new_tokens of 10**12",
          "run --workload workload.json --kv-compare log --kv-compare-log div.jsonl",
-         ("request 'r0'", "max_new_tokens (1000000000000)", "exceeds the model's context of 4608 tokens"),
-         build=workload({"max_new_tokens": 10**12}), outputs=["div.jsonl"], known_bug=BLANK_LINE),
+         ("requests.0.max_new_tokens", "less than or equal to 1000000"),
+         build=workload({"max_new_tokens": 10**12}), outputs=["div.jsonl"]),
+    case("workload-context-overflow", WORKLOAD, "prompt plus max_new_tokens beyond the model's context",
+         "run --workload workload.json --kv-compare log --kv-compare-log div.jsonl",
+         ("request 'r0'", "max_new_tokens (5000)", "exceeds the model's context of 4608 tokens"),
+         build=workload({"max_new_tokens": 5000}), outputs=["div.jsonl"]),
     case("workload-token-beyond-vocab", WORKLOAD, "a token id beyond the model's vocabulary",
          "run --workload workload.json", ("request 'r0'", "token ids [600]", "outside the vocabulary [0, 512)"),
-         build=workload({"prompt_ids": [1, 600]}), known_bug=BLANK_LINE),
+         build=workload({"prompt_ids": [1, 600]})),
     case("workload-negative-token", WORKLOAD, "a negative token id", "run --workload workload.json",
          ("request 'r0'", "token ids [-1]", "outside the vocabulary [0, 512)"),
-         build=workload({"prompt_ids": [-1, 2]}), known_bug=BLANK_LINE),
+         build=workload({"prompt_ids": [-1, 2]})),
     case("workload-too-big-for-pool", WORKLOAD, "a request needing more KV pages than the GPU pool has",
          "run --workload workload.json", ("request 'r0'", "needs 26 KV pages", "GPU pool has 15 usable pages"),
-         build=workload({"prompt_ids": list(range(1, 101))}), known_bug=BLANK_LINE),
+         build=workload({"prompt_ids": list(range(1, 101))})),
     case("workload-no-requests", WORKLOAD, "an empty requests list", "run --workload workload.json",
          ("requests", "at least 1 item"), build=workload(requests=[])),
     case("workload-duplicate-uuids", WORKLOAD, "two requests with the same uuid", "run --workload workload.json",
@@ -293,10 +292,8 @@ CASES: tuple[BadInput, ...] = (
     case("workload-zero-gpu-pages", WORKLOAD, "a GPU pool of 0 pages", "run --workload workload.json",
          ("cache.num_gpu_pages", "greater than 0"), build=workload(cache={"num_gpu_pages": 0, "num_host_pages": 4})),
     case("workload-huge-gpu-pool", WORKLOAD, "a GPU pool of 10**12 pages (petabytes of KV)",
-         "run --workload workload.json", ("cache.num_gpu_pages", "1000000000000"),
-         build=workload(cache={"num_gpu_pages": 10**12, "num_host_pages": 4}),
-         known_bug="no bound on the pool sizes: Worker.__init__ (worker/worker.py, new_page_tensor) allocates the "
-                   "pool and torch's RuntimeError escapes main"),
+         "run --workload workload.json", ("cannot allocate 1000000000000 KV pages", "lower num_gpu_pages"),
+         build=workload(cache={"num_gpu_pages": 10**12, "num_host_pages": 4})),
     case("workload-bad-load-failure", WORKLOAD, "an engine load-failure policy that does not exist",
          "run --workload workload.json", ("engine.load_failure", "'recompute' or 'fail'"),
          build=workload(engine={"load_failure": "retry"})),
@@ -353,7 +350,7 @@ CASES: tuple[BadInput, ...] = (
                         {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})))),
     case("model-context-too-short", CHECKPOINT, "a model whose context is shorter than the workload's requests",
          "run --workload smoke --model ckpt", ("exceeds the model's context of 16 tokens",),
-         build=checkpoint(config=dict(HF_CONFIG, max_position_embeddings=16)), known_bug=BLANK_LINE),
+         build=checkpoint(config=dict(HF_CONFIG, max_position_embeddings=16))),
     case("validate-missing-model", CHECKPOINT, "validate with a model directory that does not exist",
          "validate --model ./ckpt --reports-dir reports", ("./ckpt: directory does not exist",),
          outputs=["reports"]),
@@ -395,15 +392,11 @@ CASES: tuple[BadInput, ...] = (
              "op": "alloc", "request_type": "AllocRequest", "request": {}}})))),
     case("log-minimize-no-workload", LOG, "minimize of a record that names no workload",
          "minimize div.jsonl --index 0 --out-dir minimized", ("divergence record 0 names no workload_source",),
-         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {}}))), outputs=["minimized"],
-         known_bug="cli._minimize prints its 'minimizing record ...' progress line to stderr before it checks "
-                   "the record, so stderr has two lines"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {}}))), outputs=["minimized"]),
     case("log-minimize-missing-workload", LOG, "minimize of a record whose workload file is gone",
          "minimize div.jsonl --index 0 --out-dir minimized", ("workload file 'gone.json' does not exist",),
          build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {"workload_source": "gone.json"}}))),
-         outputs=["minimized"],
-         known_bug="cli._minimize prints its 'minimizing record ...' progress line to stderr before it loads "
-                   "the workload, so stderr has two lines"),
+         outputs=["minimized"]),
     case("log-replay-summaries-only", LOG, "replay of a log holding run summaries only", "replay div.jsonl --index 0",
          ("div.jsonl: no divergence record to pick",), build=divergence_log(log_line(SUMMARY))),
 
