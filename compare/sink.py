@@ -22,9 +22,10 @@ from compare.records import DivergenceRecord, LogRecord, RecordError, RunSummary
 class JsonlSink:
     """Appends records to a JSON Lines file, one line per record.
 
-    Mutates the file (append only) and its own descriptor. The file and its parent directories
-    are created on the first write. If the file ends in a line torn by an earlier crash, the
-    first write terminates that line first, so the new record never fuses with it.
+    Mutates the file and its own descriptor. The file and its parent directories are created on
+    the first write. If the file ends in a line torn by an earlier crash, the first write cuts
+    that partial line off (with a warning), so the log stays readable and the new record never
+    fuses with it. One writer per file.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -35,10 +36,11 @@ class JsonlSink:
         data = (record.model_dump_json() + "\n").encode()
         if self._fd is None:
             self._fd = self._open()
-            if _ends_torn(self._fd):
+            torn = _torn_tail_bytes(self._fd)
+            if torn:
                 warnings.warn(f"{self.path}: last line was cut short (earlier crash?); "
-                              "terminating it before appending")
-                data = b"\n" + data
+                              f"dropping its {torn} bytes before appending")
+                os.ftruncate(self._fd, os.fstat(self._fd).st_size - torn)
         view = memoryview(data)
         while view:
             view = view[os.write(self._fd, view):]
@@ -64,9 +66,17 @@ class JsonlSink:
         return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
 
 
-def _ends_torn(fd: int) -> bool:
-    size = os.fstat(fd).st_size
-    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+def _torn_tail_bytes(fd: int, chunk: int = 1 << 16) -> int:
+    """Bytes after the file's last newline (0 when it ends in one, or is empty). Reads only the tail."""
+    end = size = os.fstat(fd).st_size
+    while end > 0:
+        start = max(0, end - chunk)
+        block = os.pread(fd, end - start, start)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            return size - (start + newline + 1)
+        end = start
+    return size
 
 
 @dataclass(frozen=True, slots=True)
