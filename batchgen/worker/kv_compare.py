@@ -3,14 +3,16 @@
 Per compared op (``compare.ShadowExecutor`` fixes the order)::
 
     context       the op's request (frozen snapshot of its scope): replay input;
-                  taken from the authoritative path when it is the plan path
+                  taken from the side running the plan path, which builds it anyway
     shadow        fork the scope's requests and both pools (bookkeeping only: no
                   tensors; the forked host pool records the copies it would issue),
-                  run the shadow path on the fork, canonicalise all but requests
+                  run the shadow path on the fork, canonicalise its counters and
+                  free page counts (the rest waits for the authoritative step)
     authoritative run the authoritative path on the worker with the pools
-                  journaling, canonicalise; then find the scope requests whose
+                  journaling; canonicalise both sides' journals and copy lists
+                  (once, shared, when equal), find the scope requests whose
                   post-states differ between fork and worker (one C-level pass)
-                  and add those, from each side, to both canonical forms
+                  and canonicalise those, from each side, into both forms
     compare       canonical forms: differing requests, new outputs, pending appends,
                   counters, each pool's allocator diff, the ordered copy ops
 
@@ -56,15 +58,16 @@ _RELEASED = SimpleNamespace(**{name: None for name in KV_FIELDS})  # stands for 
 
 
 def differing_requests(scope: Sequence[str], a: KvTarget, b: KvTarget) -> list[str]:
-    """The requests of ``scope`` whose ``canonical_kv`` entries may differ between two post-states of one op
-    (a fork and the worker). Pure. A request left out has equal entries on both sides; one named may
-    still turn out equal. One C-level pass over the scope; pending appends and outputs only when present."""
+    """The requests of ``scope`` whose ``canonical_kv`` entries may differ between two post-states of one op:
+    ``a`` a fork (it holds the scope's requests only), ``b`` the worker. Pure. A request left out has
+    equal entries on both sides; one named may still turn out equal. One C-level pass over the scope;
+    pending appends and outputs only when present."""
     mine = map(_kv_fields, map(a.state.requests.get, scope, repeat(_RELEASED)))
     theirs = map(_kv_fields, map(b.state.requests.get, scope, repeat(_RELEASED)))
     differing = [u for u, x, y in zip(scope, mine, theirs) if x != y]
     if a.pending_appends or b.pending_appends:  # poll and release: small scopes
         differing += [u for u in scope if (u in a.pending_appends) != (u in b.pending_appends)]
-    if len(a.state.requests) < len(scope) or len(b.state.requests) < len(scope):  # released on both sides?
+    if len(a.state.requests) < len(scope):  # released by the fork: maybe on both sides
         gone = [u for u in scope if u not in a.state.requests and u not in b.state.requests]
         differing += [u for u in gone if _output_key(a, u) != _output_key(b, u)]
     return list(dict.fromkeys(differing))
@@ -92,20 +95,32 @@ def canonical_kv(target: KvTarget, scope: Sequence[str], result, gpu_events, hos
     """The comparable post-state of one op on ``target``, over the requests in ``scope``. Pure."""
     requests, outputs = Keyed(), Keyed()
     add_requests(requests, outputs, target, scope)
-    stats = target.state.stats
     return {
         "requests": requests,
         "outputs": outputs,
-        "stats": {name: getattr(stats, name) for name in STAT_FIELDS},
-        "pools": {
-            "gpu": [[e.kind, e.uuid, list(e.page_ids)] for e in gpu_events],
-            "host": [[e.kind, e.uuid, list(e.page_ids)] for e in host_events],
-            "num_free_gpu": target.gpu_kv.free_pages(),
-            "num_free_host": target.host_kv.free_pages(),
-        },
-        "copies": [[c.kind, c.uuid, list(c.src_page_ids), list(c.dst_page_ids)] for c in copies],
+        "stats": canonical_stats(target),
+        "pools": canonical_pools(target, canonical_events(gpu_events), canonical_events(host_events)),
+        "copies": canonical_copies(copies),
         "result": result,
     }
+
+
+def canonical_stats(target: KvTarget) -> dict:
+    stats = target.state.stats
+    return {name: getattr(stats, name) for name in STAT_FIELDS}
+
+
+def canonical_events(events) -> list:
+    return [[e.kind, e.uuid, list(e.page_ids)] for e in events]
+
+
+def canonical_pools(target: KvTarget, gpu_events: list, host_events: list) -> dict:
+    return {"gpu": gpu_events, "host": host_events,
+            "num_free_gpu": target.gpu_kv.free_pages(), "num_free_host": target.host_kv.free_pages()}
+
+
+def canonical_copies(copies) -> list:
+    return [[c.kind, c.uuid, list(c.src_page_ids), list(c.dst_page_ids)] for c in copies]
 
 
 def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Sequence[str]) -> None:
@@ -129,6 +144,21 @@ def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Seque
                           "has_pending_append": u in target.pending_appends}
 
 
+def _complete(canonical: dict, target: KvTarget, gpu_events: list, host_events: list, copies: list,
+              uuids: Sequence[str] = ()) -> dict:
+    """Fill in a canonical form begun without its journals, copies and requests. Mutates and returns it."""
+    canonical["pools"].update(gpu=gpu_events, host=host_events)
+    canonical["copies"] = copies
+    add_requests(canonical["requests"], canonical["outputs"], target, uuids)
+    return canonical
+
+
+def _shared(mine: list, theirs: list, canonicalise: Callable[[list], list]) -> tuple[list, list]:
+    """Both sides' canonical lists; one list, shared, when the raw ones are equal."""
+    canonical = canonicalise(mine)
+    return canonical, canonical if theirs == mine else canonicalise(theirs)
+
+
 def classify(paths: tuple[str, ...]) -> str:
     return "copies" if all(p.startswith("copies") for p in paths) else "state"
 
@@ -138,8 +168,8 @@ def exception_kind(error: BaseException) -> str:
 
 
 class _RecordingPlanKvPath(PlanKvPath):
-    """The plan path, keeping the last op request it built: as the authoritative path it hands
-    compare mode the replay context, so that the op's snapshot is built once, not twice."""
+    """The plan path, keeping the last op request it built: compare mode's replay context, so
+    that the op's snapshot is built once, not twice."""
 
     last_request = None
 
@@ -168,8 +198,8 @@ class _RecordingPlanKvPath(PlanKvPath):
 class _ShadowRun:
     """What the authoritative step of an op needs from its shadow step."""
 
-    fork: KvTarget  # the shadow's post-state
-    canonical: dict  # the shadow's canonical form, its requests and outputs still to be filled in
+    fork: KvTarget  # the shadow's post-state, its pools' journals and copies included
+    canonical: dict  # the shadow's canonical form: requests, outputs, journals and copies still to be filled in
 
 
 class KvCompare:
@@ -186,11 +216,12 @@ class KvCompare:
         self.gate = gate
         self.authoritative_path = gate.path
         self.shadow_path = shadow_path or gate.shadow_path
-        if gate.path == "plan":  # its op requests are the replay context
-            self.authoritative = self._requests = _RecordingPlanKvPath(target)
+        if gate.path == "plan":
+            self.authoritative = _RecordingPlanKvPath(target)
         else:
             self.authoritative = build_kv_path(gate.path, target)
-            self._requests = _RecordingPlanKvPath(target)  # builds the replay context before each op
+        self._requests = PlanKvPath(target)  # builds the replay context when neither side's plan path does
+        self._shadow_request = None  # the op request the shadow plan path built on the fork
         self.sink = sink if sink is not None else JsonlSink(gate.compare_log)
         self.seed = seed
         self.run_id = self.workload = self.workload_source = ""
@@ -246,42 +277,92 @@ class KvCompare:
         step = self.target.state.step
         if not self.executor.should_compare(op, step):
             return call(self.authoritative)
-        self._shadow_run = None
-        self._requests.last_request = None
+        self._shadow_run = self._shadow_request = None
+        if self.authoritative_path == "plan":
+            self.authoritative.last_request = None
         return self.executor.run(
             op, step,
-            context=lambda: op if self._requests is self.authoritative else (op, request()),
+            context=lambda: self._context(op, request),
             shadow=lambda: self._run_shadow(scope, call),
             authoritative=lambda: self._run_authoritative(scope, call),
             shadow_path=self.shadow_path, authoritative_path=self.authoritative_path,
         )
 
     def _run_shadow(self, scope: list[str], call: Callable) -> dict:
-        """The shadow path on a fork. Its canonical form's requests and outputs are left for the
-        authoritative step to fill in, once both post-states exist. Sets ``_shadow_run``."""
+        """The shadow path on a fork. Its canonical form's requests, outputs, pool journals and copies
+        are left for the authoritative step to fill in, once both post-states exist. Sets ``_shadow_run``."""
         fork = fork_target(self.target, scope)
-        result = call(build_kv_path(self.shadow_path, fork))
-        canonical = canonical_kv(fork, (), result, fork.gpu_kv.journal, fork.host_kv.journal, fork.host_kv.copies)
+        path = _RecordingPlanKvPath(fork) if self.shadow_path == "plan" else build_kv_path(self.shadow_path, fork)
+        try:
+            result = call(path)
+        finally:
+            self._shadow_request = getattr(path, "last_request", None)
+        # The fork's pools can be read only until the authoritative path changes the worker's.
+        canonical = {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(fork),
+                     "pools": canonical_pools(fork, [], []), "result": result}
         self._shadow_run = _ShadowRun(fork, canonical)
         return canonical
 
     def _run_authoritative(self, scope: list[str], call: Callable):
-        """The authoritative path on the worker; both canonical forms get the requests that differ."""
+        """The authoritative path on the worker; completes both canonical forms. Journals the pools meanwhile.
+
+        Only requests whose post-states differ are canonicalised (on both sides); journals and copy
+        lists equal on both sides are canonicalised once and shared.
+        """
         shadow, self._shadow_run = self._shadow_run, None
         gpu, host = self.target.gpu_kv, self.target.host_kv
         gpu.pages.journal, host.pages.journal, host.copies = [], [], []
         try:
-            result = call(self.authoritative)
+            try:
+                result = call(self.authoritative)
+            except Exception:
+                if shadow is not None:  # the record still carries the shadow's journals (replay reads them)
+                    fork = shadow.fork
+                    _complete(shadow.canonical, fork, canonical_events(fork.gpu_kv.journal),
+                              canonical_events(fork.host_kv.journal), canonical_copies(fork.host_kv.copies))
+                raise
             if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
                 return result, canonical_kv(self.target, scope, result, gpu.journal, host.journal, host.copies)
-            differing = differing_requests(scope, shadow.fork, self.target)
-            add_requests(shadow.canonical["requests"], shadow.canonical["outputs"], shadow.fork, differing)
-            return result, canonical_kv(self.target, differing, result, gpu.journal, host.journal, host.copies)
+            fork = shadow.fork
+            gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
+            host_events, fork_host_events = _shared(host.journal, fork.host_kv.journal, canonical_events)
+            copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
+            differing = differing_requests(scope, fork, self.target)
+            _complete(shadow.canonical, fork, fork_gpu_events, fork_host_events, fork_copies, differing)
+            mine = {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(self.target),
+                    "pools": canonical_pools(self.target, [], []), "result": result}
+            return result, _complete(mine, self.target, gpu_events, host_events, copies, differing)
         finally:
             gpu.pages.journal = host.pages.journal = host.copies = None
 
+    def _context(self, op: str, request: Callable) -> tuple:
+        """(op, request or None, LOADING count or None), before either path runs.
+
+        The op request is taken, when the divergence is recorded, from a plan path that builds it
+        anyway: the authoritative one, or else the shadow one on the fork, whose snapshot counts
+        only the scope's LOADING requests (the worker's count is kept here). With no plan side
+        (A/A legacy) it is built now.
+        """
+        if self.authoritative_path == "plan":
+            return op, None, None
+        if self.shadow_path == "plan":
+            return op, None, sum(1 for r in self.target.state.requests.values() if r.phase is Phase.LOADING)
+        return op, request(), None
+
+    def _replay_request(self, context: tuple):
+        """The op request of a recorded divergence (None if its plan path raised before building it)."""
+        op, request, num_loading = context
+        if request is not None:
+            return request
+        if self.authoritative_path == "plan":
+            return self.authoritative.last_request
+        if self._shadow_request is None:
+            return None
+        snapshot = dataclasses.replace(self._shadow_request.snapshot, num_loading=num_loading)
+        return dataclasses.replace(self._shadow_request, snapshot=snapshot)
+
     def _record(self, comparison, context) -> None:
-        op, request = context if isinstance(context, tuple) else (context, self._requests.last_request)
+        op, request = context[0], self._replay_request(context)
         replay = {
             "op": op,
             "request_type": type(request).__name__,

@@ -1,0 +1,467 @@
+"""Compare mode catches plan-layer bugs: injected mutants are reported on the op they break.
+
+Each bug is a *mutant*: the real function's source with one small edit (``mutate``), or
+a replacement where the bug needs state (the stale watermark cache), monkeypatched in.
+A mutant is run on the L2 workloads with the tiny model in compare mode, and the
+divergence log must name the broken op, with a kind and field paths (or a rejection
+message) that say what went wrong:
+
+    bug (mutant)                               op(s)            kind          evidence
+    allocation off by one page                 alloc            invalid_plan  AllocPlan.grants[i].new_page_ids
+    allocation hands out page ids reversed     alloc            state         requests[*].gpu_page_ids[*], pools.gpu
+    host pages kept after a completed load     poll             state         requests[*].host_page_ids, free host
+    a failed load is retried forever           poll             invalid_plan  PollPlan.steps[i].action
+    a failed load is never retried             poll             state         phase, recompute counter
+    released request keeps its pending append  release          state         outputs[*].has_pending_append
+    aborted request keeps its host pages       release          state         pools.host, free host
+    oldest running request evicted             evict            state         requests[*].phase, copies
+    eviction grants host page ids permuted     evict            state         host_page_ids, copy targets
+    eviction copies GPU pages in wrong order   evict            copies        copies[*][*][*] only
+    watermark cached from another geometry     evict / migrate  state         requests[*].phase
+    request swapped this step migrated back    migrate          state         requests[*].phase, copies
+
+Runs use ``compare="raise"`` so they stop at the first divergence (the record is written
+before the error is raised): the first divergence must already be the right one, i.e.
+nothing earlier in the run is noise. Every bug runs in both directions: the rollout one
+(legacy authoritative, plan shadow) and the reverse (plan authoritative, legacy shadow).
+Log mode, whole runs and token checks are covered by the exception / rejected-plan test
+and the clean-run tests.
+
+Clean runs (zero divergences, both directions and A/A) use ``smoke`` at scale 2 with a
+host tier of 12 pages, over seeds 0-9, with aborts of swapped/loading requests and every
+third load failing: eviction, migration, recompute preemption, retries and aborts all
+happen in a few hundred milliseconds per run (a full L2-2048 compare run is ~3 s on an
+idle core, far more on the shared ones).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from compare import DivergenceError, DivergenceRecord, Keyed, RunSummary, read_log, wildcard
+from batchgen.config import TINY_MODELS, CacheConfig
+from batchgen.model.loader import load_model
+from batchgen.model.null_model import NullModel
+from batchgen.runner import RunResult, run_workload
+from batchgen.worker import kv_apply, kv_manager
+from batchgen.worker.kv_apply import PlanRejected
+from batchgen.worker.kv_backends import CompletedHandle, HostKvPool
+from batchgen.worker.kv_compare import add_requests, differing_requests, fork_target
+from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.kv_manager import KVCacheManager
+from batchgen.worker.kv_plans import to_jsonable
+from batchgen.worker.page_copy import CopyError
+from batchgen.worker.state import Phase, Request
+from batchgen.worker.worker import Worker
+from batchgen.workloads import Workload, builtin_workload
+
+OTHER_PATH = {"legacy": "plan", "plan": "legacy"}
+REQUEST_TYPES = {"poll": "PollRequest", "release": "ReleaseRequest", "evict": "EvictionRequest",
+                 "migrate": "MigrationRequest", "alloc": "AllocRequest"}
+CLEAN_SEEDS = range(10)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The tiny model's small ops slow down a lot with two threads on busy shared cores."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+# ---- mutants ----------------------------------------------------------------------------------
+def mutate(func: Callable, old: str, new: str) -> Callable:
+    """``func`` recompiled from its source with ``old`` (which must occur once) replaced by ``new``.
+
+    The mutant runs in a copy of the function's module globals, so it sees (and
+    calls) exactly what the original does.
+    """
+    source = textwrap.dedent(inspect.getsource(func))
+    assert source.count(old) == 1, (
+        f"mutant anchor {old!r} occurs {source.count(old)} times in {func.__qualname__}; "
+        "the code changed: update the mutant")
+    namespace = dict(func.__globals__)
+    exec(compile(source.replace(old, new), f"<mutant of {func.__qualname__}>", "exec"), namespace)
+    return namespace[func.__name__]
+
+
+def method_mutant(name: str, old: str, new: str) -> Callable[[pytest.MonkeyPatch], None]:
+    def inject(monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(KVCacheManager, name, mutate(getattr(KVCacheManager, name), old, new))
+    return inject
+
+
+def applier_mutant(name: str, old: str, new: str) -> Callable[[pytest.MonkeyPatch], None]:
+    def inject(monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(kv_apply, name, mutate(getattr(kv_apply, name), old, new))
+    return inject
+
+
+def stale_watermark(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watermark computed once, from the first geometry planned for, and cached in the module."""
+    cache: dict[str, int] = {}
+
+    def eviction_watermark_pages(snapshot) -> int:
+        if "pages" not in cache:
+            geometry = snapshot.geometry
+            cache["pages"] = math.ceil(geometry.watermark * geometry.num_gpu_pages)
+        return cache["pages"]
+
+    monkeypatch.setattr(kv_manager, "eviction_watermark_pages", eviction_watermark_pages)
+
+
+# ---- drivers: what happens to the worker between steps ----------------------------------------
+class FailedLoad:
+    """The handle of an injected load failure: done, and ``wait`` raises like a failed copy."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise CopyError(RuntimeError("injected load failure"))
+
+
+def fail_loads(monkeypatch: pytest.MonkeyPatch, *, every: int = 1) -> None:
+    """Make every ``every``-th load the worker's own host pool starts fail (forks are untouched)."""
+    real = HostKvPool.load_to_gpu_async
+    count = {"loads": 0}
+
+    def load_to_gpu_async(self, uuid, page_ids):
+        handle = real(self, uuid, page_ids)
+        if self.is_fork:
+            return handle
+        count["loads"] += 1
+        if count["loads"] % every:
+            return handle
+        handle.wait()  # the real copy lands before the request's pages can be reused
+        return FailedLoad()
+
+    monkeypatch.setattr(HostKvPool, "load_to_gpu_async", load_to_gpu_async)
+
+
+def abort_swapped(worker: Worker, *, limit: int = 2) -> Callable[[int, int], None]:
+    """An ``on_step`` hook that, after a step, aborts the first SWAPPED or LOADING request (``limit`` in all)."""
+    aborted: list[str] = []
+
+    def on_step(num_released: int, num_requests: int) -> None:
+        if len(aborted) >= limit:
+            return
+        for req in worker.state.requests.values():
+            if req.phase in (Phase.SWAPPED, Phase.LOADING):
+                worker.abort(req.uuid)
+                aborted.append(req.uuid)
+                return
+
+    on_step.aborted = aborted
+    return on_step
+
+
+# ---- running in compare mode ------------------------------------------------------------------
+@dataclass
+class CompareRun:
+    records: list[DivergenceRecord]
+    summaries: list[RunSummary]
+    results: list[RunResult]  # one per workload that completed
+    error: BaseException | None  # what stopped a "raise" run
+    num_aborted: int = 0
+
+
+def run_compare(model, log: Path, workloads: list[Workload], *, authoritative: str, mode: str = "raise",
+                shadow_path: str | None = None, aborts: int = 0) -> CompareRun:
+    """Run each workload on a fresh worker in compare mode, all logging to ``log``.
+
+    In "raise" mode the first divergence stops the run (DivergenceError, or the
+    authoritative path's PlanRejected); later workloads are then skipped.
+    """
+    gate = KvGateConfig(path=authoritative, compare=mode, compare_log=str(log))
+    results, error, num_aborted = [], None, 0
+    for workload in workloads:
+        worker = Worker(model, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate,
+                        shadow_path=shadow_path)
+        on_step = abort_swapped(worker, limit=aborts) if aborts else None
+        try:
+            results.append(run_workload(worker, workload, source=workload.name, on_step=on_step))
+        except (DivergenceError, PlanRejected) as stopped:
+            if mode != "raise":
+                raise
+            error = stopped
+        num_aborted += len(on_step.aborted) if on_step else 0
+        if error is not None:
+            break
+    records = read_log(log).records if log.exists() else ()
+    return CompareRun(
+        records=[r for r in records if isinstance(r, DivergenceRecord)],
+        summaries=[r for r in records if isinstance(r, RunSummary)],
+        results=results, error=error, num_aborted=num_aborted,
+    )
+
+
+def first_wave(workload: Workload) -> Workload:
+    """The workload's first eight requests (its first arrival wave): same geometry, a short run."""
+    return workload.model_copy(update={"requests": workload.requests[:8]})
+
+
+# ---- the bugs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    inject: Callable[[pytest.MonkeyPatch], None]
+    ops: frozenset[str]  # the op(s) the first divergence must be on
+    kind: str
+    evidence: tuple[str, ...] = ()  # wildcarded field-path prefixes that must all differ
+    message: str | None = None  # regex the record's exception text must match (exception kinds)
+    absent: tuple[str, ...] = ()  # field-path prefixes that must not differ
+    workloads: Callable[[], list[Workload]] = lambda: [builtin_workload("L2-2048")]
+    failing_loads: bool = False
+    aborts: int = 0
+
+
+BUGS = [
+    Bug("alloc-off-by-one-page",
+        method_mutant("plan_allocation", "need = decode_demand(views[uuid], page_size)",
+                      "need = views[uuid].num_tokens // page_size + 1 - len(views[uuid].gpu_page_ids)"),
+        frozenset({"alloc"}), "invalid_plan",
+        message=r"AllocPlan\.grants\[\d+\]\.new_page_ids: \d+ pages granted, \d+ needed"),
+    Bug("alloc-page-ids-reversed",
+        method_mutant("plan_allocation", "self._gpu_kv.peek_free_pages(sum(sizes))",
+                      "self._gpu_kv.peek_free_pages(sum(sizes))[::-1]"),
+        frozenset({"alloc"}), "state", evidence=("requests[*].gpu_page_ids[*]", "pools.gpu[*]"),
+        absent=("requests[*].phase", "pools.num_free_gpu")),
+    Bug("poll-keeps-host-pages-after-load",
+        applier_mutant("apply_poll_plan",
+                       "            target.host_kv.release_pages(step.uuid)\n            req.host_page_ids = ()\n", ""),
+        frozenset({"poll"}), "state", evidence=("requests[*].host_page_ids", "pools.num_free_host")),
+    Bug("poll-retries-failed-load-forever",
+        method_mutant("plan_poll", "views[outcome.uuid].num_load_retries < geometry.max_load_retries", "True"),
+        frozenset({"poll"}), "invalid_plan",
+        message=r"PollPlan\.steps\[\d+\]\.action: .* has no retries left", failing_loads=True),
+    Bug("poll-never-retries-failed-load",
+        method_mutant("plan_poll", "views[outcome.uuid].num_load_retries < geometry.max_load_retries", "False"),
+        frozenset({"poll"}), "state", evidence=("requests[*].phase", "stats.recompute_preemptions"),
+        failing_loads=True),
+    Bug("release-keeps-pending-append",
+        method_mutant("plan_release", "drop_pending_append_ids=req.uuids", "drop_pending_append_ids=()"),
+        frozenset({"release"}), "state", evidence=("outputs[*].has_pending_append",)),
+    Bug("release-keeps-host-pages-of-aborted",
+        applier_mutant("apply_release_plan", "        target.host_kv.release_pages(uuid)\n", ""),
+        frozenset({"release"}), "state", evidence=("pools.host", "pools.num_free_host"), aborts=2),
+    Bug("evict-oldest-not-youngest",
+        method_mutant("plan_eviction", "victim = running.pop()", "victim = running.pop(0)"),
+        frozenset({"evict"}), "state", evidence=("requests[*].phase", "copies")),
+    Bug("evict-host-page-ids-permuted",
+        method_mutant("plan_eviction", "self._host_kv.peek_free_pages(sum(host_sizes))",
+                      "self._host_kv.peek_free_pages(sum(host_sizes))[::-1]"),
+        frozenset({"evict"}), "state", evidence=("requests[*].host_page_ids[*]", "copies[*][*][*]"),
+        absent=("requests[*].phase",)),
+    Bug("evict-copies-gpu-pages-in-wrong-order",
+        applier_mutant("apply_eviction_plan", "store_from_gpu(victim.uuid, list(victim.gpu_page_ids))",
+                       "store_from_gpu(victim.uuid, list(victim.gpu_page_ids)[::-1])"),
+        frozenset({"evict"}), "copies", evidence=("copies[*][*][*]",)),
+    Bug("watermark-cached-from-another-geometry", stale_watermark,
+        frozenset({"evict", "migrate"}), "state", evidence=("requests[*].phase",),
+        workloads=lambda: [first_wave(builtin_workload("L2-2048")), builtin_workload("L2-4096")]),
+    Bug("migrate-request-swapped-this-step",
+        method_mutant("plan_migration", "view.swapped_step == snapshot.step", "False"),
+        frozenset({"migrate"}), "state", evidence=("requests[*].phase", "copies")),
+]
+
+
+def bug_named(name: str) -> Bug:
+    return next(bug for bug in BUGS if bug.name == name)
+
+
+def check_reported(bug: Bug, run: CompareRun, *, authoritative: str) -> None:
+    """The run stopped at a divergence on the bug's op, of its kind, with its evidence."""
+    assert run.records, f"{bug.name}: no divergence reported (stopped by {run.error!r})"
+    assert run.error is not None, f"{bug.name}: a raise-mode run with a divergence did not stop"
+    [record] = run.records  # raise mode: the first divergence ends the run
+    workloads = bug.workloads()
+    assert len(run.results) == len(workloads) - 1, "a workload before the last one diverged"
+    assert record.op in bug.ops, f"{bug.name}: first divergence on {record.op}, expected {sorted(bug.ops)}"
+    assert record.kind == bug.kind, f"{bug.name}: kind {record.kind}, paths {record.field_paths}, {record.exception}"
+    assert (record.authoritative, record.shadow) == (authoritative, OTHER_PATH[authoritative])
+    assert record.workload == workloads[-1].name
+    assert record.replay["request_type"] == REQUEST_TYPES[record.op]
+    paths = {wildcard(path) for path in record.field_paths}
+    for prefix in bug.evidence:
+        assert any(p.startswith(prefix) for p in paths), f"{bug.name}: no {prefix} among {sorted(paths)}"
+    for prefix in bug.absent:
+        assert not any(p.startswith(prefix) for p in paths), f"{bug.name}: {prefix} differs: {sorted(paths)}"
+    if bug.kind == "copies":
+        assert all(p.startswith("copies") for p in paths)
+    if bug.message is not None:
+        assert record.field_paths == [] and record.exception is not None
+        # the rejected plan is the plan path's, whichever side it ran on
+        assert re.search(rf"^plan raised PlanRejected: {bug.message}", record.exception), record.exception
+
+
+def run_bug(bug: Bug, model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, authoritative: str) -> CompareRun:
+    bug.inject(monkeypatch)
+    if bug.failing_loads:
+        fail_loads(monkeypatch)
+    return run_compare(model, tmp_path / "divergences.jsonl", bug.workloads(), authoritative=authoritative,
+                       aborts=bug.aborts)
+
+
+@pytest.mark.parametrize("bug", BUGS, ids=[bug.name for bug in BUGS])
+def test_a_plan_bug_in_the_shadow_is_reported_on_the_op_it_breaks(bug, tiny, tmp_path, monkeypatch):
+    run = run_bug(bug, tiny, tmp_path, monkeypatch, authoritative="legacy")
+    check_reported(bug, run, authoritative="legacy")
+
+
+@pytest.mark.parametrize("bug", BUGS, ids=[bug.name for bug in BUGS])
+def test_a_plan_bug_on_the_authoritative_path_is_reported_on_the_op_it_breaks(bug, tiny, tmp_path, monkeypatch):
+    run = run_bug(bug, tiny, tmp_path, monkeypatch, authoritative="plan")
+    check_reported(bug, run, authoritative="plan")
+
+
+def test_every_op_has_a_bug_to_catch():
+    assert {op for bug in BUGS for op in bug.ops} == set(REQUEST_TYPES)
+
+
+# ---- exceptions and rejected plans on the shadow side -----------------------------------------
+def test_shadow_exceptions_and_rejected_plans_are_logged_and_never_reach_the_authoritative_path(
+        tiny, tmp_path, monkeypatch):
+    workload = builtin_workload("L2-2048")
+    reference = run_workload(Worker(tiny, cache_config=workload.cache, engine_config=workload.engine,
+                                    kv_gate=KvGateConfig(path="legacy")), workload)
+
+    def plan_eviction(self, req):
+        raise RuntimeError("injected planner crash")
+
+    monkeypatch.setattr(KVCacheManager, "plan_eviction", plan_eviction)
+    bug_named("alloc-off-by-one-page").inject(monkeypatch)  # the applier rejects the plan
+    run = run_compare(tiny, tmp_path / "log.jsonl", [workload], authoritative="legacy", mode="log")
+
+    [result] = run.results
+    assert {u: o.output_ids for u, o in result.outputs.items()} == \
+        {u: o.output_ids for u, o in reference.outputs.items()}
+    assert (result.leaked_gpu_pages, result.leaked_host_pages, result.live_requests) == (0, 0, 0)
+    [summary] = run.summaries
+    assert summary.divergences["evict"] == summary.steps_compared["evict"] == result.num_steps
+    assert 0 < summary.divergences["alloc"] < summary.steps_compared["alloc"]
+    assert set(summary.divergences) == {"evict", "alloc"} and summary.harness_errors == 0
+    kinds = {(r.op, r.kind) for r in run.records}
+    assert kinds == {("evict", "exception"), ("alloc", "invalid_plan")}
+    for record in run.records:
+        expected = "RuntimeError: injected planner crash" if record.op == "evict" else "PlanRejected: AllocPlan.grants["
+        assert record.exception.startswith(f"plan raised {expected}"), record.exception
+        assert record.field_paths == []
+
+
+# ---- clean code: no noise ---------------------------------------------------------------------
+def stress_smoke(seed: int) -> Workload:
+    """``smoke`` at scale 2 (16 requests, 48 GPU pages) with a 12-page host tier: evictions, loads and
+    recompute preemptions in ~60 steps."""
+    return builtin_workload("smoke", seed=seed, scale=2).with_cache(num_host_pages=12)
+
+
+@pytest.mark.parametrize("authoritative, shadow", [("legacy", "plan"), ("plan", "legacy"),
+                                                   ("legacy", "legacy"), ("plan", "plan")],
+                         ids=["legacy-vs-plan-shadow", "plan-vs-legacy-shadow", "A-A-legacy", "A-A-plan"])
+def test_clean_paths_report_no_divergence_over_ten_seeds(authoritative, shadow, tiny, tmp_path, monkeypatch):
+    fail_loads(monkeypatch, every=3)
+    totals: dict[str, int] = {}
+    stats = {"evictions": 0, "loads": 0, "load_failures": 0, "recompute_preemptions": 0, "aborted": 0}
+    for seed in CLEAN_SEEDS:
+        log = tmp_path / f"seed{seed}.jsonl"
+        run = run_compare(tiny, log, [stress_smoke(seed)], authoritative=authoritative, mode="log",
+                          shadow_path=shadow, aborts=2)
+        [summary] = run.summaries
+        assert run.records == [], f"seed {seed}: {[(r.step, r.op, r.kind, r.field_paths[:3]) for r in run.records]}"
+        assert summary.divergences == {} and summary.harness_errors == 0
+        assert (summary.authoritative, summary.shadow) == (authoritative, shadow)
+        for op, count in summary.steps_compared.items():
+            totals[op] = totals.get(op, 0) + count
+        [result] = run.results
+        for name in stats:
+            stats[name] += run.num_aborted if name == "aborted" else getattr(result.stats, name)
+    assert set(totals) == set(REQUEST_TYPES), totals
+    assert all(stats.values()), stats
+
+
+# ---- the harness itself overlooks no field -----------------------------------------------------
+FIELD_CHANGES = {
+    "phase": Phase.SWAPPED, "num_cached_tokens": 1, "gpu_page_ids": (99,), "host_page_ids": (98,),
+    "num_load_retries": 1, "swapped_step": 5, "finish_reason": "abort", "load_handle": CompletedHandle(),
+    "load_started_step": 3,
+}
+
+
+def test_compare_mode_sees_a_change_to_any_request_field_it_canonicalises():
+    """Compare mode canonicalises only the requests whose post-states differ; the check that picks
+    them must see every field the canonical form shows, or a bug there would go unreported."""
+    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=CacheConfig(page_size=4, num_gpu_pages=8,
+                    num_host_pages=4), kv_storage=False)
+    for uuid in ("a", "b"):
+        worker.add_request(Request(uuid, (1, 2, 3, 4, 5), max_new_tokens=4))
+    worker.step()
+    target = worker.kv_target()
+    scope = list(target.state.requests)
+
+    def entries(side) -> dict:
+        requests, outputs = Keyed(), Keyed()
+        add_requests(requests, outputs, side, scope)
+        return {**requests, **{f"out:{u}": e for u, e in outputs.items()}}
+
+    assert differing_requests(scope, fork_target(target, scope), target) == []
+
+    def flip(pending: dict, uuid: str) -> None:
+        if pending.pop(uuid, False) is False:
+            pending[uuid] = None
+
+    shown = set()
+    changes = [(name, lambda req, fork, value=value, name=name: setattr(req, name, value))
+               for name, value in FIELD_CHANGES.items()]
+    changes.append(("pending append", lambda req, fork: flip(fork.pending_appends, req.uuid)))
+    changes.append(("released", lambda req, fork: fork.state.requests.pop(req.uuid)))
+    for name, change in changes:
+        fork = fork_target(target, scope)
+        change(fork.state.requests["a"], fork)
+        assert differing_requests(scope, fork, target) == ["a"], name
+        before, after = entries(target)["a"], entries(fork).get("a", {})
+        shown |= {key for key in before if before[key] != after.get(key)}
+        assert entries(fork)["b"] == entries(target)["b"]
+    assert shown == set(entries(target)["a"]), f"never checked: {set(entries(target)['a']) - shown}"
+    fork = fork_target(target, scope)
+    fork.state.requests["a"].output_ids.append(7)  # not a KV field: the forward owns it
+    assert differing_requests(scope, fork, target) == []
+
+
+def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state_gives(
+        tiny, tmp_path, monkeypatch):
+    """With legacy authoritative, the logged op request comes from the plan shadow's run on the fork;
+    it must equal the request the plan path builds from the worker itself (LOADING count included)."""
+    bug_named("alloc-page-ids-reversed").inject(monkeypatch)
+    workload = stress_smoke(0)
+    gate = KvGateConfig(path="legacy", compare="log", compare_log=str(tmp_path / "log.jsonl"))
+    worker = Worker(tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate)
+    built = {}
+    allocate = worker._kv_allocate
+
+    def building_allocate(batch):
+        built[worker.state.step] = to_jsonable(kv_apply.PlanKvPath(worker.kv_target()).alloc_request(batch))
+        return allocate(batch)
+
+    worker._kv_allocate = building_allocate
+    run_workload(worker, workload)
+    records = [r for r in read_log(tmp_path / "log.jsonl").records if isinstance(r, DivergenceRecord)]
+    assert records and {r.op for r in records} == {"alloc"}
+    assert any(r.replay["request"]["snapshot"]["num_loading"] for r in records), "no load in flight"
+    for record in records:
+        assert record.replay["request"] == built[record.step], record.step
