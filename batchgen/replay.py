@@ -117,7 +117,8 @@ def rebuild_target(record: DivergenceRecord) -> KvTarget:
     for view in snapshot.requests:
         state.requests[view.uuid] = _request_state(view, snapshot.step)
     next_index = max((view.arrival_index for view in snapshot.requests), default=-1) + 1
-    num_stand_ins = snapshot.num_loading - sum(view.phase == Phase.LOADING.value for view in snapshot.requests)
+    in_scope = sum(view.phase == Phase.LOADING.value for view in snapshot.requests)
+    num_stand_ins = 0 if snapshot.num_loading is None else snapshot.num_loading - in_scope
     for i in range(num_stand_ins):
         uuid = LOADING_STAND_IN.format(i)
         state.requests[uuid] = RequestState(Request(uuid, (0,), 1), next_index + i, Phase.LOADING,

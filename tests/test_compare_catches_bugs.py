@@ -233,13 +233,13 @@ class Bug:
 
 BUGS = [
     Bug("alloc-off-by-one-page",
-        method_mutant("plan_allocation", "need = decode_demand(views[uuid], page_size)",
-                      "need = views[uuid].num_tokens // page_size + 1 - len(views[uuid].gpu_page_ids)"),
+        method_mutant("plan_allocation", "need = -(-view.num_tokens // page_size) - len(view.gpu_page_ids)",
+                      "need = view.num_tokens // page_size + 1 - len(view.gpu_page_ids)"),
         frozenset({"alloc"}), "invalid_plan",
         message=r"AllocPlan\.grants\[\d+\]\.new_page_ids: \d+ pages granted, \d+ needed"),
     Bug("alloc-page-ids-reversed",
-        method_mutant("plan_allocation", "self._gpu_kv.peek_free_pages(sum(sizes))",
-                      "self._gpu_kv.peek_free_pages(sum(sizes))[::-1]"),
+        method_mutant("plan_allocation", "self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)",
+                      "self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)[::-1]"),
         frozenset({"alloc"}), "state", evidence=("requests[*].gpu_page_ids[*]", "pools.gpu[*]"),
         absent=("requests[*].phase", "pools.num_free_gpu")),
     Bug("poll-keeps-host-pages-after-load",
@@ -447,21 +447,21 @@ def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state
         tiny, tmp_path, monkeypatch):
     """With legacy authoritative, the logged op request comes from the plan shadow's run on the fork;
     it must equal the request the plan path builds from the worker itself (LOADING count included)."""
-    bug_named("alloc-page-ids-reversed").inject(monkeypatch)
+    bug_named("migrate-request-swapped-this-step").inject(monkeypatch)
     workload = stress_smoke(0)
     gate = KvGateConfig(path="legacy", compare="log", compare_log=str(tmp_path / "log.jsonl"))
     worker = Worker(tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate)
     built = {}
-    allocate = worker._kv_allocate
+    migrate = worker._kv_migrate
 
-    def building_allocate(batch):
-        built[worker.state.step] = to_jsonable(kv_apply.PlanKvPath(worker.kv_target()).alloc_request(batch))
-        return allocate(batch)
+    def building_migrate():
+        built[worker.state.step] = to_jsonable(kv_apply.PlanKvPath(worker.kv_target()).migration_request())
+        return migrate()
 
-    worker._kv_allocate = building_allocate
+    worker._kv_migrate = building_migrate
     run_workload(worker, workload)
     records = [r for r in read_log(tmp_path / "log.jsonl").records if isinstance(r, DivergenceRecord)]
-    assert records and {r.op for r in records} == {"alloc"}
-    assert any(r.replay["request"]["snapshot"]["num_loading"] for r in records), "no load in flight"
+    assert records and {r.op for r in records} == {"migrate"}
+    assert all(r.replay["request"]["snapshot"]["num_loading"] is not None for r in records), "LOADING count dropped"
     for record in records:
         assert record.replay["request"] == built[record.step], record.step

@@ -67,14 +67,12 @@ class PlanKvPath:
         self.manager = KVCacheManager(gpu_kv=target.gpu_kv, host_kv=target.host_kv)
         self.geometry = geometry_of(target)
 
-    def snapshot(self, scope: Sequence[RequestState]) -> KvSnapshot:
-        state = self.target.state
+    def snapshot(self, scope: Sequence[RequestState], num_loading: int | None = None) -> KvSnapshot:
         return KvSnapshot(
-            step=state.step, geometry=self.geometry,
+            step=self.target.state.step, geometry=self.geometry,
             num_free_gpu_pages=self.target.gpu_kv.free_pages(),
             num_free_host_pages=self.target.host_kv.free_pages(),
-            requests=views_of(scope),
-            num_loading=sum(1 for r in state.requests.values() if r.phase is Phase.LOADING),
+            requests=views_of(scope), num_loading=num_loading,
         )
 
     # Requests (op inputs) are built by these, so compare mode can log and replay them.
@@ -91,7 +89,13 @@ class PlanKvPath:
         return EvictionRequest(self.snapshot(self.target.state.in_phase(Phase.RUNNING)))
 
     def migration_request(self) -> MigrationRequest:
-        return MigrationRequest(self.snapshot(self.target.state.in_phase(Phase.RUNNING, Phase.SWAPPED)))
+        scope, num_loading = [], 0
+        for req in self.target.state.requests.values():
+            if req.phase is Phase.RUNNING or req.phase is Phase.SWAPPED:
+                scope.append(req)
+            elif req.phase is Phase.LOADING:
+                num_loading += 1
+        return MigrationRequest(self.snapshot(scope, num_loading))
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
         requests = self.target.state.requests

@@ -339,14 +339,17 @@ class KvCompare:
         """(op, request or None, LOADING count or None), before either path runs.
 
         The op request is taken, when the divergence is recorded, from a plan path that builds it
-        anyway: the authoritative one, or else the shadow one on the fork, whose snapshot counts
-        only the scope's LOADING requests (the worker's count is kept here). With no plan side
-        (A/A legacy) it is built now.
+        anyway: the authoritative one, or else the shadow one on the fork, whose migration snapshot
+        counts only the scope's LOADING requests (the worker's count is kept here). With no plan
+        side (A/A legacy) it is built now.
         """
         if self.authoritative_path == "plan":
             return op, None, None
         if self.shadow_path == "plan":
-            return op, None, sum(1 for r in self.target.state.requests.values() if r.phase is Phase.LOADING)
+            num_loading = None
+            if op == "migrate":
+                num_loading = sum(1 for r in self.target.state.requests.values() if r.phase is Phase.LOADING)
+            return op, None, num_loading
         return op, request(), None
 
     def _replay_request(self, context: tuple):

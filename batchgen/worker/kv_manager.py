@@ -75,8 +75,8 @@ class KVCacheManager:
     def plan_eviction(self, req: EvictionRequest) -> EvictionPlan:
         snapshot = req.snapshot
         page_size = snapshot.geometry.page_size
-        running = sorted((v for v in snapshot.requests if v.phase == RUNNING), key=lambda v: v.arrival_index)
-        demand = sum(decode_demand(v, page_size) for v in running)
+        running = [v for v in snapshot.requests if v.phase == RUNNING]  # oldest first: snapshots keep arrival order
+        demand = sum(-(-v.num_tokens // page_size) - len(v.gpu_page_ids) for v in running)
         free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
         watermark = eviction_watermark_pages(snapshot)
         chosen: list[tuple[RequestKvView, Destination]] = []
@@ -99,13 +99,19 @@ class KVCacheManager:
     def plan_migration(self, req: MigrationRequest) -> MigrationPlan:
         snapshot = req.snapshot
         page_size = snapshot.geometry.page_size
-        running = [v for v in snapshot.requests if v.phase == RUNNING]
-        demand = sum(decode_demand(v, page_size) for v in running)
+        running, swapped = [], []  # each oldest first: snapshots keep arrival order
+        for view in snapshot.requests:
+            if view.phase == RUNNING:
+                running.append(view)
+            elif view.phase == SWAPPED:
+                swapped.append(view)
+        if not swapped:
+            return MigrationPlan(())
+        demand = sum(-(-v.num_tokens // page_size) - len(v.gpu_page_ids) for v in running)
         num_active = len(running) + snapshot.num_loading
         free = snapshot.num_free_gpu_pages
         watermark = eviction_watermark_pages(snapshot)
         chosen: list[RequestKvView] = []
-        swapped = sorted((v for v in snapshot.requests if v.phase == SWAPPED), key=lambda v: v.arrival_index)
         for view in swapped:
             if view.swapped_step == snapshot.step:
                 continue
@@ -124,17 +130,20 @@ class KVCacheManager:
     def plan_allocation(self, req: AllocRequest) -> AllocPlan:
         snapshot = req.snapshot
         page_size = snapshot.geometry.page_size
-        views = {view.uuid: view for view in snapshot.requests}
         free = snapshot.num_free_gpu_pages
         served: list[tuple[str, int]] = []
         not_fitting = []
-        for uuid in req.batch:
-            need = decode_demand(views[uuid], page_size)
+        views = {view.uuid: view for view in snapshot.requests}
+        for view in map(views.__getitem__, req.batch):
+            need = -(-view.num_tokens // page_size) - len(view.gpu_page_ids)
             if need > free:
-                not_fitting.append(DoesNotFit(uuid, need, free))
+                not_fitting.append(DoesNotFit(view.uuid, need, free))
                 continue
-            served.append((uuid, need))
+            served.append((view.uuid, need))
             free -= need
-        sizes = [need for _, need in served]
-        granted = _split(self._gpu_kv.peek_free_pages(sum(sizes)), sizes)
-        return AllocPlan(tuple(PageGrant(uuid, ids) for (uuid, _), ids in zip(served, granted)), tuple(not_fitting))
+        page_ids = self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)
+        grants, start = [], 0
+        for uuid, need in served:
+            grants.append(PageGrant(uuid, tuple(page_ids[start:start + need]) if need else ()))
+            start += need
+        return AllocPlan(tuple(grants), tuple(not_fitting))

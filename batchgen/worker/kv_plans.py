@@ -75,8 +75,8 @@ class KvSnapshot:
     geometry: KvGeometry
     num_free_gpu_pages: int
     num_free_host_pages: int
-    requests: tuple[RequestKvView, ...]  # the op's scope, in submission order
-    num_loading: int = 0  # LOADING requests (outside most scopes, counted for max_num_seqs)
+    requests: tuple[RequestKvView, ...]  # the op's scope, in submission (= arrival) order
+    num_loading: int | None = None  # LOADING requests; only migration reads it (None in other ops' snapshots)
 
 
 # ---- op inputs -------------------------------------------------------------------------
@@ -158,8 +158,9 @@ class MigrationPlan:
     loads: tuple[LoadStart, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class PageGrant:
+class PageGrant(NamedTuple):
+    """One per served request each step (thousands per step: a NamedTuple, cheapest to build)."""
+
     uuid: str
     new_page_ids: tuple[int, ...]  # appended to the request's GPU page table (may be empty)
 
