@@ -37,6 +37,7 @@ must equal the recorded one, or :class:`ReplayError` names the differing fields.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -181,7 +182,10 @@ def _bind(op: str, request) -> _BoundOp:
     if op == "migrate":
         return _BoundOp(lambda path: path.migrate(), lambda plan: plan.migration_request(),
                         lambda state: _in_phases(state, Phase.RUNNING, Phase.SWAPPED, Phase.LOADING))
-    batch = list(request.batch)
+    # The snapshot holds only the scheduled requests that needed pages; the others are served
+    # untouched by the op, so the replay schedules just the recorded ones.
+    in_snapshot = {view.uuid for view in request.snapshot.requests}
+    batch = [uuid for uuid in request.batch if uuid in in_snapshot]
     return _BoundOp(lambda path: path.allocate(batch), lambda plan: plan.alloc_request(batch),
                     lambda state: list(batch))
 
@@ -215,7 +219,11 @@ def _observe(path: str, run: Callable[[], dict]) -> Observation:
 
 
 def _check_request(record: DivergenceRecord, recorded, rebuilt) -> None:
-    """ReplayError unless the rebuilt pre-state yields the recorded op request."""
+    """ReplayError unless the rebuilt pre-state yields the recorded op request (for alloc: over the
+    scheduled requests the snapshot holds, the only ones the replay schedules)."""
+    if isinstance(recorded, AllocRequest):
+        in_snapshot = {view.uuid for view in recorded.snapshot.requests}
+        recorded = dataclasses.replace(recorded, batch=tuple(u for u in recorded.batch if u in in_snapshot))
     if rebuilt != recorded:
         paths = diff(to_jsonable(recorded), to_jsonable(rebuilt)).paths
         raise ReplayError(f"{record.op} step {record.step}: the rebuilt pre-state gives a different op request "

@@ -595,7 +595,7 @@ def test_migration_counts_running_and_loading_requests_against_max_num_seqs():
 #   a  RUNNING 9 tokens  (2 pages held)  needs 1 -> 6              free 5
 #   w  WAITING 21 tokens                 needs 6 -> does not fit   (6 > 5)
 #   v  WAITING 4 tokens                  needs 1 -> 7              free 4
-#   d  RUNNING 8 tokens  (2 pages held)  needs 0 -> ()
+#   d  RUNNING 8 tokens  (2 pages held)  needs 0 -> no grant (served as it is)
 def test_allocation_grants_exact_page_ids_in_batch_order_and_reports_what_does_not_fit():
     gpu, host = pools(10, 0, gpu_rotate=2, gpu_owned={"a": (2, 3), "d": (4, 5)})
     assert free_queue(gpu) == [6, 7, 8, 9, 0, 1]
@@ -604,7 +604,7 @@ def test_allocation_grants_exact_page_ids_in_batch_order_and_reports_what_does_n
     snap = snapshot_of(views, geometry(num_gpu_pages=10, num_host_pages=0), gpu, host)
     plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_allocation(AllocRequest(snap, ("a", "w", "v", "d")))
     assert plan == AllocPlan(
-        grants=(PageGrant("a", (6,)), PageGrant("v", (7,)), PageGrant("d", ())),
+        grants=(PageGrant("a", (6,)), PageGrant("v", (7,))),
         not_fitting=(DoesNotFit("w", num_pages_needed=6, num_pages_free=5),),
     )
 
@@ -614,7 +614,7 @@ def test_allocation_of_an_empty_pool_serves_only_requests_that_need_nothing():
     snap = snapshot_of([view("a", RUNNING, 0, 8, gpu=(0, 1)), view("w", WAITING, 1, 1, cached=0)],
                        geometry(num_gpu_pages=2, num_host_pages=0), gpu, host)
     plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_allocation(AllocRequest(snap, ("w", "a")))
-    assert plan == AllocPlan((PageGrant("a", ()),), (DoesNotFit("w", 1, 0),))
+    assert plan == AllocPlan((), (DoesNotFit("w", 1, 0),))
 
 
 # ---- exact plans: poll and release ----------------------------------------------------------------------

@@ -89,17 +89,23 @@ class PlanKvPath:
         return EvictionRequest(self.snapshot(self.target.state.in_phase(Phase.RUNNING)))
 
     def migration_request(self) -> MigrationRequest:
-        scope, num_loading = [], 0
+        """Scope: SWAPPED requests, and the RUNNING ones (their decode demand) when any is SWAPPED."""
+        scope, num_loading, num_swapped = [], 0, 0
         for req in self.target.state.requests.values():
-            if req.phase is Phase.RUNNING or req.phase is Phase.SWAPPED:
+            if req.phase is Phase.RUNNING:
                 scope.append(req)
+            elif req.phase is Phase.SWAPPED:
+                scope.append(req)
+                num_swapped += 1
             elif req.phase is Phase.LOADING:
                 num_loading += 1
-        return MigrationRequest(self.snapshot(scope, num_loading))
+        return MigrationRequest(self.snapshot(scope if num_swapped else [], num_loading))
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
-        requests = self.target.state.requests
-        return AllocRequest(self.snapshot([requests[u] for u in batch]), tuple(batch))
+        """Scope: the scheduled requests whose tokens run past their last page (the rest need nothing)."""
+        requests, page_size = self.target.state.requests, self.target.cache_config.page_size
+        scope = [r for r in map(requests.__getitem__, batch) if r.num_tokens > len(r.gpu_page_ids) * page_size]
+        return AllocRequest(self.snapshot(scope), tuple(batch))
 
     # The KvPath interface (same as LegacyKvPath).
     def poll(self, observed: Mapping[str, str | None]) -> None:
@@ -268,7 +274,11 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
 
 
 def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) -> list[str]:
-    """Mutates page tables, the GPU pool, admitted phases (-> RUNNING); returns the served uuids."""
+    """Mutates page tables, the GPU pool, admitted phases (-> RUNNING); returns the served uuids.
+
+    Every scheduled request must be served with enough pages (a grant, or none needed) or be
+    listed as not fitting; grants go only to scheduled requests.
+    """
     _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])
     scheduled = set(batch)
     granted: set[int] = set()
@@ -284,12 +294,21 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) ->
         if len(grant.new_page_ids) != need:
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {need} needed")
-        if grant.new_page_ids:
-            _check_free(target.gpu_kv, f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids, granted)
+        _check_free(target.gpu_kv, f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids, granted)
+    left_out = {d.uuid for d in plan.not_fitting}
+    for i, uuid in enumerate(d.uuid for d in plan.not_fitting):
+        if uuid not in scheduled or any(g.uuid == uuid for g in plan.grants):
+            raise PlanRejected(f"AllocPlan.not_fitting[{i}].uuid", f"{uuid!r} is not scheduled, or is also granted")
+    covered = left_out.union(g.uuid for g in plan.grants)
+    for uuid in batch:
+        if uuid not in covered:
+            req = requests.get(uuid)
+            if req is None or req.num_tokens > len(req.gpu_page_ids) * page_size or req.phase is not Phase.RUNNING:
+                raise PlanRejected("AllocPlan.grants", f"scheduled request {uuid!r} needs pages and has no grant")
     for grant in plan.grants:
-        req = target.state.requests[grant.uuid]
+        req = requests[grant.uuid]
         if grant.new_page_ids:
             target.gpu_kv.take_pages(grant.uuid, list(grant.new_page_ids))
             req.gpu_page_ids += grant.new_page_ids
         req.phase = Phase.RUNNING
-    return [grant.uuid for grant in plan.grants]
+    return [uuid for uuid in batch if uuid not in left_out] if left_out else list(batch)

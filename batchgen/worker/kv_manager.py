@@ -133,9 +133,11 @@ class KVCacheManager:
         free = snapshot.num_free_gpu_pages
         served: list[tuple[str, int]] = []
         not_fitting = []
-        views = {view.uuid: view for view in snapshot.requests}
-        for view in map(views.__getitem__, req.batch):
+        views = {view.uuid: view for view in snapshot.requests}  # only requests that may need pages
+        for view in filter(None, map(views.get, req.batch)):
             need = -(-view.num_tokens // page_size) - len(view.gpu_page_ids)
+            if need <= 0:
+                continue
             if need > free:
                 not_fitting.append(DoesNotFit(view.uuid, need, free))
                 continue
@@ -144,6 +146,6 @@ class KVCacheManager:
         page_ids = self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)
         grants, start = [], 0
         for uuid, need in served:
-            grants.append(PageGrant(uuid, tuple(page_ids[start:start + need]) if need else ()))
+            grants.append(PageGrant(uuid, tuple(page_ids[start:start + need])))
             start += need
         return AllocPlan(tuple(grants), tuple(not_fitting))

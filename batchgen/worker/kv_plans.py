@@ -110,8 +110,8 @@ class MigrationRequest:
 
 @dataclass(frozen=True, slots=True)
 class AllocRequest:
-    snapshot: KvSnapshot  # scope: the scheduled requests
-    batch: tuple[str, ...]  # scheduled uuids, in batch order
+    snapshot: KvSnapshot  # scope: the scheduled requests whose tokens run past their last page
+    batch: tuple[str, ...]  # all scheduled uuids, in batch order
 
 
 # ---- plans ------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ class MigrationPlan:
 
 
 class PageGrant(NamedTuple):
-    """One per served request each step (thousands per step: a NamedTuple, cheapest to build)."""
+    """New pages for one request (a NamedTuple: cheapest immutable record to build)."""
 
     uuid: str
     new_page_ids: tuple[int, ...]  # appended to the request's GPU page table (may be empty)
@@ -174,8 +174,8 @@ class DoesNotFit:
 
 @dataclass(frozen=True, slots=True)
 class AllocPlan:
-    grants: tuple[PageGrant, ...]  # served this step, in batch order
-    not_fitting: tuple[DoesNotFit, ...]  # left out of this step
+    grants: tuple[PageGrant, ...]  # requests that get new pages, in batch order
+    not_fitting: tuple[DoesNotFit, ...]  # left out of this step; every other scheduled request is served
 
 
 PLAN_TYPES = (PollPlan, ReleasePlan, EvictionPlan, MigrationPlan, AllocPlan)
