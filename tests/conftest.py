@@ -1,5 +1,7 @@
-"""Shared test setup: hypothesis profiles (CI: 30 examples; ``--slow``: 500)."""
+"""Shared test setup: hypothesis profiles (CI: 30 examples; ``--slow``: 500), one torch thread."""
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -13,3 +15,13 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     settings.load_profile("slow" if config.getoption("--slow") else "ci")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One intra-op thread for the whole run: the tiny test models gain nothing from more, and on
+    shared or busy cores torch's default (a thread per core) stalls in spin-waits, 5-10x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -7,21 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from bad_inputs import CASES, CATEGORIES, ISOLATED_ENV, NOISE, REGEN_COMMAND, invoke, render_doc, run_case
 from batchgen.worker.kv_gate import ENV_PREFIX
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on shared, busy cores torch's default spins (see test_cli.py)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def contents(directory: Path) -> dict[str, bytes | None]:

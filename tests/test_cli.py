@@ -22,16 +22,6 @@ from batchgen.worker.kv_plans import AllocPlan, PageGrant
 from batchgen.workloads import builtin_workload, load_workload
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread while this module runs: on shared, busy cores torch's default
-    (one thread per core) stalls in spin-waits, 5-10x slower for these tiny models."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(autouse=True)
 def no_gate_environment(monkeypatch):
     """Tests start from an environment without BATCHGEN_WORKER_KV_* (they set what they test)."""

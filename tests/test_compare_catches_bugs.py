@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from compare import DivergenceError, DivergenceRecord, Keyed, RunSummary, read_log, wildcard
 from batchgen.config import TINY_MODELS, CacheConfig
@@ -68,15 +67,6 @@ OTHER_PATH = {"legacy": "plan", "plan": "legacy"}
 REQUEST_TYPES = {"poll": "PollRequest", "release": "ReleaseRequest", "evict": "EvictionRequest",
                  "migrate": "MigrationRequest", "alloc": "AllocRequest"}
 CLEAN_SEEDS = range(10)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model's small ops slow down a lot with two threads on busy shared cores."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -33,15 +33,6 @@ PATHS = ("legacy", "plan")
 TINY = TINY_MODELS["tiny"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny matmuls slow down a lot with two threads on busy shared cores."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 # ---- load fault injection ---------------------------------------------------------------------------
 class FailedLoad:
     """The copy ran, but the load reports failure."""

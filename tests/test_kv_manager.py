@@ -20,7 +20,6 @@ import inspect
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,15 +41,6 @@ from batchgen.workloads import builtin_workload
 RUNNING, SWAPPED, LOADING, WAITING = "running", "swapped", "loading", "waiting"
 MANAGER_TREE = ast.parse(Path(inspect.getfile(kv_manager)).read_text(encoding="utf-8"))
 READ_ONLY_BACKEND_METHODS = {"peek_free_pages", "free_pages"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The sampler's tiny ops slow down a lot with two threads on busy shared cores."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 # ---- factories --------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
-import torch
 
 import batchgen.validation
 import batchgen.worker.kv_manager as kv_manager
@@ -25,16 +24,6 @@ from batchgen.worker.kv_plans import AllocPlan, PageGrant, PollAction, PollPlan,
 from batchgen.workloads import Workload, WorkloadRequest
 
 ROLES = [direction.role for direction in DIRECTIONS]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread while this module runs: on shared, busy cores torch's default
-    (one thread per core) stalls in spin-waits, 5-10x slower for these tiny models."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

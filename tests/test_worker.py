@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
@@ -12,16 +11,6 @@ from batchgen.runner import RunResult, run_workload
 from batchgen.worker.state import Phase, Request
 from batchgen.worker.worker import RequestError, Worker
 from batchgen.workloads import Workload, WorkloadRequest, builtin_workload
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread while this module runs: on shared, busy cores torch's default
-    (one thread per core) stalls in spin-waits, 5-10x slower for these tiny models."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +240,14 @@ def test_a_released_uuid_cannot_be_reused(model):
     finish(worker)
     with pytest.raises(RequestError, match=r"^request 'p0': uuid already used"):
         worker.add_request(Request("p0", (1, 2), 4))
+
+
+def test_take_outputs_removes_what_it_returns_and_leaves_the_rest(model):
+    workload = builtin_workload("smoke")
+    worker = Worker(model, cache_config=workload.cache, engine_config=workload.engine)
+    result = run_workload(worker, workload)
+    first, *rest = sorted(result.outputs)
+    assert worker.take_outputs([first, "never-submitted"]) == {first: result.outputs[first]}
+    assert sorted(worker.state.outputs) == rest
+    assert worker.take_outputs() == {u: result.outputs[u] for u in rest}
+    assert worker.state.outputs == {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, gate_config
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_copy import new_page_tensor
 from batchgen.worker.sampler import sample
-from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, WorkerState
+from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestOutput, RequestState, WorkerState
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -126,6 +127,17 @@ class Worker:
             raise RequestError(f"abort: no live request {uuid!r}")
         if req.phase not in DONE_PHASES:
             req.phase, req.finish_reason = Phase.FINISHED, "abort"
+
+    def take_outputs(self, uuids: Iterable[str] | None = None) -> dict[str, RequestOutput]:
+        """Remove and return released outputs (all, or those of ``uuids`` that are released).
+
+        A long-running client calls this as it collects results, so worker memory stays flat.
+        """
+        outputs = self.state.outputs
+        if uuids is None:
+            taken, self.state.outputs = outputs, {}
+            return taken
+        return {uuid: outputs.pop(uuid) for uuid in uuids if uuid in outputs}
 
     def has_unfinished(self) -> bool:
         """Live requests remain, or injected faults still hold pages."""
@@ -232,7 +244,7 @@ class Worker:
         """
         reqs = [self.state.requests[uuid] for uuid in served]
         seqs = [SeqInput(token_ids=r.token_ids(r.num_cached_tokens), start_pos=r.num_cached_tokens,
-                         page_ids=list(r.gpu_page_ids)) for r in reqs]
+                         page_ids=r.gpu_page_ids) for r in reqs]
         out = self.model.forward(seqs, self.gpu_kv.tensor)
         for req, seq, kv in zip(reqs, seqs, out.new_kv):
             self._pending_kv_append_tensors[req.uuid] = PendingAppend(seq.start_pos, kv)

@@ -1,0 +1,500 @@
+"""Scale check: 4096 live requests over a 1,000,000-page GPU pool, bookkeeping only.
+
+Runs a pressure workload on the null model (``kv_storage=False``) for exactly
+``--steps`` steps per KV mode (legacy; plan; compare = plan shadowed by legacy,
+divergences logged), each mode in a fresh subprocess so one mode's memory does
+not pollute another's, and checks that memory stays flat: the resident set read
+after ``gc.collect()`` at the last step is within ``--max-rss-ratio`` (1.05) of
+the one at ``--rss-from-step`` (100). Exit status 1 when a ratio is over or a
+mode fails (an exception, or ``Worker.check_integrity()`` failing at the end).
+
+The workload (``pressure_workload``, details there): every request arrives at
+step 0; one in 256 is a long-context anchor that holds its share of ~97% of the
+GPU pool for the whole run, the rest are short decode-heavy requests that ask
+for 1.2x the room the anchors leave; the host pool is 1/1000 of the GPU pool.
+Decode growth keeps evicting the youngest requests to host, or to recompute
+when the host pool is full, and finishes let them back. The driver
+(``ScaleRun``) keeps the live set at ``--requests``: after each step it takes
+the released outputs out of the worker, as a client collecting results would
+(the worker itself keeps every output it ever released), and refills each slot
+with its next generation (``s17.g3``). ``max_num_seqs`` equals ``--requests``
+and the token budget admits the whole initial wave at step 0.
+
+Per mode: step time (mean, p50, p99; the refill's ``add_request`` calls are
+timed apart as client time), KV-op time per step (poll, release, evict,
+migrate, alloc; in compare mode with the shadow run and the comparison), the
+time of the worker's other methods and of the cyclic collector inside steps,
+requests served per step, evictions, loads and recompute preemptions, GPU and
+host pages in use, the resident set every 100 steps, CPU and wall seconds.
+
+The default (300 steps per mode) takes 2-4 minutes on 2 shared cores, the
+issue's figure (``--steps 1000``) 7-12 minutes, depending on their load (see
+docs/benchmarks.md, "Scale"):
+
+    python scripts/scale_check.py --json-out scale_check.json
+    python scripts/scale_check.py --steps 1000 --json-out scale_check_1000.json
+    python scripts/scale_check.py --modes plan --steps 150 --profile 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import contextlib
+import gc
+import io
+import json
+import math
+import os
+import platform
+import pstats
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig, ModelConfig
+from batchgen.model.null_model import NullModel
+from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.worker import Worker
+from batchgen.workloads import Workload, WorkloadRequest
+
+MODES = ("legacy", "plan", "compare")
+PAGE_SIZE = 16
+WATERMARK = 0.02
+OVERCOMMIT = 1.2  # crowd demand / GPU pages the anchors leave
+PROMPT_TOKENS = (1, 8)  # crowd requests, inclusive ranges
+NEW_TOKENS = (16, 80)
+ANCHOR_NEW_TOKENS = 100_000  # longer than any run: anchors hold their pages throughout
+RSS_EVERY = 100  # steps between resident-set readings
+
+
+# ---- the workload -------------------------------------------------------------------------
+def num_anchors(num_requests: int) -> int:
+    """Long-context requests in a workload of ``num_requests``: the first ones, 1 in 256."""
+    return max(1, num_requests // 256)
+
+
+def pressure_workload(num_requests: int, num_gpu_pages: int, *, seed: int = 0, vocab_size: int = 512) -> Workload:
+    """``num_requests`` requests at step 0: a few anchors that fill the GPU pool, and a crowd.
+
+    ::
+
+        GPU pool  [ anchors: long prompts, never finish ........ | crowd room | watermark ]
+        crowd     prompts 1-8 tokens, outputs 16-80: asks for 1.2x the crowd room
+        host pool num_gpu_pages // 1000 pages
+
+    Why anchors: a step evicts only when its decode pages outgrow the pages released
+    by finishes, and a request releases prompt + output tokens for the output tokens
+    it decoded. Requests short enough to reach a steady state (memory included) well
+    before step 100 could not fill 1M pages with prompts and still evict; so anchors
+    hold the pool and a decode-heavy crowd fights over the rest. The crowd room is
+    sized from the crowd's time-averaged page demand. Anchors share one prompt.
+    """
+    rng = random.Random(f"scale:{seed}")
+    usable = num_gpu_pages - math.ceil(WATERMARK * num_gpu_pages)
+    n_anchors = num_anchors(num_requests)
+    crowd = [(rng.randint(*PROMPT_TOKENS), rng.randint(*NEW_TOKENS)) for _ in range(num_requests - n_anchors)]
+    # time-averaged pages of a crowd slot: each template weighted by how long it lives
+    slot_pages = sum(-(-(p + age + 1) // PAGE_SIZE) for p, new in crowd for age in range(new)) / sum(n for _, n in crowd)
+    anchor_pages = (usable - round(len(crowd) * slot_pages / OVERCOMMIT)) // n_anchors
+    if anchor_pages < 1:
+        raise ValueError(f"{num_gpu_pages} GPU pages cannot hold the crowd of {len(crowd)} requests "
+                         f"({len(crowd) * slot_pages:.0f} pages); give more pages or fewer requests")
+    tokens = [rng.randrange(1, vocab_size) for _ in range(anchor_pages * PAGE_SIZE)]
+    anchor_new = min(ANCHOR_NEW_TOKENS, (usable - anchor_pages) * PAGE_SIZE)
+    requests = [WorkloadRequest(uuid=f"s{i}.g0", prompt_ids=tokens, max_new_tokens=anchor_new)
+                for i in range(n_anchors)]
+    for i, (prompt_len, max_new) in enumerate(crowd, start=n_anchors):
+        start = rng.randrange(len(tokens) - prompt_len)
+        requests.append(WorkloadRequest(uuid=f"s{i}.g0", prompt_ids=tokens[start:start + prompt_len],
+                                        max_new_tokens=max_new))
+    cache = CacheConfig(page_size=PAGE_SIZE, num_gpu_pages=num_gpu_pages, num_host_pages=num_gpu_pages // 1000,
+                        watermark=WATERMARK)
+    engine = EngineConfig(max_num_seqs=num_requests,
+                          max_num_batched_tokens=sum(len(r.prompt_ids) for r in requests))  # step 0 admits all
+    return Workload(name=f"scale-{num_requests}x{num_gpu_pages}", seed=seed, cache=cache, engine=engine,
+                    requests=requests)
+
+
+def scale_model(workload: Workload, vocab_size: int = 512) -> ModelConfig:
+    """The tiny model's geometry with a context long enough for every request."""
+    context = 1 << (workload.max_context - 1).bit_length()
+    return TINY_MODELS["tiny"].model_copy(update={"vocab_size": vocab_size, "max_context": context})
+
+
+def gate_for(mode: str, compare_log: str) -> KvGateConfig:
+    if mode == "compare":
+        return KvGateConfig(path="plan", compare="log", compare_log=compare_log)
+    return KvGateConfig(path=mode)
+
+
+# ---- measuring ------------------------------------------------------------------------------
+def resident_bytes() -> int:
+    """This process's resident set now (Linux ``/proc/self/statm``), after a full collection."""
+    gc.collect()
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# phase of a step -> the worker method it times (KV ops first: their sum is the KV-op time)
+KV_PHASES = {"poll": "_kv_poll", "release": "_kv_release", "evict": "_kv_evict", "migrate": "_kv_migrate",
+             "alloc": "_kv_allocate"}
+WORKER_PHASES = {"observe_loads": "_observe_loads", "flush_appends": "_flush_pending_kv_appends",
+                 "schedule": "_schedule", "forward_sample": "_forward_and_sample", "record_peaks": "_record_peaks"}
+
+
+class PhaseTimer:
+    """Seconds per phase of the worker's steps: its KV ops, its other methods, the cyclic collector.
+
+    ``attach`` shadows the timed methods with instance attributes (the worker's
+    class is untouched); collections are counted only inside ``measuring()``,
+    which holds a ``gc`` callback for its duration.
+    """
+
+    def __init__(self):
+        self.seconds = dict.fromkeys([*KV_PHASES, *WORKER_PHASES, "gc"], 0.0)
+        self._gc_started = 0.0
+
+    def attach(self, worker: Worker) -> None:
+        """Mutates ``worker``: its timed methods become timing wrappers."""
+        for phase, name in {**KV_PHASES, **WORKER_PHASES}.items():
+            setattr(worker, name, self._timed(phase, getattr(worker, name)))
+
+    @contextlib.contextmanager
+    def measuring(self):
+        gc.callbacks.append(self._on_gc)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self._on_gc)
+
+    def step_seconds(self) -> float:
+        """Seconds in the timed methods (a collection inside one is part of it)."""
+        return sum(s for phase, s in self.seconds.items() if phase != "gc")
+
+    def kv_seconds(self) -> float:
+        return sum(self.seconds[phase] for phase in KV_PHASES)
+
+    def _timed(self, phase: str, call):
+        def timed(*args):
+            started = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self.seconds[phase] += time.perf_counter() - started
+        return timed
+
+    def _on_gc(self, event: str, info: dict) -> None:
+        if event == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.seconds["gc"] += time.perf_counter() - self._gc_started
+
+
+@dataclass
+class StepSeries:
+    """Per-step figures of one run, in step order."""
+
+    step_s: list[float] = field(default_factory=list)
+    kv_s: list[float] = field(default_factory=list)
+    client_s: list[float] = field(default_factory=list)  # collecting outputs and refilling slots
+    num_served: list[int] = field(default_factory=list)
+    gpu_pages_used: list[int] = field(default_factory=list)
+    host_pages_used: list[int] = field(default_factory=list)
+    rss_bytes: dict[int, int] = field(default_factory=dict)  # step -> resident set after gc
+
+
+class ScaleRun:
+    """A worker kept at ``len(workload.requests)`` live requests; ``step()`` runs one step.
+
+    Keeps the workload's requests as ``Request`` templates (one tuple per distinct
+    prompt), not the workload itself, so its lists do not inflate the resident set.
+
+    Mutates its worker: refills each released request's slot with the next generation
+    of that slot, a request drawn (seeded) from the workload, and removes the released
+    output from ``worker.state.outputs`` (``drain_outputs=False`` keeps them all).
+    """
+
+    def __init__(self, workload: Workload, gate: KvGateConfig, *, drain_outputs: bool = True):
+        prompts: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct prompt (the anchors')
+        self.templates = [replace(r, prompt_ids=prompts.setdefault(r.prompt_ids, r.prompt_ids))
+                          for r in (w.to_request() for w in workload.requests)]
+        self.num_anchors = num_anchors(len(self.templates))
+        self.worker = Worker(NullModel(scale_model(workload)), cache_config=workload.cache,
+                             engine_config=workload.engine, kv_gate=gate, kv_storage=False)
+        self.timer = PhaseTimer()
+        self.timer.attach(self.worker)
+        self.drain_outputs = drain_outputs
+        self.rng = random.Random(f"refill:{workload.seed}")
+        self.generation = [0] * len(self.templates)
+        self.num_finished = 0
+        self.num_kept = 0  # outputs left in the worker (drain_outputs=False)
+        self.series = StepSeries()
+        if self.worker.kv_compare is not None:
+            self.worker.kv_compare.begin_run(workload.name, seed=workload.seed)
+        for request in self.templates:
+            self.worker.add_request(request)
+
+    def step(self) -> None:
+        """One worker step, then the client's turn: collect outputs, refill their slots."""
+        worker, series = self.worker, self.series
+        kv_before, tokens_before = self.timer.kv_seconds(), worker.state.stats.tokens_generated
+        with self.timer.measuring():
+            started = time.perf_counter()
+            worker.step()
+            series.step_s.append(time.perf_counter() - started)
+        series.kv_s.append(self.timer.kv_seconds() - kv_before)
+        series.num_served.append(worker.state.stats.tokens_generated - tokens_before)
+        series.gpu_pages_used.append(worker.gpu_kv.num_pages - worker.gpu_kv.free_pages())
+        series.host_pages_used.append(worker.host_kv.num_pages - worker.host_kv.free_pages())
+        started = time.perf_counter()
+        self._refill()
+        series.client_s.append(time.perf_counter() - started)
+
+    def _refill(self) -> None:
+        released = list(self.worker.state.outputs)[self.num_kept:]  # outputs keep release order
+        if self.drain_outputs:
+            self.worker.take_outputs(released)
+        for uuid in released:
+            slot = self._slot(uuid)
+            self.generation[slot] += 1
+            if slot < self.num_anchors:  # only past ANCHOR_NEW_TOKENS steps
+                template = self.templates[slot]
+            else:
+                template = self.templates[self.rng.randrange(self.num_anchors, len(self.templates))]
+            self.worker.add_request(replace(template, uuid=f"s{slot}.g{self.generation[slot]}"))
+        self.num_finished += len(released)
+        if not self.drain_outputs:
+            self.num_kept += len(released)
+
+    @staticmethod
+    def _slot(uuid: str) -> int:
+        return int(uuid[1:uuid.index(".")])
+
+
+# ---- one mode (child process) ----------------------------------------------------------------
+def run_mode(mode: str, *, num_requests: int, num_gpu_pages: int, num_steps: int, rss_from_step: int,
+             seed: int = 0, drain_outputs: bool = True, profile_top: int = 0) -> dict:
+    """Run ``num_steps`` steps of the pressure workload in ``mode``; returns the figures as a dict."""
+    setup_started = time.perf_counter()
+    workload = pressure_workload(num_requests, num_gpu_pages, seed=seed)
+    with tempfile.TemporaryDirectory(prefix="scale-check-") as tmp:
+        run = ScaleRun(workload, gate_for(mode, str(Path(tmp) / "divergences.jsonl")), drain_outputs=drain_outputs)
+        del workload
+        setup_s = time.perf_counter() - setup_started
+        checkpoints = {rss_from_step, num_steps, *range(RSS_EVERY, num_steps + 1, RSS_EVERY)}
+        profiler = cProfile.Profile() if profile_top else None
+        started, cpu_started = time.perf_counter(), time.process_time()
+        for step in range(1, num_steps + 1):
+            if profiler is not None:
+                profiler.enable()
+            run.step()
+            if profiler is not None:
+                profiler.disable()
+            if step in checkpoints:
+                run.series.rss_bytes[step] = resident_bytes()
+        run_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+        try:
+            run.worker.check_integrity()  # both pools, and every page table against them
+            integrity = "ok"
+        except AssertionError as error:
+            integrity = f"FAILED: {error}"
+        summary = run.worker.kv_compare.end_run() if run.worker.kv_compare is not None else None
+    result = summarise(run, mode, rss_from_step=rss_from_step, setup_s=setup_s, run_s=run_s)
+    result["cpu_s"], result["integrity"] = cpu_s, integrity
+    if summary is not None:
+        result["compare"] = {"steps_compared": summary.steps_compared, "divergences": summary.divergences,
+                             "harness_errors": summary.harness_errors,
+                             "compare_s": round(summary.compare_seconds, 3)}
+    if profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(profile_top)
+        result["profile"] = out.getvalue()
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarise(run: ScaleRun, mode: str, *, rss_from_step: int, setup_s: float, run_s: float) -> dict:
+    series, worker = run.series, run.worker
+    stats = worker.state.stats
+    rss_first, rss_last = series.rss_bytes[rss_from_step], series.rss_bytes[len(series.step_s)]
+    ms = [s * 1e3 for s in series.step_s]
+    return {
+        "mode": mode,
+        "num_requests": len(run.templates),
+        "num_gpu_pages": worker.gpu_kv.num_pages,
+        "num_host_pages": worker.host_kv.num_pages,
+        "num_steps": len(series.step_s),
+        "step_ms": {"mean": statistics.fmean(ms), "p50": percentile(ms, 0.5), "p99": percentile(ms, 0.99),
+                    "max": max(ms)},
+        "kv_ms_per_step": statistics.fmean(series.kv_s) * 1e3,
+        # gc: collections that ran inside the step, already counted in the phase they interrupted
+        "phase_ms_per_step": {**{phase: s * 1e3 / len(ms) for phase, s in run.timer.seconds.items()},
+                              "other": (sum(series.step_s) - run.timer.step_seconds()) * 1e3 / len(ms)},
+        "client_ms_per_step": statistics.fmean(series.client_s) * 1e3,
+        "served_per_step": statistics.fmean(series.num_served),
+        "finished": run.num_finished,
+        "evictions": stats.evictions,
+        "loads": stats.loads,
+        "recompute_preemptions": stats.recompute_preemptions,
+        "tokens_generated": stats.tokens_generated,
+        "gpu_pages_used": {"mean": statistics.fmean(series.gpu_pages_used), "end": series.gpu_pages_used[-1],
+                           "peak": stats.peak_gpu_pages},
+        "host_pages_used": {"mean": statistics.fmean(series.host_pages_used), "end": series.host_pages_used[-1],
+                            "peak": stats.peak_host_pages},
+        "live_requests_end": len(worker.state.requests),
+        "outputs_retained": len(worker.state.outputs),
+        "rss_mib": {str(step): b / 2**20 for step, b in sorted(series.rss_bytes.items())},
+        "rss_from_step": rss_from_step,
+        "rss_ratio": rss_last / rss_first,
+        "setup_s": setup_s,
+        "run_s": run_s,
+    }
+
+
+# ---- the parent: one subprocess per mode, a table ----------------------------------------------
+def run_child(mode: str, args: argparse.Namespace) -> dict:
+    """Run one mode in a fresh interpreter; its figures, or ``{"mode", "error"}``."""
+    with tempfile.TemporaryDirectory(prefix="scale-check-") as tmp:
+        out = Path(tmp) / f"{mode}.json"
+        command = [sys.executable, __file__, "--mode", mode, "--requests", str(args.requests),
+                   "--gpu-pages", str(args.gpu_pages), "--steps", str(args.steps),
+                   "--rss-from-step", str(args.rss_from_step), "--seed", str(args.seed),
+                   "--profile", str(args.profile), "--torch-threads", str(args.torch_threads),
+                   "--json-out", str(out)]
+        if args.keep_outputs:
+            command.append("--keep-outputs")
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            return {"mode": mode, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+        return json.loads(out.read_text(encoding="utf-8"))
+
+
+def print_table(results: list[dict], max_ratio: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    first = next((r for r in results if "error" not in r), None)
+    title = "scale check" if first is None else (
+        f"scale check: {first['num_requests']} requests, {first['num_gpu_pages']:,} GPU / "
+        f"{first['num_host_pages']:,} host pages, {first['num_steps']} steps per mode")
+    table = Table(title=title)
+    columns = ("mode", "step ms\nmean/p50/p99", "KV ms\n/step", "client\nms/step", "served\n/step",
+               "evict / load /\nrecompute", "GPU pages\nused (mean)", "host pages\nused (mean)",
+               "RSS MiB\nfirst -> last", "RSS\nratio", "integrity", "CPU s /\nwall s")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for r in results:
+        if "error" in r:
+            table.add_row(r["mode"], f"[red]FAILED: {r['error']}[/red]", *[""] * (len(columns) - 2))
+            continue
+        step, rss = r["step_ms"], r["rss_mib"]
+        ok = r["rss_ratio"] <= max_ratio
+        table.add_row(
+            r["mode"], f"{step['mean']:.0f} / {step['p50']:.0f} / {step['p99']:.0f}", f"{r['kv_ms_per_step']:.1f}",
+            f"{r['client_ms_per_step']:.1f}", f"{r['served_per_step']:,.0f}",
+            f"{r['evictions']:,} / {r['loads']:,} / {r['recompute_preemptions']:,}",
+            f"{r['gpu_pages_used']['mean']:,.0f}", f"{r['host_pages_used']['mean']:,.0f}",
+            f"{rss[str(r['rss_from_step'])]:.1f} -> {rss[str(r['num_steps'])]:.1f}",
+            f"[{'green' if ok else 'red'}]{r['rss_ratio']:.4f}[/]", r["integrity"],
+            f"{r['cpu_s']:.0f} / {r['run_s']:.0f}")
+    phases = Table(title="where a step goes: ms per step (gc: collections inside the phases, counted in them too)")
+    names = [*KV_PHASES, *WORKER_PHASES, "other", "gc"]
+    for column in ("mode", *names):
+        phases.add_column(column, justify="left" if column == "mode" else "right")
+    for r in results:
+        if "error" not in r:
+            phases.add_row(r["mode"], *(f"{r['phase_ms_per_step'][name]:.1f}" for name in names))
+    console = Console()
+    console.width = max(console.width, 150)
+    console.print(table)
+    console.print(phases)
+    for r in results:
+        if "compare" in r:
+            c = r["compare"]
+            console.print(f"{r['mode']}: {sum(c['steps_compared'].values()):,} ops compared, "
+                          f"{sum(c['divergences'].values())} divergences, {c['harness_errors']} harness errors")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Each mode runs in its own subprocess; the resident set is read after gc.collect(). "
+               "Linux only (/proc/self/statm).",
+    )
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma list of {', '.join(MODES)} (default all; compare = plan shadowed by legacy, log)")
+    parser.add_argument("--requests", type=int, default=4096, help="live requests and max_num_seqs (default 4096)")
+    parser.add_argument("--gpu-pages", type=int, default=1_000_000, help="GPU pool pages; the host pool is 1/1000 of it (default 1,000,000)")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="steps run per mode, exactly (default 300; the issue's figure is 1000)")
+    parser.add_argument("--rss-from-step", type=int, default=100,
+                        help="step whose resident set the last step's is compared with (default 100)")
+    parser.add_argument("--max-rss-ratio", type=float, default=1.05, help="allowed RSS(last) / RSS(first) (default 1.05)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and refill seed (default 0)")
+    parser.add_argument("--keep-outputs", action="store_true",
+                        help="leave released outputs in the worker (measures what keeping them costs)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="cProfile the steps; print the top N functions by own time per mode")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads in each mode's process (default 1: the null model's tensors "
+                             "are tiny, and on busy shared cores a thread pool costs more than it gives)")
+    parser.add_argument("--json-out", type=Path, help="write the figures as JSON to this path")
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: run one mode in this process
+    args = parser.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes takes a comma list of {', '.join(MODES)}, got {args.modes!r}")
+    args.modes = modes
+    if args.requests < 1 or args.gpu_pages < 1 or args.torch_threads < 1:
+        parser.error("--requests, --gpu-pages and --torch-threads must be >= 1")
+    if args.mode is not None and args.json_out is None:
+        parser.error("--mode (internal) needs --json-out")
+    if not 1 <= args.rss_from_step < args.steps:
+        parser.error(f"--rss-from-step must be in [1, --steps), got {args.rss_from_step} with --steps {args.steps}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.mode is not None:
+        torch.set_num_threads(args.torch_threads)
+        result = run_mode(args.mode, num_requests=args.requests, num_gpu_pages=args.gpu_pages, num_steps=args.steps,
+                          rss_from_step=args.rss_from_step, seed=args.seed, drain_outputs=not args.keep_outputs,
+                          profile_top=args.profile)
+        args.json_out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+        return 0
+    results = []
+    for mode in args.modes:
+        result = run_child(mode, args)
+        results.append(result)
+        if "profile" in result:
+            print(f"--- {mode}: top {args.profile} functions by own time ---\n{result['profile']}")
+    print_table(results, args.max_rss_ratio)
+    failed = [r["mode"] for r in results
+              if "error" in r or r["rss_ratio"] > args.max_rss_ratio or r["integrity"] != "ok"]
+    if args.json_out is not None:
+        report = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
+                              "cpus": os.cpu_count()},
+                  "command": " ".join(["python", "scripts/scale_check.py", *sys.argv[1:]]),
+                  "max_rss_ratio": args.max_rss_ratio, "results": results, "failed": failed}
+        args.json_out.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    print("verdict: " + ("FAIL " + ", ".join(failed) if failed else
+                         f"PASS (every RSS ratio <= {args.max_rss_ratio})"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
