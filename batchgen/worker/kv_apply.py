@@ -20,7 +20,7 @@ from batchgen.worker.kv_plans import (
     ReleaseRequest, RequestKvView,
 )
 from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.state import DONE_PHASES, Phase, RequestOutput, RequestState
+from batchgen.worker.state import DONE_PHASES, Phase, RequestState
 
 
 class PlanRejected(ValueError):
@@ -203,18 +203,10 @@ def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
             raise PlanRejected(f"ReleasePlan.drop_pending_append_ids[{i}]", f"{uuid!r} is not being released")
     for uuid in plan.released:
         req = target.state.requests.pop(uuid)
-        if req.load_handle is not None:
-            try:
-                req.load_handle.wait()  # the copy must land before its pages are reused
-            except Exception:
-                pass  # the request is gone; a failed copy into freed pages is harmless
-            req.load_handle = None
+        req.drain_load()
         target.gpu_kv.release_pages(uuid)
         target.host_kv.release_pages(uuid)
-        target.state.outputs[uuid] = RequestOutput(
-            uuid=uuid, phase=req.phase, finish_reason=req.finish_reason,
-            output_ids=tuple(req.output_ids), output_logprobs=tuple(req.output_logprobs),
-        )
+        target.state.outputs[uuid] = req.to_output()
     for uuid in plan.drop_pending_append_ids:
         target.pending_appends.pop(uuid, None)
 

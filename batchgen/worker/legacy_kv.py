@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.state import Phase, RequestOutput, RequestState
+from batchgen.worker.state import Phase, RequestState
 
 
 class LegacyKvPath:
@@ -89,19 +89,11 @@ class LegacyKvPath:
         """Retire done requests. Mutates requests, outputs, pools, pending appends."""
         for uuid in uuids:
             req = self.state.requests.pop(uuid)
-            if req.load_handle is not None:
-                try:
-                    req.load_handle.wait()  # the copy must land before its pages are reused
-                except Exception:
-                    pass  # the request is gone; a failed copy into freed pages is harmless
-                req.load_handle = None
+            req.drain_load()
             self.gpu_kv.release_pages(uuid)
             self.host_kv.release_pages(uuid)
             self._pending_kv_append_tensors.pop(uuid, None)
-            self.state.outputs[uuid] = RequestOutput(
-                uuid=uuid, phase=req.phase, finish_reason=req.finish_reason,
-                output_ids=tuple(req.output_ids), output_logprobs=tuple(req.output_logprobs),
-            )
+            self.state.outputs[uuid] = req.to_output()
 
     # ---- evict -------------------------------------------------------------------
     def evict(self) -> None:

@@ -34,6 +34,17 @@ class PoolEvent:
     page_ids: tuple[int, ...]
 
 
+def check_free_and_distinct(pool: "PagePool | ForkedPagePool", page_ids: list[int]) -> None:
+    """PageOwnershipError unless every id is in range, free in ``pool``, and named once. Pure."""
+    if len(set(page_ids)) != len(page_ids):
+        raise PageOwnershipError(f"{pool.name}: page ids {page_ids} name a page twice")
+    for page_id in page_ids:
+        if not 0 <= page_id < pool.num_pages:
+            raise PageOwnershipError(f"{pool.name}: page {page_id} is out of range [0, {pool.num_pages})")
+        if not pool.is_free(page_id):
+            raise PageOwnershipError(f"{pool.name}: page {page_id} is not free")
+
+
 class PagePool:
     """FIFO page allocator for one tier. Mutating methods say so."""
 
@@ -87,13 +98,7 @@ class PagePool:
         bad id nothing changes.
         """
         page_ids = list(page_ids)
-        if len(set(page_ids)) != len(page_ids):
-            raise PageOwnershipError(f"{self.name}: page ids {page_ids} name a page twice")
-        for page_id in page_ids:
-            if not 0 <= page_id < self.num_pages:
-                raise PageOwnershipError(f"{self.name}: page {page_id} is out of range [0, {self.num_pages})")
-            if not self._free_flags[page_id]:
-                raise PageOwnershipError(f"{self.name}: page {page_id} is not free")
+        check_free_and_distinct(self, page_ids)
         head = self._queue[self._head:self._head + len(page_ids)]
         if head == page_ids:
             self._head += len(page_ids)
@@ -214,13 +219,7 @@ class ForkedPagePool:
 
     def take_pages(self, uuid: str, page_ids: Sequence[int]) -> None:
         page_ids = list(page_ids)
-        if len(set(page_ids)) != len(page_ids):
-            raise PageOwnershipError(f"{self.name}: page ids {page_ids} name a page twice")
-        for page_id in page_ids:
-            if not 0 <= page_id < self.num_pages:
-                raise PageOwnershipError(f"{self.name}: page {page_id} is out of range [0, {self.num_pages})")
-            if not self.is_free(page_id):
-                raise PageOwnershipError(f"{self.name}: page {page_id} is not free")
+        check_free_and_distinct(self, page_ids)
         self._assign(uuid, page_ids)
 
     def release_pages(self, uuid: str) -> list[int]:

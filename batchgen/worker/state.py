@@ -76,6 +76,20 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
 
+    def drain_load(self) -> None:
+        """Wait for an in-flight load to land (its pages may be reused next), then forget it.
+        Mutates ``load_handle``. A failed copy is ignored: the request is being retired."""
+        if self.load_handle is not None:
+            try:
+                self.load_handle.wait()
+            except Exception:
+                pass  # a failed copy into pages about to be freed is harmless
+            self.load_handle = None
+
+    def to_output(self) -> "RequestOutput":
+        return RequestOutput(uuid=self.uuid, phase=self.phase, finish_reason=self.finish_reason,
+                             output_ids=tuple(self.output_ids), output_logprobs=tuple(self.output_logprobs))
+
     def token_ids(self, start: int = 0) -> list[int]:
         """Tokens from position ``start`` on (prompt, then outputs)."""
         prompt = self.request.prompt_ids
