@@ -41,9 +41,10 @@ def test_unknown_workload_name_lists_the_builtin_ones():
         load_workload("L2-1024")
 
 
-def test_a_non_positive_scale_is_rejected():
-    with pytest.raises(WorkloadError, match=r"^scale must be > 0, got 0$"):
-        builtin_workload("smoke", scale=0)
+@pytest.mark.parametrize("scale", [0, -1, 1e9])
+def test_a_scale_outside_its_range_is_rejected_before_any_request_is_built(scale):
+    with pytest.raises(WorkloadError, match=rf"^scale must be in \(0, 1000\], got {scale}$"):
+        builtin_workload("smoke", scale=scale)
 
 
 def test_workload_json_round_trips(tmp_path):
