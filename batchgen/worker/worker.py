@@ -12,7 +12,8 @@ One step reads as the KV ops in order, then the model::
     forward  model over paged KV -> new K/V become pending appends; sample
 
 The worker owns ``state``, both pools and ``_pending_kv_append_tensors``; the
-KV ops (``kv_ops``) decide through the path the gate picked.
+KV ops run through the path the gate picked (``kv_gate.build_kv_path``), or
+through compare mode (``kv_compare``).
 """
 
 from __future__ import annotations
