@@ -129,8 +129,6 @@ def test_a_bad_value_names_the_variable_the_allowed_values_and_the_closest_valid
         assert message.endswith(f"did you mean {closest!r}?")
 
 
-@pytest.mark.xfail(strict=True, reason="kv_gate suggests a closest value only for path/compare/load_failure, "
-                                       "not for a misspelt op in BATCHGEN_WORKER_KV_COMPARE_OPS")
 def test_a_misspelt_op_gets_the_closest_op_suggested():
     with pytest.raises(GateError, match=r"did you mean 'evict'\?"):
         gate_config({ENV["compare_ops"]: "poll,evcit"})

@@ -106,8 +106,14 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
         field = str(error["loc"][0])
         env, _, allowed = GATE_FLAGS[field]
         source = sources.get(field, env)
-        choices = allowed.split(", ") if field in ("path", "compare", "load_failure") else []
-        close = difflib.get_close_matches(str(values.get(field)), choices, n=1)
+        if field == "compare_ops":  # suggest for the first unknown op of the list
+            given = values.get(field)
+            ops = given.split(",") if isinstance(given, str) else list(given or ())
+            unknown = [op.strip() for op in ops if op.strip() not in KV_OPS]
+            close = difflib.get_close_matches(unknown[0], KV_OPS, n=1) if unknown else []
+        else:
+            choices = allowed.split(", ") if field in ("path", "compare", "load_failure") else []
+            close = difflib.get_close_matches(str(values.get(field)), choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         reason = error["msg"].removeprefix("Value error, ")
         raise GateError(f"{source}={values.get(field)!r} is invalid ({reason}); allowed: {allowed}{hint}") from None
