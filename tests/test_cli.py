@@ -157,7 +157,7 @@ def test_an_option_beats_the_environment(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("environment, message", [
     ({"BATCHGEN_WORKER_KV_PAHT": "plan"},
-     "batchgen: error: unknown variable BATCHGEN_WORKER_KV_PAHT; did you mean BATCHGEN_WORKER_KV_PATH? Valid names: "
+     "batchgen: error: unknown variable BATCHGEN_WORKER_KV_PAHT (did you mean BATCHGEN_WORKER_KV_PATH?); valid names: "
      "BATCHGEN_WORKER_KV_COMPARE, BATCHGEN_WORKER_KV_COMPARE_LOG, BATCHGEN_WORKER_KV_COMPARE_OPS, "
      "BATCHGEN_WORKER_KV_COMPARE_SAMPLE, BATCHGEN_WORKER_KV_LOAD_FAILURE, BATCHGEN_WORKER_KV_PATH"),
     ({"BATCHGEN_WORKER_KV_COMPARE": "yes"},

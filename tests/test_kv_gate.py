@@ -187,3 +187,18 @@ def probe(env: dict[str, str], cwd: Path) -> dict:
 ], ids=["default", "plan-compare-off", "legacy"])
 def test_the_legacy_module_is_loaded_only_when_the_gate_needs_it(env, legacy_loaded, kv, tmp_path):
     assert probe(env, tmp_path) == {"legacy_loaded": legacy_loaded, "kv": kv, "released": 8, "leaked": 0}
+
+
+@pytest.mark.parametrize("name", ["BATCHGEN_WORKERS_KV_PATH", "BATCHGEN_WORKER_KVPATH"])
+def test_a_typo_in_the_family_prefix_is_caught_with_the_closest_name(name):
+    with pytest.raises(GateError, match=r"did you mean BATCHGEN_WORKER_KV_PATH\?"):
+        gate_config({name: "plan"})
+
+
+def test_an_unrelated_batchgen_variable_is_left_alone():
+    assert gate_config({"BATCHGEN_HOME": "/tmp"}) == KvGateConfig()
+
+
+def test_a_value_in_the_wrong_case_gets_the_valid_spelling_suggested():
+    with pytest.raises(GateError, match=r"did you mean 'plan'\?"):
+        gate_config({"BATCHGEN_WORKER_KV_PATH": "PLAN"})

@@ -87,10 +87,13 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
     """Parse the gate family from ``environ``, then apply CLI values (not None) on top."""
     known = {env for env, _, _ in GATE_FLAGS.values()}
     for name in environ:
-        if name.startswith(ENV_PREFIX) and name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise GateError(f"unknown variable {name}{hint} Valid names: {', '.join(sorted(known))}")
+        if name in known or not name.startswith("BATCHGEN_"):
+            continue
+        # In the family, or a typo of its prefix (BATCHGEN_WORKERS_KV_PATH) close to a valid name.
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6 if name.startswith(ENV_PREFIX) else 0.85)
+        if name.startswith(ENV_PREFIX) or close:
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise GateError(f"unknown variable {name}{hint}; valid names: {', '.join(sorted(known))}")
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
     for field, (env, _, _) in GATE_FLAGS.items():
@@ -113,7 +116,7 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
             close = difflib.get_close_matches(unknown[0], KV_OPS, n=1) if unknown else []
         else:
             choices = allowed.split(", ") if field in ("path", "compare", "load_failure") else []
-            close = difflib.get_close_matches(str(values.get(field)), choices, n=1)
+            close = difflib.get_close_matches(str(values.get(field)).lower(), choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         reason = error["msg"].removeprefix("Value error, ")
         raise GateError(f"{source}={values.get(field)!r} is invalid ({reason}); allowed: {allowed}{hint}") from None
