@@ -100,6 +100,8 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
         if env in environ:
             values[field], sources[field] = environ[env], env
     for field, value in (cli or {}).items():
+        if field not in GATE_FLAGS:
+            raise GateError(f"unknown gate option {field!r}; known: {', '.join(GATE_FLAGS)}")
         if value is not None:
             values[field], sources[field] = value, GATE_FLAGS[field][1]
     try:

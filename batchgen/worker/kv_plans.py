@@ -14,6 +14,7 @@ Hot-path objects are frozen slotted dataclasses, and the per-request view a
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -182,14 +183,19 @@ PLAN_TYPES = (PollPlan, ReleasePlan, EvictionPlan, MigrationPlan, AllocPlan)
 REQUEST_TYPES = (PollRequest, ReleaseRequest, EvictionRequest, MigrationRequest, AllocRequest)
 
 
+@functools.cache
+def _adapter(cls) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
 def to_json(obj) -> str:
     """Serialise a snapshot, op request or plan (edge use: logs, replay)."""
-    return TypeAdapter(type(obj)).dump_json(obj).decode()
+    return _adapter(type(obj)).dump_json(obj).decode()
 
 
 def from_json(cls, text: str):
     """Inverse of :func:`to_json` for the given class."""
-    return TypeAdapter(cls).validate_json(text)
+    return _adapter(cls).validate_json(text)
 
 
 def to_jsonable(obj) -> dict:
