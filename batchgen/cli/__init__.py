@@ -1,0 +1,76 @@
+"""The ``batchgen`` command: flags -> library call -> rendering, nothing more.
+
+::
+
+    batchgen run --workload NAME|FILE [model flags] [KV flags] [--faults SPEC] [--json]   one workload, fresh worker
+    batchgen validate [model flags] [--scale X] [--reports-dir DIR] [--json]             back-to-back, compare mode
+    batchgen report LOG [LOG...] [--format text|md|junit|json] [--out FILE]              divergence logs -> report
+    batchgen replay LOG --index N                                                        re-run one logged op
+    batchgen minimize LOG --index N [--out-dir DIR]                                      shrink it, write a test
+
+A subcommand is a module (``run``, ``validate``, ``logs``) with an
+``add_<name>_command`` (declares its flags, shares ``common``'s) and a handler
+``args -> exit code``.
+Exit codes: 0 done (report: no divergence; replay: reproduced), 1 failed
+(validation failed, divergences found, not reproduced), 2 bad input (one
+``batchgen: error:`` line on stderr naming what was wrong and what is allowed).
+Progress and warnings go to stderr, results to stdout; ``--json`` prints
+exactly one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from compare import RecordError
+from batchgen.cli.common import EXIT_BAD_INPUT, UsageError
+from batchgen.cli.logs import RENDERERS, add_minimize_command, add_replay_command, add_report_command
+from batchgen.cli.run import add_run_command
+from batchgen.cli.validate import add_validate_command
+from batchgen.model.loader import ModelLoadError
+from batchgen.replay import ReplayError
+from batchgen.worker.faults import FaultSpecError
+from batchgen.worker.kv_gate import GateError
+from batchgen.worker.worker import PoolAllocationError, RequestError
+from batchgen.workloads import WorkloadError
+
+__all__ = ["RENDERERS", "build_parser", "main"]
+
+INPUT_ERRORS = (UsageError, WorkloadError, ModelLoadError, RequestError, PoolAllocationError, GateError,
+                FaultSpecError, RecordError, ReplayError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are the same one ``batchgen: error:`` line as every bad input."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"batchgen: error: {message} (see '{self.prog} --help')\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: the process's), run the subcommand, return its exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help (0), or a usage error already printed (2)
+        return int(exit_request.code or 0)
+    try:
+        return args.handler(args)
+    except INPUT_ERRORS as error:
+        print(f"batchgen: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="batchgen", description="Batch-generation LLM worker with a paged two-tier (GPU + host) KV cache.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_run_command(commands)
+    add_validate_command(commands)
+    add_report_command(commands)
+    add_replay_command(commands)
+    add_minimize_command(commands)
+    return parser
+

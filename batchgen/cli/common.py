@@ -1,0 +1,136 @@
+"""What every subcommand shares: exit codes, flags and their parsers, model loading, progress and tables."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from batchgen.config import TINY_MODELS
+from batchgen.model.loader import load_model
+from batchgen.validation import ProgressCallback
+
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+
+
+class UsageError(ValueError):
+    """Flags this machine cannot serve (e.g. ``--device cuda`` without CUDA), or a bad index or file."""
+
+
+# ---- shared flags ------------------------------------------------------------------------------
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", metavar="NAME|DIR",
+                        help=f"a built-in model ({', '.join(TINY_MODELS)}; random weights drawn from --seed) "
+                             f"or an HF-format model directory (default: %(default)s)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where the model and the GPU-tier KV pages live (default: %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="dtype of the weights and of the KV pages (default: %(default)s)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="seeds the built-in model's weights and the built-in workloads' traces "
+                             "(default: %(default)s)")
+
+
+def add_scale_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scale", type=positive_float, default=1.0,
+                        help="built-in workloads: multiplies the request count (and, above 1, the pools and "
+                             "max_num_seqs); ignored for workload files (default: %(default)s)")
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout instead of a table (default: off)")
+
+
+def non_negative_int(text: str) -> int:
+    return int_at_least(text, 0)
+
+
+def positive_int(text: str) -> int:
+    return int_at_least(text, 1)
+
+
+def int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+# ---- library glue ------------------------------------------------------------------------------
+def model_from_args(args: argparse.Namespace):
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine; allowed here: --device cpu")
+    return load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+
+
+def context(args: argparse.Namespace) -> dict:
+    """The flags a result depends on, recorded next to it."""
+    return {"model": args.model, "device": args.device, "dtype": args.dtype, "seed": args.seed, "scale": args.scale}
+
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+def progress_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total} requests released"), TimeElapsedColumn(),
+                    console=Console(stderr=True))
+
+
+def progress_callback(progress: Progress) -> ProgressCallback:
+    """``on_progress(label, released, total)`` that keeps one bar per label. Mutates ``progress``."""
+    task_ids = {}
+
+    def on_progress(label: str, num_released: int, num_requests: int) -> None:
+        if label not in task_ids:
+            task_ids[label] = progress.add_task(label, total=num_requests)
+        progress.update(task_ids[label], completed=num_released)
+
+    return on_progress
+
+
+def key_value_table(title: str, values: dict) -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in values.items():
+        table.add_row(key, by_op(value) if isinstance(value, dict) else str(value))
+    return table
+
+
+def by_op(counts: dict) -> str:
+    """``{"alloc": 3, "evict": 0}`` -> ``alloc 3, evict 0`` (``-`` when empty)."""
+    return ", ".join(f"{op} {n}" for op, n in sorted(counts.items())) or "-"
+
+
+# Rows of the validation tables: summary key -> row label (one column per run keeps them 80 columns wide).
+VALIDATION_ROWS = {"requests": "requests", "steps": "steps", "tokens_generated": "tokens", "evictions": "evictions",
+                   "loads": "loads", "load_failures": "load failures", "recompute_preemptions": "recomputes",
+                   "leaked_gpu_pages": "GPU pages held", "leaked_host_pages": "host pages held",
+                   "loads_in_flight": "loads in flight", "wall_s": "wall s"}
+COMPARE_ROWS = {"steps_compared": "steps compared", "divergences": "divergences"}
+
+
+def cell(value) -> str:
+    return str(sum(value.values())) if isinstance(value, dict) else str(value)
+

@@ -1,0 +1,191 @@
+"""Divergence logs: ``batchgen report``, ``replay`` and ``minimize``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from compare import DivergenceRecord, aggregate, read_log, read_logs, write_atomic
+from compare.report import headline, render_json, render_junit, render_markdown, render_text
+from batchgen.minimize import MinimizeError, minimize_divergence, write_regression
+from batchgen.replay import ReplayOutcome, replay_record
+from batchgen.workloads import load_workload
+from batchgen.cli.common import (
+    EXIT_FAILED, EXIT_OK, UsageError, non_negative_int, positive_int,
+)
+
+RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
+STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)
+
+
+# ---- report ------------------------------------------------------------------------------------
+def add_report_command(commands) -> None:
+    parser = commands.add_parser(
+        "report", help="merge divergence logs into one report",
+        description="Merge divergence logs (JSON Lines from compare mode) and report divergences per op and per "
+                    "field path. A last line cut short by a crash is skipped with a warning on stderr. Exit 0 "
+                    "when there is no divergence, 1 when there are, 2 when an input is unreadable.")
+    parser.add_argument("logs", nargs="+", metavar="LOG", help="divergence log files, merged in the order given")
+    parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
+                        help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
+                             "when it is set), junit (XML, a test case per workload and op) or json "
+                             "(default: %(default)s)")
+    parser.add_argument("--out", metavar="FILE", default=None,
+                        help="write the report to FILE, replaced atomically, instead of stdout (default: stdout)")
+    parser.set_defaults(handler=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    logs = read_logs(args.logs)
+    _print_warnings(logs.warnings)
+    report = aggregate(logs.records)
+    text = RENDERERS[args.format](report)
+    if args.out is not None:
+        _write_out(args.out, text)
+        print(f"batchgen: wrote {args.out}: {headline(report)}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    if args.format == "md":
+        _append_step_summary(text)
+    return EXIT_FAILED if report.num_divergences else EXIT_OK
+
+
+def _write_out(path: str, text: str) -> None:
+    """``write_atomic`` for ``--out``; UsageError naming what is in the way when it cannot be written."""
+    blocker = next((parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None)
+    if blocker is not None:
+        raise UsageError(f"--out {path}: cannot write the report: {blocker} is not a directory")
+    try:
+        write_atomic(path, text)
+    except OSError as error:
+        raise UsageError(f"--out {path}: cannot write the report: {error.strerror or error}") from None
+
+
+def _append_step_summary(markdown: str) -> None:
+    path = os.environ.get(STEP_SUMMARY_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as summary:
+            summary.write(markdown)
+    except OSError as error:
+        raise UsageError(f"${STEP_SUMMARY_ENV}={path}: cannot append the report: {error.strerror}") from None
+
+
+# ---- replay and minimize -----------------------------------------------------------------------
+def add_replay_command(commands) -> None:
+    parser = commands.add_parser(
+        "replay", help="re-run one logged divergence from its record alone",
+        description="Rebuild the pre-state of one logged divergence from its record, run both KV paths through "
+                    "the op, and show the diff. Exit 0 when the divergence reproduces, 1 when it does not.")
+    _add_record_args(parser)
+    parser.set_defaults(handler=_replay)
+
+
+def add_minimize_command(commands) -> None:
+    parser = commands.add_parser(
+        "minimize", help="shrink a logged divergence to a minimal workload and a regression test",
+        description="Delta-debug the workload of one logged divergence (requests, then their steps) down to a "
+                    "minimal one that still diverges the same way on the tiny model, and write it with a pytest "
+                    "regression test that fails until the bug is fixed. Exit 1 when the divergence does not "
+                    "reproduce on its workload.")
+    _add_record_args(parser)
+    parser.add_argument("--out-dir", default="reports/minimized", metavar="DIR",
+                        help="where the workload JSON and the test go (default: %(default)s)")
+    parser.add_argument("--max-tests", type=positive_int, default=400, metavar="N",
+                        help="candidate workloads run at most (default: %(default)s)")
+    parser.set_defaults(handler=_minimize)
+
+
+def _add_record_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("log", metavar="LOG", help="a divergence log (JSON Lines)")
+    parser.add_argument("--index", type=non_negative_int, required=True, metavar="N",
+                        help="which divergence: 0 is the log's first divergence record (run summary records are "
+                             "not counted)")
+
+
+def _replay(args: argparse.Namespace) -> int:
+    record, count = _divergence_record(args.log, args.index)
+    outcome = replay_record(record)
+    print(f"record {args.index} of {count} divergence records in {args.log}: {_record_title(record)}")
+    print(f"logged:   {_divergence_line(record.kind, tuple(record.field_paths))}")
+    _print_paths(record.field_paths)
+    print(f"replayed: {_divergence_line(outcome.kind, outcome.field_paths)}")
+    _print_paths(outcome.field_paths)
+    _print_replay_detail(outcome)
+    print(f"reproduced: {'yes' if outcome.reproduced else 'no'}")
+    return EXIT_OK if outcome.reproduced else EXIT_FAILED
+
+
+def _minimize(args: argparse.Namespace) -> int:
+    record, count = _divergence_record(args.log, args.index)
+    replay = record.replay
+    if not replay.get("workload_source"):
+        raise UsageError(f"{args.log}: divergence record {args.index} names no workload_source to minimize")
+    original = load_workload(replay["workload_source"], seed=record.seed, scale=replay.get("scale", 1.0))
+    print(f"minimizing record {args.index} of {count} in {args.log}: {_record_title(record)}", file=sys.stderr)
+    try:
+        result = minimize_divergence(record, max_tests=args.max_tests)
+    except MinimizeError as error:
+        print(f"batchgen: not reproduced: {' '.join(str(error).split())}", file=sys.stderr)
+        return EXIT_FAILED
+    slug = result.signature.slug
+    workload_path, test_path = Path(args.out_dir) / f"{slug}.json", Path(args.out_dir) / f"test_kv_{slug}.py"
+    write_regression(result, workload_path, test_path)
+    minimal = result.workload.requests
+    print(f"{result.signature.op} {result.signature.kind} divergence ({', '.join(result.signature.field_paths) or '-'})"
+          f": requests {len(original.requests)} -> {len(minimal)}, new tokens "
+          f"{sum(r.max_new_tokens for r in original.requests)} -> {sum(r.max_new_tokens for r in minimal)}, "
+          f"{result.num_tests} tests run")
+    print(f"workload: {workload_path}")
+    print(f"test:     {test_path}")
+    return EXIT_OK
+
+
+def _divergence_record(log: str, index: int) -> tuple[DivergenceRecord, int]:
+    """The ``index``-th divergence record of ``log`` and how many it holds; UsageError when out of range."""
+    result = read_log(log)
+    _print_warnings(result.warnings)
+    records = [record for record in result.records if isinstance(record, DivergenceRecord)]
+    if not records:
+        raise UsageError(f"{log}: no divergence record to pick; its {len(result.records)} records are all run "
+                         f"summaries")
+    if index >= len(records):
+        raise UsageError(f"--index {index} is out of range: {log} holds {len(records)} divergence records, so "
+                         f"--index is 0 to {len(records) - 1} (run summaries are not counted)")
+    return records[index], len(records)
+
+
+def _record_title(record: DivergenceRecord) -> str:
+    return (f"{record.op} step {record.step} of {record.workload} (seed {record.seed}, run {record.run_id}), "
+            f"authoritative {record.authoritative}, shadow {record.shadow}")
+
+
+def _divergence_line(kind: str | None, paths: tuple[str, ...]) -> str:
+    if kind is None:
+        return "no divergence: the two paths agree"
+    return f"{kind} divergence at {len(paths)} field paths" if paths else f"{kind} divergence"
+
+
+def _print_paths(paths: Sequence[str]) -> None:
+    for path in paths:
+        print(f"    {path}")
+
+
+def _print_replay_detail(outcome: ReplayOutcome) -> None:
+    for exception in outcome.exceptions:
+        print(f"raised:   {exception}")
+    if outcome.diff:
+        print("diff:")
+        print(json.dumps(outcome.diff, indent=2, sort_keys=True, default=str))
+
+
+def _print_warnings(warnings: Sequence[str]) -> None:
+    for warning in warnings:
+        print(f"batchgen: warning: {warning}", file=sys.stderr)
+
+

@@ -1,0 +1,153 @@
+"""``batchgen run``: one workload on a fresh worker, with the KV gate flags and fault injection."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from compare import DivergenceError
+from batchgen.runner import RunResult, run_workload
+from batchgen.worker import faults as faults_module
+from batchgen.worker.faults import FaultInjector, FaultSpec
+from batchgen.worker.kv_gate import GATE_FLAGS, KvGateConfig, gate_config
+from batchgen.worker.state import Phase
+from batchgen.worker.worker import Worker
+from batchgen.workloads import BUILTIN_WORKLOADS, load_workload
+from batchgen.cli.common import (
+    EXIT_FAILED, EXIT_OK, add_model_args, add_output_args, add_scale_arg, context, key_value_table,
+    model_from_args, non_negative_int, positive_int, progress_bar, progress_callback,
+)
+
+# Gate field -> (metavar, what the option means); the variable, option and allowed values come from GATE_FLAGS.
+# Gate field -> (metavar, what the option means); the variable, option and allowed values come from GATE_FLAGS.
+KV_FLAG_HELP = {
+    "path": ("plan|legacy", "the authoritative KV path"),
+    "compare": ("off|log|raise", "shadow the other path every step: log divergences, or stop at the first"),
+    "compare_sample": ("P", "fraction of steps compared, in (0, 1]; seeded, so reproducible"),
+    "compare_log": ("FILE", "divergence log, JSON Lines, appended to"),
+    "compare_ops": ("OPS", "comma list of the ops compared: poll,release,evict,migrate,alloc"),
+    "load_failure": ("recompute|fail", "after a failed load's last retry: recompute the request, or fail it"),
+}
+
+
+
+
+# ---- run ---------------------------------------------------------------------------------------
+def add_run_command(commands) -> None:
+    parser = commands.add_parser(
+        "run", help="run one workload on a fresh worker and summarise it",
+        description="Run one workload on a fresh worker (its cache sized by the workload), then summarise it.",
+        epilog=_run_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", required=True, metavar="NAME|FILE",
+                        help=f"a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) or a workload JSON file")
+    add_model_args(parser)
+    add_scale_arg(parser)
+    _add_kv_args(parser)
+    parser.add_argument("--faults", metavar="SPEC", default=None,
+                        help="inject a seeded fault schedule, e.g. 'seed=1,load_fail=0.2,abort=0.05'; SPEC grammar "
+                             "below (default: no faults)")
+    add_output_args(parser)
+    parser.set_defaults(handler=_run)
+
+
+def _add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """The gate options (default None: the environment, then the built-in default, decides) and engine overrides."""
+    for field, (env, option, _) in GATE_FLAGS.items():
+        metavar, meaning = KV_FLAG_HELP[field]
+        parser.add_argument(option, dest=f"kv_{field}", metavar=metavar, default=None,
+                            help=f"{meaning} (default: ${env}, else {_gate_default(field)})")
+    parser.add_argument("--kv-load-retries", type=non_negative_int, metavar="N", default=None,
+                        help="retries of a failed host->GPU load before the --kv-load-failure policy applies "
+                             "(default: the workload's engine config)")
+    parser.add_argument("--kv-load-timeout-steps", type=positive_int, metavar="N", default=None,
+                        help="steps a load may stay incomplete before it counts as failed "
+                             "(default: the workload's engine config)")
+
+
+def _gate_default(field: str) -> str:
+    default = KvGateConfig.model_fields[field].default
+    if default is None:
+        return "the workload's engine config"
+    return ",".join(default) if isinstance(default, tuple) else str(default)
+
+
+def _run_epilog() -> str:
+    return ("KV path options: the BATCHGEN_WORKER_KV_* environment overrides the defaults and an option overrides\n"
+            "the environment; a bad value or an unknown BATCHGEN_WORKER_KV_* name exits 2.\n\n"
+            f"fault SPEC (--faults): comma-separated KEY=VALUE\n{_fault_grammar()}\n"
+            "Probabilities are in [0, 1]; the same SPEC replays the same faults.")
+
+
+def _fault_grammar() -> str:
+    """The SPEC table of ``batchgen.worker.faults``' docstring (its indented block after ``::``)."""
+    block = (faults_module.__doc__ or "").partition("::")[2].strip("\n").splitlines()
+    lines = []
+    for line in block:
+        if line.strip() and not line.startswith(" "):
+            break
+        lines.append(line)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _run(args: argparse.Namespace) -> int:
+    gate = gate_config(os.environ, {field: getattr(args, f"kv_{field}") for field in GATE_FLAGS})
+    injector = FaultInjector(FaultSpec.parse(args.faults)) if args.faults is not None else None
+    model = model_from_args(args)
+    workload = load_workload(args.workload, seed=args.seed, scale=args.scale, vocab_size=model.config.vocab_size)
+    workload = workload.with_cache(dtype=args.dtype)
+    worker = Worker(model, cache_config=workload.cache, engine_config=_engine_config(workload.engine, args),
+                    kv_gate=gate, faults=injector, device=args.device)
+    for request in workload.requests:  # reject a bad request before the progress bar opens
+        worker.validate_request(request.to_request())
+    source = args.workload if args.workload in BUILTIN_WORKLOADS else str(Path(args.workload).resolve())
+    try:
+        with progress_bar() as progress:
+            on_progress = progress_callback(progress)
+            result = run_workload(worker, workload, source=source, scale=args.scale,
+                                  on_step=lambda done, total: on_progress(workload.name, done, total))
+    except DivergenceError as error:  # --kv-compare raise
+        print(f"batchgen: divergence: {'; '.join(str(error).splitlines())} (logged to {gate.compare_log})",
+              file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        if worker.kv_compare is not None:
+            worker.kv_compare.sink.close()
+    summary = _run_summary(result, worker, args)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        Console().print(key_value_table(f"batchgen run: {workload.name}", summary))
+    return EXIT_OK
+
+
+def _engine_config(engine, args: argparse.Namespace):
+    overrides = {"max_load_retries": args.kv_load_retries, "load_timeout_steps": args.kv_load_timeout_steps}
+    return engine.model_copy(update={name: value for name, value in overrides.items() if value is not None})
+
+
+def _run_summary(result: RunResult, worker: Worker, args: argparse.Namespace) -> dict:
+    """The run's counters, what it ran on, its KV path, compare counts (compare mode) and fault counters."""
+    gate, engine = worker.kv_gate, worker.engine_config
+    summary = {**result.summary(), "live_requests": result.live_requests, **context(args),
+               "kv_path": gate.path, "kv_compare": gate.compare, "max_load_retries": engine.max_load_retries,
+               "load_timeout_steps": engine.load_timeout_steps, "load_failure": engine.load_failure}
+    compared = result.compare_summary
+    if compared is not None:
+        summary |= {"kv_shadow_path": compared.shadow, "kv_compare_sample": gate.compare_sample,
+                    "steps_compared": dict(compared.steps_compared),
+                    "divergences": sum(compared.divergences.values()),
+                    "divergences_by_op": dict(compared.divergences),
+                    "harness_errors": compared.harness_errors, "compare_log": gate.compare_log}
+    num_failed = sum(output.phase is Phase.FAILED for output in result.outputs.values())
+    if worker.faults is not None:
+        summary |= {"faults": args.faults, "fault_aborts": worker.faults.num_aborts}
+    if worker.faults is not None or num_failed:
+        summary["failed_requests"] = num_failed
+    return summary
+
+

@@ -1,0 +1,96 @@
+"""``batchgen validate``: back-to-back L2-2048 + L2-4096 in compare mode, and its summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from batchgen.validation import DIRECTIONS, ValidationReport, compare_overhead, validate_back_to_back
+from batchgen.cli.common import (
+    COMPARE_ROWS, EXIT_FAILED, EXIT_OK, VALIDATION_ROWS, add_model_args, add_output_args, add_scale_arg,
+    by_op, cell, context, model_from_args, progress_bar, progress_callback,
+)
+
+# ---- validate ----------------------------------------------------------------------------------
+def add_validate_command(commands) -> None:
+    parser = commands.add_parser(
+        "validate", help="back-to-back L2-2048 + L2-4096 validation in compare mode, both directions",
+        description="Run L2-2048 then L2-4096 on one worker (L2-4096's cache) in compare mode, once per direction: "
+                    "legacy serving with the plan shadowed, plan serving with legacy shadowed, and plan shadowed "
+                    "by plan (the A/A noise check). Check that no op diverges, that each run leaves nothing "
+                    "behind, that tokens match a no-eviction reference (near-ties allowed) and that L2-4096 "
+                    "matches a fresh plan-path worker exactly. The BATCHGEN_WORKER_KV_* environment does not "
+                    "apply. Writes the divergence log and its reports into --reports-dir. Exit 0 when every "
+                    "check passes, 1 otherwise.")
+    add_model_args(parser)
+    add_scale_arg(parser)
+    parser.add_argument("--reports-dir", default="reports", metavar="DIR",
+                        help="where divergences.jsonl (the log, replaced) and its .md, .xml (JUnit) and .json "
+                             "reports go (default: %(default)s)")
+    add_output_args(parser)
+    parser.set_defaults(handler=_validate)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    model = model_from_args(args)
+    with progress_bar() as progress:
+        report = validate_back_to_back(model, seed=args.seed, scale=args.scale, device=args.device,
+                                       reports_dir=args.reports_dir, on_progress=progress_callback(progress))
+    if args.json:
+        print(json.dumps({**report.to_dict(), **context(args)}))
+    else:
+        _print_validation(report)
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+
+def _print_validation(report: ValidationReport) -> None:
+    console = Console()
+    console.print(f"batchgen validate: {'PASSED' if report.ok else 'FAILED'} in {report.wall_s:.1f} s",
+                  highlight=False)
+    roles = [direction.role for direction in DIRECTIONS]
+    compare_runs = [run for run in report.runs if run.role in roles]
+    check_runs = [run for run in report.runs if run.role not in roles]
+    if compare_runs:
+        console.print(_runs_table("compare runs: workload, authoritative path, shadow path", compare_runs,
+                                  {**VALIDATION_ROWS, **COMPARE_ROWS}))
+    if check_runs:
+        console.print(_runs_table("reference and fresh runs", check_runs, VALIDATION_ROWS))
+    for line in _compare_lines(report):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    for failure in report.failures:  # one line each, unwrapped, so they grep well
+        console.print(f"FAIL {failure}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _runs_table(title: str, runs: list, rows: dict[str, str]) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    table.add_column("after the run", no_wrap=True)
+    for run in runs:
+        kv = f"{run.kv_path}\n{run.shadow_path}" if run.shadow_path else run.role
+        table.add_column(f"{run.workload}\n{kv}", justify="right")
+    for key, label in rows.items():
+        table.add_row(label, *(cell(run.summary.get(key, "")) for run in runs))
+    return table
+
+
+def _compare_lines(report: ValidationReport) -> list[str]:
+    compare, cache = report.compare, report.cache
+    lines = [f"steps compared: {by_op({s.op: s.num_compared for s in compare.ops})}",
+             f"divergences: {compare.num_divergences} ({by_op({s.op: s.num_divergences for s in compare.ops})}); "
+             f"harness errors: {compare.num_harness_errors}"]
+    overhead = compare_overhead(compare)
+    if overhead is not None:
+        compare_wall_s = sum(run.summary["wall_s"] for run in report.runs if run.shadow_path is not None)
+        share = f"; {compare.compare_seconds / compare_wall_s:.1%} of the compare runs' wall time" if compare_wall_s else ""
+        lines.append(f"compare overhead: {compare.compare_seconds:.2f} s of harness on {compare.authoritative_seconds:.2f}"
+                     f" s in the authoritative path ({overhead:.2f}x){share}")
+    if report.reports:
+        lines.append(f"reports: {', '.join(report.reports.values())}")
+    lines.append(f"shared worker cache: {cache.num_gpu_pages} GPU + {cache.num_host_pages} host pages of "
+                 f"{cache.page_size} tokens ({cache.dtype}); near-tie tolerance {report.near_tie_tolerance:g}")
+    return lines
+
