@@ -49,7 +49,7 @@ from compare import DivergenceRecord, Observation, diff
 from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig, validation_summary
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_backends import CompletedHandle, GpuKvPool, HostKvPool
-from batchgen.worker.kv_compare import canonical_kv, classify, exception_kind, fork_target
+from batchgen.worker.kv_forms import canonical_kv, classify, exception_kind, fork_target
 from batchgen.worker.kv_gate import build_kv_path
 from batchgen.worker.kv_plans import (
     AllocRequest, EvictionRequest, KvGeometry, MigrationRequest, PollRequest, ReleaseRequest,

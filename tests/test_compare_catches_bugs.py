@@ -54,7 +54,7 @@ from batchgen.runner import RunResult, run_workload
 from batchgen.worker import kv_apply, kv_manager
 from batchgen.worker.kv_apply import PlanRejected
 from batchgen.worker.kv_backends import CompletedHandle, HostKvPool
-from batchgen.worker.kv_compare import add_requests, differing_requests, fork_target
+from batchgen.worker.kv_forms import add_requests, differing_requests, fork_target
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_manager import KVCacheManager
 from batchgen.worker.kv_plans import to_jsonable
