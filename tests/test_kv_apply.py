@@ -25,12 +25,12 @@ import pytest
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.worker.kv_apply import (
     PlanKvPath, PlanRejected, apply_alloc_plan, apply_eviction_plan, apply_migration_plan, apply_poll_plan,
-    apply_release_plan, view_of, views_of,
+    apply_release_plan, views_of,
 )
 from batchgen.worker.kv_backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
 from batchgen.worker.kv_plans import (
     AllocPlan, Destination, DoesNotFit, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan,
-    PollStep, ReleasePlan, Victim,
+    PollStep, ReleasePlan, RequestKvView, Victim,
 )
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.state import Phase, Request, RequestOutput, RequestState, TokenLogprobs, WorkerState
@@ -121,7 +121,8 @@ def test_the_fixture_target_is_consistent():
 def test_bulk_snapshot_views_equal_per_request_views_in_every_phase():
     target = make_target()
     reqs = list(target.state.requests.values())
-    expected = tuple(view_of(r) for r in reqs)
+    expected = tuple(RequestKvView(r.uuid, r.phase.value, r.arrival_index, r.num_tokens, r.num_cached_tokens,
+                                   r.gpu_page_ids, r.host_page_ids, r.num_load_retries, r.swapped_step) for r in reqs)
     assert {v.phase for v in expected} == {"running", "swapped", "loading", "waiting", "finished"}
     assert views_of(reqs) == expected
     assert repr(views_of(reqs)) == repr(expected)  # RequestKvView records, not bare tuples

@@ -41,13 +41,8 @@ def geometry_of(target: KvTarget) -> KvGeometry:
     )
 
 
-def view_of(req: RequestState) -> RequestKvView:
-    return RequestKvView(req.uuid, req.phase.value, req.arrival_index, req.num_tokens, req.num_cached_tokens,
-                         req.gpu_page_ids, req.host_page_ids, req.num_load_retries, req.swapped_step)
-
-
-# views_of(scope) == tuple(view_of(r) for r in scope), built in C (attrgetter, tuple.__new__): snapshots
-# take thousands of views per step, and this is their hot path.
+# One RequestKvView per request, built in C (attrgetter, tuple.__new__): snapshots take thousands of
+# views per step, and this is their hot path.
 _VIEW_FIELDS = attrgetter("request.uuid", "phase._value_", "arrival_index", "num_tokens", "num_cached_tokens",
                           "gpu_page_ids", "host_page_ids", "num_load_retries", "swapped_step")
 _new_view = partial(tuple.__new__, RequestKvView)
