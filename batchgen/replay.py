@@ -206,7 +206,7 @@ def _run_authoritative(target: KvTarget, path: str, op: _BoundOp) -> dict:
 def _run_shadow(target: KvTarget, path: str, op: _BoundOp) -> dict:
     """The op on a fork of ``target``'s scope, as compare mode runs the shadow path."""
     scope = op.scope(target.state)
-    fork = fork_target(target, scope)
+    fork = fork_target(target)
     result = op.run(build_kv_path(path, fork))
     return canonical_kv(fork, scope, result, fork.gpu_kv.journal, fork.host_kv.journal, fork.host_kv.copies)
 

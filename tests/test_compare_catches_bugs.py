@@ -54,12 +54,13 @@ from batchgen.runner import RunResult, run_workload
 from batchgen.worker import kv_apply, kv_manager
 from batchgen.worker.kv_apply import PlanRejected
 from batchgen.worker.kv_backends import CompletedHandle, HostKvPool
-from batchgen.worker.kv_forms import add_requests, differing_requests, fork_target
+from batchgen.worker.kv_forms import add_requests, detach_fork, differing_requests, fork_target
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_manager import KVCacheManager
 from batchgen.worker.kv_plans import to_jsonable
+from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_copy import CopyError
-from batchgen.worker.state import Phase, Request
+from batchgen.worker.state import Phase, Request, RequestState, WorkerState
 from batchgen.worker.worker import Worker
 from batchgen.workloads import Workload, builtin_workload
 
@@ -393,15 +394,20 @@ FIELD_CHANGES = {
 }
 
 
+def running_target(*uuids: str) -> KvTarget:
+    """The live target of a bookkeeping-only worker after one step: ``uuids`` RUNNING, 2 GPU pages each."""
+    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=CacheConfig(page_size=4, num_gpu_pages=8,
+                    num_host_pages=4), kv_storage=False)
+    for uuid in uuids:
+        worker.add_request(Request(uuid, (1, 2, 3, 4, 5), max_new_tokens=4))
+    worker.step()
+    return worker.kv_target()
+
+
 def test_compare_mode_sees_a_change_to_any_request_field_it_canonicalises():
     """Compare mode canonicalises only the requests whose post-states differ; the check that picks
     them must see every field the canonical form shows, or a bug there would go unreported."""
-    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=CacheConfig(page_size=4, num_gpu_pages=8,
-                    num_host_pages=4), kv_storage=False)
-    for uuid in ("a", "b"):
-        worker.add_request(Request(uuid, (1, 2, 3, 4, 5), max_new_tokens=4))
-    worker.step()
-    target = worker.kv_target()
+    target = running_target("a", "b")
     scope = list(target.state.requests)
 
     def entries(side) -> dict:
@@ -409,28 +415,66 @@ def test_compare_mode_sees_a_change_to_any_request_field_it_canonicalises():
         add_requests(requests, outputs, side, scope)
         return {**requests, **{f"out:{u}": e for u, e in outputs.items()}}
 
-    assert differing_requests(scope, fork_target(target, scope), target) == []
+    assert differing_requests(fork_target(target), target, []) == []
 
     def flip(pending: dict, uuid: str) -> None:
         if pending.pop(uuid, False) is False:
             pending[uuid] = None
 
     shown = set()
-    changes = [(name, lambda req, fork, value=value, name=name: setattr(req, name, value))
+    changes = [(name, lambda fork, value=value, name=name: setattr(fork.state.edit("a"), name, value))
                for name, value in FIELD_CHANGES.items()]
-    changes.append(("pending append", lambda req, fork: flip(fork.pending_appends, req.uuid)))
-    changes.append(("released", lambda req, fork: fork.state.requests.pop(req.uuid)))
+    changes.append(("pending append", lambda fork: flip(fork.pending_appends, "a")))
+    changes.append(("released", lambda fork: fork.state.remove("a")))
     for name, change in changes:
-        fork = fork_target(target, scope)
-        change(fork.state.requests["a"], fork)
-        assert differing_requests(scope, fork, target) == ["a"], name
+        fork = fork_target(target)
+        change(fork)
+        assert differing_requests(fork, target, []) == ["a"], name
+        assert differing_requests(fork, target, ["b"]) == ["a"], name  # written alike on both sides
         before, after = entries(target)["a"], entries(fork).get("a", {})
         shown |= {key for key in before if before[key] != after.get(key)}
         assert entries(fork)["b"] == entries(target)["b"]
     assert shown == set(entries(target)["a"]), f"never checked: {set(entries(target)['a']) - shown}"
-    fork = fork_target(target, scope)
-    fork.state.requests["a"].output_ids.append(7)  # not a KV field: the forward owns it
-    assert differing_requests(scope, fork, target) == []
+    fork = fork_target(target)
+    fork.state.edit("a").output_ids = [7]  # not a KV field: the forward owns it
+    assert differing_requests(fork, target, []) == []
+
+
+def test_a_fork_never_writes_the_worker_state_it_was_taken_from():
+    """Copy-on-write: the fork's writes go to its own copies, each recorded with the request it shadows."""
+    target = running_target("a", "b")
+    a, b = target.state.requests["a"], target.state.requests["b"]
+    fields_before = (a.phase, a.gpu_page_ids, b.phase, b.gpu_page_ids)
+    fork = fork_target(target)
+    fork.state.edit("a").phase = Phase.SWAPPED
+    fork.state.edit("a").gpu_page_ids = ()
+    fork.state.remove("b")
+    assert (a.phase, a.gpu_page_ids, b.phase, b.gpu_page_ids) == fields_before
+    assert list(target.state.requests) == ["a", "b"] and list(fork.state.requests) == ["a"]
+    assert fork.state.written == {"a": a, "b": b}  # each written request -> the shared one it replaced
+    assert fork.state.requests["a"] is not a and fork.state.requests["a"].phase is Phase.SWAPPED
+
+
+def test_a_request_only_the_worker_wrote_is_compared_against_the_state_the_fork_saw():
+    target = running_target("a")
+    fork = fork_target(target)  # the shadow wrote nothing
+    written = target.state.written = {}
+    target.state.edit("a").phase = Phase.SWAPPED
+    assert fork.state.requests["a"].phase is Phase.SWAPPED  # shared until detached
+    detach_fork(fork, written)
+    assert fork.state.requests["a"].phase is Phase.RUNNING
+    assert differing_requests(fork, target, written) == ["a"]
+
+
+def test_the_worker_records_each_request_before_its_first_write_while_compared():
+    state = WorkerState(requests={"a": RequestState(Request("a", (1,), 1), 0)})
+    req = state.edit("a")
+    assert req is state.requests["a"] and state.written is None  # not compared: nothing recorded
+    state.written = {}
+    state.edit("a").phase = Phase.RUNNING
+    state.edit("a").num_cached_tokens = 1
+    assert state.requests["a"] is req and req.phase is Phase.RUNNING
+    assert state.written["a"].phase is Phase.WAITING and state.written["a"].num_cached_tokens == 0
 
 
 def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state_gives(

@@ -160,7 +160,7 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
             raise PlanRejected(f"PollPlan.steps[{i}].reason", f"failing {step.uuid!r} needs a reason")
     stats = target.state.stats
     for step in plan.steps:
-        req = target.state.requests[step.uuid]
+        req = target.state.edit(step.uuid)
         req.load_handle = None
         if step.action is PollAction.COMPLETE:
             req.load_started_step = None
@@ -197,7 +197,7 @@ def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
         if uuid not in plan.released:
             raise PlanRejected(f"ReleasePlan.drop_pending_append_ids[{i}]", f"{uuid!r} is not being released")
     for uuid in plan.released:
-        req = target.state.requests.pop(uuid)
+        req = target.state.remove(uuid)
         req.drain_load()
         target.gpu_kv.release_pages(uuid)
         target.host_kv.release_pages(uuid)
@@ -221,7 +221,7 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
         _check_free(target.host_kv, f"{field}.host_page_ids", victim.host_page_ids, granted)
     stats = target.state.stats
     for victim in plan.victims:
-        req = target.state.requests[victim.uuid]
+        req = target.state.edit(victim.uuid)
         if victim.destination is Destination.HOST:
             target.host_kv.take_pages(victim.uuid, list(victim.host_page_ids))
             target.host_kv.store_from_gpu(victim.uuid, list(victim.gpu_page_ids))
@@ -250,7 +250,7 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
             raise PlanRejected(f"{field}.gpu_page_ids", f"{len(load.gpu_page_ids)} pages for {len(req.host_page_ids)} host pages")
         _check_free(target.gpu_kv, f"{field}.gpu_page_ids", load.gpu_page_ids, granted)
     for load in plan.loads:
-        req = target.state.requests[load.uuid]
+        req = target.state.edit(load.uuid)
         target.gpu_kv.take_pages(load.uuid, list(load.gpu_page_ids))
         req.gpu_page_ids = load.gpu_page_ids
         req.load_handle = target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))
@@ -293,7 +293,7 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) ->
             if req is None or req.num_tokens > len(req.gpu_page_ids) * page_size or req.phase is not Phase.RUNNING:
                 raise PlanRejected("AllocPlan.grants", f"scheduled request {uuid!r} needs pages and has no grant")
     for grant in plan.grants:
-        req = requests[grant.uuid]
+        req = target.state.edit(grant.uuid)
         if grant.new_page_ids:
             target.gpu_kv.take_pages(grant.uuid, list(grant.new_page_ids))
             req.gpu_page_ids += grant.new_page_ids

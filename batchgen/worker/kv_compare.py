@@ -4,31 +4,32 @@ Per compared op (``compare.ShadowExecutor`` fixes the order)::
 
     context       the op's request (frozen snapshot of its scope): replay input;
                   taken from the side running the plan path, which builds it anyway
-    shadow        fork the scope's requests and both pools (bookkeeping only: no
-                  tensors; the forked host pool records the copies it would issue),
-                  run the shadow path on the fork, canonicalise its counters and
-                  free page counts (the rest waits for the authoritative step)
-    authoritative run the authoritative path on the worker with the pools
-                  journaling; canonicalise both sides' journals and copy lists
-                  (once, shared, when equal), find the scope requests whose
-                  post-states differ between fork and worker (one C-level pass)
-                  and canonicalise those, from each side, into both forms
+    shadow        fork the worker's state copy-on-write and overlay both pools
+                  (bookkeeping only: no tensors; the forked host pool records the
+                  copies it would issue), run the shadow path on the fork,
+                  canonicalise its counters and free page counts (the rest waits
+                  for the authoritative step)
+    authoritative run the authoritative path on the worker, its pools journaling and
+                  its state recording the requests it writes; canonicalise both
+                  sides' journals and copy lists (once, shared, when equal); of the
+                  requests either side wrote, canonicalise those whose post-states
+                  differ, from each side, into both forms
     compare       canonical forms: differing requests, new outputs, pending appends,
                   counters, each pool's allocator diff, the ordered copy ops
 
-A request whose post-state is the same on both sides has equal canonical entries,
-so leaving it out gives the same verdict and field paths as canonicalising the
-whole scope (what ``replay`` does). Cost: per request in the op's scope (the
-requests an op may read: RUNNING for evict, the batch for alloc, ...; never all
-state), one copy and one C-level field check; canonical forms of the requests
-that differ only; pool journals and copy lists of what the op did. Ops the
-executor does not sample run the authoritative path alone. Divergences go to a
-JSON Lines log with what ``replay`` needs; each run ends with a summary record.
+A request neither side wrote is the same object in both post-states, and one
+written to the same values has equal canonical entries: leaving them out gives
+the same verdict and field paths as canonicalising the whole scope (what
+``replay`` does). Cost: a shallow copy of the request dict (C, a few ns per live
+request), then what the op wrote: a copy of each request on its first write on
+either side, the pool journals and copy lists, canonical forms of the requests
+that differ. Both paths' own reads (evict walks every RUNNING request) are theirs.
+Ops the executor does not sample run the authoritative path alone. Divergences go
+to a JSON Lines log with what ``replay`` needs; each run ends with a summary record.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid as uuid_lib
 from collections.abc import Callable, Mapping, Sequence
@@ -38,12 +39,11 @@ from compare import DivergenceRecord, JsonlSink, Keyed, RunSummary, ShadowExecut
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_forms import (
     add_requests, canonical_copies, canonical_events, canonical_kv, canonical_pools, canonical_stats, classify,
-    differing_requests, exception_kind, fork_target,
+    detach_fork, differing_requests, exception_kind, fork_target,
 )
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
 from batchgen.worker.kv_plans import to_jsonable
 from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.state import Phase
 
 
 def _complete(canonical: dict, target: KvTarget, gpu_events: list, host_events: list, copies: list,
@@ -144,30 +144,22 @@ class KvCompare:
 
     # ---- the KvPath interface ---------------------------------------------------------------
     def poll(self, observed: Mapping[str, str | None]) -> None:
-        self._compare("poll", list(observed), lambda path: path.poll(observed),
-                      lambda: self._requests.poll_request(observed))
+        self._compare("poll", lambda path: path.poll(observed), lambda: self._requests.poll_request(observed))
 
     def release(self, uuids: Sequence[str]) -> None:
-        self._compare("release", list(uuids), lambda path: path.release(uuids),
-                      lambda: self._requests.release_request(uuids))
+        self._compare("release", lambda path: path.release(uuids), lambda: self._requests.release_request(uuids))
 
     def evict(self) -> None:
-        scope = self._scope(Phase.RUNNING)
-        self._compare("evict", scope, lambda path: path.evict(), self._requests.eviction_request)
+        self._compare("evict", lambda path: path.evict(), self._requests.eviction_request)
 
     def migrate(self) -> None:
-        scope = self._scope(Phase.RUNNING, Phase.SWAPPED, Phase.LOADING)
-        self._compare("migrate", scope, lambda path: path.migrate(), self._requests.migration_request)
+        self._compare("migrate", lambda path: path.migrate(), self._requests.migration_request)
 
     def allocate(self, batch: Sequence[str]) -> list[str]:
-        return self._compare("alloc", list(batch), lambda path: path.allocate(batch),
-                             lambda: self._requests.alloc_request(batch))
+        return self._compare("alloc", lambda path: path.allocate(batch), lambda: self._requests.alloc_request(batch))
 
     # ---- internals -------------------------------------------------------------------------
-    def _scope(self, *phases: Phase) -> list[str]:
-        return [u for u, r in self.target.state.requests.items() if r.phase in phases]
-
-    def _compare(self, op: str, scope: list[str], call: Callable, request: Callable):
+    def _compare(self, op: str, call: Callable, request: Callable):
         step = self.target.state.step
         if not self.executor.should_compare(op, step):
             return call(self.authoritative)
@@ -177,15 +169,15 @@ class KvCompare:
         return self.executor.run(
             op, step,
             context=lambda: self._context(op, request),
-            shadow=lambda: self._run_shadow(scope, call),
-            authoritative=lambda: self._run_authoritative(scope, call),
+            shadow=lambda: self._run_shadow(call),
+            authoritative=lambda: self._run_authoritative(call),
             shadow_path=self.shadow_path, authoritative_path=self.authoritative_path,
         )
 
-    def _run_shadow(self, scope: list[str], call: Callable) -> dict:
+    def _run_shadow(self, call: Callable) -> dict:
         """The shadow path on a fork. Its canonical form's requests, outputs, pool journals and copies
         are left for the authoritative step to fill in, once both post-states exist. Sets ``_shadow_run``."""
-        fork = fork_target(self.target, scope)
+        fork = fork_target(self.target)
         path = _RecordingPlanKvPath(fork) if self.shadow_path == "plan" else build_kv_path(self.shadow_path, fork)
         try:
             result = call(path)
@@ -197,15 +189,17 @@ class KvCompare:
         self._shadow_run = _ShadowRun(fork, canonical)
         return canonical
 
-    def _run_authoritative(self, scope: list[str], call: Callable):
-        """The authoritative path on the worker; completes both canonical forms. Journals the pools meanwhile.
+    def _run_authoritative(self, call: Callable):
+        """The authoritative path on the worker; completes both canonical forms. Journals the pools and
+        the requests written (``WorkerState.written``) meanwhile.
 
         Only requests whose post-states differ are canonicalised (on both sides); journals and copy
         lists equal on both sides are canonicalised once and shared.
         """
         shadow, self._shadow_run = self._shadow_run, None
-        gpu, host = self.target.gpu_kv, self.target.host_kv
+        state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
         gpu.pages.journal, host.pages.journal, host.copies = [], [], []
+        written = state.written = {}
         try:
             try:
                 result = call(self.authoritative)
@@ -216,47 +210,39 @@ class KvCompare:
                               canonical_events(fork.host_kv.journal), canonical_copies(fork.host_kv.copies))
                 raise
             if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
-                return result, canonical_kv(self.target, scope, result, gpu.journal, host.journal, host.copies)
+                return result, canonical_kv(self.target, list(written), result, gpu.journal, host.journal, host.copies)
             fork = shadow.fork
             gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
             host_events, fork_host_events = _shared(host.journal, fork.host_kv.journal, canonical_events)
             copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
-            differing = differing_requests(scope, fork, self.target)
+            detach_fork(fork, written)
+            differing = differing_requests(fork, self.target, written)
             _complete(shadow.canonical, fork, fork_gpu_events, fork_host_events, fork_copies, differing)
             mine = {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(self.target),
                     "pools": canonical_pools(self.target, [], []), "result": result}
             return result, _complete(mine, self.target, gpu_events, host_events, copies, differing)
         finally:
-            gpu.pages.journal = host.pages.journal = host.copies = None
+            gpu.pages.journal = host.pages.journal = host.copies = state.written = None
 
     def _context(self, op: str, request: Callable) -> tuple:
-        """(op, request or None, LOADING count or None), before either path runs.
+        """(op, request or None), before either path runs.
 
-        The op request is taken, when the divergence is recorded, from a plan path that builds it
-        anyway: the authoritative one, or else the shadow one on the fork, whose migration snapshot
-        counts only the scope's LOADING requests (the worker's count is kept here). With no plan
-        side (A/A legacy) it is built now.
+        The op request is taken, when a divergence is recorded, from a plan path that builds it
+        anyway: the authoritative one, or else the shadow one, whose fork holds the worker's
+        pre-state. With no plan side (A/A legacy) it is built now.
         """
-        if self.authoritative_path == "plan":
-            return op, None, None
-        if self.shadow_path == "plan":
-            num_loading = None
-            if op == "migrate":
-                num_loading = sum(1 for r in self.target.state.requests.values() if r.phase is Phase.LOADING)
-            return op, None, num_loading
-        return op, request(), None
+        if "plan" in (self.authoritative_path, self.shadow_path):
+            return op, None
+        return op, request()
 
     def _replay_request(self, context: tuple):
         """The op request of a recorded divergence (None if its plan path raised before building it)."""
-        op, request, num_loading = context
+        op, request = context
         if request is not None:
             return request
         if self.authoritative_path == "plan":
             return self.authoritative.last_request
-        if self._shadow_request is None:
-            return None
-        snapshot = dataclasses.replace(self._shadow_request.snapshot, num_loading=num_loading)
-        return dataclasses.replace(self._shadow_request, snapshot=snapshot)
+        return self._shadow_request
 
     def _record(self, comparison, context) -> None:
         op, request = context[0], self._replay_request(context)

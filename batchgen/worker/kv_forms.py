@@ -1,7 +1,7 @@
-"""A KV op's post-state as compare mode sees it: forks of an op's scope, canonical forms, verdict names.
+"""A KV op's post-state as compare mode sees it: forks of the worker's state, canonical forms, verdict names.
 
-A fork copies the scope's requests (bookkeeping only) and overlays both pools; a
-canonical form is plain comparable data with flattened paths
+A fork shares the requests until it writes them (copy-on-write) and overlays both
+pools; a canonical form is plain comparable data with flattened paths
 (``requests[r17].gpu_page_ids[3]``). ``replay`` builds the same forms from a
 divergence record, so a replayed op is judged exactly as the live one was.
 """
@@ -9,10 +9,9 @@ divergence record, so a replayed op is judged exactly as the live one was.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import operator
-from collections.abc import Sequence
-from itertools import repeat, starmap
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
 from types import SimpleNamespace
 
 from compare import Keyed
@@ -22,9 +21,6 @@ from batchgen.worker.state import RequestState, WorkerState
 
 STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
 
-# RequestState(*_request_fields(req)) is copy.copy(req), about 5x faster (a fork copies its whole scope).
-_request_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestState)))
-
 # The RequestState fields behind canonical_kv's view of a live request (pending appends are checked apart).
 KV_FIELDS = ("phase", "num_cached_tokens", "gpu_page_ids", "host_page_ids", "num_load_retries", "swapped_step",
              "finish_reason", "load_handle", "load_started_step")
@@ -32,38 +28,53 @@ _kv_fields = operator.attrgetter(*KV_FIELDS)
 _RELEASED = SimpleNamespace(**{name: None for name in KV_FIELDS})  # stands for a request no longer live
 
 
-def differing_requests(scope: Sequence[str], a: KvTarget, b: KvTarget) -> list[str]:
-    """The requests of ``scope`` whose ``canonical_kv`` entries may differ between two post-states of one op:
-    ``a`` a fork (it holds the scope's requests only), ``b`` the worker. Pure. A request left out has
-    equal entries on both sides; one named may still turn out equal. One C-level pass over the scope;
-    pending appends and outputs only when present."""
-    mine = map(_kv_fields, map(a.state.requests.get, scope, repeat(_RELEASED)))
-    theirs = map(_kv_fields, map(b.state.requests.get, scope, repeat(_RELEASED)))
-    differing = [u for u, x, y in zip(scope, mine, theirs) if x != y]
-    if a.pending_appends or b.pending_appends:  # poll and release: small scopes
-        differing += [u for u in scope if (u in a.pending_appends) != (u in b.pending_appends)]
-    if len(a.state.requests) < len(scope):  # released by the fork: maybe on both sides
-        gone = [u for u in scope if u not in a.state.requests and u not in b.state.requests]
-        differing += [u for u in gone if _output_key(a, u) != _output_key(b, u)]
+def fork_target(target: KvTarget) -> KvTarget:
+    """A copy-on-write fork of ``target``: requests shared until written (``WorkerState.edit``), pools
+    overlaid, pending appends copied. Costs a shallow dict copy plus what the op on it writes; the
+    original is never mutated through it."""
+    state = target.state
+    forked = WorkerState(step=state.step, requests=dict(state.requests), stats=copy.copy(state.stats),
+                         num_submitted=state.num_submitted, written={}, copy_on_write=True)
+    gpu = target.gpu_kv.fork()
+    host = target.host_kv.fork(gpu)
+    return KvTarget(forked, gpu, host, dict(target.pending_appends), target.model_config, target.cache_config,
+                    target.engine_config)
+
+
+def detach_fork(fork: KvTarget, written: Mapping[str, RequestState]) -> None:
+    """After the worker wrote ``written`` (uuid -> the request before its first write): point the fork's
+    entries it shares with the worker at those prior states, so the fork reads as its own post-state.
+    Mutates ``fork.state.requests``."""
+    requests, own = fork.state.requests, fork.state.written
+    for uuid, before in written.items():
+        if uuid not in own and uuid in requests:
+            requests[uuid] = before
+
+
+def differing_requests(fork: KvTarget, target: KvTarget, written: Iterable[str]) -> list[str]:
+    """The requests whose ``canonical_kv`` entries may differ between two post-states of one op: ``fork``
+    (copy-on-write, its writes in ``fork.state.written``, detached: :func:`detach_fork`) and ``target``,
+    which wrote ``written``. Pure.
+
+    A request neither side wrote is the same object on both; so only the written ones are checked
+    (one C-level field comparison each), plus pending appends and outputs when present. A request
+    left out has equal entries on both sides; one named may still turn out equal.
+    """
+    candidates = list(dict.fromkeys([*written, *fork.state.written]))
+    mine = map(_kv_fields, map(fork.state.requests.get, candidates, repeat(_RELEASED)))
+    theirs = map(_kv_fields, map(target.state.requests.get, candidates, repeat(_RELEASED)))
+    differing = [u for u, x, y in zip(candidates, mine, theirs) if x != y]
+    if fork.pending_appends or target.pending_appends:  # poll and release only: before the flush
+        differing += [u for u in fork.pending_appends if u not in target.pending_appends]
+        differing += [u for u in target.pending_appends if u not in fork.pending_appends]
+    gone = [u for u in candidates if u not in fork.state.requests and u not in target.state.requests]
+    differing += [u for u in gone if _output_key(fork, u) != _output_key(target, u)]
     return list(dict.fromkeys(differing))
 
 
 def _output_key(target: KvTarget, uuid: str) -> tuple | None:
     out = target.state.outputs.get(uuid)
     return None if out is None else (out.phase, out.finish_reason, len(out.output_ids))
-
-
-def fork_target(target: KvTarget, scope: Sequence[str]) -> KvTarget:
-    """A target over copies of the scope's requests and forked pools; the original is untouched."""
-    state = target.state
-    copies = starmap(RequestState, map(_request_fields, map(state.requests.__getitem__, scope)))
-    forked = WorkerState(step=state.step, requests=dict(zip(scope, copies)),
-                         stats=copy.copy(state.stats), num_submitted=state.num_submitted)
-    gpu = target.gpu_kv.fork()
-    host = target.host_kv.fork(gpu)
-    live_pending = target.pending_appends
-    pending = {u: live_pending[u] for u in scope if u in live_pending} if live_pending else {}
-    return KvTarget(forked, gpu, host, pending, target.model_config, target.cache_config, target.engine_config)
 
 
 def canonical_kv(target: KvTarget, scope: Sequence[str], result, gpu_events, host_events, copies) -> dict:

@@ -57,7 +57,7 @@ class LegacyKvPath:
         """
         stats = self.state.stats
         for uuid, error in observed.items():
-            req = self.state.requests[uuid]
+            req = self.state.edit(uuid)
             req.load_handle = None
             if error is None:
                 self.host_kv.release_pages(uuid)
@@ -88,7 +88,7 @@ class LegacyKvPath:
     def release(self, uuids: Sequence[str]) -> None:
         """Retire done requests. Mutates requests, outputs, pools, pending appends."""
         for uuid in uuids:
-            req = self.state.requests.pop(uuid)
+            req = self.state.remove(uuid)
             req.drain_load()
             self.gpu_kv.release_pages(uuid)
             self.host_kv.release_pages(uuid)
@@ -112,6 +112,7 @@ class LegacyKvPath:
 
     def _evict_one(self, victim: RequestState) -> None:
         uuid, num_pages = victim.uuid, len(victim.gpu_page_ids)
+        victim = self.state.edit(uuid)
         if self.host_kv.free_pages() >= num_pages:
             victim.host_page_ids = tuple(self.host_kv.allocate_pages(uuid, num_pages))
             self.host_kv.store_from_gpu(uuid, list(victim.gpu_page_ids))
@@ -144,6 +145,7 @@ class LegacyKvPath:
                 break
             if free - demand - num_pages < self._kv_watermark_pages:
                 break
+            req = self.state.edit(req.uuid)
             req.gpu_page_ids = tuple(self.gpu_kv.allocate_pages(req.uuid, num_pages))
             req.load_handle = self.host_kv.load_to_gpu_async(req.uuid, list(req.gpu_page_ids))
             req.load_started_step = self.state.step
@@ -165,8 +167,10 @@ class LegacyKvPath:
             need = self._decode_demand(req)
             if need > self.gpu_kv.free_pages():
                 continue
-            if need > 0:
-                req.gpu_page_ids += tuple(self.gpu_kv.allocate_pages(uuid, need))
-            req.phase = Phase.RUNNING
+            if need > 0 or req.phase is not Phase.RUNNING:
+                req = self.state.edit(uuid)
+                if need > 0:
+                    req.gpu_page_ids += tuple(self.gpu_kv.allocate_pages(uuid, need))
+                req.phase = Phase.RUNNING
             served.append(uuid)
         return served

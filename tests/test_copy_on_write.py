@@ -1,0 +1,91 @@
+"""Compare mode's forks share the worker's requests until they write them.
+
+That holds only if every KV op writes a request through ``WorkerState.edit`` or
+``WorkerState.remove``: a write to a request read any other way would, on a fork,
+change the worker's own state. Both checks below look for such a write: one reads
+the source of both paths, one runs every op of both paths on forks of a worker in
+a pressure workload and checks the worker is left as it was.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+
+from batchgen.model.loader import load_model
+from batchgen.runner import run_workload
+from batchgen.worker import kv_apply, legacy_kv
+from batchgen.worker.kv_forms import KV_FIELDS, fork_target
+from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
+from batchgen.worker.worker import Worker
+from batchgen.workloads import builtin_workload
+
+WRITE_ENTRIES = ("edit", "remove")
+
+
+def _request_writes_outside_edit(source: str) -> list[str]:
+    """``name.field = ...`` (a request KV field) where ``name`` was not bound from ``edit``/``remove``."""
+    tree = ast.parse(source)
+    found = []
+    for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        bound = {target.id for node in ast.walk(func) if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+                 and node.value.func.attr in WRITE_ENTRIES
+                 for target in node.targets if isinstance(target, ast.Name)}
+        for node in ast.walk(func):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AugAssign) else []
+            for target in (t for tt in targets for t in (tt.elts if isinstance(tt, ast.Tuple) else [tt])):
+                if (isinstance(target, ast.Attribute) and target.attr in KV_FIELDS
+                        and isinstance(target.value, ast.Name) and target.value.id not in bound):
+                    found.append(f"{func.name}:{node.lineno} writes {target.value.id}.{target.attr}")
+    return found
+
+
+@pytest.mark.parametrize("module", [legacy_kv, kv_apply], ids=["legacy_kv", "kv_apply"])
+def test_kv_ops_write_requests_only_through_the_write_entries(module):
+    assert _request_writes_outside_edit(inspect.getsource(module)) == []
+
+
+def test_the_source_check_sees_a_write_that_bypasses_the_write_entries():
+    source = ("def evict(state, uuid):\n    req = state.requests[uuid]\n    req.phase = None\n"
+              "def poll(state, uuid):\n    req = state.edit(uuid)\n    req.phase, req.finish_reason = None, 'x'\n")
+    assert _request_writes_outside_edit(source) == ["evict:3 writes req.phase"]
+
+
+def _kv_state(worker: Worker) -> tuple:
+    """Every live request's KV fields, pending appends, both pools' allocator state."""
+    pools = tuple((pool.free_pages(), pool.pages.peek_free_pages(pool.free_pages()),
+                   {uuid: pool.pages_of(uuid) for uuid in worker.state.requests})
+                  for pool in (worker.gpu_kv, worker.host_kv))
+    requests = {uuid: tuple(getattr(req, name) for name in KV_FIELDS) for uuid, req in worker.state.requests.items()}
+    return requests, tuple(worker._pending_kv_append_tensors), pools
+
+
+@pytest.mark.parametrize("path", ["legacy", "plan"])
+def test_every_op_on_a_fork_leaves_the_worker_as_it_was(path):
+    """Before each step of L2-2048 (eviction, migration, recompute, releases), each op of ``path``
+    runs on its own fork; the worker's requests, pending appends and pools must not change."""
+    workload = builtin_workload("L2-2048")
+    worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
+                    kv_gate=KvGateConfig(path="plan"))
+    ops_run = {"evict": 0, "migrate": 0, "alloc": 0, "release": 0}
+    wrote = set()
+
+    def on_step(num_released: int, num_requests: int) -> None:
+        before = _kv_state(worker)
+        done = [u for u, r in worker.state.requests.items() if r.phase.name in ("FINISHED", "FAILED")]
+        batch = worker._schedule()
+        for op, run in (("release", lambda kv: kv.release(done) if done else None), ("evict", lambda kv: kv.evict()),
+                        ("migrate", lambda kv: kv.migrate()), ("alloc", lambda kv: kv.allocate(batch))):
+            fork = fork_target(worker.kv_target())
+            run(build_kv_path(path, fork))
+            ops_run[op] += 1
+            wrote.update(f"{op}:{u}" for u in fork.state.written)
+            assert _kv_state(worker) == before, f"{path} {op} on a fork changed the worker at step {worker.state.step}"
+
+    run_workload(worker, workload, on_step=on_step)
+    assert all(ops_run.values()), ops_run
+    assert {entry.split(":")[0] for entry in wrote} == set(ops_run), "some op never wrote on its fork"
