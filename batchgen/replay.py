@@ -10,15 +10,16 @@ What comes from the record and what is synthesised (nothing a KV op's
 canonical result depends on is synthesised, except where noted)::
 
     record                                  rebuilt as
-    snapshot.geometry                       model / cache / engine configs (other model
+    request (the op request, JSON)          the op's input: loads observed, uuids released,
+                                            batch allocated; checked against the rebuilt state
+    pre_state.snapshot.geometry             model / cache / engine configs (other model
                                             fields: any valid values; the KV ops never read them)
-    snapshot.requests (the op's scope)      a RequestState each: phase, page tables, cached
-                                            count, retries, swapped step; prompt = num_tokens
+    pre_state.requests (the op's scope,     a RequestState each: phase, page tables, cached
+      as it was before the op)              count, retries, swapped step; prompt = num_tokens
                                             zeros, no outputs, finish reason None; a
                                             CompletedHandle as the load of a LOADING request
                                             (or of a done one holding both tiers' pages),
                                             issued the step before
-    snapshot.num_loading                    LOADING stand-ins outside the scope, no pages
     free counts + pools' alloc events       bookkeeping-only pools: scope pages owned as the
                                             views say; free queue = ids the sides allocated
                                             (the legacy side's order, then the other's extras),
@@ -37,7 +38,6 @@ must equal the recorded one, or :class:`ReplayError` names the differing fields.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,10 +49,10 @@ from compare import DivergenceRecord, Observation, diff
 from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig, validation_summary
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_backends import CompletedHandle, GpuKvPool, HostKvPool
-from batchgen.worker.kv_forms import canonical_kv, classify, exception_kind, fork_target
+from batchgen.worker.kv_forms import canonical_kv, classify, exception_kind, fork_target, op_scope
 from batchgen.worker.kv_gate import build_kv_path
 from batchgen.worker.kv_plans import (
-    AllocRequest, EvictionRequest, KvGeometry, MigrationRequest, PollRequest, ReleaseRequest,
+    AllocRequest, EvictionRequest, KvGeometry, KvPreState, MigrationRequest, PollRequest, ReleaseRequest,
     RequestKvView, from_json, to_jsonable,
 )
 from batchgen.worker.kv_target import KvTarget
@@ -60,7 +60,6 @@ from batchgen.worker.page_pool import PagePool, PageOwnershipError
 from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, WorkerState
 
 PLACEHOLDER_OWNER = "<replay:not-in-scope>"  # owns the pages held outside the op's scope
-LOADING_STAND_IN = "<replay:loading-{}>"  # LOADING requests counted but outside the scope
 _REORDER_OWNER = "<replay:reorder>"
 _PRE_FLUSH_OPS = ("poll", "release")  # ops that run before the worker flushes pending appends
 
@@ -101,39 +100,40 @@ def op_request(record: DivergenceRecord):
         raise ReplayError(f"record of step {record.step}: unknown op {op!r}; known: {', '.join(OP_REQUEST_TYPES)}")
     if replay.get("request_type") != cls.__name__:
         raise ReplayError(f"op {op!r} needs a {cls.__name__}, the record holds {replay.get('request_type')!r}")
+    return _from_record(cls, replay.get("request"), f"op {op!r}: the recorded request")
+
+
+def recorded_pre_state(record: DivergenceRecord) -> KvPreState:
+    """The op's pre-state as the record holds it. Pure."""
+    return _from_record(KvPreState, record.replay.get("pre_state"), f"op {record.op!r}: the recorded pre-state")
+
+
+def _from_record(cls, value, what: str):
     try:
-        return from_json(cls, json.dumps(replay.get("request")))
+        return from_json(cls, json.dumps(value))
     except ValidationError as error:
-        raise ReplayError(f"op {op!r}: the recorded request is not a valid {cls.__name__}: "
-                          f"{validation_summary(error)}") from None
+        raise ReplayError(f"{what} is not a valid {cls.__name__}: {validation_summary(error)}") from None
 
 
 def rebuild_target(record: DivergenceRecord) -> KvTarget:
     """A fresh target holding the op's pre-state as the record describes it. Pure."""
-    request = op_request(record)
-    snapshot = request.snapshot
+    pre = recorded_pre_state(record)
+    snapshot, views = pre.snapshot, pre.requests
     geometry = snapshot.geometry
     model_config, cache_config, engine_config = _configs(geometry)
     state = WorkerState(step=snapshot.step)
-    for view in snapshot.requests:
+    for view in sorted(views, key=lambda v: v.arrival_index):  # the worker's requests keep arrival order
         state.requests[view.uuid] = _request_state(view, snapshot.step)
-    next_index = max((view.arrival_index for view in snapshot.requests), default=-1) + 1
-    in_scope = sum(view.phase == Phase.LOADING.value for view in snapshot.requests)
-    num_stand_ins = 0 if snapshot.num_loading is None else snapshot.num_loading - in_scope
-    for i in range(num_stand_ins):
-        uuid = LOADING_STAND_IN.format(i)
-        state.requests[uuid] = RequestState(Request(uuid, (0,), 1), next_index + i, Phase.LOADING,
-                                            load_handle=CompletedHandle(), load_started_step=snapshot.step - 1)
-    state.num_submitted = next_index + max(num_stand_ins, 0)
-    gpu_pages = _pool("gpu", geometry.num_gpu_pages, {v.uuid: v.gpu_page_ids for v in snapshot.requests},
+    state.num_submitted = max((view.arrival_index for view in views), default=-1) + 1
+    gpu_pages = _pool("gpu", geometry.num_gpu_pages, {v.uuid: v.gpu_page_ids for v in views},
                       snapshot.num_free_gpu_pages, _allocated_ids(record.replay, "gpu"))
-    host_pages = _pool("host", geometry.num_host_pages, {v.uuid: v.host_page_ids for v in snapshot.requests},
+    host_pages = _pool("host", geometry.num_host_pages, {v.uuid: v.host_page_ids for v in views},
                        snapshot.num_free_host_pages, _allocated_ids(record.replay, "host"))
     gpu = GpuKvPool(geometry.num_gpu_pages, None, pages=gpu_pages)
     host = HostKvPool(geometry.num_host_pages, None, gpu, pages=host_pages)
     pending: dict[str, None] = {}  # the KV ops only test membership and drop entries
     if record.replay["op"] in _PRE_FLUSH_OPS:
-        pending = {view.uuid: None for view in snapshot.requests if _served_last_step(view)}
+        pending = {view.uuid: None for view in views if _served_last_step(view)}
     return KvTarget(state, gpu, host, pending, model_config, cache_config, engine_config)
 
 
@@ -168,30 +168,21 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
 
 # ---- running one side ------------------------------------------------------------------------
 def _bind(op: str, request) -> _BoundOp:
+    def scope(state: WorkerState) -> list[str]:
+        return op_scope(op, request, state.requests)
+
     if op == "poll":
         observed = {outcome.uuid: outcome.error for outcome in request.outcomes}
-        return _BoundOp(lambda path: path.poll(observed), lambda plan: plan.poll_request(observed),
-                        lambda state: list(observed))
+        return _BoundOp(lambda path: path.poll(observed), lambda plan: plan.poll_request(observed), scope)
     if op == "release":
         uuids = list(request.uuids)
-        return _BoundOp(lambda path: path.release(uuids), lambda plan: plan.release_request(uuids),
-                        lambda state: list(uuids))
+        return _BoundOp(lambda path: path.release(uuids), lambda plan: plan.release_request(uuids), scope)
     if op == "evict":
-        return _BoundOp(lambda path: path.evict(), lambda plan: plan.eviction_request(),
-                        lambda state: _in_phases(state, Phase.RUNNING))
+        return _BoundOp(lambda path: path.evict(), lambda plan: plan.eviction_request(), scope)
     if op == "migrate":
-        return _BoundOp(lambda path: path.migrate(), lambda plan: plan.migration_request(),
-                        lambda state: _in_phases(state, Phase.RUNNING, Phase.SWAPPED, Phase.LOADING))
-    # The snapshot holds only the scheduled requests that needed pages; the others are served
-    # untouched by the op, so the replay schedules just the recorded ones.
-    in_snapshot = {view.uuid for view in request.snapshot.requests}
-    batch = [uuid for uuid in request.batch if uuid in in_snapshot]
-    return _BoundOp(lambda path: path.allocate(batch), lambda plan: plan.alloc_request(batch),
-                    lambda state: list(batch))
-
-
-def _in_phases(state: WorkerState, *phases: Phase) -> list[str]:
-    return [uuid for uuid, req in state.requests.items() if req.phase in phases]
+        return _BoundOp(lambda path: path.migrate(), lambda plan: plan.migration_request(), scope)
+    batch = list(request.batch)
+    return _BoundOp(lambda path: path.allocate(batch), lambda plan: plan.alloc_request(batch), scope)
 
 
 def _run_authoritative(target: KvTarget, path: str, op: _BoundOp) -> dict:
@@ -219,11 +210,7 @@ def _observe(path: str, run: Callable[[], dict]) -> Observation:
 
 
 def _check_request(record: DivergenceRecord, recorded, rebuilt) -> None:
-    """ReplayError unless the rebuilt pre-state yields the recorded op request (for alloc: over the
-    scheduled requests the snapshot holds, the only ones the replay schedules)."""
-    if isinstance(recorded, AllocRequest):
-        in_snapshot = {view.uuid for view in recorded.snapshot.requests}
-        recorded = dataclasses.replace(recorded, batch=tuple(u for u in recorded.batch if u in in_snapshot))
+    """ReplayError unless the rebuilt pre-state yields the recorded op request."""
     if rebuilt != recorded:
         paths = diff(to_jsonable(recorded), to_jsonable(rebuilt)).paths
         raise ReplayError(f"{record.op} step {record.step}: the rebuilt pre-state gives a different op request "

@@ -25,13 +25,15 @@ import pytest
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.worker.kv_apply import (
     PlanKvPath, PlanRejected, apply_alloc_plan, apply_eviction_plan, apply_migration_plan, apply_poll_plan,
-    apply_release_plan, views_of,
+    apply_release_plan,
 )
 from batchgen.worker.kv_backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
 from batchgen.worker.kv_plans import (
     AllocPlan, Destination, DoesNotFit, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan,
-    PollStep, ReleasePlan, RequestKvView, Victim,
+    AllocRequest, EvictionRequest, KvSnapshot, LoadOutcome, MigrationRequest, PageColumns, PollRequest,
+    PollStep, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
 )
+from batchgen.worker.kv_forms import views_of
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.state import Phase, Request, RequestOutput, RequestState, TokenLogprobs, WorkerState
 from batchgen.worker.worker import PendingAppend
@@ -116,6 +118,36 @@ def test_the_fixture_target_is_consistent():
     target.gpu_kv.check_integrity(target.state.requests)
     target.host_kv.check_integrity(target.state.requests)
     assert free_queue(target.gpu_kv) == [8, 9, 10, 11] and free_queue(target.host_kv) == [5, 6, 7]
+
+
+def test_op_requests_hold_the_columns_of_the_requests_each_op_reads():
+    target = make_target()
+    path = PlanKvPath(target)
+    snapshot = KvSnapshot(7, path.geometry, num_free_gpu_pages=4, num_free_host_pages=3)
+    running = PageColumns(("run0", "run1"), (7, 9), ((0, 1), (2, 3)))
+    assert path.eviction_request() == EvictionRequest(snapshot, running)
+    assert path.migration_request() == MigrationRequest(
+        snapshot, SwappedColumns(("swap2", "swap6"), ((0, 1), (4,)), (6, 6)), running, num_loading=1)
+    # run0's 7 tokens fit its 2 pages of 4: it needs nothing and is left out of the columns
+    assert path.alloc_request(["run1", "wait4", "run0"]) == AllocRequest(
+        snapshot, PageColumns(("run1", "wait4"), (9, 5), ((2, 3), ())), ("run1", "wait4", "run0"))
+    assert path.poll_request({"load3": "OSError: x"}) == PollRequest(snapshot, (LoadOutcome("load3", "OSError: x"),), (0,))
+    assert path.release_request(["done5"]) == ReleaseRequest(snapshot, ("done5",))
+
+
+def test_migration_reads_no_running_request_while_nothing_is_swapped():
+    target = make_target()
+    for uuid in ("swap2", "swap6"):
+        target.state.requests[uuid].phase = Phase.WAITING
+    request = PlanKvPath(target).migration_request()
+    assert request.swapped == SwappedColumns((), (), ()) and request.running == PageColumns((), (), ())
+
+
+def test_columns_of_different_lengths_are_refused():
+    with pytest.raises(ValueError, match=r"PageColumns: columns of different lengths"):
+        PageColumns(("a", "b"), (1,), ((0,), (1,)))
+    with pytest.raises(ValueError, match=r"PollRequest: columns of different lengths"):
+        PollRequest(KvSnapshot(0, PlanKvPath(make_target()).geometry, 0, 0), (LoadOutcome("a", None),), ())
 
 
 def test_bulk_snapshot_views_equal_per_request_views_in_every_phase():

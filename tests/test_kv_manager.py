@@ -30,9 +30,10 @@ from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_manager import KVCacheManager, eviction_watermark_pages
 from batchgen.worker.kv_plans import (
-    AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvGeometry,
-    KvSnapshot, LoadOutcome, LoadStart, MigrationPlan, MigrationRequest, PageGrant, PollAction, PollPlan,
-    PollRequest, PollStep, ReleasePlan, ReleaseRequest, RequestKvView, Victim, from_json, to_json,
+    AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvGeometry, KvPreState,
+    KvSnapshot, LoadOutcome, LoadStart, MigrationPlan, MigrationRequest, PageColumns, PageGrant, PollAction,
+    PollPlan, PollRequest, PollStep, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim, from_json,
+    to_json,
 )
 from batchgen.worker.state import Phase, Request
 from batchgen.worker.worker import Worker
@@ -70,9 +71,31 @@ def pools(num_gpu: int, num_host: int, *, gpu_owned=None, host_owned=None, gpu_r
     return gpu, host
 
 
-def snapshot_of(views, geom: KvGeometry, gpu: GpuKvPool, host: HostKvPool, *, step=5, num_loading=0) -> KvSnapshot:
-    return KvSnapshot(step=step, geometry=geom, num_free_gpu_pages=gpu.free_pages(),
-                      num_free_host_pages=host.free_pages(), requests=tuple(views), num_loading=num_loading)
+def snapshot_of(geom: KvGeometry, gpu: GpuKvPool, host: HostKvPool, *, step=5) -> KvSnapshot:
+    return KvSnapshot(step=step, geometry=geom, num_free_gpu_pages=gpu.free_pages(), num_free_host_pages=host.free_pages())
+
+
+def page_columns(views) -> PageColumns:
+    views = list(views)
+    return PageColumns(tuple(v.uuid for v in views), tuple(v.num_tokens for v in views),
+                       tuple(v.gpu_page_ids for v in views))
+
+
+def eviction_request(snap: KvSnapshot, views) -> EvictionRequest:
+    return EvictionRequest(snap, page_columns(v for v in views if v.phase == RUNNING))
+
+
+def migration_request(snap: KvSnapshot, views, num_loading: int) -> MigrationRequest:
+    swapped = [v for v in views if v.phase == SWAPPED]
+    columns = SwappedColumns(tuple(v.uuid for v in swapped), tuple(v.host_page_ids for v in swapped),
+                             tuple(v.swapped_step for v in swapped))
+    return MigrationRequest(snap, columns, page_columns(v for v in views if v.phase == RUNNING), num_loading)
+
+
+def alloc_request(snap: KvSnapshot, views, batch: tuple[str, ...]) -> AllocRequest:
+    by_uuid = {v.uuid: v for v in views}
+    needing = [by_uuid[u] for u in batch if by_uuid[u].num_tokens > len(by_uuid[u].gpu_page_ids) * snap.geometry.page_size]
+    return AllocRequest(snap, page_columns(needing), batch)
 
 
 def free_queue(pool) -> list[int]:
@@ -100,8 +123,8 @@ EVICTION_GPU_OWNED = {v.uuid: v.gpu_page_ids for v in EVICTION_VIEWS}
 
 def eviction_setup(num_host: int, *, host_owned=None, host_rotate=0, watermark=0.25):
     gpu, host = pools(12, num_host, gpu_owned=EVICTION_GPU_OWNED, host_owned=host_owned, host_rotate=host_rotate)
-    snap = snapshot_of(EVICTION_VIEWS, geometry(watermark=watermark, num_host_pages=num_host), gpu, host)
-    return KVCacheManager(gpu_kv=gpu, host_kv=host), EvictionRequest(snap)
+    snap = snapshot_of(geometry(watermark=watermark, num_host_pages=num_host), gpu, host)
+    return KVCacheManager(gpu_kv=gpu, host_kv=host), eviction_request(snap, EVICTION_VIEWS)
 
 
 # ---- checklist: source rules (AST) ---------------------------------------------------------
@@ -273,10 +296,11 @@ def test_manager_keeps_only_its_injected_backends():
     gpu, host = pools(8, 4)
     manager = KVCacheManager(gpu_kv=gpu, host_kv=host)
     before = dict(vars(manager))
-    snap = snapshot_of([view("a", RUNNING, 0, 9, gpu=())], geometry(num_gpu_pages=8, num_host_pages=4), gpu, host)
-    manager.plan_allocation(AllocRequest(snap, ("a",)))
-    manager.plan_eviction(EvictionRequest(snap))
-    manager.plan_migration(MigrationRequest(snap))
+    snap = snapshot_of(geometry(num_gpu_pages=8, num_host_pages=4), gpu, host)
+    views = [view("a", RUNNING, 0, 9, gpu=()), view("s", SWAPPED, 1, 4, host=(0,), swapped_step=1)]
+    manager.plan_allocation(alloc_request(snap, views, ("a",)))
+    manager.plan_eviction(eviction_request(snap, views))
+    manager.plan_migration(migration_request(snap, views, 0))
     assert vars(manager) == before
     assert list(before) == ["_gpu_kv", "_host_kv"]
     assert before["_gpu_kv"] is gpu and before["_host_kv"] is host
@@ -284,11 +308,14 @@ def test_manager_keeps_only_its_injected_backends():
 
 # ---- checklist: immutability -----------------------------------------------------------------
 def _one_of_each():
-    snap = KvSnapshot(3, geometry(), 4, 2, (view("a", RUNNING, 0, 5, gpu=(1, 2)),), 1)
+    snap = KvSnapshot(3, geometry(), 4, 2)
+    running = PageColumns(("a",), (5,), ((1, 2),))
+    swapped = SwappedColumns(("s",), ((0,),), (2,))
     return [
-        snap.geometry, snap, snap.requests[0],
-        LoadOutcome("a", None), PollRequest(snap, (LoadOutcome("a", "boom"),)), ReleaseRequest(snap, ("a",)),
-        EvictionRequest(snap), MigrationRequest(snap), AllocRequest(snap, ("a",)),
+        snap.geometry, snap, running, swapped, view("a", RUNNING, 0, 5, gpu=(1, 2)),
+        KvPreState(snap, (view("a", RUNNING, 0, 5, gpu=(1, 2)),)),
+        LoadOutcome("a", None), PollRequest(snap, (LoadOutcome("a", "boom"),), (0,)), ReleaseRequest(snap, ("a",)),
+        EvictionRequest(snap, running), MigrationRequest(snap, swapped, running, 1), AllocRequest(snap, running, ("a",)),
         PollStep("a", PollAction.RETRY), PollPlan((PollStep("a", PollAction.COMPLETE),)), ReleasePlan(("a",), ("a",)),
         Victim("a", Destination.HOST, (1, 2), (0, 1)), EvictionPlan(()), LoadStart("a", (3,), (4,)),
         MigrationPlan(()), PageGrant("a", (5,)), DoesNotFit("a", 3, 1), AllocPlan((), ()),
@@ -314,7 +341,7 @@ def test_every_plan_and_request_class_is_covered_by_the_immutability_test():
 
 # ---- checklist: watermark from the snapshot ---------------------------------------------------
 def test_watermark_is_the_same_for_the_same_snapshot():
-    snap = KvSnapshot(0, geometry(num_gpu_pages=100, watermark=0.05), 10, 0, ())
+    snap = KvSnapshot(0, geometry(num_gpu_pages=100, watermark=0.05), 10, 0)
     assert eviction_watermark_pages(snap) == eviction_watermark_pages(snap) == 5
     assert eviction_watermark_pages(dataclasses.replace(snap, step=9, num_free_gpu_pages=0)) == 5
 
@@ -324,7 +351,7 @@ def test_watermark_is_the_same_for_the_same_snapshot():
     ({"num_gpu_pages": 7, "watermark": 0.25}, 2), ({"num_gpu_pages": 200, "watermark": 0.05}, 10),
 ])
 def test_watermark_follows_the_geometry_of_a_new_snapshot(changes, expected):
-    snap = KvSnapshot(0, geometry(**{"num_gpu_pages": 100, **changes}), 0, 0, ())
+    snap = KvSnapshot(0, geometry(**{"num_gpu_pages": 100, **changes}), 0, 0)
     assert eviction_watermark_pages(snap) == expected
 
 
@@ -521,17 +548,17 @@ def test_eviction_recomputes_every_victim_when_the_host_pool_is_full():
 
 def test_eviction_plans_nothing_above_the_watermark_and_asks_no_backend():
     gpu, host = pools(12, 4, gpu_owned={"a": (0, 1)})
-    snap = snapshot_of([view("a", RUNNING, 0, 9, gpu=(0, 1))], geometry(watermark=0.25), gpu, host)
+    request = eviction_request(snapshot_of(geometry(watermark=0.25), gpu, host), [view("a", RUNNING, 0, 9, gpu=(0, 1))])
     gpu_spy, host_spy = SpyBackend(gpu), SpyBackend(host)
-    assert KVCacheManager(gpu_kv=gpu_spy, host_kv=host_spy).plan_eviction(EvictionRequest(snap)) == EvictionPlan(())
+    assert KVCacheManager(gpu_kv=gpu_spy, host_kv=host_spy).plan_eviction(request) == EvictionPlan(())
     assert gpu_spy.calls == host_spy.calls == []
 
 
-def test_eviction_ignores_views_that_are_not_running():
+def test_eviction_of_the_only_running_request_moves_all_its_pages_to_the_host_queue_head():
     gpu, host = pools(4, 6, gpu_owned={"a": (0, 1, 2, 3)}, host_owned={"s": (0, 1)})
-    snap = snapshot_of([view("s", SWAPPED, 0, 9, host=(0, 1)), view("a", RUNNING, 1, 17, gpu=(0, 1, 2, 3))],
-                       geometry(num_gpu_pages=4, num_host_pages=6), gpu, host)
-    plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_eviction(EvictionRequest(snap))
+    snap = snapshot_of(geometry(num_gpu_pages=4, num_host_pages=6), gpu, host)
+    plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_eviction(
+        eviction_request(snap, [view("a", RUNNING, 1, 17, gpu=(0, 1, 2, 3))]))
     assert plan == EvictionPlan((Victim("a", Destination.HOST, (0, 1, 2, 3), (2, 3, 4, 5)),))
 
 
@@ -550,9 +577,9 @@ def migration_setup(*, r_tokens=5, max_num_seqs=8, watermark=0.0):
         view("s3", SWAPPED, 3, 8, host=(3, 4), swapped_step=4), view("s4", SWAPPED, 4, 7, host=(5, 6), swapped_step=4),
         view("s5", SWAPPED, 5, 2, host=(7,), swapped_step=4),
     ]
-    snap = snapshot_of(views, geometry(max_num_seqs=max_num_seqs, watermark=watermark), gpu, host, step=5, num_loading=1)
+    snap = snapshot_of(geometry(max_num_seqs=max_num_seqs, watermark=watermark), gpu, host, step=5)
     assert free_queue(gpu) == [2, 8, 9, 10, 11]
-    return KVCacheManager(gpu_kv=gpu, host_kv=host), MigrationRequest(snap)
+    return KVCacheManager(gpu_kv=gpu, host_kv=host), migration_request(snap, views, num_loading=1)
 
 
 def test_migration_brings_back_the_oldest_first_skipping_this_steps_swaps_and_stops_at_the_first_misfit():
@@ -591,8 +618,8 @@ def test_allocation_grants_exact_page_ids_in_batch_order_and_reports_what_does_n
     assert free_queue(gpu) == [6, 7, 8, 9, 0, 1]
     views = [view("a", RUNNING, 0, 9, gpu=(2, 3)), view("d", RUNNING, 1, 8, gpu=(4, 5)),
              view("w", WAITING, 2, 21, cached=0), view("v", WAITING, 3, 4, cached=0)]
-    snap = snapshot_of(views, geometry(num_gpu_pages=10, num_host_pages=0), gpu, host)
-    plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_allocation(AllocRequest(snap, ("a", "w", "v", "d")))
+    snap = snapshot_of(geometry(num_gpu_pages=10, num_host_pages=0), gpu, host)
+    plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_allocation(alloc_request(snap, views, ("a", "w", "v", "d")))
     assert plan == AllocPlan(
         grants=(PageGrant("a", (6,)), PageGrant("v", (7,))),
         not_fitting=(DoesNotFit("w", num_pages_needed=6, num_pages_free=5),),
@@ -601,17 +628,16 @@ def test_allocation_grants_exact_page_ids_in_batch_order_and_reports_what_does_n
 
 def test_allocation_of_an_empty_pool_serves_only_requests_that_need_nothing():
     gpu, host = pools(2, 0, gpu_owned={"a": (0, 1)})
-    snap = snapshot_of([view("a", RUNNING, 0, 8, gpu=(0, 1)), view("w", WAITING, 1, 1, cached=0)],
-                       geometry(num_gpu_pages=2, num_host_pages=0), gpu, host)
-    plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_allocation(AllocRequest(snap, ("w", "a")))
+    snap = snapshot_of(geometry(num_gpu_pages=2, num_host_pages=0), gpu, host)
+    views = [view("a", RUNNING, 0, 8, gpu=(0, 1)), view("w", WAITING, 1, 1, cached=0)]
+    plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_allocation(alloc_request(snap, views, ("w", "a")))
     assert plan == AllocPlan((), (DoesNotFit("w", 1, 0),))
 
 
 # ---- exact plans: poll and release ----------------------------------------------------------------------
 def poll_request(outcomes: dict[str, str | None], retries: dict[str, int], **changes) -> PollRequest:
-    views = [view(u, LOADING, i, 8, gpu=(2 * i, 2 * i + 1), host=(i,), retries=retries[u]) for i, u in enumerate(outcomes)]
-    snap = KvSnapshot(4, geometry(**changes), 0, 0, tuple(views), num_loading=len(views))
-    return PollRequest(snap, tuple(LoadOutcome(u, e) for u, e in outcomes.items()))
+    snap = KvSnapshot(4, geometry(**changes), 0, 0)
+    return PollRequest(snap, tuple(LoadOutcome(u, e) for u, e in outcomes.items()), tuple(retries[u] for u in outcomes))
 
 
 def test_poll_completes_landed_loads_retries_failed_ones_then_recomputes_in_observed_order():
@@ -638,7 +664,7 @@ def test_poll_fails_the_request_with_the_load_error_when_the_policy_says_fail():
 
 def test_release_releases_and_drops_the_pending_appends_of_exactly_the_done_requests():
     gpu, host = pools(4, 4)
-    snap = KvSnapshot(2, geometry(), 4, 4, (view("f", "finished", 0, 3), view("x", "failed", 1, 2)))
+    snap = KvSnapshot(2, geometry(), 4, 4)
     plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_release(ReleaseRequest(snap, ("f", "x")))
     assert plan == ReleasePlan(released=("f", "x"), drop_pending_append_ids=("f", "x"))
 
@@ -659,14 +685,21 @@ views = st.builds(
     num_load_retries=st.integers(0, 10), swapped_step=st.none() | counts,
 )
 snapshots = st.builds(KvSnapshot, step=counts, geometry=geometries, num_free_gpu_pages=counts,
-                      num_free_host_pages=counts, requests=st.lists(views, max_size=4).map(tuple), num_loading=counts)
+                      num_free_host_pages=counts)
 uuid_tuples = st.lists(uuids, max_size=4).map(tuple)
+columns = st.lists(st.tuples(uuids, counts, page_ids), max_size=4).map(
+    lambda rows: PageColumns(*(tuple(column) for column in zip(*rows))) if rows else PageColumns((), (), ()))
+swapped_columns = st.lists(st.tuples(uuids, page_ids, counts), max_size=4).map(
+    lambda rows: SwappedColumns(*(tuple(column) for column in zip(*rows))) if rows else SwappedColumns((), (), ()))
+outcomes = st.lists(st.tuples(st.builds(LoadOutcome, uuids, st.none() | st.text()), st.integers(0, 10)), max_size=3)
 op_requests = st.one_of(
-    st.builds(PollRequest, snapshots, st.lists(st.builds(LoadOutcome, uuids, st.none() | st.text()), max_size=3).map(tuple)),
+    st.builds(lambda snap, rows: PollRequest(snap, tuple(o for o, _ in rows), tuple(r for _, r in rows)),
+              snapshots, outcomes),
     st.builds(ReleaseRequest, snapshots, uuid_tuples),
-    st.builds(EvictionRequest, snapshots),
-    st.builds(MigrationRequest, snapshots),
-    st.builds(AllocRequest, snapshots, uuid_tuples),
+    st.builds(EvictionRequest, snapshots, columns),
+    st.builds(MigrationRequest, snapshots, swapped_columns, columns, counts),
+    st.builds(AllocRequest, snapshots, columns, uuid_tuples),
+    st.builds(KvPreState, snapshots, st.lists(views, max_size=4).map(tuple)),
 )
 plans = st.one_of(
     st.builds(PollPlan, st.lists(st.builds(PollStep, uuids, st.sampled_from(PollAction), st.none() | st.text()),

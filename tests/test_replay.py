@@ -132,12 +132,16 @@ GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "page_size": 4, 
 
 
 def alloc_record(*, views, num_free_gpu, authoritative_ids, shadow_ids, batch):
-    snapshot = {"step": 7, "geometry": GEOMETRY, "num_free_gpu_pages": num_free_gpu, "num_free_host_pages": 4,
-                "requests": views, "num_loading": 0}
+    snapshot = {"step": 7, "geometry": GEOMETRY, "num_free_gpu_pages": num_free_gpu, "num_free_host_pages": 4}
+    by_uuid = {view[0]: view for view in views}
+    needing = [by_uuid[u] for u in batch if by_uuid[u][3] > len(by_uuid[u][5]) * GEOMETRY["page_size"]]
+    columns = {"uuids": [v[0] for v in needing], "num_tokens": [v[3] for v in needing],
+               "gpu_page_ids": [v[5] for v in needing]}
     pools = {side: {"gpu": [["alloc", batch[-1], ids]], "host": [], "num_free_gpu": num_free_gpu - len(ids),
                     "num_free_host": 4} for side, ids in (("authoritative", authoritative_ids), ("shadow", shadow_ids))}
-    replay = {"op": "alloc", "request_type": "AllocRequest", "request": {"snapshot": snapshot, "batch": batch},
-              "pools": pools, "kv_path": "legacy", "shadow_path": "plan", "workload_source": "smoke", "scale": 1.0}
+    replay = {"op": "alloc", "request_type": "AllocRequest",
+              "request": {"snapshot": snapshot, "needing": columns, "batch": batch},
+              "pre_state": {"snapshot": snapshot, "requests": views}, "pools": pools, "kv_path": "legacy", "shadow_path": "plan", "workload_source": "smoke", "scale": 1.0}
     return DivergenceRecord(run_id="r", workload="smoke", seed=0, step=7, op="alloc", authoritative="legacy",
                             shadow="plan", kind="state", field_paths=["requests[b].gpu_page_ids[0]"], diff={},
                             exception=None, replay=replay, created_at=0.0)
@@ -196,7 +200,14 @@ def test_a_record_of_an_unknown_op_is_refused():
 def test_a_record_the_rebuilt_state_cannot_match_is_refused():
     record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
     request = record.replay["request"]
-    tampered = {**request, "snapshot": {**request["snapshot"], "num_loading": -1}}
+    tampered = {**request, "needing": {**request["needing"], "num_tokens": [7]}}
     bad = record.model_copy(update={"replay": {**record.replay, "request": tampered}})
-    with pytest.raises(ReplayError, match="snapshot.num_loading"):
+    with pytest.raises(ReplayError, match=r"needing\.num_tokens"):
+        replay_record(bad)
+
+
+def test_a_record_without_its_pre_state_is_refused_by_name():
+    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    bad = record.model_copy(update={"replay": {**record.replay, "pre_state": None}})
+    with pytest.raises(ReplayError, match="op 'alloc': the recorded pre-state is not a valid KvPreState"):
         replay_record(bad)

@@ -8,16 +8,15 @@ append tensors stay the worker's: a plan only names which ones to drop.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from functools import partial
+from collections.abc import Collection, Mapping, Sequence
 from operator import attrgetter
 
 from batchgen.config import DTYPE_SIZES
-from batchgen.worker.kv_manager import KVCacheManager, decode_demand
+from batchgen.worker.kv_manager import KVCacheManager, pages_for
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, EvictionPlan, EvictionRequest, KvGeometry, KvSnapshot,
-    LoadOutcome, MigrationPlan, MigrationRequest, PollAction, PollPlan, PollRequest, ReleasePlan,
-    ReleaseRequest, RequestKvView,
+    LoadOutcome, MigrationPlan, MigrationRequest, PageColumns, PollAction, PollPlan, PollRequest, ReleasePlan,
+    ReleaseRequest, SwappedColumns,
 )
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.state import DONE_PHASES, Phase, RequestState
@@ -41,15 +40,18 @@ def geometry_of(target: KvTarget) -> KvGeometry:
     )
 
 
-# One RequestKvView per request, built in C (attrgetter, tuple.__new__): snapshots take thousands of
-# views per step, and this is their hot path.
-_VIEW_FIELDS = attrgetter("request.uuid", "phase._value_", "arrival_index", "num_tokens", "num_cached_tokens",
-                          "gpu_page_ids", "host_page_ids", "num_load_retries", "swapped_step")
-_new_view = partial(tuple.__new__, RequestKvView)
+# Snapshot columns, each one C-level pass over the scope (no per-request Python code).
+_uuids, _num_tokens, _gpu_page_ids = attrgetter("uuid"), attrgetter("num_tokens"), attrgetter("gpu_page_ids")
+_host_page_ids, _swapped_steps = attrgetter("host_page_ids"), attrgetter("swapped_step")
 
 
-def views_of(scope: Iterable[RequestState]) -> tuple[RequestKvView, ...]:
-    return tuple(map(_new_view, map(_VIEW_FIELDS, scope)))
+def page_columns(scope: Sequence[RequestState]) -> PageColumns:
+    return PageColumns(tuple(map(_uuids, scope)), tuple(map(_num_tokens, scope)), tuple(map(_gpu_page_ids, scope)))
+
+
+def swapped_columns(scope: Sequence[RequestState]) -> SwappedColumns:
+    return SwappedColumns(tuple(map(_uuids, scope)), tuple(map(_host_page_ids, scope)),
+                          tuple(map(_swapped_steps, scope)))
 
 
 class PlanKvPath:
@@ -62,45 +64,41 @@ class PlanKvPath:
         self.manager = KVCacheManager(gpu_kv=target.gpu_kv, host_kv=target.host_kv)
         self.geometry = geometry_of(target)
 
-    def snapshot(self, scope: Sequence[RequestState], num_loading: int | None = None) -> KvSnapshot:
-        return KvSnapshot(
-            step=self.target.state.step, geometry=self.geometry,
-            num_free_gpu_pages=self.target.gpu_kv.free_pages(),
-            num_free_host_pages=self.target.host_kv.free_pages(),
-            requests=views_of(scope), num_loading=num_loading,
-        )
+    def snapshot(self) -> KvSnapshot:
+        target = self.target
+        return KvSnapshot(target.state.step, self.geometry, target.gpu_kv.free_pages(), target.host_kv.free_pages())
 
     # Requests (op inputs) are built by these, so compare mode can log and replay them.
     def poll_request(self, observed: Mapping[str, str | None]) -> PollRequest:
         requests = self.target.state.requests
-        return PollRequest(self.snapshot([requests[u] for u in observed]),
-                           tuple(LoadOutcome(u, e) for u, e in observed.items()))
+        return PollRequest(self.snapshot(), tuple(LoadOutcome(u, e) for u, e in observed.items()),
+                           tuple(requests[u].num_load_retries for u in observed))
 
     def release_request(self, uuids: Sequence[str]) -> ReleaseRequest:
-        requests = self.target.state.requests
-        return ReleaseRequest(self.snapshot([requests[u] for u in uuids]), tuple(uuids))
+        return ReleaseRequest(self.snapshot(), tuple(uuids))
 
     def eviction_request(self) -> EvictionRequest:
-        return EvictionRequest(self.snapshot(self.target.state.in_phase(Phase.RUNNING)))
+        return EvictionRequest(self.snapshot(), page_columns(self.target.state.in_phase(Phase.RUNNING)))
 
     def migration_request(self) -> MigrationRequest:
-        """Scope: SWAPPED requests, and the RUNNING ones (their decode demand) when any is SWAPPED."""
-        scope, num_loading, num_swapped = [], 0, 0
+        """Columns of the SWAPPED requests, and of the RUNNING ones (their decode demand) when any is SWAPPED."""
+        running, swapped, num_loading = [], [], 0
         for req in self.target.state.requests.values():
-            if req.phase is Phase.RUNNING:
-                scope.append(req)
-            elif req.phase is Phase.SWAPPED:
-                scope.append(req)
-                num_swapped += 1
-            elif req.phase is Phase.LOADING:
+            phase = req.phase
+            if phase is Phase.RUNNING:
+                running.append(req)
+            elif phase is Phase.SWAPPED:
+                swapped.append(req)
+            elif phase is Phase.LOADING:
                 num_loading += 1
-        return MigrationRequest(self.snapshot(scope if num_swapped else [], num_loading))
+        return MigrationRequest(self.snapshot(), swapped_columns(swapped), page_columns(running if swapped else ()),
+                                num_loading)
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
-        """Scope: the scheduled requests whose tokens run past their last page (the rest need nothing)."""
+        """Columns of the scheduled requests whose tokens run past their last page (the rest need nothing)."""
         requests, page_size = self.target.state.requests, self.target.cache_config.page_size
         scope = [r for r in map(requests.__getitem__, batch) if r.num_tokens > len(r.gpu_page_ids) * page_size]
-        return AllocRequest(self.snapshot(scope), tuple(batch))
+        return AllocRequest(self.snapshot(), page_columns(scope), tuple(batch))
 
     # The KvPath interface (same as LegacyKvPath).
     def poll(self, observed: Mapping[str, str | None]) -> None:
@@ -277,7 +275,7 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) ->
         req = requests.get(grant.uuid)
         if req is None or req.phase not in admissible:
             _request(target, f"AllocPlan.grants[{i}].uuid", grant.uuid, admissible)  # raises, naming the problem
-        need = decode_demand(req, page_size)  # reads num_tokens and gpu_page_ids, which a RequestState has too
+        need = pages_for(req.num_tokens, page_size) - len(req.gpu_page_ids)
         if len(grant.new_page_ids) != need:
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {need} needed")

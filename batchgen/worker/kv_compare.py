@@ -39,7 +39,7 @@ from compare import DivergenceRecord, JsonlSink, Keyed, RunSummary, ShadowExecut
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_forms import (
     add_requests, canonical_copies, canonical_events, canonical_kv, canonical_pools, canonical_stats, classify,
-    detach_fork, differing_requests, exception_kind, fork_target,
+    detach_fork, differing_requests, exception_kind, fork_target, pre_state,
 )
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
 from batchgen.worker.kv_plans import to_jsonable
@@ -121,6 +121,7 @@ class KvCompare:
         self.run_id = self.workload = self.workload_source = ""
         self.scale = 1.0
         self._shadow_run: _ShadowRun | None = None  # handed from an op's shadow step to its authoritative step
+        self._written: dict = {}  # what the last authoritative step wrote: uuid -> the request before it
         self.executor = self.begin_run("unnamed", seed=seed)
 
     # ---- runs ----------------------------------------------------------------------------
@@ -164,6 +165,7 @@ class KvCompare:
         if not self.executor.should_compare(op, step):
             return call(self.authoritative)
         self._shadow_run = self._shadow_request = None
+        self._written = {}
         if self.authoritative_path == "plan":
             self.authoritative.last_request = None
         return self.executor.run(
@@ -199,7 +201,7 @@ class KvCompare:
         shadow, self._shadow_run = self._shadow_run, None
         state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
         gpu.pages.journal, host.pages.journal, host.copies = [], [], []
-        written = state.written = {}
+        written = self._written = state.written = {}
         try:
             try:
                 result = call(self.authoritative)
@@ -250,6 +252,7 @@ class KvCompare:
             "op": op,
             "request_type": type(request).__name__,
             "request": to_jsonable(request),
+            "pre_state": None if request is None else to_jsonable(pre_state(op, request, self.target, self._written)),
             "pools": {name: (seen.value or {}).get("pools") for name, seen in
                       (("authoritative", comparison.authoritative), ("shadow", comparison.shadow))},
             "kv_path": self.authoritative_path,

@@ -11,13 +11,15 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from itertools import repeat
 from types import SimpleNamespace
 
 from compare import Keyed
 from batchgen.worker.kv_apply import PlanRejected
+from batchgen.worker.kv_plans import KvPreState, RequestKvView
 from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.state import RequestState, WorkerState
+from batchgen.worker.state import Phase, RequestState, WorkerState
 
 STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
 
@@ -75,6 +77,39 @@ def differing_requests(fork: KvTarget, target: KvTarget, written: Iterable[str])
 def _output_key(target: KvTarget, uuid: str) -> tuple | None:
     out = target.state.outputs.get(uuid)
     return None if out is None else (out.phase, out.finish_reason, len(out.output_ids))
+
+
+# One RequestKvView per request, built in C (attrgetter, tuple.__new__).
+_VIEW_FIELDS = operator.attrgetter("uuid", "phase._value_", "arrival_index", "num_tokens", "num_cached_tokens",
+                                   "gpu_page_ids", "host_page_ids", "num_load_retries", "swapped_step")
+_new_view = partial(tuple.__new__, RequestKvView)
+_SCOPE_PHASES = {"evict": (Phase.RUNNING,), "migrate": (Phase.RUNNING, Phase.SWAPPED, Phase.LOADING)}
+
+
+def views_of(scope: Iterable[RequestState]) -> tuple[RequestKvView, ...]:
+    return tuple(map(_new_view, map(_VIEW_FIELDS, scope)))
+
+
+def op_scope(op: str, request, requests: Mapping[str, RequestState]) -> list[str]:
+    """The requests op may read or write, given its op ``request``: those its input names (poll: the
+    loads observed, release: the done requests, alloc: the batch), or for evict and migrate every
+    request of ``requests`` in the phases they act on. Pure."""
+    phases = _SCOPE_PHASES.get(op)
+    if phases is not None:
+        return [u for u, r in requests.items() if r.phase in phases]
+    if op == "poll":
+        return [outcome.uuid for outcome in request.outcomes]
+    return list(request.uuids if op == "release" else request.batch)
+
+
+def pre_state(op: str, request, target: KvTarget, written: Mapping[str, RequestState]) -> KvPreState:
+    """The op's scope as it was before the op ran on ``target``, which wrote ``written`` (uuid -> the
+    request before its first write), with ``request``'s snapshot. Pure; O(live requests), so built only
+    to log a divergence."""
+    prior = {u: written.get(u, r) for u, r in target.state.requests.items()}
+    prior.update((u, r) for u, r in written.items() if u not in prior)  # taken out by the op
+    scope = sorted((prior[u] for u in op_scope(op, request, prior)), key=operator.attrgetter("arrival_index"))
+    return KvPreState(request.snapshot, views_of(scope))
 
 
 def canonical_kv(target: KvTarget, scope: Sequence[str], result, gpu_events, host_events, copies) -> dict:

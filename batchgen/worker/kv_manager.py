@@ -14,15 +14,15 @@ all-or-nothing page grants per request, retry-then-recompute on failed loads.
 from __future__ import annotations
 
 import math
+from itertools import repeat
+from operator import add, floordiv
 
 from batchgen.worker.kv_backends import GpuKvBackend, HostKvBackend
 from batchgen.worker.kv_plans import (
-    AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvSnapshot,
-    LoadStart, MigrationPlan, MigrationRequest, PageGrant, PollAction, PollPlan, PollRequest,
-    PollStep, ReleasePlan, ReleaseRequest, RequestKvView, Victim,
+    AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvSnapshot, LoadStart,
+    MigrationPlan, MigrationRequest, PageColumns, PageGrant, PollAction, PollPlan, PollRequest, PollStep,
+    ReleasePlan, ReleaseRequest, Victim,
 )
-
-RUNNING, SWAPPED = "running", "swapped"
 
 
 def eviction_watermark_pages(snapshot: KvSnapshot) -> int:
@@ -31,9 +31,16 @@ def eviction_watermark_pages(snapshot: KvSnapshot) -> int:
     return math.ceil(geometry.watermark * geometry.num_gpu_pages)
 
 
-def decode_demand(view: RequestKvView, page_size: int) -> int:
-    """GPU pages the request needs so that all its tokens have a slot."""
-    return -(-view.num_tokens // page_size) - len(view.gpu_page_ids)
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // page_size)
+
+
+def total_decode_demand(columns: PageColumns, page_size: int) -> int:
+    """GPU pages the requests need, together, so that all their tokens have a slot (in C: no per-request
+    Python code). Pure."""
+    pages_needed = sum(map(floordiv, map(add, columns.num_tokens, repeat(page_size - 1)), repeat(page_size)))
+    return pages_needed - sum(map(len, columns.gpu_page_ids))
 
 
 def load_failure_reason(error: str) -> str:
@@ -55,13 +62,12 @@ class KVCacheManager:
         self._host_kv = host_kv
 
     def plan_poll(self, req: PollRequest) -> PollPlan:
-        views = {view.uuid: view for view in req.snapshot.requests}
         geometry = req.snapshot.geometry
         steps = []
-        for outcome in req.outcomes:
+        for outcome, retries in zip(req.outcomes, req.num_load_retries):
             if outcome.error is None:
                 steps.append(PollStep(outcome.uuid, PollAction.COMPLETE))
-            elif views[outcome.uuid].num_load_retries < geometry.max_load_retries:
+            elif retries < geometry.max_load_retries:
                 steps.append(PollStep(outcome.uuid, PollAction.RETRY))
             elif geometry.load_failure == "fail":
                 steps.append(PollStep(outcome.uuid, PollAction.FAIL, load_failure_reason(outcome.error)))
@@ -73,75 +79,69 @@ class KVCacheManager:
         return ReleasePlan(released=req.uuids, drop_pending_append_ids=req.uuids)
 
     def plan_eviction(self, req: EvictionRequest) -> EvictionPlan:
-        snapshot = req.snapshot
+        snapshot, running = req.snapshot, req.running
         page_size = snapshot.geometry.page_size
-        running = [v for v in snapshot.requests if v.phase == RUNNING]  # oldest first: snapshots keep arrival order
-        demand = sum(-(-v.num_tokens // page_size) - len(v.gpu_page_ids) for v in running)
+        demand = total_decode_demand(running, page_size)
         free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
         watermark = eviction_watermark_pages(snapshot)
-        chosen: list[tuple[RequestKvView, Destination]] = []
-        while running and free_gpu - demand < watermark:
-            victim = running.pop()
-            demand -= decode_demand(victim, page_size)
-            num_pages = len(victim.gpu_page_ids)
+        chosen: list[tuple[int, Destination]] = []
+        for i in reversed(range(len(running.uuids))):  # youngest first: the columns keep arrival order
+            if free_gpu - demand >= watermark:
+                break
+            num_pages = len(running.gpu_page_ids[i])
+            demand -= pages_for(running.num_tokens[i], page_size) - num_pages
             free_gpu += num_pages
             if free_host >= num_pages:
                 free_host -= num_pages
-                chosen.append((victim, Destination.HOST))
+                chosen.append((i, Destination.HOST))
             else:
-                chosen.append((victim, Destination.RECOMPUTE))
+                chosen.append((i, Destination.RECOMPUTE))
         if not chosen:
             return EvictionPlan(())
-        host_sizes = [len(v.gpu_page_ids) if d is Destination.HOST else 0 for v, d in chosen]
+        host_sizes = [len(running.gpu_page_ids[i]) if d is Destination.HOST else 0 for i, d in chosen]
         host_ids = _split(self._host_kv.peek_free_pages(sum(host_sizes)), host_sizes)
-        return EvictionPlan(tuple(Victim(v.uuid, d, v.gpu_page_ids, h) for (v, d), h in zip(chosen, host_ids)))
+        return EvictionPlan(tuple(Victim(running.uuids[i], d, running.gpu_page_ids[i], h)
+                                  for (i, d), h in zip(chosen, host_ids)))
 
     def plan_migration(self, req: MigrationRequest) -> MigrationPlan:
-        snapshot = req.snapshot
-        page_size = snapshot.geometry.page_size
-        running, swapped = [], []  # each oldest first: snapshots keep arrival order
-        for view in snapshot.requests:
-            if view.phase == RUNNING:
-                running.append(view)
-            elif view.phase == SWAPPED:
-                swapped.append(view)
-        if not swapped:
+        snapshot, swapped = req.snapshot, req.swapped
+        if not swapped.uuids:
             return MigrationPlan(())
-        demand = sum(-(-v.num_tokens // page_size) - len(v.gpu_page_ids) for v in running)
-        num_active = len(running) + snapshot.num_loading
+        demand = total_decode_demand(req.running, snapshot.geometry.page_size)
+        num_active = len(req.running.uuids) + req.num_loading
         free = snapshot.num_free_gpu_pages
         watermark = eviction_watermark_pages(snapshot)
-        chosen: list[RequestKvView] = []
-        for view in swapped:
-            if view.swapped_step == snapshot.step:
+        chosen: list[int] = []
+        for i, swapped_step in enumerate(swapped.swapped_steps):  # oldest first: arrival order
+            if swapped_step == snapshot.step:
                 continue
-            num_pages = len(view.host_page_ids)
+            num_pages = len(swapped.host_page_ids[i])
             if num_active >= snapshot.geometry.max_num_seqs or free - demand - num_pages < watermark:
                 break
-            chosen.append(view)
+            chosen.append(i)
             num_active += 1
             free -= num_pages
         if not chosen:
             return MigrationPlan(())
-        sizes = [len(v.host_page_ids) for v in chosen]
+        sizes = [len(swapped.host_page_ids[i]) for i in chosen]
         gpu_ids = _split(self._gpu_kv.peek_free_pages(sum(sizes)), sizes)
-        return MigrationPlan(tuple(LoadStart(v.uuid, g, v.host_page_ids) for v, g in zip(chosen, gpu_ids)))
+        return MigrationPlan(tuple(LoadStart(swapped.uuids[i], g, swapped.host_page_ids[i])
+                                   for i, g in zip(chosen, gpu_ids)))
 
     def plan_allocation(self, req: AllocRequest) -> AllocPlan:
-        snapshot = req.snapshot
+        snapshot, needing = req.snapshot, req.needing
         page_size = snapshot.geometry.page_size
         free = snapshot.num_free_gpu_pages
         served: list[tuple[str, int]] = []
         not_fitting = []
-        views = {view.uuid: view for view in snapshot.requests}  # only requests that may need pages
-        for view in filter(None, map(views.get, req.batch)):
-            need = -(-view.num_tokens // page_size) - len(view.gpu_page_ids)
+        for uuid, num_tokens, page_ids in zip(needing.uuids, needing.num_tokens, needing.gpu_page_ids):  # batch order
+            need = pages_for(num_tokens, page_size) - len(page_ids)
             if need <= 0:
                 continue
             if need > free:
-                not_fitting.append(DoesNotFit(view.uuid, need, free))
+                not_fitting.append(DoesNotFit(uuid, need, free))
                 continue
-            served.append((view.uuid, need))
+            served.append((uuid, need))
             free -= need
         page_ids = self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)
         grants, start = [], 0

@@ -1,14 +1,15 @@
 """The plan layer's boundary: immutable snapshots in, immutable plans out.
 
-A :class:`KvSnapshot` is what one KV op may read: the geometry, free counts, and
-the views of the requests in the op's scope (built per op, only for that scope).
-A plan carries decisions and diffs (page ids granted, victims and where they go,
+An op request is what one KV op may read: a :class:`KvSnapshot` (step, geometry,
+free counts) and the columns of the requests in its scope that it reads, built
+per op, only for that scope. A plan carries decisions and diffs (page ids granted, victims and where they go,
 loads to start, pages to free), never the manager's internals. Everything
 round-trips through JSON exactly (:func:`to_json` / :func:`from_json`), which
 the divergence log and ``replay`` rely on.
 
-Hot-path objects are frozen slotted dataclasses, and the per-request view a
-``NamedTuple`` (cheapest immutable record to build thousands of per step).
+Hot-path objects are frozen slotted dataclasses; per-request data comes as
+columns (:class:`PageColumns`), never as one object per request. The full
+per-request view (:class:`RequestKvView`) is built only to log a divergence.
 """
 
 from __future__ import annotations
@@ -56,8 +57,54 @@ class KvGeometry:
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_size
 
 
+@dataclass(frozen=True, slots=True)
+class KvSnapshot:
+    """What every KV op reads: the step, the geometry, the free page counts."""
+
+    step: int
+    geometry: KvGeometry
+    num_free_gpu_pages: int
+    num_free_host_pages: int
+
+
+def _check_columns(owner: str, columns: dict[str, tuple]) -> None:
+    lengths = {name: len(column) for name, column in columns.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{owner}: columns of different lengths {lengths}")
+
+
+@dataclass(frozen=True, slots=True)
+class PageColumns:
+    """Requests with their GPU page tables, as columns (entry i of each is request ``uuids[i]``).
+
+    Columns rather than a record per request: an op may read thousands of requests per
+    step, and a column is one tuple built in C, with no per-request object to allocate.
+    """
+
+    uuids: tuple[str, ...]
+    num_tokens: tuple[int, ...]
+    gpu_page_ids: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        _check_columns("PageColumns", {"uuids": self.uuids, "num_tokens": self.num_tokens,
+                                       "gpu_page_ids": self.gpu_page_ids})
+
+
+@dataclass(frozen=True, slots=True)
+class SwappedColumns:
+    """SWAPPED requests with their host page tables, as columns, in arrival order."""
+
+    uuids: tuple[str, ...]
+    host_page_ids: tuple[tuple[int, ...], ...]
+    swapped_steps: tuple[int, ...]  # the step each went to host
+
+    def __post_init__(self):
+        _check_columns("SwappedColumns", {"uuids": self.uuids, "host_page_ids": self.host_page_ids,
+                                          "swapped_steps": self.swapped_steps})
+
+
 class RequestKvView(NamedTuple):
-    """One request as a KV op sees it."""
+    """One request as a KV op may see it, in full: the pre-state a logged divergence carries for replay."""
 
     uuid: str
     phase: str  # Phase value
@@ -71,13 +118,11 @@ class RequestKvView(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class KvSnapshot:
-    step: int
-    geometry: KvGeometry
-    num_free_gpu_pages: int
-    num_free_host_pages: int
-    requests: tuple[RequestKvView, ...]  # the op's scope, in submission (= arrival) order
-    num_loading: int | None = None  # LOADING requests; only migration reads it (None in other ops' snapshots)
+class KvPreState:
+    """The requests one op could read, in full, before it ran (built only to log a divergence)."""
+
+    snapshot: KvSnapshot
+    requests: tuple[RequestKvView, ...]  # the op's scope, in arrival order
 
 
 # ---- op inputs -------------------------------------------------------------------------
@@ -89,29 +134,38 @@ class LoadOutcome:
 
 @dataclass(frozen=True, slots=True)
 class PollRequest:
-    snapshot: KvSnapshot  # scope: the LOADING requests observed
-    outcomes: tuple[LoadOutcome, ...]
+    snapshot: KvSnapshot
+    outcomes: tuple[LoadOutcome, ...]  # the loads observed this step
+    num_load_retries: tuple[int, ...]  # of each outcome's request
+
+    def __post_init__(self):
+        _check_columns("PollRequest", {"outcomes": self.outcomes, "num_load_retries": self.num_load_retries})
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRequest:
-    snapshot: KvSnapshot  # scope: the done requests
-    uuids: tuple[str, ...]
+    snapshot: KvSnapshot
+    uuids: tuple[str, ...]  # the done requests
 
 
 @dataclass(frozen=True, slots=True)
 class EvictionRequest:
-    snapshot: KvSnapshot  # scope: RUNNING requests
+    snapshot: KvSnapshot
+    running: PageColumns  # every RUNNING request, in arrival order
 
 
 @dataclass(frozen=True, slots=True)
 class MigrationRequest:
-    snapshot: KvSnapshot  # scope: RUNNING and SWAPPED requests
+    snapshot: KvSnapshot
+    swapped: SwappedColumns  # every SWAPPED request, in arrival order
+    running: PageColumns  # every RUNNING request (their decode demand); empty when nothing is SWAPPED
+    num_loading: int  # LOADING requests
 
 
 @dataclass(frozen=True, slots=True)
 class AllocRequest:
-    snapshot: KvSnapshot  # scope: the scheduled requests whose tokens run past their last page
+    snapshot: KvSnapshot
+    needing: PageColumns  # the scheduled requests whose tokens run past their last page, in batch order
     batch: tuple[str, ...]  # all scheduled uuids, in batch order
 
 

@@ -177,6 +177,7 @@ class ForkedPagePool:
     def __init__(self, base: PagePool):
         self._base = base
         self._base_version = base._version
+        self._base_num_free = base.num_free  # valid as long as the fork is (the base unchanged)
         self.name = base.name
         self.num_pages = base.num_pages
         self._cursor = base._head  # first base-queue index not yet consumed by the fork
@@ -187,8 +188,9 @@ class ForkedPagePool:
 
     @property
     def num_free(self) -> int:
-        self._check_base()
-        return self._base.num_free - len(self._taken) + len(self._tail)
+        if self._base._version != self._base_version:  # _check_base, inlined: legacy alloc asks per request
+            self._check_base()
+        return self._base_num_free - len(self._taken) + len(self._tail)
 
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self.num_free

@@ -68,14 +68,19 @@ class RequestState:
     num_load_retries: int = 0
     swapped_step: int | None = None  # step the KV went to host
     finish_reason: str | None = None  # "length", "eos", "abort", or the failure
+    # Derived, kept as fields: snapshots read them for thousands of requests per step.
+    uuid: str = field(init=False)  # request.uuid
+    num_tokens: int = field(init=False)  # prompt + outputs; append_token keeps it
 
-    @property
-    def uuid(self) -> str:
-        return self.request.uuid
+    def __post_init__(self):
+        self.uuid = self.request.uuid
+        self.num_tokens = len(self.request.prompt_ids) + len(self.output_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.request.prompt_ids) + len(self.output_ids)
+    def append_token(self, token: int, logprobs: TokenLogprobs) -> None:
+        """Mutates output_ids, output_logprobs, num_tokens."""
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprobs)
+        self.num_tokens += 1
 
     def drain_load(self) -> None:
         """Wait for an in-flight load to land (its pages may be reused next), then forget it.
@@ -103,7 +108,7 @@ class RequestState:
         return [*prompt[start:], *self.output_ids]
 
 
-_request_fields = attrgetter(*(f.name for f in fields(RequestState)))  # copy() in C: 5x copy.copy
+_request_fields = attrgetter(*(f.name for f in fields(RequestState) if f.init))  # copy() in C: 5x copy.copy
 
 
 @dataclass(frozen=True, slots=True)

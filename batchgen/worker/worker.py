@@ -252,8 +252,7 @@ class Worker:
             req.num_cached_tokens = req.num_tokens
         eos = self.model_config.eos_token_id
         for req, (token, logprobs) in zip(reqs, sample(out.logits, reqs)):
-            req.output_ids.append(token)
-            req.output_logprobs.append(logprobs)
+            req.append_token(token, logprobs)
             self.state.stats.tokens_generated += 1
             if len(req.output_ids) >= req.request.max_new_tokens:
                 req.phase, req.finish_reason = Phase.FINISHED, "length"
