@@ -446,7 +446,9 @@ def test_a_fork_never_writes_the_worker_state_it_was_taken_from():
     a, b = target.state.requests["a"], target.state.requests["b"]
     fields_before = (a.phase, a.gpu_page_ids, b.phase, b.gpu_page_ids)
     fork = fork_target(target)
+    assert fork.state.requests is target.state.requests  # shared until the fork writes
     fork.state.edit("a").phase = Phase.SWAPPED
+    assert fork.state.requests is not target.state.requests
     fork.state.edit("a").gpu_page_ids = ()
     fork.state.remove("b")
     assert (a.phase, a.gpu_page_ids, b.phase, b.gpu_page_ids) == fields_before

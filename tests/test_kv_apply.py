@@ -143,13 +143,6 @@ def test_migration_reads_no_running_request_while_nothing_is_swapped():
     assert request.swapped == SwappedColumns((), (), ()) and request.running == PageColumns((), (), ())
 
 
-def test_columns_of_different_lengths_are_refused():
-    with pytest.raises(ValueError, match=r"PageColumns: columns of different lengths"):
-        PageColumns(("a", "b"), (1,), ((0,), (1,)))
-    with pytest.raises(ValueError, match=r"PollRequest: columns of different lengths"):
-        PollRequest(KvSnapshot(0, PlanKvPath(make_target()).geometry, 0, 0), (LoadOutcome("a", None),), ())
-
-
 def test_bulk_snapshot_views_equal_per_request_views_in_every_phase():
     target = make_target()
     reqs = list(target.state.requests.values())

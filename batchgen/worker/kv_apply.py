@@ -45,7 +45,13 @@ _uuids, _num_tokens, _gpu_page_ids = attrgetter("uuid"), attrgetter("num_tokens"
 _host_page_ids, _swapped_steps = attrgetter("host_page_ids"), attrgetter("swapped_step")
 
 
+RUNNING, SWAPPED, LOADING = Phase.RUNNING, Phase.SWAPPED, Phase.LOADING
+NO_PAGES, NO_SWAPPED = PageColumns((), (), ()), SwappedColumns((), (), ())
+
+
 def page_columns(scope: Sequence[RequestState]) -> PageColumns:
+    if not scope:
+        return NO_PAGES
     return PageColumns(tuple(map(_uuids, scope)), tuple(map(_num_tokens, scope)), tuple(map(_gpu_page_ids, scope)))
 
 
@@ -78,21 +84,18 @@ class PlanKvPath:
         return ReleaseRequest(self.snapshot(), tuple(uuids))
 
     def eviction_request(self) -> EvictionRequest:
-        return EvictionRequest(self.snapshot(), page_columns(self.target.state.in_phase(Phase.RUNNING)))
+        requests = self.target.state.requests.values()
+        return EvictionRequest(self.snapshot(), page_columns([r for r in requests if r.phase is RUNNING]))
 
     def migration_request(self) -> MigrationRequest:
         """Columns of the SWAPPED requests, and of the RUNNING ones (their decode demand) when any is SWAPPED."""
-        running, swapped, num_loading = [], [], 0
-        for req in self.target.state.requests.values():
-            phase = req.phase
-            if phase is Phase.RUNNING:
-                running.append(req)
-            elif phase is Phase.SWAPPED:
-                swapped.append(req)
-            elif phase is Phase.LOADING:
-                num_loading += 1
-        return MigrationRequest(self.snapshot(), swapped_columns(swapped), page_columns(running if swapped else ()),
-                                num_loading)
+        requests = self.target.state.requests.values()
+        swapped = [r for r in requests if r.phase is SWAPPED]
+        if not swapped:
+            return MigrationRequest(self.snapshot(), NO_SWAPPED, NO_PAGES, 0)  # nothing to decide: no more to read
+        running = [r for r in requests if r.phase is RUNNING]
+        num_loading = sum(1 for r in requests if r.phase is LOADING)
+        return MigrationRequest(self.snapshot(), swapped_columns(swapped), page_columns(running), num_loading)
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
         """Columns of the scheduled requests whose tokens run past their last page (the rest need nothing)."""
@@ -129,6 +132,11 @@ def _request(target: KvTarget, field: str, uuid: str, phases: Collection[Phase])
 
 
 def _check_free(pool, field: str, page_ids: Sequence[int], already_granted: set[int]) -> None:
+    """Every id free in ``pool`` and not in ``already_granted`` (to which they are then added)."""
+    distinct = set(page_ids)
+    if len(distinct) == len(page_ids) and already_granted.isdisjoint(distinct) and pool.pages.all_free(page_ids):
+        already_granted |= distinct  # the common case, checked in C; the loop names what is wrong
+        return
     for page_id in page_ids:
         if page_id in already_granted or not pool.pages.is_free(page_id):
             raise PlanRejected(field, f"page {page_id} is not free in the {pool.pages.name} pool")
@@ -206,6 +214,8 @@ def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
 
 def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
     """Mutates victims (phase, page tables), both pools (store copies, pages), stats."""
+    if not plan.victims:
+        return
     _check_unique("EvictionPlan.victims", [v.uuid for v in plan.victims])
     granted: set[int] = set()
     for i, victim in enumerate(plan.victims):
@@ -237,6 +247,8 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
 
 def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
     """Mutates phases (-> LOADING), page tables, the GPU pool, stats; starts async loads."""
+    if not plan.loads:
+        return
     _check_unique("MigrationPlan.loads", [load.uuid for load in plan.loads])
     granted: set[int] = set()
     for i, load in enumerate(plan.loads):
@@ -264,7 +276,9 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) ->
     Every scheduled request must be served with enough pages (a grant, or none needed) or be
     listed as not fitting; grants go only to scheduled requests.
     """
-    _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])
+    granted_uuids = {g.uuid for g in plan.grants}
+    if len(granted_uuids) != len(plan.grants):
+        _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
     scheduled = set(batch)
     granted: set[int] = set()
     page_size = target.cache_config.page_size
@@ -282,9 +296,9 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) ->
         _check_free(target.gpu_kv, f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids, granted)
     left_out = {d.uuid for d in plan.not_fitting}
     for i, uuid in enumerate(d.uuid for d in plan.not_fitting):
-        if uuid not in scheduled or any(g.uuid == uuid for g in plan.grants):
+        if uuid not in scheduled or uuid in granted_uuids:
             raise PlanRejected(f"AllocPlan.not_fitting[{i}].uuid", f"{uuid!r} is not scheduled, or is also granted")
-    covered = left_out.union(g.uuid for g in plan.grants)
+    covered = left_out | granted_uuids
     for uuid in batch:
         if uuid not in covered:
             req = requests.get(uuid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections import ChainMap
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from itertools import repeat
@@ -31,11 +32,11 @@ _RELEASED = SimpleNamespace(**{name: None for name in KV_FIELDS})  # stands for 
 
 
 def fork_target(target: KvTarget) -> KvTarget:
-    """A copy-on-write fork of ``target``: requests shared until written (``WorkerState.edit``), pools
-    overlaid, pending appends copied. Costs a shallow dict copy plus what the op on it writes; the
-    original is never mutated through it."""
+    """A copy-on-write fork of ``target``: its request dict and requests shared until written
+    (``WorkerState.edit``), pools overlaid, pending appends copied (non-empty only before the flush).
+    Costs what the op on it writes; the original is never mutated through it."""
     state = target.state
-    forked = WorkerState(step=state.step, requests=dict(state.requests), stats=copy.copy(state.stats),
+    forked = WorkerState(step=state.step, requests=state.requests, stats=copy.copy(state.stats),
                          num_submitted=state.num_submitted, written={}, copy_on_write=True)
     gpu = target.gpu_kv.fork()
     host = target.host_kv.fork(gpu)
@@ -44,13 +45,13 @@ def fork_target(target: KvTarget) -> KvTarget:
 
 
 def detach_fork(fork: KvTarget, written: Mapping[str, RequestState]) -> None:
-    """After the worker wrote ``written`` (uuid -> the request before its first write): point the fork's
-    entries it shares with the worker at those prior states, so the fork reads as its own post-state.
-    Mutates ``fork.state.requests``."""
-    requests, own = fork.state.requests, fork.state.written
-    for uuid, before in written.items():
-        if uuid not in own and uuid in requests:
-            requests[uuid] = before
+    """After the worker wrote ``written`` (uuid -> the request before its first write): let the fork's
+    requests read as its own post-state, where it shares them with the worker, by putting those prior
+    states in front (a ChainMap: nothing shared is written). Mutates ``fork.state.requests``."""
+    own = fork.state.written
+    prior = {uuid: before for uuid, before in written.items() if uuid not in own}
+    if prior:
+        fork.state.requests = ChainMap(prior, fork.state.requests)
 
 
 def differing_requests(fork: KvTarget, target: KvTarget, written: Iterable[str]) -> list[str]:
@@ -66,9 +67,10 @@ def differing_requests(fork: KvTarget, target: KvTarget, written: Iterable[str])
     mine = map(_kv_fields, map(fork.state.requests.get, candidates, repeat(_RELEASED)))
     theirs = map(_kv_fields, map(target.state.requests.get, candidates, repeat(_RELEASED)))
     differing = [u for u, x, y in zip(candidates, mine, theirs) if x != y]
-    if fork.pending_appends or target.pending_appends:  # poll and release only: before the flush
-        differing += [u for u in fork.pending_appends if u not in target.pending_appends]
-        differing += [u for u in target.pending_appends if u not in fork.pending_appends]
+    mine_pending, theirs_pending = fork.pending_appends, target.pending_appends
+    if mine_pending.keys() != theirs_pending.keys():  # C-level; non-empty only in poll and release
+        differing += [u for u in mine_pending if u not in theirs_pending]
+        differing += [u for u in theirs_pending if u not in mine_pending]
     gone = [u for u in candidates if u not in fork.state.requests and u not in target.state.requests]
     differing += [u for u in gone if _output_key(fork, u) != _output_key(target, u)]
     return list(dict.fromkeys(differing))

@@ -81,6 +81,8 @@ class KVCacheManager:
     def plan_eviction(self, req: EvictionRequest) -> EvictionPlan:
         snapshot, running = req.snapshot, req.running
         page_size = snapshot.geometry.page_size
+        if not running.uuids:
+            return EvictionPlan(())
         demand = total_decode_demand(running, page_size)
         free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
         watermark = eviction_watermark_pages(snapshot)
@@ -143,6 +145,8 @@ class KVCacheManager:
                 continue
             served.append((uuid, need))
             free -= need
+        if not served:
+            return AllocPlan((), tuple(not_fitting))
         page_ids = self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)
         grants, start = [], 0
         for uuid, need in served:

@@ -67,27 +67,19 @@ class KvSnapshot:
     num_free_host_pages: int
 
 
-def _check_columns(owner: str, columns: dict[str, tuple]) -> None:
-    lengths = {name: len(column) for name, column in columns.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"{owner}: columns of different lengths {lengths}")
-
-
 @dataclass(frozen=True, slots=True)
 class PageColumns:
     """Requests with their GPU page tables, as columns (entry i of each is request ``uuids[i]``).
 
     Columns rather than a record per request: an op may read thousands of requests per
     step, and a column is one tuple built in C, with no per-request object to allocate.
+    Columns of one object have equal lengths (built together from one scope; a replayed
+    record that breaks this fails replay's check of the rebuilt request).
     """
 
     uuids: tuple[str, ...]
     num_tokens: tuple[int, ...]
     gpu_page_ids: tuple[tuple[int, ...], ...]
-
-    def __post_init__(self):
-        _check_columns("PageColumns", {"uuids": self.uuids, "num_tokens": self.num_tokens,
-                                       "gpu_page_ids": self.gpu_page_ids})
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +89,6 @@ class SwappedColumns:
     uuids: tuple[str, ...]
     host_page_ids: tuple[tuple[int, ...], ...]
     swapped_steps: tuple[int, ...]  # the step each went to host
-
-    def __post_init__(self):
-        _check_columns("SwappedColumns", {"uuids": self.uuids, "host_page_ids": self.host_page_ids,
-                                          "swapped_steps": self.swapped_steps})
 
 
 class RequestKvView(NamedTuple):
@@ -138,9 +126,6 @@ class PollRequest:
     outcomes: tuple[LoadOutcome, ...]  # the loads observed this step
     num_load_retries: tuple[int, ...]  # of each outcome's request
 
-    def __post_init__(self):
-        _check_columns("PollRequest", {"outcomes": self.outcomes, "num_load_retries": self.num_load_retries})
-
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRequest:
@@ -159,7 +144,7 @@ class MigrationRequest:
     snapshot: KvSnapshot
     swapped: SwappedColumns  # every SWAPPED request, in arrival order
     running: PageColumns  # every RUNNING request (their decode demand); empty when nothing is SWAPPED
-    num_loading: int  # LOADING requests
+    num_loading: int  # LOADING requests (counted only when any is SWAPPED: 0 otherwise, and not read)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,8 @@ class PoolEvent:
 
 def check_free_and_distinct(pool: "PagePool | ForkedPagePool", page_ids: list[int]) -> None:
     """PageOwnershipError unless every id is in range, free in ``pool``, and named once. Pure."""
+    if pool.all_free(page_ids) and len(set(page_ids)) == len(page_ids):
+        return  # the common case, checked in C; the loop below names what is wrong
     if len(set(page_ids)) != len(page_ids):
         raise PageOwnershipError(f"{pool.name}: page ids {page_ids} name a page twice")
     for page_id in page_ids:
@@ -78,6 +80,12 @@ class PagePool:
 
     def is_free(self, page_id: int) -> bool:
         return 0 <= page_id < self.num_pages and bool(self._free_flags[page_id])
+
+    def all_free(self, page_ids: Sequence[int]) -> bool:
+        """Every id in range and free (one C-level pass)."""
+        if not page_ids:
+            return True
+        return min(page_ids) >= 0 and max(page_ids) < self.num_pages and all(map(self._free_flags.__getitem__, page_ids))
 
     def owner_ids(self) -> list[str]:
         return [uuid for uuid, pages in self._owned.items() if pages]
@@ -235,6 +243,9 @@ class ForkedPagePool:
     def is_free(self, page_id: int) -> bool:
         in_base = 0 <= page_id < self.num_pages and self._base._free_flags[page_id]
         return (in_base and page_id not in self._taken) or page_id in self._tail
+
+    def all_free(self, page_ids: Sequence[int]) -> bool:
+        return all(map(self.is_free, page_ids))
 
     def _assign(self, uuid: str, page_ids: list[int]) -> None:
         self._check_base()

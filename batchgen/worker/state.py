@@ -144,20 +144,23 @@ class WorkerState:
     num_submitted: int = 0
     # While a KV op is compared: each request it wrote -> that request as it was before the first write.
     written: dict[str, RequestState] | None = None
-    copy_on_write: bool = False  # a fork: requests are shared with the worker until written
+    copy_on_write: bool = False  # a fork: the request dict and each request are shared until written
 
     def edit(self, uuid: str) -> RequestState:
         """The live request ``uuid``, for the caller to mutate.
 
         KV ops write requests only through this and :meth:`remove`. While ``written`` is a
-        dict, the first write of a request records its prior state there; a copy-on-write
-        state (a fork) then swaps in a copy, so the shared request is never written.
-        Mutates ``written`` and, in a fork, ``requests``.
+        dict, the first write of a request records its prior state there. A copy-on-write
+        state (a fork) shares the worker's request dict until its first write, then takes a
+        copy of the dict, and swaps in a copy of each request it writes: the worker's
+        requests are never written. Mutates ``written`` and, in a fork, ``requests``.
         """
         req = self.requests[uuid]
         written = self.written
         if written is not None and uuid not in written:
             if self.copy_on_write:
+                if not written:  # the first write: stop sharing the request dict
+                    self.requests = dict(self.requests)
                 written[uuid] = req
                 self.requests[uuid] = req = req.copy()
             else:
