@@ -415,29 +415,25 @@ def test_compare_mode_sees_a_change_to_any_request_field_it_canonicalises():
         add_requests(requests, outputs, side, scope)
         return {**requests, **{f"out:{u}": e for u, e in outputs.items()}}
 
-    assert differing_requests(fork_target(target), target, []) == []
-
-    def flip(pending: dict, uuid: str) -> None:
-        if pending.pop(uuid, False) is False:
-            pending[uuid] = None
+    assert differing_requests(fork_target(target), target, [], set()) == []
 
     shown = set()
     changes = [(name, lambda fork, value=value, name=name: setattr(fork.state.edit("a"), name, value))
                for name, value in FIELD_CHANGES.items()]
-    changes.append(("pending append", lambda fork: flip(fork.pending_appends, "a")))
+    changes.append(("pending append", lambda fork: fork.drop_pending_append("a")))
     changes.append(("released", lambda fork: fork.state.remove("a")))
     for name, change in changes:
         fork = fork_target(target)
         change(fork)
-        assert differing_requests(fork, target, []) == ["a"], name
-        assert differing_requests(fork, target, ["b"]) == ["a"], name  # written alike on both sides
+        assert differing_requests(fork, target, [], set()) == ["a"], name
+        assert differing_requests(fork, target, ["b"], set()) == ["a"], name  # written alike on both sides
         before, after = entries(target)["a"], entries(fork).get("a", {})
         shown |= {key for key in before if before[key] != after.get(key)}
         assert entries(fork)["b"] == entries(target)["b"]
     assert shown == set(entries(target)["a"]), f"never checked: {set(entries(target)['a']) - shown}"
     fork = fork_target(target)
     fork.state.edit("a").output_ids = [7]  # not a KV field: the forward owns it
-    assert differing_requests(fork, target, []) == []
+    assert differing_requests(fork, target, [], set()) == []
 
 
 def test_a_fork_never_writes_the_worker_state_it_was_taken_from():
@@ -463,9 +459,21 @@ def test_a_request_only_the_worker_wrote_is_compared_against_the_state_the_fork_
     written = target.state.written = {}
     target.state.edit("a").phase = Phase.SWAPPED
     assert fork.state.requests["a"].phase is Phase.SWAPPED  # shared until detached
-    detach_fork(fork, written)
+    detach_fork(fork, written, set())
     assert fork.state.requests["a"].phase is Phase.RUNNING
-    assert differing_requests(fork, target, written) == ["a"]
+    assert differing_requests(fork, target, written, set()) == ["a"]
+
+
+def test_a_pending_append_dropped_on_one_side_only_is_compared_and_the_fork_drops_none_of_the_workers():
+    target = running_target("a", "b")
+    fork = fork_target(target)
+    fork.drop_pending_append("b")
+    assert list(target.pending_appends) == ["a", "b"] and not fork.has_pending_append("b")
+    target.dropped = set()
+    target.drop_pending_append("a")
+    detach_fork(fork, {}, target.dropped)
+    assert fork.has_pending_append("a") and not target.has_pending_append("a")
+    assert differing_requests(fork, target, [], target.dropped) == ["a", "b"]
 
 
 def test_the_worker_records_each_request_before_its_first_write_while_compared():

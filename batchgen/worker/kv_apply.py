@@ -209,7 +209,7 @@ def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
         target.host_kv.release_pages(uuid)
         target.state.outputs[uuid] = req.to_output()
     for uuid in plan.drop_pending_append_ids:
-        target.pending_appends.pop(uuid, None)
+        target.drop_pending_append(uuid)
 
 
 def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:

@@ -202,6 +202,7 @@ class KvCompare:
         state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
         gpu.pages.journal, host.pages.journal, host.copies = [], [], []
         written = self._written = state.written = {}
+        dropped = self.target.dropped = set()
         try:
             try:
                 result = call(self.authoritative)
@@ -217,14 +218,14 @@ class KvCompare:
             gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
             host_events, fork_host_events = _shared(host.journal, fork.host_kv.journal, canonical_events)
             copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
-            detach_fork(fork, written)
-            differing = differing_requests(fork, self.target, written)
+            detach_fork(fork, written, dropped)
+            differing = differing_requests(fork, self.target, written, dropped)
             _complete(shadow.canonical, fork, fork_gpu_events, fork_host_events, fork_copies, differing)
             mine = {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(self.target),
                     "pools": canonical_pools(self.target, [], []), "result": result}
             return result, _complete(mine, self.target, gpu_events, host_events, copies, differing)
         finally:
-            gpu.pages.journal = host.pages.journal = host.copies = state.written = None
+            gpu.pages.journal = host.pages.journal = host.copies = state.written = self.target.dropped = None
 
     def _context(self, op: str, request: Callable) -> tuple:
         """(op, request or None), before either path runs.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import operator
 from collections import ChainMap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence, Set
 from functools import partial
 from itertools import repeat
 from types import SimpleNamespace
@@ -33,44 +33,46 @@ _RELEASED = SimpleNamespace(**{name: None for name in KV_FIELDS})  # stands for 
 
 def fork_target(target: KvTarget) -> KvTarget:
     """A copy-on-write fork of ``target``: its request dict and requests shared until written
-    (``WorkerState.edit``), pools overlaid, pending appends copied (non-empty only before the flush).
-    Costs what the op on it writes; the original is never mutated through it."""
+    (``WorkerState.edit``), pools overlaid, pending appends shared with drops only recorded
+    (``KvTarget.drop_pending_append``). Costs what the op on it writes; the original is never
+    mutated through it."""
     state = target.state
     forked = WorkerState(step=state.step, requests=state.requests, stats=copy.copy(state.stats),
                          num_submitted=state.num_submitted, written={}, copy_on_write=True)
     gpu = target.gpu_kv.fork()
     host = target.host_kv.fork(gpu)
-    return KvTarget(forked, gpu, host, dict(target.pending_appends), target.model_config, target.cache_config,
-                    target.engine_config)
+    return KvTarget(forked, gpu, host, target.pending_appends, target.model_config, target.cache_config,
+                    target.engine_config, dropped=set(), shared_pending=True)
 
 
-def detach_fork(fork: KvTarget, written: Mapping[str, RequestState]) -> None:
-    """After the worker wrote ``written`` (uuid -> the request before its first write): let the fork's
-    requests read as its own post-state, where it shares them with the worker, by putting those prior
-    states in front (a ChainMap: nothing shared is written). Mutates ``fork.state.requests``."""
+def detach_fork(fork: KvTarget, written: Mapping[str, RequestState], dropped: Collection[str]) -> None:
+    """After the worker wrote ``written`` (uuid -> the request before its first write) and dropped the
+    pending appends ``dropped``: let the fork read as its own post-state where it shares state with the
+    worker, by putting those prior states in front (ChainMaps: nothing shared is written). Mutates
+    ``fork.state.requests`` and ``fork.pending_appends``."""
     own = fork.state.written
     prior = {uuid: before for uuid, before in written.items() if uuid not in own}
     if prior:
         fork.state.requests = ChainMap(prior, fork.state.requests)
+    if dropped:
+        fork.pending_appends = ChainMap(dict.fromkeys(dropped), fork.pending_appends)
 
 
-def differing_requests(fork: KvTarget, target: KvTarget, written: Iterable[str]) -> list[str]:
+def differing_requests(fork: KvTarget, target: KvTarget, written: Iterable[str], dropped: Set[str]) -> list[str]:
     """The requests whose ``canonical_kv`` entries may differ between two post-states of one op: ``fork``
-    (copy-on-write, its writes in ``fork.state.written``, detached: :func:`detach_fork`) and ``target``,
-    which wrote ``written``. Pure.
+    (copy-on-write, its writes in ``fork.state.written`` and ``fork.dropped``, detached: :func:`detach_fork`)
+    and ``target``, which wrote ``written`` and dropped the pending appends ``dropped``. Pure.
 
     A request neither side wrote is the same object on both; so only the written ones are checked
-    (one C-level field comparison each), plus pending appends and outputs when present. A request
-    left out has equal entries on both sides; one named may still turn out equal.
+    (one C-level field comparison each), those whose pending append one side dropped, and outputs
+    of released ones. A request left out has equal entries on both sides; one named may still turn
+    out equal.
     """
     candidates = list(dict.fromkeys([*written, *fork.state.written]))
     mine = map(_kv_fields, map(fork.state.requests.get, candidates, repeat(_RELEASED)))
     theirs = map(_kv_fields, map(target.state.requests.get, candidates, repeat(_RELEASED)))
     differing = [u for u, x, y in zip(candidates, mine, theirs) if x != y]
-    mine_pending, theirs_pending = fork.pending_appends, target.pending_appends
-    if mine_pending.keys() != theirs_pending.keys():  # C-level; non-empty only in poll and release
-        differing += [u for u in mine_pending if u not in theirs_pending]
-        differing += [u for u in theirs_pending if u not in mine_pending]
+    differing += sorted(fork.dropped ^ dropped)
     gone = [u for u in candidates if u not in fork.state.requests and u not in target.state.requests]
     differing += [u for u in gone if _output_key(fork, u) != _output_key(target, u)]
     return list(dict.fromkeys(differing))
@@ -158,13 +160,13 @@ def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Seque
                 "num_load_retries": req.num_load_retries, "swapped_step": req.swapped_step,
                 "finish_reason": req.finish_reason, "has_load": req.load_handle is not None,
                 "load_started_step": req.load_started_step,
-                "has_pending_append": u in target.pending_appends,
+                "has_pending_append": target.has_pending_append(u),
             }
         elif u in done:
             out = done[u]
             outputs[u] = {"phase": out.phase.value, "finish_reason": out.finish_reason,
                           "num_output_ids": len(out.output_ids),
-                          "has_pending_append": u in target.pending_appends}
+                          "has_pending_append": target.has_pending_append(u)}
 
 
 def classify(paths: tuple[str, ...]) -> str:

@@ -41,7 +41,7 @@ class LegacyKvPath:
         self.state = target.state
         self.gpu_kv = target.gpu_kv
         self.host_kv = target.host_kv
-        self._pending_kv_append_tensors = target.pending_appends
+        self._drop_pending_kv_append = target.drop_pending_append  # the one way to drop one (see KvTarget)
         self.cache_config = target.cache_config
         self.engine_config = target.engine_config
         self._kv_watermark_pages = math.ceil(self.cache_config.watermark * self.cache_config.num_gpu_pages)
@@ -92,7 +92,7 @@ class LegacyKvPath:
             req.drain_load()
             self.gpu_kv.release_pages(uuid)
             self.host_kv.release_pages(uuid)
-            self._pending_kv_append_tensors.pop(uuid, None)
+            self._drop_pending_kv_append(uuid)
             self.state.outputs[uuid] = req.to_output()
 
     # ---- evict -------------------------------------------------------------------

@@ -185,7 +185,7 @@ class ForkedPagePool:
     def __init__(self, base: PagePool):
         self._base = base
         self._base_version = base._version
-        self._base_num_free = base.num_free  # valid as long as the fork is (the base unchanged)
+        self._num_free = base.num_free
         self.name = base.name
         self.num_pages = base.num_pages
         self._cursor = base._head  # first base-queue index not yet consumed by the fork
@@ -198,7 +198,7 @@ class ForkedPagePool:
     def num_free(self) -> int:
         if self._base._version != self._base_version:  # _check_base, inlined: legacy alloc asks per request
             self._check_base()
-        return self._base_num_free - len(self._taken) + len(self._tail)
+        return self._num_free
 
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self.num_free
@@ -236,6 +236,7 @@ class ForkedPagePool:
         page_ids = list(self.pages_of(uuid))
         self._owned[uuid] = []
         if page_ids:
+            self._num_free += len(page_ids)
             self._tail.extend(page_ids)
             self.journal.append(PoolEvent("release", uuid, tuple(page_ids)))
         return page_ids
@@ -249,6 +250,7 @@ class ForkedPagePool:
 
     def _assign(self, uuid: str, page_ids: list[int]) -> None:
         self._check_base()
+        self._num_free -= len(page_ids)
         for page_id in page_ids:
             if page_id in self._tail:
                 self._tail.remove(page_id)
