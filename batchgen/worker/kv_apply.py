@@ -45,8 +45,10 @@ _uuids, _num_tokens, _gpu_page_ids = attrgetter("uuid"), attrgetter("num_tokens"
 _host_page_ids, _swapped_steps = attrgetter("host_page_ids"), attrgetter("swapped_step")
 
 
-RUNNING, SWAPPED, LOADING = Phase.RUNNING, Phase.SWAPPED, Phase.LOADING
+# Phases as module constants: ``Phase.X`` is a class attribute lookup of ~0.1 us, and these run per request.
+WAITING, RUNNING, SWAPPED, LOADING, FAILED = Phase.WAITING, Phase.RUNNING, Phase.SWAPPED, Phase.LOADING, Phase.FAILED
 NO_PAGES, NO_SWAPPED = PageColumns((), (), ()), SwappedColumns((), (), ())
+_ADMISSIBLE = (RUNNING, WAITING)  # phases a request may be allocated pages in
 
 
 def page_columns(scope: Sequence[RequestState]) -> PageColumns:
@@ -155,7 +157,7 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
     if {s.uuid for s in plan.steps} != set(observed):
         raise PlanRejected("PollPlan.steps", f"covers {sorted(s.uuid for s in plan.steps)}, observed {sorted(observed)}")
     for i, step in enumerate(plan.steps):
-        req = _request(target, f"PollPlan.steps[{i}].uuid", step.uuid, (Phase.LOADING,))
+        req = _request(target, f"PollPlan.steps[{i}].uuid", step.uuid, (LOADING,))
         if step.action is PollAction.COMPLETE and observed[step.uuid] is not None:
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load failed; cannot complete")
         if step.action is not PollAction.COMPLETE and observed[step.uuid] is None:
@@ -172,7 +174,7 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
             req.load_started_step = None
             target.host_kv.release_pages(step.uuid)
             req.host_page_ids = ()
-            req.phase = Phase.RUNNING
+            req.phase = RUNNING
             continue
         stats.load_failures += 1
         if step.action is PollAction.RETRY:
@@ -188,9 +190,9 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
         req.num_load_retries = 0
         req.load_started_step = None
         if step.action is PollAction.FAIL:
-            req.phase, req.finish_reason = Phase.FAILED, step.reason
+            req.phase, req.finish_reason = FAILED, step.reason
         else:
-            req.phase = Phase.WAITING
+            req.phase = WAITING
             stats.recompute_preemptions += 1
 
 
@@ -218,9 +220,12 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
         return
     _check_unique("EvictionPlan.victims", [v.uuid for v in plan.victims])
     granted: set[int] = set()
+    requests = target.state.requests
     for i, victim in enumerate(plan.victims):
         field = f"EvictionPlan.victims[{i}]"
-        req = _request(target, f"{field}.uuid", victim.uuid, (Phase.RUNNING,))
+        req = requests.get(victim.uuid)
+        if req is None or req.phase is not RUNNING:
+            _request(target, f"{field}.uuid", victim.uuid, (RUNNING,))  # raises, naming the problem
         if victim.gpu_page_ids != req.gpu_page_ids:
             raise PlanRejected(f"{field}.gpu_page_ids", f"{victim.gpu_page_ids} != page table {req.gpu_page_ids}")
         want = len(req.gpu_page_ids) if victim.destination is Destination.HOST else 0
@@ -234,12 +239,12 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
             target.host_kv.take_pages(victim.uuid, list(victim.host_page_ids))
             target.host_kv.store_from_gpu(victim.uuid, list(victim.gpu_page_ids))
             req.host_page_ids = victim.host_page_ids
-            req.phase = Phase.SWAPPED
+            req.phase = SWAPPED
             req.swapped_step = target.state.step
             stats.evictions += 1
         else:
             req.num_cached_tokens = 0
-            req.phase = Phase.WAITING
+            req.phase = WAITING
             stats.recompute_preemptions += 1
         target.gpu_kv.release_pages(victim.uuid)
         req.gpu_page_ids = ()
@@ -251,9 +256,12 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
         return
     _check_unique("MigrationPlan.loads", [load.uuid for load in plan.loads])
     granted: set[int] = set()
+    requests = target.state.requests
     for i, load in enumerate(plan.loads):
         field = f"MigrationPlan.loads[{i}]"
-        req = _request(target, f"{field}.uuid", load.uuid, (Phase.SWAPPED,))
+        req = requests.get(load.uuid)
+        if req is None or req.phase is not SWAPPED:
+            _request(target, f"{field}.uuid", load.uuid, (SWAPPED,))  # raises, naming the problem
         if load.host_page_ids != req.host_page_ids:
             raise PlanRejected(f"{field}.host_page_ids", f"{load.host_page_ids} != host page table {req.host_page_ids}")
         if len(load.gpu_page_ids) != len(req.host_page_ids):
@@ -265,7 +273,7 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
         req.gpu_page_ids = load.gpu_page_ids
         req.load_handle = target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))
         req.load_started_step = target.state.step
-        req.phase = Phase.LOADING
+        req.phase = LOADING
         req.num_load_retries = 0
         target.state.stats.loads += 1
 
@@ -282,7 +290,7 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) ->
     scheduled = set(batch)
     granted: set[int] = set()
     page_size = target.cache_config.page_size
-    requests, admissible = target.state.requests, (Phase.RUNNING, Phase.WAITING)
+    requests, admissible = target.state.requests, _ADMISSIBLE
     for i, grant in enumerate(plan.grants):  # field names are formatted only on the error paths (hot loop)
         if grant.uuid not in scheduled:
             raise PlanRejected(f"AllocPlan.grants[{i}].uuid", f"{grant.uuid!r} is not scheduled this step")
@@ -302,12 +310,12 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) ->
     for uuid in batch:
         if uuid not in covered:
             req = requests.get(uuid)
-            if req is None or req.num_tokens > len(req.gpu_page_ids) * page_size or req.phase is not Phase.RUNNING:
+            if req is None or req.num_tokens > len(req.gpu_page_ids) * page_size or req.phase is not RUNNING:
                 raise PlanRejected("AllocPlan.grants", f"scheduled request {uuid!r} needs pages and has no grant")
     for grant in plan.grants:
         req = target.state.edit(grant.uuid)
         if grant.new_page_ids:
             target.gpu_kv.take_pages(grant.uuid, list(grant.new_page_ids))
             req.gpu_page_ids += grant.new_page_ids
-        req.phase = Phase.RUNNING
+        req.phase = RUNNING
     return [uuid for uuid in batch if uuid not in left_out] if left_out else list(batch)
