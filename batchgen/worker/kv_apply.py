@@ -67,10 +67,11 @@ class PlanKvPath:
 
     name = "plan"
 
-    def __init__(self, target: KvTarget):
+    def __init__(self, target: KvTarget, geometry: KvGeometry | None = None):
+        """``geometry``: the target's (``geometry_of``), when the caller has it already."""
         self.target = target
         self.manager = KVCacheManager(gpu_kv=target.gpu_kv, host_kv=target.host_kv)
-        self.geometry = geometry_of(target)
+        self.geometry = geometry or geometry_of(target)
 
     def snapshot(self) -> KvSnapshot:
         target = self.target

@@ -180,7 +180,10 @@ class KvCompare:
         """The shadow path on a fork. Its canonical form's requests, outputs, pool journals and copies
         are left for the authoritative step to fill in, once both post-states exist. Sets ``_shadow_run``."""
         fork = fork_target(self.target)
-        path = _RecordingPlanKvPath(fork) if self.shadow_path == "plan" else build_kv_path(self.shadow_path, fork)
+        if self.shadow_path == "plan":
+            path = _RecordingPlanKvPath(fork, self._requests.geometry)
+        else:
+            path = build_kv_path(self.shadow_path, fork)
         try:
             result = call(path)
         finally:

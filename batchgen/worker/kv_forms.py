@@ -8,7 +8,6 @@ divergence record, so a replayed op is judged exactly as the live one was.
 
 from __future__ import annotations
 
-import copy
 import operator
 from collections import ChainMap
 from collections.abc import Collection, Iterable, Mapping, Sequence, Set
@@ -37,7 +36,7 @@ def fork_target(target: KvTarget) -> KvTarget:
     (``KvTarget.drop_pending_append``). Costs what the op on it writes; the original is never
     mutated through it."""
     state = target.state
-    forked = WorkerState(step=state.step, requests=state.requests, stats=copy.copy(state.stats),
+    forked = WorkerState(step=state.step, requests=state.requests, stats=state.stats.copy(),
                          num_submitted=state.num_submitted, written={}, copy_on_write=True)
     gpu = target.gpu_kv.fork()
     host = target.host_kv.fork(gpu)

@@ -134,6 +134,12 @@ class WorkerStats:
     peak_gpu_pages: int = 0
     peak_host_pages: int = 0
 
+    def copy(self) -> "WorkerStats":
+        return WorkerStats(*_stats_fields(self))
+
+
+_stats_fields = attrgetter(*(f.name for f in fields(WorkerStats)))
+
 
 @dataclass(slots=True)
 class WorkerState:
