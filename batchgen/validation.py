@@ -27,28 +27,27 @@ reference allows near-ties (``output_check``); the fresh run batches exactly
 like a shared one, so it must match token for token, counters included.
 
 Every compare run appends its divergences and its ``RunSummary`` to one log,
-``divergences.jsonl`` in the reports directory (emptied first); the markdown,
-JUnit and JSON reports are rendered from it by ``compare.report``.
+``divergences.jsonl`` in the reports directory (emptied first); the markdown, JUnit
+and JSON reports are rendered from it by ``compare.report`` (``batchgen.validation_report``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from compare import DivergenceRecord, Report, RunSummary, aggregate, read_log, write_atomic
-from compare.report import render_json, render_junit, render_markdown
+from compare import DivergenceRecord, RunSummary, aggregate, read_log
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
 from batchgen.runner import RunResult, run_workload
+from batchgen.validation_report import (DIRECTIONS, REPORT_FILES, KvDirection, ValidationReport, ValidationRun,
+                                        reports_directory, write_reports)
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.worker import RequestError, Worker
 from batchgen.workloads import BUILTIN_WORKLOADS, Workload, WorkloadError, load_workload
@@ -57,101 +56,10 @@ from batchgen.workloads import BUILTIN_WORKLOADS, Workload, WorkloadError, load_
 BACK_TO_BACK_WORKLOADS = ("L2-2048", "L2-4096")
 # Counters that must match between a shared and the fresh L2-4096 run (peaks are lifetime maxima, so not these).
 SAME_RUN_COUNTERS = ("steps", "evictions", "loads", "load_failures", "recompute_preemptions", "tokens_generated")
-# Report kind -> file name in the reports directory; the log comes first, the rest are rendered from it.
-REPORT_FILES = {"jsonl": "divergences.jsonl", "md": "divergences.md", "junit": "divergences.xml",
-                "json": "divergences.json"}
-_RENDERERS = {"md": render_markdown, "junit": render_junit, "json": render_json}
 _MAX_NAMED_PATHS = 3  # field paths a divergence failure line names
 
 # on_progress(label of the run, requests released, requests in the workload)
 ProgressCallback = Callable[[str, int, int], None]
-
-
-@dataclass(frozen=True, slots=True)
-class KvDirection:
-    """One compare-mode configuration: the path that serves and the path shadowed on forks."""
-
-    authoritative: str
-    shadow: str
-
-    @property
-    def role(self) -> str:
-        return f"{self.authoritative}/{self.shadow}"
-
-    @property
-    def is_noise_check(self) -> bool:
-        """A/A: the shadow is the authoritative path itself, so a divergence is harness noise."""
-        return self.authoritative == self.shadow
-
-
-DIRECTIONS = (KvDirection("legacy", "plan"), KvDirection("plan", "legacy"), KvDirection("plan", "plan"))
-
-
-@dataclass(frozen=True, slots=True)
-class ValidationRun:
-    """One run of the validation: who ran what, and ``RunResult.summary()`` of it (plus its compare counts)."""
-
-    role: str  # a direction's role ("legacy/plan", ...), "reference" or "fresh"
-    workload: str
-    summary: dict
-    kv_path: str = "plan"  # the authoritative path
-    shadow_path: str | None = None  # None: compare mode off
-
-    @property
-    def label(self) -> str:
-        return f"{self.workload} {self.role}"
-
-    def to_dict(self) -> dict:
-        return {"role": self.role, "kv_path": self.kv_path, "shadow_path": self.shadow_path, **self.summary}
-
-
-@dataclass(frozen=True)
-class ValidationReport:
-    """The verdict: ``ok`` when ``failures`` is empty; each failure names the run and what failed."""
-
-    cache: CacheConfig  # the shared (and fresh) workers' pool
-    near_tie_tolerance: float
-    workloads: tuple[str, ...]
-    runs: tuple[ValidationRun, ...]
-    failures: list[str]
-    compare: Report  # aggregated over every compare run's log records
-    reports: dict[str, str]  # report kind -> file written; empty when no reports directory was given
-    wall_s: float
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict of the whole report."""
-        compare = self.compare
-        return {
-            "ok": self.ok,
-            "failures": list(self.failures),
-            "workloads": list(self.workloads),
-            "directions": [direction.role for direction in DIRECTIONS],
-            "divergences": compare.num_divergences,
-            "divergences_by_op": {stats.op: stats.num_divergences for stats in compare.ops},
-            "steps_compared": {stats.op: stats.num_compared for stats in compare.ops},
-            "harness_errors": compare.num_harness_errors,
-            "compare_seconds": round(compare.compare_seconds, 3),
-            "authoritative_seconds": round(compare.authoritative_seconds, 3),
-            "compare_overhead": compare_overhead(compare),
-            "leaked_gpu_pages": sum(run.summary["leaked_gpu_pages"] for run in self.runs),
-            "leaked_host_pages": sum(run.summary["leaked_host_pages"] for run in self.runs),
-            "cache": self.cache.model_dump(),
-            "near_tie_tolerance": self.near_tie_tolerance,
-            "runs": [run.to_dict() for run in self.runs],
-            "reports": dict(self.reports),
-            "wall_s": round(self.wall_s, 3),
-        }
-
-
-def compare_overhead(report: Report) -> float | None:
-    """Harness time over authoritative time on compared steps (None before anything was compared)."""
-    if report.authoritative_seconds <= 0:
-        return None
-    return round(report.compare_seconds / report.authoritative_seconds, 3)
 
 
 def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: str | torch.device = "cpu",
@@ -172,7 +80,7 @@ def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: s
     dtype = _dtype_name(model)
     cache = workloads[-1].cache.model_copy(update={"dtype": dtype})
     tolerance = NEAR_TIE_TOLERANCES[dtype]
-    with _reports_directory(reports_dir) as directory:
+    with reports_directory(reports_dir) as directory:
         sources = {workload.name: _source(spec) for spec, workload in zip(BACK_TO_BACK_WORKLOADS, workloads)}
         session = _Session(model, device, directory / REPORT_FILES["jsonl"], sources, on_progress)
         for direction in DIRECTIONS:
@@ -185,29 +93,6 @@ def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: s
     return ValidationReport(cache=cache, near_tie_tolerance=tolerance, workloads=tuple(w.name for w in workloads),
                             runs=tuple(session.runs), failures=list(session.failures), compare=compare,
                             reports=written, wall_s=time.perf_counter() - started)
-
-
-def write_reports(directory: Path, compare: Report) -> dict[str, str]:
-    """Render ``compare`` next to its log in ``directory``, each file replaced atomically; kind -> path."""
-    written = {"jsonl": str(directory / REPORT_FILES["jsonl"])}
-    for kind, render in _RENDERERS.items():
-        path = directory / REPORT_FILES[kind]
-        write_atomic(path, render(compare))
-        written[kind] = str(path)
-    return written
-
-
-@contextlib.contextmanager
-def _reports_directory(reports_dir: str | Path | None) -> Iterator[Path]:
-    """``reports_dir`` (created, its old log removed), or a temporary directory for the log alone."""
-    if reports_dir is None:
-        with tempfile.TemporaryDirectory(prefix="batchgen-validate-") as temporary:
-            yield Path(temporary)
-        return
-    directory = Path(reports_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / REPORT_FILES["jsonl"]).unlink(missing_ok=True)
-    yield directory
 
 
 @dataclass
@@ -287,7 +172,7 @@ class _Session:
                                  f"{_first_line(error)}")
             self.end_compare_run(label, worker, direction)
             return None
-        self.runs.append(_validation_run(role, workload.name, result, direction))
+        self.runs.append(ValidationRun.from_result(role, workload.name, result, direction))
         if result.compare_summary is not None:
             self.check_divergences(label, direction, result.compare_summary)
         return result
@@ -364,19 +249,6 @@ class _Session:
             return None
         return next((record for record in read_log(self.log).records
                      if isinstance(record, DivergenceRecord) and record.run_id == run_id), None)
-
-
-def _validation_run(role: str, workload: str, result: RunResult, direction: KvDirection | None) -> ValidationRun:
-    """The run's summary under its workload's own name, with its compare counts in compare mode."""
-    summary = {**result.summary(), "workload": workload}
-    compared = result.compare_summary
-    if compared is not None:
-        summary |= {"steps_compared": dict(compared.steps_compared),
-                    "divergences": sum(compared.divergences.values()),
-                    "divergences_by_op": dict(compared.divergences), "harness_errors": compared.harness_errors}
-    if direction is None:
-        return ValidationRun(role, workload, summary)
-    return ValidationRun(role, workload, summary, kv_path=direction.authoritative, shadow_path=direction.shadow)
 
 
 def _describe(record: DivergenceRecord | None) -> str:

@@ -8,13 +8,14 @@ after ``gc.collect()`` at the last step is within ``--max-rss-ratio`` (1.05) of
 the one at ``--rss-from-step`` (100). Exit status 1 when a ratio is over or a
 mode fails (an exception, or ``Worker.check_integrity()`` failing at the end).
 
-The workload (``pressure_workload``, details there): every request arrives at
-step 0; one in 256 is a long-context anchor that holds its share of ~97% of the
-GPU pool for the whole run, the rest are short decode-heavy requests that ask
-for 1.2x the room the anchors leave; the host pool is 1/1000 of the GPU pool.
-Decode growth keeps evicting the youngest requests to host, or to recompute
-when the host pool is full, and finishes let them back. The driver
-(``ScaleRun``) keeps the live set at ``--requests``: after each step it takes
+The workload (``pressure_workload`` in ``scale_workload.py``, details there):
+every request arrives at step 0; one in 256 is a long-context anchor that holds
+its share of ~97% of the GPU pool for the whole run, the rest are short
+decode-heavy requests that ask for 1.2x the room the anchors leave; the host
+pool is 1/1000 of the GPU pool. Decode growth keeps evicting the youngest
+requests to host, or to recompute when the host pool is full, and finishes let
+them back. The driver (``ScaleRun`` in ``scale_run.py``, which also times each
+step) keeps the live set at ``--requests``: after each step it takes
 the released outputs out of the worker, as a client collecting results would
 (the worker itself keeps every output it ever released), and refills each slot
 with its next generation (``s17.g3``). ``max_num_seqs`` equals ``--requests``
@@ -40,246 +41,35 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import contextlib
-import gc
 import io
 import json
-import math
 import os
 import platform
 import pstats
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig, ModelConfig
-from batchgen.model.null_model import NullModel
 from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.worker import Worker
-from batchgen.workloads import Workload, WorkloadRequest
+from scale_run import KV_PHASES, WORKER_PHASES, ScaleRun, resident_bytes
+from scale_workload import pressure_workload
 
 MODES = ("legacy", "plan", "compare")
-PAGE_SIZE = 16
-WATERMARK = 0.02
-OVERCOMMIT = 1.2  # crowd demand / GPU pages the anchors leave
-PROMPT_TOKENS = (1, 8)  # crowd requests, inclusive ranges
-NEW_TOKENS = (16, 80)
-ANCHOR_NEW_TOKENS = 100_000  # longer than any run: anchors hold their pages throughout
 RSS_EVERY = 100  # steps between resident-set readings
 
 
-# ---- the workload -------------------------------------------------------------------------
-def num_anchors(num_requests: int) -> int:
-    """Long-context requests in a workload of ``num_requests``: the first ones, 1 in 256."""
-    return max(1, num_requests // 256)
-
-
-def pressure_workload(num_requests: int, num_gpu_pages: int, *, seed: int = 0, vocab_size: int = 512) -> Workload:
-    """``num_requests`` requests at step 0: a few anchors that fill the GPU pool, and a crowd.
-
-    ::
-
-        GPU pool  [ anchors: long prompts, never finish ........ | crowd room | watermark ]
-        crowd     prompts 1-8 tokens, outputs 16-80: asks for 1.2x the crowd room
-        host pool num_gpu_pages // 1000 pages
-
-    Why anchors: a step evicts only when its decode pages outgrow the pages released
-    by finishes, and a request releases prompt + output tokens for the output tokens
-    it decoded. Requests short enough to reach a steady state (memory included) well
-    before step 100 could not fill 1M pages with prompts and still evict; so anchors
-    hold the pool and a decode-heavy crowd fights over the rest. The crowd room is
-    sized from the crowd's time-averaged page demand. Anchors share one prompt.
-    """
-    rng = random.Random(f"scale:{seed}")
-    usable = num_gpu_pages - math.ceil(WATERMARK * num_gpu_pages)
-    n_anchors = num_anchors(num_requests)
-    crowd = [(rng.randint(*PROMPT_TOKENS), rng.randint(*NEW_TOKENS)) for _ in range(num_requests - n_anchors)]
-    # time-averaged pages of a crowd slot: each template weighted by how long it lives
-    slot_pages = sum(-(-(p + age + 1) // PAGE_SIZE) for p, new in crowd for age in range(new)) / sum(n for _, n in crowd)
-    anchor_pages = (usable - round(len(crowd) * slot_pages / OVERCOMMIT)) // n_anchors
-    if anchor_pages < 1:
-        raise ValueError(f"{num_gpu_pages} GPU pages cannot hold the crowd of {len(crowd)} requests "
-                         f"({len(crowd) * slot_pages:.0f} pages); give more pages or fewer requests")
-    tokens = [rng.randrange(1, vocab_size) for _ in range(anchor_pages * PAGE_SIZE)]
-    anchor_new = min(ANCHOR_NEW_TOKENS, (usable - anchor_pages) * PAGE_SIZE)
-    requests = [WorkloadRequest(uuid=f"s{i}.g0", prompt_ids=tokens, max_new_tokens=anchor_new)
-                for i in range(n_anchors)]
-    for i, (prompt_len, max_new) in enumerate(crowd, start=n_anchors):
-        start = rng.randrange(len(tokens) - prompt_len)
-        requests.append(WorkloadRequest(uuid=f"s{i}.g0", prompt_ids=tokens[start:start + prompt_len],
-                                        max_new_tokens=max_new))
-    cache = CacheConfig(page_size=PAGE_SIZE, num_gpu_pages=num_gpu_pages, num_host_pages=num_gpu_pages // 1000,
-                        watermark=WATERMARK)
-    engine = EngineConfig(max_num_seqs=num_requests,
-                          max_num_batched_tokens=sum(len(r.prompt_ids) for r in requests))  # step 0 admits all
-    return Workload(name=f"scale-{num_requests}x{num_gpu_pages}", seed=seed, cache=cache, engine=engine,
-                    requests=requests)
-
-
-def scale_model(workload: Workload, vocab_size: int = 512) -> ModelConfig:
-    """The tiny model's geometry with a context long enough for every request."""
-    context = 1 << (workload.max_context - 1).bit_length()
-    return TINY_MODELS["tiny"].model_copy(update={"vocab_size": vocab_size, "max_context": context})
-
-
+# ---- one mode (child process) ----------------------------------------------------------------
 def gate_for(mode: str, compare_log: str) -> KvGateConfig:
     if mode == "compare":
         return KvGateConfig(path="plan", compare="log", compare_log=compare_log)
     return KvGateConfig(path=mode)
 
 
-# ---- measuring ------------------------------------------------------------------------------
-def resident_bytes() -> int:
-    """This process's resident set now (Linux ``/proc/self/statm``), after a full collection."""
-    gc.collect()
-    with open("/proc/self/statm", encoding="ascii") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-# phase of a step -> the worker method it times (KV ops first: their sum is the KV-op time)
-KV_PHASES = {"poll": "_kv_poll", "release": "_kv_release", "evict": "_kv_evict", "migrate": "_kv_migrate",
-             "alloc": "_kv_allocate"}
-WORKER_PHASES = {"observe_loads": "_observe_loads", "flush_appends": "_flush_pending_kv_appends",
-                 "schedule": "_schedule", "forward_sample": "_forward_and_sample", "record_peaks": "_record_peaks"}
-
-
-class PhaseTimer:
-    """Seconds per phase of the worker's steps: its KV ops, its other methods, the cyclic collector.
-
-    ``attach`` shadows the timed methods with instance attributes (the worker's
-    class is untouched); collections are counted only inside ``measuring()``,
-    which holds a ``gc`` callback for its duration.
-    """
-
-    def __init__(self):
-        self.seconds = dict.fromkeys([*KV_PHASES, *WORKER_PHASES, "gc"], 0.0)
-        self._gc_started = 0.0
-
-    def attach(self, worker: Worker) -> None:
-        """Mutates ``worker``: its timed methods become timing wrappers."""
-        for phase, name in {**KV_PHASES, **WORKER_PHASES}.items():
-            setattr(worker, name, self._timed(phase, getattr(worker, name)))
-
-    @contextlib.contextmanager
-    def measuring(self):
-        gc.callbacks.append(self._on_gc)
-        try:
-            yield
-        finally:
-            gc.callbacks.remove(self._on_gc)
-
-    def step_seconds(self) -> float:
-        """Seconds in the timed methods (a collection inside one is part of it)."""
-        return sum(s for phase, s in self.seconds.items() if phase != "gc")
-
-    def kv_seconds(self) -> float:
-        return sum(self.seconds[phase] for phase in KV_PHASES)
-
-    def _timed(self, phase: str, call):
-        def timed(*args):
-            started = time.perf_counter()
-            try:
-                return call(*args)
-            finally:
-                self.seconds[phase] += time.perf_counter() - started
-        return timed
-
-    def _on_gc(self, event: str, info: dict) -> None:
-        if event == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            self.seconds["gc"] += time.perf_counter() - self._gc_started
-
-
-@dataclass
-class StepSeries:
-    """Per-step figures of one run, in step order."""
-
-    step_s: list[float] = field(default_factory=list)
-    kv_s: list[float] = field(default_factory=list)
-    client_s: list[float] = field(default_factory=list)  # collecting outputs and refilling slots
-    num_served: list[int] = field(default_factory=list)
-    gpu_pages_used: list[int] = field(default_factory=list)
-    host_pages_used: list[int] = field(default_factory=list)
-    rss_bytes: dict[int, int] = field(default_factory=dict)  # step -> resident set after gc
-
-
-class ScaleRun:
-    """A worker kept at ``len(workload.requests)`` live requests; ``step()`` runs one step.
-
-    Keeps the workload's requests as ``Request`` templates (one tuple per distinct
-    prompt), not the workload itself, so its lists do not inflate the resident set.
-
-    Mutates its worker: refills each released request's slot with the next generation
-    of that slot, a request drawn (seeded) from the workload, and removes the released
-    output from ``worker.state.outputs`` (``drain_outputs=False`` keeps them all).
-    """
-
-    def __init__(self, workload: Workload, gate: KvGateConfig, *, drain_outputs: bool = True):
-        prompts: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct prompt (the anchors')
-        self.templates = [replace(r, prompt_ids=prompts.setdefault(r.prompt_ids, r.prompt_ids))
-                          for r in (w.to_request() for w in workload.requests)]
-        self.num_anchors = num_anchors(len(self.templates))
-        self.worker = Worker(NullModel(scale_model(workload)), cache_config=workload.cache,
-                             engine_config=workload.engine, kv_gate=gate, kv_storage=False)
-        self.timer = PhaseTimer()
-        self.timer.attach(self.worker)
-        self.drain_outputs = drain_outputs
-        self.rng = random.Random(f"refill:{workload.seed}")
-        self.generation = [0] * len(self.templates)
-        self.num_finished = 0
-        self.num_kept = 0  # outputs left in the worker (drain_outputs=False)
-        self.series = StepSeries()
-        if self.worker.kv_compare is not None:
-            self.worker.kv_compare.begin_run(workload.name, seed=workload.seed)
-        for request in self.templates:
-            self.worker.add_request(request)
-
-    def step(self) -> None:
-        """One worker step, then the client's turn: collect outputs, refill their slots."""
-        worker, series = self.worker, self.series
-        kv_before, tokens_before = self.timer.kv_seconds(), worker.state.stats.tokens_generated
-        with self.timer.measuring():
-            started = time.perf_counter()
-            worker.step()
-            series.step_s.append(time.perf_counter() - started)
-        series.kv_s.append(self.timer.kv_seconds() - kv_before)
-        series.num_served.append(worker.state.stats.tokens_generated - tokens_before)
-        series.gpu_pages_used.append(worker.gpu_kv.num_pages - worker.gpu_kv.free_pages())
-        series.host_pages_used.append(worker.host_kv.num_pages - worker.host_kv.free_pages())
-        started = time.perf_counter()
-        self._refill()
-        series.client_s.append(time.perf_counter() - started)
-
-    def _refill(self) -> None:
-        released = list(self.worker.state.outputs)[self.num_kept:]  # outputs keep release order
-        if self.drain_outputs:
-            self.worker.take_outputs(released)
-        for uuid in released:
-            slot = self._slot(uuid)
-            self.generation[slot] += 1
-            if slot < self.num_anchors:  # only past ANCHOR_NEW_TOKENS steps
-                template = self.templates[slot]
-            else:
-                template = self.templates[self.rng.randrange(self.num_anchors, len(self.templates))]
-            self.worker.add_request(replace(template, uuid=f"s{slot}.g{self.generation[slot]}"))
-        self.num_finished += len(released)
-        if not self.drain_outputs:
-            self.num_kept += len(released)
-
-    @staticmethod
-    def _slot(uuid: str) -> int:
-        return int(uuid[1:uuid.index(".")])
-
-
-# ---- one mode (child process) ----------------------------------------------------------------
 def run_mode(mode: str, *, num_requests: int, num_gpu_pages: int, num_steps: int, rss_from_step: int,
              seed: int = 0, drain_outputs: bool = True, profile_top: int = 0) -> dict:
     """Run ``num_steps`` steps of the pressure workload in ``mode``; returns the figures as a dict."""
@@ -437,12 +227,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma list of {', '.join(MODES)} (default all; compare = plan shadowed by legacy, log)")
     parser.add_argument("--requests", type=int, default=4096, help="live requests and max_num_seqs (default 4096)")
-    parser.add_argument("--gpu-pages", type=int, default=1_000_000, help="GPU pool pages; the host pool is 1/1000 of it (default 1,000,000)")
+    parser.add_argument("--gpu-pages", type=int, default=1_000_000,
+                        help="GPU pool pages; the host pool is 1/1000 of it (default 1,000,000)")
     parser.add_argument("--steps", type=int, default=300,
                         help="steps run per mode, exactly (default 300; the issue's figure is 1000)")
     parser.add_argument("--rss-from-step", type=int, default=100,
                         help="step whose resident set the last step's is compared with (default 100)")
-    parser.add_argument("--max-rss-ratio", type=float, default=1.05, help="allowed RSS(last) / RSS(first) (default 1.05)")
+    parser.add_argument("--max-rss-ratio", type=float, default=1.05,
+                        help="allowed RSS(last) / RSS(first) (default 1.05)")
     parser.add_argument("--seed", type=int, default=0, help="workload and refill seed (default 0)")
     parser.add_argument("--keep-outputs", action="store_true",
                         help="leave released outputs in the worker (measures what keeping them costs)")

@@ -16,19 +16,23 @@ import pytest
 
 from batchgen.worker.kv_gate import KvGateConfig
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "scale_check.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT = SCRIPTS / "scale_check.py"
 SMALL = ["--requests", "512", "--gpu-pages", "100000", "--steps", "150", "--rss-from-step", "50"]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("scale_check", SCRIPT)
+def load_script_module(name: str):
+    """Import ``scripts/<name>.py`` as module ``name``; mutates ``sys.modules``, where dataclasses and the
+    scripts' imports of each other look it up (so load a module after the ones it imports)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["scale_check"] = module  # dataclasses look their module up
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-scale_check = load_script()
+scale_workload = load_script_module("scale_workload")
+scale_run = load_script_module("scale_run")  # imports scale_workload
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -36,10 +40,10 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_workload_fills_the_gpu_pool_with_anchors_and_overcommits_the_room_they_leave():
-    workload = scale_check.pressure_workload(512, 100_000)
+    workload = scale_workload.pressure_workload(512, 100_000)
     cache = workload.cache
     anchors, crowd = workload.requests[:2], workload.requests[2:]
-    assert (len(workload.requests), scale_check.num_anchors(512)) == (512, 2)
+    assert (len(workload.requests), scale_workload.num_anchors(512)) == (512, 2)
     assert workload.engine.max_num_seqs == 512 and cache.num_host_pages == 100
     assert anchors[0].prompt_ids == anchors[1].prompt_ids
     usable = cache.num_gpu_pages - 2000  # watermark 0.02
@@ -50,7 +54,7 @@ def test_the_workload_fills_the_gpu_pool_with_anchors_and_overcommits_the_room_t
 
 
 def test_a_scale_run_refills_every_released_slot_and_keeps_the_pools_consistent():
-    run = scale_check.ScaleRun(scale_check.pressure_workload(64, 10_000), KvGateConfig(path="plan"))
+    run = scale_run.ScaleRun(scale_workload.pressure_workload(64, 10_000), KvGateConfig(path="plan"))
     for _ in range(100):
         run.step()
         assert len(run.worker.state.requests) == 64

@@ -18,7 +18,8 @@ from compare import DivergenceRecord, RunSummary, read_log
 from batchgen.cli import main
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
-from batchgen.validation import DIRECTIONS, REPORT_FILES, validate_back_to_back
+from batchgen.validation import validate_back_to_back
+from batchgen.validation_report import DIRECTIONS, REPORT_FILES
 from batchgen.worker.kv_backends import GpuKvPool
 from batchgen.worker.kv_plans import AllocPlan, PageGrant, PollAction, PollPlan, PollStep
 from batchgen.workloads import Workload, WorkloadRequest

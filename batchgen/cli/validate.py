@@ -9,7 +9,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from batchgen.validation import DIRECTIONS, ValidationReport, compare_overhead, validate_back_to_back
+from batchgen.validation import validate_back_to_back
+from batchgen.validation_report import DIRECTIONS, ValidationReport, compare_overhead
 from batchgen.cli.common import (
     COMPARE_ROWS, EXIT_FAILED, EXIT_OK, VALIDATION_ROWS, add_model_args, add_output_args, add_scale_arg,
     by_op, cell, context, model_from_args, progress_bar, progress_callback,

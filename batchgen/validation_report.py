@@ -1,0 +1,148 @@
+"""What the back-to-back validation (``batchgen.validation``) reports, and the report files it writes.
+
+Holds the compare-mode directions it runs (``KvDirection``, ``DIRECTIONS``), one
+run's record (``ValidationRun``), the verdict (``ValidationReport``), and the
+reports directory: the divergence log and the markdown, JUnit and JSON reports
+rendered from it by ``compare.report`` (``REPORT_FILES``, ``write_reports``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from compare import Report, write_atomic
+from compare.report import render_json, render_junit, render_markdown
+from batchgen.config import CacheConfig
+from batchgen.runner import RunResult
+
+# Report kind -> file name in the reports directory; the log comes first, the rest are rendered from it.
+REPORT_FILES = {"jsonl": "divergences.jsonl", "md": "divergences.md", "junit": "divergences.xml",
+                "json": "divergences.json"}
+_RENDERERS = {"md": render_markdown, "junit": render_junit, "json": render_json}
+
+
+@dataclass(frozen=True, slots=True)
+class KvDirection:
+    """One compare-mode configuration: the path that serves and the path shadowed on forks."""
+
+    authoritative: str
+    shadow: str
+
+    @property
+    def role(self) -> str:
+        return f"{self.authoritative}/{self.shadow}"
+
+    @property
+    def is_noise_check(self) -> bool:
+        """A/A: the shadow is the authoritative path itself, so a divergence is harness noise."""
+        return self.authoritative == self.shadow
+
+
+DIRECTIONS = (KvDirection("legacy", "plan"), KvDirection("plan", "legacy"), KvDirection("plan", "plan"))
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationRun:
+    """One run of the validation: who ran what, and ``RunResult.summary()`` of it (plus its compare counts)."""
+
+    role: str  # a direction's role ("legacy/plan", ...), "reference" or "fresh"
+    workload: str
+    summary: dict
+    kv_path: str = "plan"  # the authoritative path
+    shadow_path: str | None = None  # None: compare mode off
+
+    @classmethod
+    def from_result(cls, role: str, workload: str, result: RunResult, direction: KvDirection | None) -> ValidationRun:
+        """The run's summary under its workload's own name, with its compare counts in compare mode."""
+        summary = {**result.summary(), "workload": workload}
+        compared = result.compare_summary
+        if compared is not None:
+            summary |= {"steps_compared": dict(compared.steps_compared),
+                        "divergences": sum(compared.divergences.values()),
+                        "divergences_by_op": dict(compared.divergences), "harness_errors": compared.harness_errors}
+        if direction is None:
+            return cls(role, workload, summary)
+        return cls(role, workload, summary, kv_path=direction.authoritative, shadow_path=direction.shadow)
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload} {self.role}"
+
+    def to_dict(self) -> dict:
+        return {"role": self.role, "kv_path": self.kv_path, "shadow_path": self.shadow_path, **self.summary}
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """The verdict: ``ok`` when ``failures`` is empty; each failure names the run and what failed."""
+
+    cache: CacheConfig  # the shared (and fresh) workers' pool
+    near_tie_tolerance: float
+    workloads: tuple[str, ...]
+    runs: tuple[ValidationRun, ...]
+    failures: list[str]
+    compare: Report  # aggregated over every compare run's log records
+    reports: dict[str, str]  # report kind -> file written; empty when no reports directory was given
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of the whole report."""
+        compare = self.compare
+        return {
+            "ok": self.ok,
+            "failures": list(self.failures),
+            "workloads": list(self.workloads),
+            "directions": [direction.role for direction in DIRECTIONS],
+            "divergences": compare.num_divergences,
+            "divergences_by_op": {stats.op: stats.num_divergences for stats in compare.ops},
+            "steps_compared": {stats.op: stats.num_compared for stats in compare.ops},
+            "harness_errors": compare.num_harness_errors,
+            "compare_seconds": round(compare.compare_seconds, 3),
+            "authoritative_seconds": round(compare.authoritative_seconds, 3),
+            "compare_overhead": compare_overhead(compare),
+            "leaked_gpu_pages": sum(run.summary["leaked_gpu_pages"] for run in self.runs),
+            "leaked_host_pages": sum(run.summary["leaked_host_pages"] for run in self.runs),
+            "cache": self.cache.model_dump(),
+            "near_tie_tolerance": self.near_tie_tolerance,
+            "runs": [run.to_dict() for run in self.runs],
+            "reports": dict(self.reports),
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+def compare_overhead(report: Report) -> float | None:
+    """Harness time over authoritative time on compared steps (None before anything was compared)."""
+    if report.authoritative_seconds <= 0:
+        return None
+    return round(report.compare_seconds / report.authoritative_seconds, 3)
+
+
+def write_reports(directory: Path, compare: Report) -> dict[str, str]:
+    """Render ``compare`` next to its log in ``directory``, each file replaced atomically; kind -> path."""
+    written = {"jsonl": str(directory / REPORT_FILES["jsonl"])}
+    for kind, render in _RENDERERS.items():
+        path = directory / REPORT_FILES[kind]
+        write_atomic(path, render(compare))
+        written[kind] = str(path)
+    return written
+
+
+@contextlib.contextmanager
+def reports_directory(reports_dir: str | Path | None) -> Iterator[Path]:
+    """``reports_dir`` (created, its old log removed), or a temporary directory for the log alone."""
+    if reports_dir is None:
+        with tempfile.TemporaryDirectory(prefix="batchgen-validate-") as temporary:
+            yield Path(temporary)
+        return
+    directory = Path(reports_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / REPORT_FILES["jsonl"]).unlink(missing_ok=True)
+    yield directory
