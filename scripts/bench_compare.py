@@ -53,12 +53,14 @@ only indicative (shared, noisy cores).
     python scripts/bench_compare.py --json-out bench_compare.json --md-out bench_compare.md
     python scripts/bench_compare.py --sizes 64,512 --steps 24 --repeats 3 --no-e2e
     python scripts/bench_compare.py --profile 4096      # cProfile of compare mode at N=4096
+    python scripts/bench_compare.py --no-e2e --no-gc    # the collector off during the timed steps
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import math
@@ -102,6 +104,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant and size (default 3)")
     parser.add_argument("--e2e-repeats", type=int, default=3, help="L2-4096 runs per variant (default 3)")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end L2-4096 part")
+    parser.add_argument("--no-gc", action="store_true",
+                        help="turn the cyclic garbage collector off during the bookkeeping part's steps "
+                             "(separates the harness's own cost from collections that land inside KV ops)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the end-to-end part runs the model and GPU pool (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces (default 0)")
@@ -181,8 +186,9 @@ def wrap_kv_ops(worker: Worker, before: Callable[[], None], after: Callable[[flo
         setattr(worker, name, timed)
 
 
-def timed_steps(workload: Workload, variant: str, steps: int, log: Path) -> list[float]:
-    """Seconds spent in KV ops, per step, on a fresh worker."""
+def timed_steps(workload: Workload, variant: str, steps: int, log: Path, *, collector: bool = True) -> list[float]:
+    """Seconds spent in KV ops, per step, on a fresh worker (``collector=False``: the cyclic garbage
+    collector off while the steps run)."""
     worker = new_worker(workload, variant, log)
     per_step = [0.0] * steps
     step = [0]
@@ -191,8 +197,14 @@ def timed_steps(workload: Workload, variant: str, steps: int, log: Path) -> list
         per_step[step[0]] += seconds
 
     wrap_kv_ops(worker, lambda: None, add)
-    for step[0] in range(steps):
-        worker.step()
+    if not collector:
+        gc.collect()
+        gc.disable()
+    try:
+        for step[0] in range(steps):
+            worker.step()
+    finally:
+        gc.enable()
     return per_step
 
 
@@ -226,7 +238,8 @@ VARIANTS = ("plan", "legacy", "compare", "rollout")
 COMPARED = ("compare", "rollout")
 
 
-def bookkeeping(sizes: list[int], steps: int, repeats: int, seed: int, log: Path, console: Console) -> list[dict]:
+def bookkeeping(sizes: list[int], steps: int, repeats: int, seed: int, log: Path, console: Console, *,
+                collector: bool = True) -> list[dict]:
     timed_steps(concurrent_workload(min(sizes), steps, seed), "compare", steps, log)  # warm-up: imports, caches
     rows = []
     for size in sizes:
@@ -234,7 +247,7 @@ def bookkeeping(sizes: list[int], steps: int, repeats: int, seed: int, log: Path
         samples: dict[str, list[list[float]]] = {variant: [] for variant in VARIANTS}
         for repeat in range(repeats):
             for variant in VARIANTS[repeat % len(VARIANTS):] + VARIANTS[:repeat % len(VARIANTS)]:
-                samples[variant].append(timed_steps(workload, variant, steps, log))
+                samples[variant].append(timed_steps(workload, variant, steps, log, collector=collector))
         touched, alive = touched_steps(workload, steps, log)
         row = {"num_requests": size, "touched": touched, "alive": alive, "num_gpu_pages": workload.cache.num_gpu_pages}
         for variant, runs in samples.items():
@@ -460,7 +473,7 @@ def main() -> None:
             return
         started = time.perf_counter()
         console.print("bookkeeping:", highlight=False)
-        rows = bookkeeping(args.sizes, args.steps, args.repeats, args.seed, log, console)
+        rows = bookkeeping(args.sizes, args.steps, args.repeats, args.seed, log, console, collector=not args.no_gc)
         e2e = None
         if not args.no_e2e:
             console.print("end to end:", highlight=False)
@@ -481,7 +494,7 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "args": {"sizes": args.sizes, "steps": args.steps, "repeats": args.repeats,
-                     "e2e_repeats": args.e2e_repeats, "seed": args.seed},
+                     "e2e_repeats": args.e2e_repeats, "seed": args.seed, "no_gc": args.no_gc},
             "sizes": sizes,
             "touched": touched,
             "harness_fit": fit,
