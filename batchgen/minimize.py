@@ -10,9 +10,9 @@ with ``compare.ddmin``, in two passes:
               per abort_step above 0 (all at their floor first: often enough)
 
 A candidate workload "still fails" when a fresh worker in compare mode ``log``
-(the record's authoritative and shadow paths) logs a divergence with the
-record's :class:`DivergenceSignature`: same op, same kind, same set of
-wildcarded field paths. A candidate's run stops at its first such divergence;
+(the record's authoritative and shadow paths, engine config and fault SPEC)
+logs a divergence with the record's :class:`DivergenceSignature`: same op, same
+kind, same set of wildcarded field paths. A candidate's run stops at its first such divergence;
 one that crashes or stalls counts by what it logged before.
 
 :func:`write_regression` writes the minimal workload (JSON) and a pytest file
@@ -32,9 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pydantic import ValidationError
+
 from compare import DivergenceRecord, ddmin, read_log, wildcard, write_atomic
+from batchgen.config import EngineConfig, validation_summary
 from batchgen.model.loader import load_model
 from batchgen.runner import run_workload
+from batchgen.worker.faults import FaultInjector, FaultSpec, FaultSpecError
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.worker import Worker
 from batchgen.workloads import Workload, WorkloadRequest, load_workload
@@ -47,9 +51,10 @@ class MinimizeError(ValueError):
 
 
 class WorkerFactory(Protocol):
-    """Builds the worker one candidate workload runs on, with the gate and shadow path given."""
+    """Builds the worker one candidate workload runs on, with the gate, shadow path and faults given."""
 
-    def __call__(self, workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str) -> Worker: ...
+    def __call__(self, workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str,
+                 faults: FaultInjector | None) -> Worker: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +83,17 @@ class MinimizeResult:
     num_tests: int  # candidate workloads run
     kv_path: str  # the authoritative path the divergence needs
     shadow_path: str
+    faults: str | None = None  # the fault SPEC the divergence needs (None: none)
 
 
 def tiny_worker_factory() -> WorkerFactory:
     """Workers over one tiny model (loaded here, shared) with the workload's cache and engine configs."""
     model = load_model("tiny")
 
-    def make_worker(workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str) -> Worker:
+    def make_worker(workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str,
+                    faults: FaultInjector | None) -> Worker:
         return Worker(model, cache_config=workload.cache, engine_config=workload.engine, kv_gate=kv_gate,
-                      shadow_path=shadow_path)
+                      shadow_path=shadow_path, faults=faults)
 
     return make_worker
 
@@ -101,15 +108,17 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
     """
     replay = record.replay
     scale = replay.get("scale", 1.0)
-    workload = load_workload(replay["workload_source"], seed=record.seed, scale=scale)
+    workload = _with_engine(load_workload(replay["workload_source"], seed=record.seed, scale=scale), replay)
+    faults = _fault_spec(replay)
     signature = DivergenceSignature.of(record)
     with tempfile.TemporaryDirectory(prefix="batchgen-minimize-") as log_dir:
         search = _Search(signature, make_worker or tiny_worker_factory(), replay["kv_path"], replay["shadow_path"],
-                         Path(log_dir), replay["workload_source"], scale)
+                         Path(log_dir), replay["workload_source"], scale, faults)
         if not search.fails(workload):
             raise MinimizeError(
                 f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed {record.seed}, "
-                f"scale {scale}) shows no {signature.kind} divergence at "
+                f"scale {scale}{', faults ' + faults.to_spec() if faults else ''}) shows no {signature.kind} "
+                f"divergence at "
                 f"{', '.join(signature.field_paths) or 'no field path'}")
         requests = ddmin(workload.requests, lambda subset: search.fails(_with_requests(workload, subset)),
                          max_tests=max(1, max_tests - search.num_tests))
@@ -117,7 +126,30 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
         if search.num_tests < max_tests:
             smallest = _shrink_steps(search, workload, requests, max_tests)
     minimal = smallest.model_copy(update={"name": f"{workload.name}-min"})
-    return MinimizeResult(minimal, signature, search.num_tests, replay["kv_path"], replay["shadow_path"])
+    return MinimizeResult(minimal, signature, search.num_tests, replay["kv_path"], replay["shadow_path"],
+                          faults.to_spec() if faults else None)
+
+
+def _with_engine(workload: Workload, replay: dict) -> Workload:
+    """The workload with the engine config the recorded run had (its overrides included), when recorded."""
+    engine = replay.get("engine")
+    if engine is None:
+        return workload
+    try:
+        return workload.model_copy(update={"engine": EngineConfig.model_validate(engine)})
+    except ValidationError as error:
+        raise MinimizeError(f"the recorded engine config is not valid: {validation_summary(error)}") from None
+
+
+def _fault_spec(replay: dict) -> FaultSpec | None:
+    """The fault SPEC the recorded run had, when it had one."""
+    spec = replay.get("faults")
+    if spec is None:
+        return None
+    try:
+        return FaultSpec.parse(spec)
+    except FaultSpecError as error:
+        raise MinimizeError(f"the recorded fault SPEC is not valid: {error}") from None
 
 
 def _shrink_steps(search: _Search, workload: Workload, requests: list[WorkloadRequest], max_tests: int) -> Workload:
@@ -136,11 +168,12 @@ class _Search:
     """Runs candidate workloads and remembers each verdict. Mutates only itself and its log dir."""
 
     def __init__(self, signature: DivergenceSignature, make_worker: WorkerFactory, kv_path: str, shadow_path: str,
-                 log_dir: Path, source: str, scale: float):
+                 log_dir: Path, source: str, scale: float, faults: FaultSpec | None):
         self.signature = signature
         self.make_worker = make_worker
         self.kv_path, self.shadow_path = kv_path, shadow_path
         self.log_dir, self.source, self.scale = log_dir, source, scale
+        self.faults = faults
         self.num_tests = 0
         self._verdicts: dict[str, bool] = {}
 
@@ -154,7 +187,8 @@ class _Search:
         self.num_tests += 1
         log = self.log_dir / f"candidate-{self.num_tests}.jsonl"
         gate = KvGateConfig(path=self.kv_path, compare="log", compare_log=str(log))
-        worker = self.make_worker(workload, kv_gate=gate, shadow_path=self.shadow_path)
+        injector = FaultInjector(self.faults) if self.faults is not None else None  # fresh: the schedule replays
+        worker = self.make_worker(workload, kv_gate=gate, shadow_path=self.shadow_path, faults=injector)
         num_logged = 0
 
         def stop_once_seen(num_released: int, num_requests: int) -> None:
@@ -235,18 +269,21 @@ from pathlib import Path
 
 from batchgen.model.loader import load_model
 from batchgen.runner import run_workload
+from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.worker import Worker
 from batchgen.workloads import load_workload
 
 WORKLOAD = Path(__file__).parent / {workload_literal}
+FAULTS = {faults_literal}  # the fault SPEC the divergence needs (None: none)
 
 
 def test_no_{slug}_divergence(tmp_path):
     workload = load_workload(str(WORKLOAD))
     gate = KvGateConfig(path={kv_path_literal}, compare="raise", compare_log=str(tmp_path / "kv-divergences.jsonl"))
     worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
-                    kv_gate=gate, shadow_path={shadow_path_literal})
+                    kv_gate=gate, shadow_path={shadow_path_literal},
+                    faults=FaultInjector(FaultSpec.parse(FAULTS)) if FAULTS is not None else None)
     result = run_workload(worker, workload, source=str(WORKLOAD))
     assert not result.compare_summary.divergences
 '''
@@ -269,6 +306,7 @@ def write_regression(result: MinimizeResult, workload_path: str | Path, test_pat
         paths="\n#                  ".join(map(_comment, signature.field_paths)) or "(none: a side raised)",
         workload_literal=json.dumps(relative), kv_path_literal=json.dumps(result.kv_path),
         shadow_path_literal=json.dumps(result.shadow_path),  # a JSON string is a Python string literal
+        faults_literal=json.dumps(result.faults) if result.faults is not None else "None",
     )
     write_atomic(workload_path, result.workload.model_dump_json(indent=2) + "\n")
     write_atomic(test_path, source)

@@ -1,5 +1,6 @@
 import ast
 import importlib.util
+import json
 
 import pytest
 
@@ -9,8 +10,11 @@ from batchgen.config import TINY_MODELS
 from batchgen.minimize import DivergenceSignature, MinimizeError, minimize_divergence, write_regression
 from batchgen.model.null_model import NullModel
 from batchgen.runner import run_workload
+from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.kv_plans import AllocPlan, Destination, EvictionPlan, PageGrant, Victim
+from batchgen.worker.kv_plans import (
+    AllocPlan, Destination, EvictionPlan, PageGrant, PollAction, PollPlan, PollStep, Victim,
+)
 from batchgen.worker.worker import Worker
 from batchgen.workloads import builtin_workload, load_workload
 
@@ -35,14 +39,25 @@ def inject_evict_bug(monkeypatch):
         Victim(v.uuid, Destination.RECOMPUTE, v.gpu_page_ids, ()) for v in correct(self, req).victims)))
 
 
-def null_worker(workload, *, kv_gate, shadow_path):
+def inject_retry_bug(monkeypatch):
+    """A failed load with retries left is recomputed instead of retried: needs a load to fail."""
+    correct = Manager.plan_poll
+    monkeypatch.setattr(Manager, "plan_poll", lambda self, req: PollPlan(tuple(
+        PollStep(s.uuid, PollAction.RECOMPUTE) if s.action is PollAction.RETRY else s
+        for s in correct(self, req).steps)))
+
+
+def null_worker(workload, *, kv_gate, shadow_path, faults=None):
     return Worker(NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache, engine_config=workload.engine,
-                  kv_storage=False, kv_gate=kv_gate, shadow_path=shadow_path)
+                  kv_storage=False, kv_gate=kv_gate, shadow_path=shadow_path, faults=faults)
 
 
-def divergences(workload, log, *, source="smoke"):
+def divergences(workload, log, *, source="smoke", faults=None, engine=None):
+    """Run ``workload`` in compare mode (legacy authoritative), under ``faults`` (a SPEC) and ``engine``."""
+    if engine is not None:
+        workload = workload.model_copy(update={"engine": engine})
     worker = null_worker(workload, kv_gate=KvGateConfig(path="legacy", compare="log", compare_log=str(log)),
-                         shadow_path="plan")
+                         shadow_path="plan", faults=FaultInjector(FaultSpec.parse(faults)) if faults else None)
     run_workload(worker, workload, source=source)
     return [r for r in read_log(log).records if isinstance(r, DivergenceRecord)] if log.exists() else []
 
@@ -124,6 +139,39 @@ def test_a_workload_file_is_reloaded_from_its_path(tmp_path, monkeypatch):
     record = divergences(two, tmp_path / "kv.jsonl", source=str(source))[0]
     result = minimize_divergence(record, make_worker=null_worker)
     assert result.workload.name == "two-min" and len(result.workload.requests) == 1
+
+
+def test_a_divergence_that_needs_faults_and_an_engine_override_is_minimized_under_both(tmp_path, monkeypatch):
+    inject_retry_bug(monkeypatch)
+    source = tmp_path / "pressure.json"
+    workload = builtin_workload("smoke").with_cache(num_host_pages=8).model_copy(update={"name": "pressure"})
+    source.write_text(workload.model_dump_json())
+    engine = workload.engine.model_copy(update={"max_load_retries": 2})
+    assert not divergences(workload, tmp_path / "no-faults.jsonl", source=str(source), engine=engine)
+    [record, *_] = divergences(workload, tmp_path / "kv.jsonl", source=str(source), faults="load_fail=1",
+                               engine=engine)
+    spec = FaultSpec.parse("load_fail=1").to_spec()
+    assert (record.op, record.replay["faults"], record.replay["engine"]["max_load_retries"]) == ("poll", spec, 2)
+
+    result = minimize_divergence(record, make_worker=null_worker)
+    assert result.faults == spec and result.workload.engine.max_load_retries == 2
+    assert len(result.workload.requests) < len(workload.requests)
+    write_regression(result, tmp_path / "min.json", tmp_path / "test_min.py")
+    assert f"FAULTS = {json.dumps(spec)}" in (tmp_path / "test_min.py").read_text()
+    module_spec = importlib.util.spec_from_file_location("generated_fault_regression", tmp_path / "test_min.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    [test] = [getattr(module, name) for name in dir(module) if name.startswith("test_no_")]
+    with pytest.raises(DivergenceError, match="poll step"):
+        test(tmp_path)
+    monkeypatch.undo()
+    test(tmp_path)
+
+
+def test_a_fault_spec_reads_back_from_its_spec_string():
+    spec = FaultSpec.parse("seed=7,load_fail=0.25,abort=0.5,abort_phases=waiting+swapped,store_delay_ms=3")
+    assert FaultSpec.parse(spec.to_spec()) == spec
+    assert FaultSpec.parse(FaultSpec().to_spec()) == FaultSpec()
 
 
 def test_the_signature_wildcards_ids_and_indexes():

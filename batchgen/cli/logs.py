@@ -140,7 +140,7 @@ def _minimize(args: argparse.Namespace) -> int:
     print(f"{result.signature.op} {result.signature.kind} divergence ({', '.join(result.signature.field_paths) or '-'})"
           f": requests {len(original.requests)} -> {len(minimal)}, new tokens "
           f"{sum(r.max_new_tokens for r in original.requests)} -> {sum(r.max_new_tokens for r in minimal)}, "
-          f"{result.num_tests} tests run")
+          f"{result.num_tests} tests run" + (f", under faults {result.faults}" if result.faults else ""))
     print(f"workload: {workload_path}")
     print(f"test:     {test_path}")
     return EXIT_OK

@@ -68,6 +68,14 @@ class FaultSpec:
             values[key] = cls._value(key, raw.strip())
         return cls(**values)
 
+    def to_spec(self) -> str:
+        """The SPEC string that :meth:`parse` reads back to this spec (every key, defaults included)."""
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            parts.append(f"{f.name}={'+'.join(value) if isinstance(value, tuple) else value}")
+        return ",".join(parts)
+
     @staticmethod
     def _value(key: str, raw: str) -> object:
         if key == "abort_phases":

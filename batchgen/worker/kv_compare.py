@@ -105,8 +105,10 @@ class KvCompare:
     """
 
     def __init__(self, target: KvTarget, gate: KvGateConfig, *, shadow_path: str | None = None,
-                 sink: JsonlSink | None = None, seed: int = 0):
+                 sink: JsonlSink | None = None, seed: int = 0, faults: str | None = None):
+        """``faults``: the fault SPEC the worker runs under, recorded with each divergence (for minimize)."""
         self.target = target
+        self.faults = faults
         self.gate = gate
         self.authoritative_path = gate.path
         self.shadow_path = shadow_path or gate.shadow_path
@@ -263,6 +265,8 @@ class KvCompare:
             "shadow_path": self.shadow_path,
             "workload_source": self.workload_source,
             "scale": self.scale,
+            "engine": self.target.engine_config.model_dump(mode="json"),  # overrides (--kv-load-*) included
+            "faults": self.faults,
         }
         record = DivergenceRecord.from_comparison(comparison, run_id=self.run_id, workload=self.workload,
                                                   seed=self.seed, replay=replay, created_at=time.time())

@@ -87,7 +87,8 @@ class Worker:
         if self.kv_gate.compare != "off":
             from batchgen.worker.kv_compare import KvCompare
 
-            self.kv_compare = self._kv = KvCompare(self.kv_target(), self.kv_gate, shadow_path=shadow_path)
+            self.kv_compare = self._kv = KvCompare(self.kv_target(), self.kv_gate, shadow_path=shadow_path,
+                                                   faults=faults.spec.to_spec() if faults is not None else None)
         else:
             self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
 
