@@ -2,8 +2,8 @@
 
 Per compared op (``compare.ShadowExecutor`` fixes the order)::
 
-    context       the op's request (frozen snapshot of its scope): replay input;
-                  taken from the side running the plan path, which builds it anyway
+    context       the op's request (snapshot and the columns the op reads): taken
+                  from the side running the plan path, which builds it anyway
     shadow        fork the worker's state copy-on-write and overlay both pools
                   (bookkeeping only: no tensors; the forked host pool records the
                   copies it would issue), run the shadow path on the fork,
@@ -25,7 +25,9 @@ request), then what the op wrote: a copy of each request on its first write on
 either side, the pool journals and copy lists, canonical forms of the requests
 that differ. Both paths' own reads (evict walks every RUNNING request) are theirs.
 Ops the executor does not sample run the authoritative path alone. Divergences go
-to a JSON Lines log with what ``replay`` needs; each run ends with a summary record.
+to a JSON Lines log with what ``replay`` and ``minimize`` need (the op request, the
+op's full pre-state rebuilt from what the worker wrote, the engine config and fault
+SPEC); each run ends with a summary record.
 """
 
 from __future__ import annotations
