@@ -18,8 +18,7 @@ op can be checked.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -43,9 +42,8 @@ class HostKvBackend(Protocol):
     def load_to_gpu_async(self, uuid: str, page_ids: list[int]) -> AsyncHandle: ...
 
 
-@dataclass(frozen=True, slots=True)
-class CopyOp:
-    """One batched page copy: ``kind`` is ``store`` (GPU->host) or ``load``."""
+class CopyOp(NamedTuple):
+    """One batched page copy: ``kind`` is ``store`` (GPU->host) or ``load`` (a NamedTuple, like PoolEvent)."""
 
     kind: str
     uuid: str

@@ -14,7 +14,7 @@ checks instead of the whole free queue.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class OutOfPages(RuntimeError):
@@ -25,9 +25,9 @@ class PageOwnershipError(ValueError):
     """Pages named for an owner are not free, unknown, or owned twice."""
 
 
-@dataclass(frozen=True, slots=True)
-class PoolEvent:
-    """One allocator mutation: ``kind`` is ``alloc`` or ``release``."""
+class PoolEvent(NamedTuple):
+    """One allocator mutation: ``kind`` is ``alloc`` or ``release`` (a NamedTuple: journals hold one per
+    page grant, and compare mode compares them, so they are built and compared in C)."""
 
     kind: str
     uuid: str
