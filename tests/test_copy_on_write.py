@@ -1,7 +1,9 @@
 """Compare mode's forks share the worker's requests until they write them.
 
 That holds only if every KV op writes a request through ``WorkerState.edit`` or
-``WorkerState.remove``: a write to a request read any other way would, on a fork,
+``WorkerState.remove``, and drops a pending append through
+``KvTarget.drop_pending_append``: a write to a request read any other way, or a
+direct change of the request dict or the pending appends, would, on a fork,
 change the worker's own state. Both checks below look for such a write: one reads
 the source of both paths, one runs every op of both paths on forks of a worker in
 a pressure workload and checks the worker is left as it was.
@@ -26,7 +28,8 @@ WRITE_ENTRIES = ("edit", "remove")
 
 
 def _request_writes_outside_edit(source: str) -> list[str]:
-    """``name.field = ...`` (a request KV field) where ``name`` was not bound from ``edit``/``remove``."""
+    """``name.field = ...`` (a request KV field) where ``name`` was not bound from ``edit``/``remove``, and
+    direct changes of a request dict or the pending appends."""
     tree = ast.parse(source)
     found = []
     for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
@@ -41,7 +44,20 @@ def _request_writes_outside_edit(source: str) -> list[str]:
                 if (isinstance(target, ast.Attribute) and target.attr in KV_FIELDS
                         and isinstance(target.value, ast.Name) and target.value.id not in bound):
                     found.append(f"{func.name}:{node.lineno} writes {target.value.id}.{target.attr}")
+            found += [f"{func.name}:{node.lineno} changes {ast.unparse(changed)}" for changed in _dict_changes(node)]
     return found
+
+
+def _dict_changes(node: ast.AST) -> list[ast.AST]:
+    """A request dict or the pending appends changed directly: item assignment or deletion, pop, clear, ..."""
+    dicts = ("requests", "pending_appends", "_pending_kv_append_tensors")
+    subscripts = [t for t in (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [])
+                  if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr in dicts]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("pop", "popitem", "clear", "update", "setdefault", "__setitem__", "__delitem__")
+            and isinstance(node.func.value, ast.Attribute) and node.func.value.attr in dicts):
+        subscripts.append(node.func)
+    return subscripts
 
 
 @pytest.mark.parametrize("module", [legacy_kv, kv_apply], ids=["legacy_kv", "kv_apply"])
@@ -51,8 +67,11 @@ def test_kv_ops_write_requests_only_through_the_write_entries(module):
 
 def test_the_source_check_sees_a_write_that_bypasses_the_write_entries():
     source = ("def evict(state, uuid):\n    req = state.requests[uuid]\n    req.phase = None\n"
-              "def poll(state, uuid):\n    req = state.edit(uuid)\n    req.phase, req.finish_reason = None, 'x'\n")
-    assert _request_writes_outside_edit(source) == ["evict:3 writes req.phase"]
+              "def poll(state, uuid):\n    req = state.edit(uuid)\n    req.phase, req.finish_reason = None, 'x'\n"
+              "def release(target, uuid):\n    target.state.requests.pop(uuid)\n    del target.pending_appends[uuid]\n")
+    assert sorted(_request_writes_outside_edit(source)) == [
+        "evict:3 writes req.phase", "release:8 changes target.state.requests.pop",
+        "release:9 changes target.pending_appends[uuid]"]
 
 
 def _kv_state(worker: Worker) -> tuple:
