@@ -221,12 +221,9 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
         return
     _check_unique("EvictionPlan.victims", [v.uuid for v in plan.victims])
     granted: set[int] = set()
-    requests = target.state.requests
     for i, victim in enumerate(plan.victims):
         field = f"EvictionPlan.victims[{i}]"
-        req = requests.get(victim.uuid)
-        if req is None or req.phase is not RUNNING:
-            _request(target, f"{field}.uuid", victim.uuid, (RUNNING,))  # raises, naming the problem
+        req = _request(target, f"{field}.uuid", victim.uuid, (RUNNING,))
         if victim.gpu_page_ids != req.gpu_page_ids:
             raise PlanRejected(f"{field}.gpu_page_ids", f"{victim.gpu_page_ids} != page table {req.gpu_page_ids}")
         want = len(req.gpu_page_ids) if victim.destination is Destination.HOST else 0
@@ -257,12 +254,9 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
         return
     _check_unique("MigrationPlan.loads", [load.uuid for load in plan.loads])
     granted: set[int] = set()
-    requests = target.state.requests
     for i, load in enumerate(plan.loads):
         field = f"MigrationPlan.loads[{i}]"
-        req = requests.get(load.uuid)
-        if req is None or req.phase is not SWAPPED:
-            _request(target, f"{field}.uuid", load.uuid, (SWAPPED,))  # raises, naming the problem
+        req = _request(target, f"{field}.uuid", load.uuid, (SWAPPED,))
         if load.host_page_ids != req.host_page_ids:
             raise PlanRejected(f"{field}.host_page_ids", f"{load.host_page_ids} != host page table {req.host_page_ids}")
         if len(load.gpu_page_ids) != len(req.host_page_ids):
