@@ -14,12 +14,12 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-import batchgen.worker.kv_manager as kv_manager
 from compare import DivergenceRecord, RunSummary, read_log
 from batchgen.cli import main
 from batchgen.worker.kv_gate import ENV_PREFIX
-from batchgen.worker.kv_plans import AllocPlan, PageGrant
 from batchgen.workloads import builtin_workload, load_workload
+
+from injected_bugs import reversed_grants
 
 
 @pytest.fixture(autouse=True)
@@ -29,16 +29,6 @@ def no_gate_environment(monkeypatch):
         monkeypatch.delenv(name)
 
 
-def reversed_grants(monkeypatch):
-    """The plan path hands out each grant's pages in reverse order: an alloc divergence at the first
-    request needing two pages (undone by monkeypatch.undo())."""
-    correct = kv_manager.KVCacheManager.plan_allocation
-
-    def plan_allocation(self, req):
-        plan = correct(self, req)
-        return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
-
-    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_allocation", plan_allocation)
 
 
 RUN_KEYS = {"requests", "tokens_generated", "tokens_per_s", "evictions", "loads", "recompute_preemptions",

@@ -13,23 +13,16 @@ from batchgen.runner import run_workload
 from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_plans import (
-    AllocPlan, Destination, EvictionPlan, PageGrant, PollAction, PollPlan, PollStep, Victim,
+    Destination, EvictionPlan, PollAction, PollPlan, PollStep, Victim,
 )
 from batchgen.worker.worker import Worker
 from batchgen.workloads import builtin_workload, load_workload
 
+from injected_bugs import reversed_grants
+
 Manager = kv_manager.KVCacheManager
 
 
-def inject_alloc_bug(monkeypatch):
-    """Grants come in reverse page order: diverges at the first request needing two pages."""
-    correct = Manager.plan_allocation
-
-    def plan_allocation(self, req):
-        plan = correct(self, req)
-        return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
-
-    monkeypatch.setattr(Manager, "plan_allocation", plan_allocation)
 
 
 def inject_evict_bug(monkeypatch):
@@ -84,7 +77,7 @@ def test_minimising_keeps_the_signature_with_fewer_requests_and_steps(tmp_path, 
 
 
 def test_a_divergence_at_the_first_alloc_shrinks_to_one_request_of_one_token_on_the_tiny_model(tmp_path, monkeypatch):
-    inject_alloc_bug(monkeypatch)
+    reversed_grants(monkeypatch)
     result = minimize_divergence(first_divergence(tmp_path))  # the default worker: the tiny model
     [request] = result.workload.requests
     assert (request.max_new_tokens, request.arrival_step) == (1, 0)
@@ -92,7 +85,7 @@ def test_a_divergence_at_the_first_alloc_shrinks_to_one_request_of_one_token_on_
 
 
 def test_the_written_regression_test_fails_until_the_bug_is_fixed(tmp_path, monkeypatch):
-    inject_alloc_bug(monkeypatch)
+    reversed_grants(monkeypatch)
     result = minimize_divergence(first_divergence(tmp_path), make_worker=null_worker)
     workload_path = tmp_path / "regressions" / "workloads" / f"{result.signature.slug}.json"
     test_path = tmp_path / "regressions" / "tests" / f"test_kv_{result.signature.slug}.py"
@@ -114,7 +107,7 @@ def test_the_written_regression_test_fails_until_the_bug_is_fixed(tmp_path, monk
 
 
 def test_a_record_that_does_not_reproduce_is_refused(tmp_path, monkeypatch):
-    inject_alloc_bug(monkeypatch)
+    reversed_grants(monkeypatch)
     record = first_divergence(tmp_path)
     monkeypatch.undo()
     with pytest.raises(MinimizeError, match="shows no state divergence at pools.gpu"):
@@ -131,7 +124,7 @@ def test_minimising_stops_at_the_test_budget(tmp_path, monkeypatch):
 
 
 def test_a_workload_file_is_reloaded_from_its_path(tmp_path, monkeypatch):
-    inject_alloc_bug(monkeypatch)
+    reversed_grants(monkeypatch)
     source = tmp_path / "two.json"
     two = builtin_workload("smoke").model_copy(update={"name": "two"})
     two = two.model_copy(update={"requests": two.requests[:2]})

@@ -21,8 +21,10 @@ from batchgen.model.loader import load_model
 from batchgen.validation import validate_back_to_back
 from batchgen.validation_report import DIRECTIONS, REPORT_FILES
 from batchgen.worker.kv_backends import GpuKvPool
-from batchgen.worker.kv_plans import AllocPlan, PageGrant, PollAction, PollPlan, PollStep
+from batchgen.worker.kv_plans import PollAction, PollPlan, PollStep
 from batchgen.workloads import Workload, WorkloadRequest
+
+from injected_bugs import reversed_grants
 
 ROLES = [direction.role for direction in DIRECTIONS]
 
@@ -60,15 +62,6 @@ def two_pressure_workloads(monkeypatch, tmp_path):
     return use_workloads(monkeypatch, tmp_path, pressure_workload("pa", seed=1), pressure_workload("pb", seed=2))
 
 
-def reversed_grants(monkeypatch):
-    """The plan path hands out each grant's pages in reverse order: an alloc divergence, tokens unchanged."""
-    correct = kv_manager.KVCacheManager.plan_allocation
-
-    def plan_allocation(self, req):
-        plan = correct(self, req)
-        return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
-
-    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_allocation", plan_allocation)
 
 
 def one_json_object(stdout: str) -> dict:
