@@ -172,7 +172,11 @@ def migrate(plan):
 
 
 def alloc(plan, batch=("run0", "run1", "wait4")):
-    return lambda target: apply_alloc_plan(target, plan, list(batch))
+    def apply(target):  # the op request of the known scheduled requests, with the whole batch
+        known = [uuid for uuid in batch if uuid in target.state.requests]
+        request = dataclasses.replace(PlanKvPath(target).alloc_request(known), batch=tuple(batch))
+        return apply_alloc_plan(target, plan, request)
+    return apply
 
 
 def _set(uuid, **fields):
@@ -258,6 +262,10 @@ INVALID = [
     ("grant of a page twice", None, alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 8))), ())),
      "AllocPlan.grants[1].new_page_ids"),
     ("grant to a request twice", None, alloc(AllocPlan((PageGrant("run0", ()),) * 2, ())), "AllocPlan.grants"),
+    ("a scheduled request needing pages neither granted nor left out", None,
+     alloc(AllocPlan((PageGrant("run1", (8,)),), ())), "AllocPlan.grants"),
+    ("a waiting request admitted without a grant", _set("wait4", num_tokens=4, gpu_page_ids=(8,)),  # fits its page
+     alloc(AllocPlan((), ()), batch=("wait4",)), "AllocPlan.grants"),
 ]
 
 
@@ -288,7 +296,7 @@ def test_a_plan_built_before_the_pool_changed_is_rejected_not_half_applied():
     target.gpu_kv.take_pages("intruder", [10])  # page 10 was taken after the snapshot
     before = deep_dump(target)
     with pytest.raises(PlanRejected, match=r"^AllocPlan\.grants\[1\]\.new_page_ids: page 10 is not free"):
-        apply_alloc_plan(target, plan, ["run1", "wait4"])
+        apply_alloc_plan(target, plan, path.alloc_request(["run1", "wait4"]))
     assert deep_dump(target) == before
 
 
@@ -390,7 +398,8 @@ def test_migration_grants_exactly_the_planned_gpu_pages_and_starts_the_loads():
 def test_allocation_appends_granted_pages_admits_waiting_requests_and_returns_the_served():
     target = make_target()
     plan = AllocPlan((PageGrant("run0", ()), PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), ())
-    assert apply_alloc_plan(target, plan, ["run0", "run1", "wait4"]) == ["run0", "run1", "wait4"]
+    assert apply_alloc_plan(target, plan, PlanKvPath(target).alloc_request(["run0", "run1", "wait4"])) == [
+        "run0", "run1", "wait4"]
     requests = target.state.requests
     assert [(requests[u].phase, requests[u].gpu_page_ids) for u in ("run0", "run1", "wait4")] == [
         (Phase.RUNNING, (0, 1)), (Phase.RUNNING, (2, 3, 8)), (Phase.RUNNING, (9, 10))]
@@ -400,7 +409,7 @@ def test_allocation_appends_granted_pages_admits_waiting_requests_and_returns_th
 def test_allocation_leaves_out_what_does_not_fit():
     target = make_target()
     plan = AllocPlan((PageGrant("run1", (8,)),), (DoesNotFit("wait4", 2, 1),))
-    assert apply_alloc_plan(target, plan, ["run1", "wait4"]) == ["run1"]
+    assert apply_alloc_plan(target, plan, PlanKvPath(target).alloc_request(["run1", "wait4"])) == ["run1"]
     assert target.state.requests["wait4"].phase is Phase.WAITING
     assert free_queue(target.gpu_kv) == [9, 10, 11]
 

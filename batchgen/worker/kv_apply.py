@@ -9,7 +9,6 @@ append tensors stay the worker's: a plan only names which ones to drop.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from operator import attrgetter
 
 from batchgen.config import DTYPE_SIZES
 from batchgen.worker.kv_manager import KVCacheManager, pages_for
@@ -19,6 +18,7 @@ from batchgen.worker.kv_plans import (
     ReleaseRequest, SwappedColumns,
 )
 from batchgen.worker.kv_target import KvTarget
+from batchgen.worker.page_pool import Grants, PageOwnershipError
 from batchgen.worker.state import DONE_PHASES, Phase, RequestState
 
 
@@ -40,26 +40,24 @@ def geometry_of(target: KvTarget) -> KvGeometry:
     )
 
 
-# Snapshot columns, each one C-level pass over the scope (no per-request Python code).
-_uuids, _num_tokens, _gpu_page_ids = attrgetter("uuid"), attrgetter("num_tokens"), attrgetter("gpu_page_ids")
-_host_page_ids, _swapped_steps = attrgetter("host_page_ids"), attrgetter("swapped_step")
-
-
 # Phases as module constants: ``Phase.X`` is a class attribute lookup of ~0.1 us, and these run per request.
 WAITING, RUNNING, SWAPPED, LOADING, FAILED = Phase.WAITING, Phase.RUNNING, Phase.SWAPPED, Phase.LOADING, Phase.FAILED
 NO_PAGES, NO_SWAPPED = PageColumns((), (), ()), SwappedColumns((), (), ())
 _ADMISSIBLE = (RUNNING, WAITING)  # phases a request may be allocated pages in
 
 
+# Columns are built by comprehensions: on Python 3.11 a specialised slot read in a comprehension costs about
+# half of what ``map(attrgetter(...), scope)`` does per request (measured: 0.5 against 1.0 us for 27 requests).
 def page_columns(scope: Sequence[RequestState]) -> PageColumns:
     if not scope:
         return NO_PAGES
-    return PageColumns(tuple(map(_uuids, scope)), tuple(map(_num_tokens, scope)), tuple(map(_gpu_page_ids, scope)))
+    return PageColumns(tuple([r.uuid for r in scope]), tuple([r.num_tokens for r in scope]),
+                       tuple([r.gpu_page_ids for r in scope]))
 
 
 def swapped_columns(scope: Sequence[RequestState]) -> SwappedColumns:
-    return SwappedColumns(tuple(map(_uuids, scope)), tuple(map(_host_page_ids, scope)),
-                          tuple(map(_swapped_steps, scope)))
+    return SwappedColumns(tuple([r.uuid for r in scope]), tuple([r.host_page_ids for r in scope]),
+                          tuple([r.swapped_step for r in scope]))
 
 
 class PlanKvPath:
@@ -101,9 +99,11 @@ class PlanKvPath:
         return MigrationRequest(self.snapshot(), swapped_columns(swapped), page_columns(running), num_loading)
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
-        """Columns of the scheduled requests whose tokens run past their last page (the rest need nothing)."""
+        """Columns of the scheduled requests the op must act on: those whose tokens run past their last
+        page, or not RUNNING yet (admitted by their grant). The rest are served as they are."""
         requests, page_size = self.target.state.requests, self.target.cache_config.page_size
-        scope = [r for r in map(requests.__getitem__, batch) if r.num_tokens > len(r.gpu_page_ids) * page_size]
+        scope = [r for r in map(requests.__getitem__, batch)
+                 if r.num_tokens > len(r.gpu_page_ids) * page_size or r.phase is not RUNNING]
         return AllocRequest(self.snapshot(), page_columns(scope), tuple(batch))
 
     # The KvPath interface (same as LegacyKvPath).
@@ -120,7 +120,8 @@ class PlanKvPath:
         apply_migration_plan(self.target, self.manager.plan_migration(self.migration_request()))
 
     def allocate(self, batch: Sequence[str]) -> list[str]:
-        return apply_alloc_plan(self.target, self.manager.plan_allocation(self.alloc_request(batch)), batch)
+        request = self.alloc_request(batch)
+        return apply_alloc_plan(self.target, self.manager.plan_allocation(request), request)
 
 
 # ---- validation helpers ------------------------------------------------------------------
@@ -134,16 +135,14 @@ def _request(target: KvTarget, field: str, uuid: str, phases: Collection[Phase])
     return req
 
 
-def _check_free(pool, field: str, page_ids: Sequence[int], already_granted: set[int]) -> None:
-    """Every id free in ``pool`` and not in ``already_granted`` (to which they are then added)."""
-    distinct = set(page_ids)
-    if len(distinct) == len(page_ids) and already_granted.isdisjoint(distinct) and pool.pages.all_free(page_ids):
-        already_granted |= distinct  # the common case, checked in C; the loop names what is wrong
-        return
-    for page_id in page_ids:
-        if page_id in already_granted or not pool.pages.is_free(page_id):
-            raise PlanRejected(field, f"page {page_id} is not free in the {pool.pages.name} pool")
-        already_granted.add(page_id)
+def _take_pages(pool, grants: Grants, field: str) -> None:
+    """``pool.take_pages_for(grants)``: all validated, then all taken, or PlanRejected naming the refused
+    grant's field (``field`` with ``{}`` for its index) and nothing changed. Mutates the pool."""
+    try:
+        pool.take_pages_for(grants)
+    except PageOwnershipError as refused:
+        raise PlanRejected(field.format(refused.index),
+                           f"page {refused.page_id} is not free in the {pool.pages.name} pool") from None
 
 
 def _check_unique(field: str, uuids: Sequence[str]) -> None:
@@ -154,11 +153,15 @@ def _check_unique(field: str, uuids: Sequence[str]) -> None:
 # ---- appliers: validate everything, then mutate ------------------------------------------
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
     """Mutates phases, page tables, pools (host frees, retried loads), stats."""
-    _check_unique("PollPlan.steps", [s.uuid for s in plan.steps])
-    if {s.uuid for s in plan.steps} != set(observed):
-        raise PlanRejected("PollPlan.steps", f"covers {sorted(s.uuid for s in plan.steps)}, observed {sorted(observed)}")
-    for i, step in enumerate(plan.steps):
-        req = _request(target, f"PollPlan.steps[{i}].uuid", step.uuid, (LOADING,))
+    uuids = [s.uuid for s in plan.steps]
+    _check_unique("PollPlan.steps", uuids)
+    if observed.keys() != set(uuids):
+        raise PlanRejected("PollPlan.steps", f"covers {sorted(uuids)}, observed {sorted(observed)}")
+    requests = target.state.requests
+    for i, step in enumerate(plan.steps):  # field names are formatted only on the error paths
+        req = requests.get(step.uuid)
+        if req is None or req.phase is not LOADING:
+            _request(target, f"PollPlan.steps[{i}].uuid", step.uuid, (LOADING,))  # raises, naming why
         if step.action is PollAction.COMPLETE and observed[step.uuid] is not None:
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load failed; cannot complete")
         if step.action is not PollAction.COMPLETE and observed[step.uuid] is None:
@@ -220,21 +223,24 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
     if not plan.victims:
         return
     _check_unique("EvictionPlan.victims", [v.uuid for v in plan.victims])
-    granted: set[int] = set()
-    for i, victim in enumerate(plan.victims):
-        field = f"EvictionPlan.victims[{i}]"
-        req = _request(target, f"{field}.uuid", victim.uuid, (RUNNING,))
+    requests = target.state.requests
+    for i, victim in enumerate(plan.victims):  # field names are formatted only on the error paths
+        req = requests.get(victim.uuid)
+        if req is None or req.phase is not RUNNING:
+            _request(target, f"EvictionPlan.victims[{i}].uuid", victim.uuid, (RUNNING,))  # raises, naming why
         if victim.gpu_page_ids != req.gpu_page_ids:
-            raise PlanRejected(f"{field}.gpu_page_ids", f"{victim.gpu_page_ids} != page table {req.gpu_page_ids}")
+            raise PlanRejected(f"EvictionPlan.victims[{i}].gpu_page_ids",
+                               f"{victim.gpu_page_ids} != page table {req.gpu_page_ids}")
         want = len(req.gpu_page_ids) if victim.destination is Destination.HOST else 0
         if len(victim.host_page_ids) != want:
-            raise PlanRejected(f"{field}.host_page_ids", f"{len(victim.host_page_ids)} pages for {want} GPU pages")
-        _check_free(target.host_kv, f"{field}.host_page_ids", victim.host_page_ids, granted)
+            raise PlanRejected(f"EvictionPlan.victims[{i}].host_page_ids",
+                               f"{len(victim.host_page_ids)} pages for {want} GPU pages")
+    _take_pages(target.host_kv, [(v.uuid, v.host_page_ids) for v in plan.victims],
+                "EvictionPlan.victims[{}].host_page_ids")
     stats = target.state.stats
     for victim in plan.victims:
         req = target.state.edit(victim.uuid)
         if victim.destination is Destination.HOST:
-            target.host_kv.take_pages(victim.uuid, list(victim.host_page_ids))
             target.host_kv.store_from_gpu(victim.uuid, list(victim.gpu_page_ids))
             req.host_page_ids = victim.host_page_ids
             req.phase = SWAPPED
@@ -253,18 +259,21 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
     if not plan.loads:
         return
     _check_unique("MigrationPlan.loads", [load.uuid for load in plan.loads])
-    granted: set[int] = set()
+    requests = target.state.requests
     for i, load in enumerate(plan.loads):
-        field = f"MigrationPlan.loads[{i}]"
-        req = _request(target, f"{field}.uuid", load.uuid, (SWAPPED,))
+        req = requests.get(load.uuid)
+        if req is None or req.phase is not SWAPPED:
+            _request(target, f"MigrationPlan.loads[{i}].uuid", load.uuid, (SWAPPED,))  # raises, naming why
         if load.host_page_ids != req.host_page_ids:
-            raise PlanRejected(f"{field}.host_page_ids", f"{load.host_page_ids} != host page table {req.host_page_ids}")
+            raise PlanRejected(f"MigrationPlan.loads[{i}].host_page_ids",
+                               f"{load.host_page_ids} != host page table {req.host_page_ids}")
         if len(load.gpu_page_ids) != len(req.host_page_ids):
-            raise PlanRejected(f"{field}.gpu_page_ids", f"{len(load.gpu_page_ids)} pages for {len(req.host_page_ids)} host pages")
-        _check_free(target.gpu_kv, f"{field}.gpu_page_ids", load.gpu_page_ids, granted)
+            raise PlanRejected(f"MigrationPlan.loads[{i}].gpu_page_ids",
+                               f"{len(load.gpu_page_ids)} pages for {len(req.host_page_ids)} host pages")
+    _take_pages(target.gpu_kv, [(load.uuid, load.gpu_page_ids) for load in plan.loads],
+                "MigrationPlan.loads[{}].gpu_page_ids")
     for load in plan.loads:
         req = target.state.edit(load.uuid)
-        target.gpu_kv.take_pages(load.uuid, list(load.gpu_page_ids))
         req.gpu_page_ids = load.gpu_page_ids
         req.load_handle = target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))
         req.load_started_step = target.state.step
@@ -273,17 +282,18 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
         target.state.stats.loads += 1
 
 
-def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) -> list[str]:
+def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -> list[str]:
     """Mutates page tables, the GPU pool, admitted phases (-> RUNNING); returns the served uuids.
 
-    Every scheduled request must be served with enough pages (a grant, or none needed) or be
-    listed as not fitting; grants go only to scheduled requests.
+    ``request`` is the op request the plan answers, built from ``target`` just before. Every
+    request it lists as needing pages must be granted them or left out as not fitting; grants
+    go only to scheduled requests, each for exactly the pages its tokens need now.
     """
+    batch = request.batch
     granted_uuids = {g.uuid for g in plan.grants}
     if len(granted_uuids) != len(plan.grants):
         _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
     scheduled = set(batch)
-    granted: set[int] = set()
     page_size = target.cache_config.page_size
     requests, admissible = target.state.requests, _ADMISSIBLE
     for i, grant in enumerate(plan.grants):  # field names are formatted only on the error paths (hot loop)
@@ -296,21 +306,18 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, batch: Sequence[str]) ->
         if len(grant.new_page_ids) != need:
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {need} needed")
-        _check_free(target.gpu_kv, f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids, granted)
     left_out = {d.uuid for d in plan.not_fitting}
     for i, uuid in enumerate(d.uuid for d in plan.not_fitting):
         if uuid not in scheduled or uuid in granted_uuids:
             raise PlanRejected(f"AllocPlan.not_fitting[{i}].uuid", f"{uuid!r} is not scheduled, or is also granted")
     covered = left_out | granted_uuids
-    for uuid in batch:
-        if uuid not in covered:
-            req = requests.get(uuid)
-            if req is None or req.num_tokens > len(req.gpu_page_ids) * page_size or req.phase is not RUNNING:
-                raise PlanRejected("AllocPlan.grants", f"scheduled request {uuid!r} needs pages and has no grant")
+    if not covered.issuperset(request.needing.uuids):
+        missing = [uuid for uuid in request.needing.uuids if uuid not in covered]
+        raise PlanRejected("AllocPlan.grants", f"scheduled requests {missing} need pages and are neither granted "
+                                               f"them nor left out")
+    _take_pages(target.gpu_kv, plan.grants, "AllocPlan.grants[{}].new_page_ids")  # grants are (uuid, ids) pairs
     for grant in plan.grants:
         req = target.state.edit(grant.uuid)
-        if grant.new_page_ids:
-            target.gpu_kv.take_pages(grant.uuid, list(grant.new_page_ids))
-            req.gpu_page_ids += grant.new_page_ids
+        req.gpu_page_ids += grant.new_page_ids
         req.phase = RUNNING
     return [uuid for uuid in batch if uuid not in left_out] if left_out else list(batch)

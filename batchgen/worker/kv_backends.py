@@ -23,7 +23,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from batchgen.worker.page_copy import copy_pages, copy_pages_async
-from batchgen.worker.page_pool import ForkedPagePool, PagePool, PoolEvent
+from batchgen.worker.page_pool import ForkedPagePool, Grants, PagePool, PoolEvent
 
 
 class AsyncHandle(Protocol):
@@ -79,8 +79,12 @@ class _KvPool:
         return self.pages.allocate_pages(uuid, n)
 
     def take_pages(self, uuid: str, page_ids: list[int]) -> None:
-        """Give ``uuid`` exactly ``page_ids`` (plan application). Mutates the pool."""
+        """Give ``uuid`` exactly ``page_ids``. Mutates the pool."""
         self.pages.take_pages(uuid, page_ids)
+
+    def take_pages_for(self, grants: Grants) -> None:
+        """Give each owner exactly its page ids, all validated first (plan application). Mutates the pool."""
+        self.pages.take_pages_for(grants)
 
     def release_pages(self, uuid: str) -> None:
         """Return all of ``uuid``'s pages to the free queue. Mutates the pool."""

@@ -14,8 +14,6 @@ all-or-nothing page grants per request, retry-then-recompute on failed loads.
 from __future__ import annotations
 
 import math
-from itertools import repeat
-from operator import add, floordiv
 
 from batchgen.worker.kv_backends import GpuKvBackend, HostKvBackend
 from batchgen.worker.kv_plans import (
@@ -37,9 +35,8 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 def total_decode_demand(columns: PageColumns, page_size: int) -> int:
-    """GPU pages the requests need, together, so that all their tokens have a slot (in C: no per-request
-    Python code). Pure."""
-    pages_needed = sum(map(floordiv, map(add, columns.num_tokens, repeat(page_size - 1)), repeat(page_size)))
+    """GPU pages the requests need, together, so that all their tokens have a slot. Pure."""
+    pages_needed = sum([(num_tokens + page_size - 1) // page_size for num_tokens in columns.num_tokens])
     return pages_needed - sum(map(len, columns.gpu_page_ids))
 
 
@@ -137,9 +134,7 @@ class KVCacheManager:
         served: list[tuple[str, int]] = []
         not_fitting = []
         for uuid, num_tokens, page_ids in zip(needing.uuids, needing.num_tokens, needing.gpu_page_ids):  # batch order
-            need = pages_for(num_tokens, page_size) - len(page_ids)
-            if need <= 0:
-                continue
+            need = max(0, pages_for(num_tokens, page_size) - len(page_ids))  # 0: admitted into the pages it holds
             if need > free:
                 not_fitting.append(DoesNotFit(uuid, need, free))
                 continue

@@ -17,10 +17,31 @@ from __future__ import annotations
 import enum
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import NamedTuple
 
 from pydantic import TypeAdapter
+
+
+def record(cls):
+    """A frozen slotted dataclass of ``cls`` whose ``__init__`` sets each slot through its descriptor.
+
+    The ``__init__`` a frozen dataclass generates calls ``object.__setattr__`` per field; the
+    slot descriptors' own setters do the same store in about half the time (0.55 against 1.0 us
+    for three fields on Python 3.11), and op requests and plans are built several times per step.
+    Everything else is the dataclass's: equality, hash, repr, and writes that raise.
+    """
+    cls = dataclass(frozen=True, slots=True)(cls)
+    names = [f.name for f in fields(cls)]
+    defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+    params = ", ".join(f"{name}=_default_{name}" if name in defaults else name for name in names)
+    body = "".join(f"    _set_{name}(self, {name})\n" for name in names)
+    namespace = {f"_set_{name}": getattr(cls, name).__set__ for name in names}
+    namespace.update({f"_default_{name}": value for name, value in defaults.items()})
+    exec(f"def __init__(self, {params}):\n{body}", namespace)
+    cls.__init__ = namespace["__init__"]
+    cls.__init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    return cls
 
 
 class Destination(str, enum.Enum):
@@ -36,7 +57,7 @@ class PollAction(str, enum.Enum):
 
 
 # ---- snapshot ------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@record
 class KvGeometry:
     """Model and cache geometry, and the limits decisions depend on."""
 
@@ -57,7 +78,7 @@ class KvGeometry:
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_size
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class KvSnapshot:
     """What every KV op reads: the step, the geometry, the free page counts."""
 
@@ -67,7 +88,7 @@ class KvSnapshot:
     num_free_host_pages: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PageColumns:
     """Requests with their GPU page tables, as columns (entry i of each is request ``uuids[i]``).
 
@@ -82,7 +103,7 @@ class PageColumns:
     gpu_page_ids: tuple[tuple[int, ...], ...]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SwappedColumns:
     """SWAPPED requests with their host page tables, as columns, in arrival order."""
 
@@ -105,7 +126,7 @@ class RequestKvView(NamedTuple):
     swapped_step: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class KvPreState:
     """The requests one op could read, in full, before it ran (built only to log a divergence)."""
 
@@ -114,32 +135,32 @@ class KvPreState:
 
 
 # ---- op inputs -------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@record
 class LoadOutcome:
     uuid: str
     error: str | None  # None: the load completed
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PollRequest:
     snapshot: KvSnapshot
     outcomes: tuple[LoadOutcome, ...]  # the loads observed this step
     num_load_retries: tuple[int, ...]  # of each outcome's request
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ReleaseRequest:
     snapshot: KvSnapshot
     uuids: tuple[str, ...]  # the done requests
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EvictionRequest:
     snapshot: KvSnapshot
     running: PageColumns  # every RUNNING request, in arrival order
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class MigrationRequest:
     snapshot: KvSnapshot
     swapped: SwappedColumns  # every SWAPPED request, in arrival order
@@ -147,33 +168,34 @@ class MigrationRequest:
     num_loading: int  # LOADING requests (counted only when any is SWAPPED: 0 otherwise, and not read)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AllocRequest:
     snapshot: KvSnapshot
-    needing: PageColumns  # the scheduled requests whose tokens run past their last page, in batch order
+    needing: PageColumns  # the scheduled requests to act on, in batch order: tokens past their last page,
+    # or not RUNNING yet (each is granted its pages, maybe none, or left out)
     batch: tuple[str, ...]  # all scheduled uuids, in batch order
 
 
 # ---- plans ------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@record
 class PollStep:
     uuid: str
     action: PollAction
     reason: str | None = None  # FAIL: the request's failure reason
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PollPlan:
     steps: tuple[PollStep, ...]  # applied in order (order fixes free-queue order)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ReleasePlan:
     released: tuple[str, ...]  # pages on both tiers freed, loads drained, outputs kept
     drop_pending_append_ids: tuple[str, ...]  # pending K/V the worker must discard
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Victim:
     uuid: str
     destination: Destination
@@ -181,19 +203,19 @@ class Victim:
     host_page_ids: tuple[int, ...]  # granted host pages (empty for RECOMPUTE)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EvictionPlan:
     victims: tuple[Victim, ...]  # applied in order
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LoadStart:
     uuid: str
     gpu_page_ids: tuple[int, ...]  # granted; the load copies host pages into them
     host_page_ids: tuple[int, ...]  # source pages, freed when the load completes
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class MigrationPlan:
     loads: tuple[LoadStart, ...]
 
@@ -205,14 +227,14 @@ class PageGrant(NamedTuple):
     new_page_ids: tuple[int, ...]  # appended to the request's GPU page table (may be empty)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DoesNotFit:
     uuid: str
     num_pages_needed: int
     num_pages_free: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AllocPlan:
     grants: tuple[PageGrant, ...]  # requests that get new pages, in batch order
     not_fitting: tuple[DoesNotFit, ...]  # left out of this step; every other scheduled request is served

@@ -22,7 +22,15 @@ class OutOfPages(RuntimeError):
 
 
 class PageOwnershipError(ValueError):
-    """Pages named for an owner are not free, unknown, or owned twice."""
+    """Pages named for an owner are not free, unknown, or owned twice.
+
+    ``index`` is the refused grant's position in the grants given, ``page_id`` the first bad id in it.
+    """
+
+    def __init__(self, message: str, index: int = 0, page_id: int | None = None):
+        super().__init__(message)
+        self.index = index
+        self.page_id = page_id
 
 
 class PoolEvent(NamedTuple):
@@ -34,17 +42,38 @@ class PoolEvent(NamedTuple):
     page_ids: tuple[int, ...]
 
 
-def check_free_and_distinct(pool: "PagePool | ForkedPagePool", page_ids: list[int]) -> None:
-    """PageOwnershipError unless every id is in range, free in ``pool``, and named once. Pure."""
-    if pool.all_free(page_ids) and len(set(page_ids)) == len(page_ids):
-        return  # the common case, checked in C; the loop below names what is wrong
-    if len(set(page_ids)) != len(page_ids):
-        raise PageOwnershipError(f"{pool.name}: page ids {page_ids} name a page twice")
-    for page_id in page_ids:
-        if not 0 <= page_id < pool.num_pages:
-            raise PageOwnershipError(f"{pool.name}: page {page_id} is out of range [0, {pool.num_pages})")
-        if not pool.is_free(page_id):
-            raise PageOwnershipError(f"{pool.name}: page {page_id} is not free")
+Grants = Sequence[tuple[str, Sequence[int]]]  # (owner, the page ids it is given), in order
+
+
+def _refused_grant(pool: "PagePool | ForkedPagePool", grants: Grants) -> PageOwnershipError | None:
+    """The error naming the first grant whose ids are not all in range, free in ``pool``, and named once
+    (within it, or by an earlier grant); None when every grant is good. Pure."""
+    earlier: set[int] = set()
+    for index, (_, page_ids) in enumerate(grants):
+        if len(set(page_ids)) != len(page_ids):
+            duplicate = next(p for i, p in enumerate(page_ids) if p in page_ids[:i])
+            return PageOwnershipError(f"{pool.name}: page ids {list(page_ids)} name a page twice", index, duplicate)
+        for page_id in page_ids:
+            if not 0 <= page_id < pool.num_pages:
+                return PageOwnershipError(f"{pool.name}: page {page_id} is out of range [0, {pool.num_pages})",
+                                          index, page_id)
+            if page_id in earlier:
+                return PageOwnershipError(f"{pool.name}: page {page_id} is granted twice", index, page_id)
+            if not pool.is_free(page_id):
+                return PageOwnershipError(f"{pool.name}: page {page_id} is not free", index, page_id)
+        earlier.update(page_ids)
+    return None
+
+
+def _check_grants(pool: "PagePool | ForkedPagePool", grants: Grants) -> list[int]:
+    """Every id of ``grants``, in order; raises the error of :func:`_refused_grant` unless all are good. Pure."""
+    all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
+    if len(set(all_ids)) == len(all_ids) and pool.all_free(all_ids):
+        return all_ids  # the common case, checked in C; _refused_grant names what is wrong
+    error = _refused_grant(pool, grants)
+    if error is None:  # the bulk check and the one per grant disagree: a bug in the pool
+        raise AssertionError(f"{pool.name}: grants {list(grants)} refused in bulk, accepted one by one")
+    raise error
 
 
 class PagePool:
@@ -100,22 +129,28 @@ class PagePool:
         return page_ids
 
     def take_pages(self, uuid: str, page_ids: Sequence[int]) -> None:
-        """Give ``uuid`` exactly ``page_ids`` (a plan's choice). Mutates the pool.
+        """Give ``uuid`` exactly ``page_ids``; see :meth:`take_pages_for`. Mutates the pool."""
+        self.take_pages_for(((uuid, page_ids),))
 
-        Validates first: every id must be in range, free, and named once; on a
-        bad id nothing changes.
+    def take_pages_for(self, grants: Grants) -> None:
+        """Give each owner exactly its page ids (a plan's choice), in order. Mutates the pool.
+
+        Validates every grant first: each id in range, free, and named once across all of
+        them; on a bad one it raises :class:`PageOwnershipError` and nothing changes. An
+        owner given no ids is left as it is.
         """
-        page_ids = list(page_ids)
-        check_free_and_distinct(self, page_ids)
-        head = self._queue[self._head:self._head + len(page_ids)]
-        if head == page_ids:
-            self._head += len(page_ids)
+        all_ids = _check_grants(self, grants)
+        head = self._queue[self._head:self._head + len(all_ids)]
+        if head == all_ids:
+            self._head += len(all_ids)
         else:
-            taken = set(page_ids)
+            taken = set(all_ids)
             self._queue = [p for p in self._queue[self._head:] if p not in taken]
             self._head = 0
         self._compact()
-        self._assign(uuid, page_ids)
+        for uuid, page_ids in grants:
+            if page_ids:
+                self._assign(uuid, list(page_ids))
 
     def release_pages(self, uuid: str) -> list[int]:
         """Return every page of ``uuid`` to the queue tail, in page-table order.
@@ -228,9 +263,13 @@ class ForkedPagePool:
         return page_ids
 
     def take_pages(self, uuid: str, page_ids: Sequence[int]) -> None:
-        page_ids = list(page_ids)
-        check_free_and_distinct(self, page_ids)
-        self._assign(uuid, page_ids)
+        self.take_pages_for(((uuid, page_ids),))
+
+    def take_pages_for(self, grants: Grants) -> None:
+        _check_grants(self, grants)
+        for uuid, page_ids in grants:
+            if page_ids:
+                self._assign(uuid, list(page_ids))
 
     def release_pages(self, uuid: str) -> list[int]:
         page_ids = list(self.pages_of(uuid))
