@@ -73,13 +73,13 @@ class PlanKvPath:
 
     def snapshot(self) -> KvSnapshot:
         target = self.target
-        return KvSnapshot(target.state.step, self.geometry, target.gpu_kv.free_pages(), target.host_kv.free_pages())
+        return KvSnapshot(target.state.step, self.geometry, target.gpu_kv.pages.num_free, target.host_kv.pages.num_free)
 
     # Requests (op inputs) are built by these, so compare mode can log and replay them.
     def poll_request(self, observed: Mapping[str, str | None]) -> PollRequest:
         requests = self.target.state.requests
-        return PollRequest(self.snapshot(), tuple(LoadOutcome(u, e) for u, e in observed.items()),
-                           tuple(requests[u].num_load_retries for u in observed))
+        return PollRequest(self.snapshot(), tuple([LoadOutcome(u, e) for u, e in observed.items()]),
+                           tuple([requests[u].num_load_retries for u in observed]))
 
     def release_request(self, uuids: Sequence[str]) -> ReleaseRequest:
         return ReleaseRequest(self.snapshot(), tuple(uuids))
@@ -203,10 +203,14 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
 def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
     """Mutates requests (removed), outputs, both pools, pending appends."""
     _check_unique("ReleasePlan.released", plan.released)
+    requests = target.state.requests
     for i, uuid in enumerate(plan.released):
-        _request(target, f"ReleasePlan.released[{i}]", uuid, DONE_PHASES)
+        req = requests.get(uuid)
+        if req is None or req.phase not in DONE_PHASES:
+            _request(target, f"ReleasePlan.released[{i}]", uuid, DONE_PHASES)  # raises, naming why
+    released = set(plan.released)
     for i, uuid in enumerate(plan.drop_pending_append_ids):
-        if uuid not in plan.released:
+        if uuid not in released:
             raise PlanRejected(f"ReleasePlan.drop_pending_append_ids[{i}]", f"{uuid!r} is not being released")
     for uuid in plan.released:
         req = target.state.remove(uuid)
