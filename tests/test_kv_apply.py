@@ -255,13 +255,21 @@ INVALID = [
      "AllocPlan.grants[0].uuid"),
     ("grant for a swapped request", None, alloc(AllocPlan((PageGrant("swap2", (8, 9)),), ()), batch=("swap2",)),
      "AllocPlan.grants[0].uuid"),
-    ("grant of the wrong page count", None, alloc(AllocPlan((PageGrant("run0", ()), PageGrant("run1", (8, 9))), ())),
+    ("grant of the wrong page count", None, alloc(AllocPlan((PageGrant("wait4", (9, 10)), PageGrant("run1", (8, 11))), ())),
      "AllocPlan.grants[1].new_page_ids"),
     ("grant of an owned page", None, alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 3))), ())),
      "AllocPlan.grants[1].new_page_ids"),
     ("grant of a page twice", None, alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 8))), ())),
      "AllocPlan.grants[1].new_page_ids"),
-    ("grant to a request twice", None, alloc(AllocPlan((PageGrant("run0", ()),) * 2, ())), "AllocPlan.grants"),
+    ("grant to a request twice", None, alloc(AllocPlan((PageGrant("run1", (8,)),) * 2, ())), "AllocPlan.grants"),
+    ("grant to a request that needs no pages", None, alloc(AllocPlan((PageGrant("run0", ()), PageGrant("run1", (8,))), ())),
+     "AllocPlan.grants[0].uuid"),
+    ("a request left out that needs no pages", None,
+     alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), (DoesNotFit("run0", 1, 1),))),
+     "AllocPlan.not_fitting[0].uuid"),
+    ("a request both granted and left out", None,
+     alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), (DoesNotFit("wait4", 2, 1),))),
+     "AllocPlan.not_fitting[0].uuid"),
     ("a scheduled request needing pages neither granted nor left out", None,
      alloc(AllocPlan((PageGrant("run1", (8,)),), ())), "AllocPlan.grants"),
     ("a waiting request admitted without a grant", _set("wait4", num_tokens=4, gpu_page_ids=(8,)),  # fits its page
@@ -397,7 +405,7 @@ def test_migration_grants_exactly_the_planned_gpu_pages_and_starts_the_loads():
 
 def test_allocation_appends_granted_pages_admits_waiting_requests_and_returns_the_served():
     target = make_target()
-    plan = AllocPlan((PageGrant("run0", ()), PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), ())
+    plan = AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), ())  # run0 fits its pages: no grant
     assert apply_alloc_plan(target, plan, PlanKvPath(target).alloc_request(["run0", "run1", "wait4"])) == [
         "run0", "run1", "wait4"]
     requests = target.state.requests

@@ -42,6 +42,7 @@ def geometry_of(target: KvTarget) -> KvGeometry:
 
 # Phases as module constants: ``Phase.X`` is a class attribute lookup of ~0.1 us, and these run per request.
 WAITING, RUNNING, SWAPPED, LOADING, FAILED = Phase.WAITING, Phase.RUNNING, Phase.SWAPPED, Phase.LOADING, Phase.FAILED
+COMPLETE, RETRY, FAIL, TO_HOST = PollAction.COMPLETE, PollAction.RETRY, PollAction.FAIL, Destination.HOST
 NO_PAGES, NO_SWAPPED = PageColumns((), (), ()), SwappedColumns((), (), ())
 _ADMISSIBLE = (RUNNING, WAITING)  # phases a request may be allocated pages in
 
@@ -162,26 +163,26 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
         req = requests.get(step.uuid)
         if req is None or req.phase is not LOADING:
             _request(target, f"PollPlan.steps[{i}].uuid", step.uuid, (LOADING,))  # raises, naming why
-        if step.action is PollAction.COMPLETE and observed[step.uuid] is not None:
+        if step.action is COMPLETE and observed[step.uuid] is not None:
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load failed; cannot complete")
-        if step.action is not PollAction.COMPLETE and observed[step.uuid] is None:
+        if step.action is not COMPLETE and observed[step.uuid] is None:
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load completed; nothing to {step.action.value}")
-        if step.action is PollAction.RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
+        if step.action is RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} has no retries left")
-        if step.action is PollAction.FAIL and not step.reason:
+        if step.action is FAIL and not step.reason:
             raise PlanRejected(f"PollPlan.steps[{i}].reason", f"failing {step.uuid!r} needs a reason")
     stats = target.state.stats
     for step in plan.steps:
         req = target.state.edit(step.uuid)
         req.load_handle = None
-        if step.action is PollAction.COMPLETE:
+        if step.action is COMPLETE:
             req.load_started_step = None
             target.host_kv.release_pages(step.uuid)
             req.host_page_ids = ()
             req.phase = RUNNING
             continue
         stats.load_failures += 1
-        if step.action is PollAction.RETRY:
+        if step.action is RETRY:
             req.num_load_retries += 1
             req.load_handle = target.host_kv.load_to_gpu_async(step.uuid, list(req.gpu_page_ids))
             req.load_started_step = target.state.step
@@ -193,7 +194,7 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
         req.num_cached_tokens = 0
         req.num_load_retries = 0
         req.load_started_step = None
-        if step.action is PollAction.FAIL:
+        if step.action is FAIL:
             req.phase, req.finish_reason = FAILED, step.reason
         else:
             req.phase = WAITING
@@ -235,7 +236,7 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
         if victim.gpu_page_ids != req.gpu_page_ids:
             raise PlanRejected(f"EvictionPlan.victims[{i}].gpu_page_ids",
                                f"{victim.gpu_page_ids} != page table {req.gpu_page_ids}")
-        want = len(req.gpu_page_ids) if victim.destination is Destination.HOST else 0
+        want = len(req.gpu_page_ids) if victim.destination is TO_HOST else 0
         if len(victim.host_page_ids) != want:
             raise PlanRejected(f"EvictionPlan.victims[{i}].host_page_ids",
                                f"{len(victim.host_page_ids)} pages for {want} GPU pages")
@@ -244,7 +245,7 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
     stats = target.state.stats
     for victim in plan.victims:
         req = target.state.edit(victim.uuid)
-        if victim.destination is Destination.HOST:
+        if victim.destination is TO_HOST:
             target.host_kv.store_from_gpu(victim.uuid, list(victim.gpu_page_ids))
             req.host_page_ids = victim.host_page_ids
             req.phase = SWAPPED
@@ -289,20 +290,19 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
 def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -> list[str]:
     """Mutates page tables, the GPU pool, admitted phases (-> RUNNING); returns the served uuids.
 
-    ``request`` is the op request the plan answers, built from ``target`` just before. Every
-    request it lists as needing pages must be granted them or left out as not fitting; grants
-    go only to scheduled requests, each for exactly the pages its tokens need now.
+    ``request`` is the op request the plan answers, built from ``target`` just before. Each
+    request it lists as needing pages is granted exactly the pages its tokens need now or left
+    out as not fitting, and no other request is named; the rest of the batch is served as it is.
     """
-    batch = request.batch
+    needing = set(request.needing.uuids)
     granted_uuids = {g.uuid for g in plan.grants}
     if len(granted_uuids) != len(plan.grants):
         _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
-    scheduled = set(batch)
     page_size = target.cache_config.page_size
     requests, admissible = target.state.requests, _ADMISSIBLE
     for i, grant in enumerate(plan.grants):  # field names are formatted only on the error paths (hot loop)
-        if grant.uuid not in scheduled:
-            raise PlanRejected(f"AllocPlan.grants[{i}].uuid", f"{grant.uuid!r} is not scheduled this step")
+        if grant.uuid not in needing:
+            raise PlanRejected(f"AllocPlan.grants[{i}].uuid", f"{grant.uuid!r} is not a scheduled request that needs pages")
         req = requests.get(grant.uuid)
         if req is None or req.phase not in admissible:
             _request(target, f"AllocPlan.grants[{i}].uuid", grant.uuid, admissible)  # raises, naming the problem
@@ -311,12 +311,13 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {need} needed")
     left_out = {d.uuid for d in plan.not_fitting}
-    for i, uuid in enumerate(d.uuid for d in plan.not_fitting):
-        if uuid not in scheduled or uuid in granted_uuids:
-            raise PlanRejected(f"AllocPlan.not_fitting[{i}].uuid", f"{uuid!r} is not scheduled, or is also granted")
-    covered = left_out | granted_uuids
-    if not covered.issuperset(request.needing.uuids):
-        missing = [uuid for uuid in request.needing.uuids if uuid not in covered]
+    if not (left_out <= needing and left_out.isdisjoint(granted_uuids)):
+        i, uuid = next((i, d.uuid) for i, d in enumerate(plan.not_fitting)
+                       if d.uuid not in needing or d.uuid in granted_uuids)
+        raise PlanRejected(f"AllocPlan.not_fitting[{i}].uuid",
+                           f"{uuid!r} is not a scheduled request that needs pages, or is also granted")
+    if len(left_out) + len(granted_uuids) != len(needing):
+        missing = [uuid for uuid in request.needing.uuids if uuid not in left_out and uuid not in granted_uuids]
         raise PlanRejected("AllocPlan.grants", f"scheduled requests {missing} need pages and are neither granted "
                                                f"them nor left out")
     _take_pages(target.gpu_kv, plan.grants, "AllocPlan.grants[{}].new_page_ids")  # grants are (uuid, ids) pairs
@@ -324,4 +325,5 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
         req = target.state.edit(grant.uuid)
         req.gpu_page_ids += grant.new_page_ids
         req.phase = RUNNING
+    batch = request.batch
     return [uuid for uuid in batch if uuid not in left_out] if left_out else list(batch)

@@ -23,6 +23,11 @@ from batchgen.worker.kv_plans import (
 )
 
 
+# Enum members as module constants: ``PollAction.X`` is a class attribute lookup of ~0.1 us on Python 3.11.
+COMPLETE, RETRY, FAIL, RECOMPUTE_LOAD = PollAction.COMPLETE, PollAction.RETRY, PollAction.FAIL, PollAction.RECOMPUTE
+TO_HOST, TO_RECOMPUTE = Destination.HOST, Destination.RECOMPUTE
+
+
 def eviction_watermark_pages(snapshot: KvSnapshot) -> int:
     """GPU pages to keep free; a pure function of the snapshot."""
     geometry = snapshot.geometry
@@ -63,13 +68,13 @@ class KVCacheManager:
         steps = []
         for outcome, retries in zip(req.outcomes, req.num_load_retries):
             if outcome.error is None:
-                steps.append(PollStep(outcome.uuid, PollAction.COMPLETE))
+                steps.append(PollStep(outcome.uuid, COMPLETE))
             elif retries < geometry.max_load_retries:
-                steps.append(PollStep(outcome.uuid, PollAction.RETRY))
+                steps.append(PollStep(outcome.uuid, RETRY))
             elif geometry.load_failure == "fail":
-                steps.append(PollStep(outcome.uuid, PollAction.FAIL, load_failure_reason(outcome.error)))
+                steps.append(PollStep(outcome.uuid, FAIL, load_failure_reason(outcome.error)))
             else:
-                steps.append(PollStep(outcome.uuid, PollAction.RECOMPUTE))
+                steps.append(PollStep(outcome.uuid, RECOMPUTE_LOAD))
         return PollPlan(tuple(steps))
 
     def plan_release(self, req: ReleaseRequest) -> ReleasePlan:
@@ -92,12 +97,12 @@ class KVCacheManager:
             free_gpu += num_pages
             if free_host >= num_pages:
                 free_host -= num_pages
-                chosen.append((i, Destination.HOST))
+                chosen.append((i, TO_HOST))
             else:
-                chosen.append((i, Destination.RECOMPUTE))
+                chosen.append((i, TO_RECOMPUTE))
         if not chosen:
             return EvictionPlan(())
-        host_sizes = [len(running.gpu_page_ids[i]) if d is Destination.HOST else 0 for i, d in chosen]
+        host_sizes = [len(running.gpu_page_ids[i]) if d is TO_HOST else 0 for i, d in chosen]
         host_ids = _split(self._host_kv.peek_free_pages(sum(host_sizes)), host_sizes)
         return EvictionPlan(tuple(Victim(running.uuids[i], d, running.gpu_page_ids[i], h)
                                   for (i, d), h in zip(chosen, host_ids)))
