@@ -36,6 +36,7 @@ import time
 import uuid as uuid_lib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from compare import DivergenceRecord, JsonlSink, Keyed, RunSummary, ShadowExecutor
 from batchgen.worker.kv_apply import PlanKvPath
@@ -43,7 +44,7 @@ from batchgen.worker.kv_forms import (
     add_requests, canonical_copies, canonical_events, canonical_kv, canonical_pools, canonical_stats, classify,
     detach_fork, differing_requests, exception_kind, fork_target, pre_state,
 )
-from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
+from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, kv_path_class
 from batchgen.worker.kv_plans import to_jsonable
 from batchgen.worker.kv_target import KvTarget
 
@@ -119,6 +120,10 @@ class KvCompare:
         else:
             self.authoritative = build_kv_path(gate.path, target)
         self._requests = PlanKvPath(target)  # builds the replay context when neither side's plan path does
+        if self.shadow_path == "plan":
+            self._new_shadow_path = partial(_RecordingPlanKvPath, geometry=self._requests.geometry)
+        else:
+            self._new_shadow_path = kv_path_class(self.shadow_path)  # resolved once: no import per op
         self._shadow_request = None  # the op request the shadow plan path built on the fork
         self.sink = sink if sink is not None else JsonlSink(gate.compare_log)
         self.seed = seed
@@ -184,10 +189,7 @@ class KvCompare:
         """The shadow path on a fork. Its canonical form's requests, outputs, pool journals and copies
         are left for the authoritative step to fill in, once both post-states exist. Sets ``_shadow_run``."""
         fork = fork_target(self.target)
-        if self.shadow_path == "plan":
-            path = _RecordingPlanKvPath(fork, self._requests.geometry)
-        else:
-            path = build_kv_path(self.shadow_path, fork)
+        path = self._new_shadow_path(fork)
         try:
             result = call(path)
         finally:

@@ -124,14 +124,19 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
         raise GateError(f"{source}={values.get(field)!r} is invalid ({reason}); allowed: {allowed}{hint}") from None
 
 
-def build_kv_path(name: str, target):
-    """The KV path object for ``name`` over ``target``; legacy is imported only here."""
+def kv_path_class(name: str) -> type:
+    """The KV path class for ``name``; legacy is imported only here."""
     if name == "plan":
         from batchgen.worker.kv_apply import PlanKvPath
 
-        return PlanKvPath(target)
+        return PlanKvPath
     if name == "legacy":
         from batchgen.worker.legacy_kv import LegacyKvPath
 
-        return LegacyKvPath(target)
+        return LegacyKvPath
     raise GateError(f"unknown KV path {name!r}; allowed: plan, legacy")
+
+
+def build_kv_path(name: str, target):
+    """The KV path object for ``name`` over ``target``."""
+    return kv_path_class(name)(target)
