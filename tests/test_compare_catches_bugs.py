@@ -266,6 +266,10 @@ BUGS = [
     Bug("watermark-cached-from-another-geometry", stale_watermark,
         frozenset({"evict", "migrate"}), "state", evidence=("requests[*].phase",),
         workloads=lambda: [first_wave(builtin_workload("L2-2048")), builtin_workload("L2-4096")]),
+    Bug("evict-counts-evictions-it-did-not-make",  # an op that writes nothing but a counter: the quiet forms
+        applier_mutant("apply_eviction_plan", "    if not plan.victims:\n        return\n",
+                       "    if not plan.victims:\n        target.state.stats.evictions += 1\n        return\n"),
+        frozenset({"evict"}), "state", evidence=("stats.evictions",), absent=("requests", "pools", "copies")),
     Bug("migrate-request-swapped-this-step",
         method_mutant("plan_migration", "swapped_step == snapshot.step", "False"),
         frozenset({"migrate"}), "state", evidence=("requests[*].phase", "copies")),

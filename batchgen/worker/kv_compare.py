@@ -17,6 +17,11 @@ Per compared op (``compare.ShadowExecutor`` fixes the order)::
     compare       canonical forms: differing requests, new outputs, pending appends,
                   counters, each pool's allocator diff, the ordered copy ops
 
+When neither side wrote anything (no request, pending append, pool page or copy:
+most evict and migrate calls), both forms are only counters and result: every
+other part equals the pre-state on both sides, so the verdict and field paths are
+the same.
+
 A request neither side wrote is the same object in both post-states, and one
 written to the same values has equal canonical entries: leaving them out gives
 the same verdict and field paths as canonicalising the whole scope (what
@@ -97,6 +102,26 @@ class _ShadowRun:
 
     fork: KvTarget  # the shadow's post-state, its pools' journals and copies included
     canonical: dict  # the shadow's canonical form: requests, outputs, journals and copies still to be filled in
+    free_pages: tuple[int, int]  # the fork's free GPU and host pages after the op (readable only until then)
+    quiet: bool  # the shadow wrote nothing: no request, pending append, pool page or copy
+
+
+def _wrote_nothing(target: KvTarget, written, dropped) -> bool:
+    """Whether an op that wrote ``written`` and dropped ``dropped`` on ``target`` changed no request, pending
+    append, pool page or copy (its pools journal and its host pool records copies). Pure."""
+    return not (written or dropped or target.gpu_kv.journal or target.host_kv.journal or target.host_kv.copies)
+
+
+def _quiet_form(target: KvTarget, result) -> dict:
+    """The canonical form of an op that wrote nothing: every other part equals the pre-state's, on both sides."""
+    return {"stats": canonical_stats(target), "result": result}
+
+
+def _full_form(canonical: dict, free_pages: tuple[int, int]) -> dict:
+    """Turn a quiet form into a full one still to be completed (``_complete``). Mutates and returns it."""
+    canonical.update(requests=Keyed(), outputs=Keyed(),
+                     pools={"gpu": [], "host": [], "num_free_gpu": free_pages[0], "num_free_host": free_pages[1]})
+    return canonical
 
 
 class KvCompare:
@@ -195,9 +220,10 @@ class KvCompare:
         finally:
             self._shadow_request = getattr(path, "last_request", None)
         # The fork's pools can be read only until the authoritative path changes the worker's.
-        canonical = {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(fork),
-                     "pools": canonical_pools(fork, [], []), "result": result}
-        self._shadow_run = _ShadowRun(fork, canonical)
+        free_pages = (fork.gpu_kv.free_pages(), fork.host_kv.free_pages())
+        quiet = _wrote_nothing(fork, fork.state.written, fork.dropped)
+        canonical = _quiet_form(fork, result) if quiet else _full_form(_quiet_form(fork, result), free_pages)
+        self._shadow_run = _ShadowRun(fork, canonical, free_pages, quiet)
         return canonical
 
     def _run_authoritative(self, call: Callable):
@@ -218,11 +244,17 @@ class KvCompare:
             except Exception:
                 if shadow is not None:  # the record still carries the shadow's journals (replay reads them)
                     fork = shadow.fork
+                    if shadow.quiet:
+                        _full_form(shadow.canonical, shadow.free_pages)
                     _complete(shadow.canonical, fork, canonical_events(fork.gpu_kv.journal),
                               canonical_events(fork.host_kv.journal), canonical_copies(fork.host_kv.copies))
                 raise
             if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
                 return result, canonical_kv(self.target, list(written), result, gpu.journal, host.journal, host.copies)
+            if shadow.quiet:
+                if _wrote_nothing(self.target, written, dropped):  # neither side changed anything but counters
+                    return result, _quiet_form(self.target, result)
+                _full_form(shadow.canonical, shadow.free_pages)
             fork = shadow.fork
             gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
             host_events, fork_host_events = _shared(host.journal, fork.host_kv.journal, canonical_events)
