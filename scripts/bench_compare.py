@@ -17,7 +17,10 @@ minimum over the repeats. CPU time and the minimum keep out most of what the
 other processes on shared cores do to wall time; garbage collections triggered
 inside an op count toward it. "harness" = compare - plan - legacy (rollout -
 plan - legacy): what compare mode adds beyond running both paths (fork, change detection, canonical forms,
-diff, context, the forked pools' overlay). All variants make the same
+diff, context, the forked pools' overlay). "harness in-run": each compared variant
+runs ``--repeats`` more times with the paths' own op calls timed too (on the worker
+and on the fork), and is that run's time outside them: no difference between
+separate runs, but the paths' slow-down on forks counts as theirs. All variants make the same
 decisions, so step i touches the same requests in each: an untimed probe run
 counts, per step, the requests whose phase, page tables or retry count the KV
 ops changed, or that they released: "touched".
@@ -71,6 +74,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -82,7 +86,9 @@ from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
 from batchgen.runner import run_workload
+from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.legacy_kv import LegacyKvPath
 from batchgen.worker.worker import Worker
 from batchgen.workloads import Workload, WorkloadRequest, builtin_workload
 
@@ -186,11 +192,37 @@ def wrap_kv_ops(worker: Worker, before: Callable[[], None], after: Callable[[flo
         setattr(worker, name, timed)
 
 
-def timed_steps(workload: Workload, variant: str, steps: int, log: Path, *, collector: bool = True) -> list[float]:
+@contextmanager
+def path_calls_timed(per_step: list[float], step: list[int]):
+    """While open, every KV op call on a path object (``PlanKvPath``, ``LegacyKvPath``: compare mode's
+    authoritative and shadow sides alike) adds its thread CPU seconds to ``per_step[step[0]]``."""
+    originals = [(cls, op, getattr(cls, op)) for cls in (PlanKvPath, LegacyKvPath) for op in PATH_OPS]
+
+    def timed(original):
+        def call(*args):
+            started = time.thread_time()
+            try:
+                return original(*args)
+            finally:
+                per_step[step[0]] += max(0.0, time.thread_time() - started - CLOCK_READ_S)
+        return call
+
+    for cls, op, original in originals:
+        setattr(cls, op, timed(original))
+    try:
+        yield
+    finally:
+        for cls, op, original in originals:
+            setattr(cls, op, original)
+
+
+def timed_steps(workload: Workload, variant: str, steps: int, log: Path, *, collector: bool = True,
+                attributed: bool = False) -> list[float]:
     """Seconds spent in KV ops, per step, on a fresh worker (``collector=False``: the cyclic garbage
-    collector off while the steps run)."""
+    collector off while the steps run). ``attributed``: minus the seconds inside the paths' own op
+    calls, timed in the same run (for compare mode: the harness alone, measured in-run)."""
     worker = new_worker(workload, variant, log)
-    per_step = [0.0] * steps
+    per_step, in_paths = [0.0] * steps, [0.0] * steps
     step = [0]
 
     def add(seconds: float) -> None:
@@ -201,11 +233,12 @@ def timed_steps(workload: Workload, variant: str, steps: int, log: Path, *, coll
         gc.collect()
         gc.disable()
     try:
-        for step[0] in range(steps):
-            worker.step()
+        with path_calls_timed(in_paths, step) if attributed else nullcontext():
+            for step[0] in range(steps):
+                worker.step()
     finally:
         gc.enable()
-    return per_step
+    return [total - paths for total, paths in zip(per_step, in_paths)]
 
 
 def touched_steps(workload: Workload, steps: int, log: Path) -> tuple[list[int], list[int]]:
@@ -236,6 +269,9 @@ def touched_steps(workload: Workload, steps: int, log: Path) -> tuple[list[int],
 
 VARIANTS = ("plan", "legacy", "compare", "rollout")
 COMPARED = ("compare", "rollout")
+ATTRIBUTED = "-attributed"  # a compared variant rerun with its path calls timed: its harness, measured in-run
+RUNS = VARIANTS + tuple(variant + ATTRIBUTED for variant in COMPARED)
+PATH_OPS = ("poll", "release", "evict", "migrate", "allocate")
 
 
 def bookkeeping(sizes: list[int], steps: int, repeats: int, seed: int, log: Path, console: Console, *,
@@ -244,22 +280,28 @@ def bookkeeping(sizes: list[int], steps: int, repeats: int, seed: int, log: Path
     rows = []
     for size in sizes:
         workload = concurrent_workload(size, steps, seed)
-        samples: dict[str, list[list[float]]] = {variant: [] for variant in VARIANTS}
+        samples: dict[str, list[list[float]]] = {variant: [] for variant in RUNS}
         for repeat in range(repeats):
-            for variant in VARIANTS[repeat % len(VARIANTS):] + VARIANTS[:repeat % len(VARIANTS)]:
-                samples[variant].append(timed_steps(workload, variant, steps, log, collector=collector))
+            for variant in RUNS[repeat % len(RUNS):] + RUNS[:repeat % len(RUNS)]:
+                compared = variant.removesuffix(ATTRIBUTED)
+                samples[variant].append(timed_steps(workload, compared, steps, log, collector=collector,
+                                                    attributed=variant != compared))
         touched, alive = touched_steps(workload, steps, log)
         row = {"num_requests": size, "touched": touched, "alive": alive, "num_gpu_pages": workload.cache.num_gpu_pages}
         for variant, runs in samples.items():
             row[f"{variant}_s"] = [min(run[i] for run in runs) for i in range(steps)]
         rows.append(row)
         console.print(f"  N={size}: " + ", ".join(f"{variant} {sum(row[f'{variant}_s']) / steps * 1e3:.2f} ms/step"
-                                                   for variant in VARIANTS), highlight=False)
+                                                   for variant in RUNS), highlight=False)
     return rows
 
 
 def harness(row: dict, i: int, variant: str = "compare") -> float:
     return row[f"{variant}_s"][i] - row["plan_s"][i] - row["legacy_s"][i]
+
+
+def direct_harness(row: dict, i: int, variant: str = "compare") -> float:
+    return row[f"{variant}{ATTRIBUTED}_s"][i]
 
 
 def summarise_sizes(rows: list[dict]) -> list[dict]:
@@ -275,6 +317,7 @@ def summarise_sizes(rows: list[dict]) -> list[dict]:
             summary[f"{variant}_ratio"] = sum(row[f"{variant}_s"]) / plan
             summary[f"{variant}_harness_us_per_step"] = extra / steps * 1e6
             summary[f"{variant}_harness_ns_per_alive_request"] = extra / sum(row["alive"]) * 1e9
+            summary[f"{variant}_direct_harness_us_per_step"] = sum(row[f"{variant}{ATTRIBUTED}_s"]) / steps * 1e6
         out.append(summary)
     return out
 
@@ -298,6 +341,9 @@ def summarise_touched(rows: list[dict]) -> list[dict]:
                         **{f"{variant}_us": statistics.median(row[f"{variant}_s"][i] for i in steps) * 1e6
                            for variant in VARIANTS},
                         **{f"{variant}_harness_us": statistics.median(harness(row, i, variant) for i in steps) * 1e6
+                           for variant in COMPARED},
+                        **{f"{variant}_direct_harness_us":
+                           statistics.median(direct_harness(row, i, variant) for i in steps) * 1e6
                            for variant in COMPARED}})
     return out
 
@@ -362,18 +408,18 @@ def verdicts(sizes: list[dict], touched: list[dict], e2e: dict | None) -> dict:
     ratio, size, variant = max((row[f"{v}_ratio"], row["num_requests"], v) for row in sizes for v in COMPARED)
     out = {"bookkeeping_ratio": {"value": ratio, "at": f"{variant}, N = {size}", "goal": GOALS["bookkeeping_ratio"],
                                  "met": ratio <= GOALS["bookkeeping_ratio"]}}
-    growths = []
-    for variant in COMPARED:
-        quiet = {row["num_requests"]: row[f"{variant}_harness_us"] for row in touched
-                 if row["touched"] == bucket_label(QUIET)}
-        if len(quiet) >= 2:
-            small, large = min(quiet), max(quiet)
-            growths.append((quiet[large] / quiet[small] if quiet[small] > 0 else math.inf, variant, small, large))
-    if growths:
-        growth, variant, small, large = max(growths)
-        out["quiet_harness_growth"] = {"value": growth, "at": f"{variant}, N = {large} vs {small}",
-                                       "goal": GOALS["quiet_harness_growth"],
-                                       "met": growth <= GOALS["quiet_harness_growth"]}
+    for key, column in (("quiet_harness_growth", "harness_us"), ("quiet_direct_harness_growth", "direct_harness_us")):
+        growths = []
+        for variant in COMPARED:
+            quiet = {row["num_requests"]: row[f"{variant}_{column}"] for row in touched
+                     if row["touched"] == bucket_label(QUIET)}
+            if len(quiet) >= 2:
+                small, large = min(quiet), max(quiet)
+                growths.append((quiet[large] / quiet[small] if quiet[small] > 0 else math.inf, variant, small, large))
+        if growths:
+            growth, variant, small, large = max(growths)
+            out[key] = {"value": growth, "at": f"{variant}, N = {large} vs {small}",
+                        "goal": GOALS["quiet_harness_growth"], "met": growth <= GOALS["quiet_harness_growth"]}
     if e2e is not None:
         out["end_to_end_ratio"] = {"value": e2e["ratio"], "at": "compare", "goal": GOALS["end_to_end_ratio"],
                                    "met": e2e["ratio"] <= GOALS["end_to_end_ratio"]}
@@ -390,18 +436,22 @@ def report_tables(sizes: list[dict], touched: list[dict], fit: dict, e2e: dict |
         "runs); alive, touched: requests per step; compare = plan authoritative + legacy shadow, rollout = legacy "
         "authoritative + plan shadow; harness = compare (rollout) - plan - legacy",
         ("N", "alive", "touched", "plan", "legacy", "compare", "rollout", "compare/plan", "rollout/plan",
-         "harness", "harness ns/alive req", "rollout harness"),
+         "harness", "harness ns/alive req", "rollout harness", "harness in-run", "rollout harness in-run"),
         [(str(r["num_requests"]), f"{r['mean_alive']:.0f}", f"{r['mean_touched']:.1f}", f"{r['plan_us_per_step']:.0f}",
           f"{r['legacy_us_per_step']:.0f}", f"{r['compare_us_per_step']:.0f}", f"{r['rollout_us_per_step']:.0f}",
           f"{r['compare_ratio']:.2f}x", f"{r['rollout_ratio']:.2f}x", f"{r['compare_harness_us_per_step']:.0f}",
-          f"{r['compare_harness_ns_per_alive_request']:.0f}", f"{r['rollout_harness_us_per_step']:.0f}")
+          f"{r['compare_harness_ns_per_alive_request']:.0f}", f"{r['rollout_harness_us_per_step']:.0f}",
+          f"{r['compare_direct_harness_us_per_step']:.0f}", f"{r['rollout_direct_harness_us_per_step']:.0f}")
          for r in sizes],
     ), (
-        "By requests touched: us per step, medians over the steps in each bucket",
-        ("N", "touched", "steps", "plan", "legacy", "compare", "rollout", "harness", "rollout harness"),
+        "By requests touched: us per step, medians over the steps in each bucket; in-run: the compared run "
+        "minus the time inside its two paths' op calls, timed in that run",
+        ("N", "touched", "steps", "plan", "legacy", "compare", "rollout", "harness", "rollout harness",
+         "harness in-run", "rollout harness in-run"),
         [(str(r["num_requests"]), r["touched"], str(r["num_steps"]), f"{r['plan_us']:.0f}", f"{r['legacy_us']:.0f}",
           f"{r['compare_us']:.0f}", f"{r['rollout_us']:.0f}", f"{r['compare_harness_us']:.0f}",
-          f"{r['rollout_harness_us']:.0f}") for r in touched],
+          f"{r['rollout_harness_us']:.0f}", f"{r['compare_direct_harness_us']:.0f}",
+          f"{r['rollout_direct_harness_us']:.0f}") for r in touched],
     )]
     if e2e is not None:
         tables.append((
@@ -413,7 +463,9 @@ def report_tables(sizes: list[dict], touched: list[dict], fit: dict, e2e: dict |
         ))
     names = {"bookkeeping_ratio": "compare / plan-only bookkeeping, worst",
              "end_to_end_ratio": f"L2-4096 end to end, compare on / off ({e2e['basis'] if e2e else ''})",
-             "quiet_harness_growth": "harness on quiet steps (<= 4 touched), largest N / smallest N, worst"}
+             "quiet_harness_growth": "harness on quiet steps (<= 4 touched), largest N / smallest N, worst",
+             "quiet_direct_harness_growth": "the same, harness measured in-run (diagnostic: it leaves out the "
+                                            "paths' own slow-down on forks)"}
     tables.append((
         f"Goals (compare harness, least-squares fit over all steps: {fit['fixed_us']:.0f} us"
         f" + {fit['us_per_alive_request']:.2f} us x alive "

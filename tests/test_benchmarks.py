@@ -1,0 +1,48 @@
+"""The benchmarks under ``scripts/`` run end to end at toy sizes and write the figures they promise.
+
+No timing is asserted (tests never time): each script is run as a child process with
+tiny sizes and its JSON is checked for shape and for what must hold whatever the
+machine does. Both scripts exit non-zero when the paths disagree (``bench_kv_ops``:
+different counters) or compare mode logs a divergence (``bench_compare``).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def run_benchmark(name: str, *args: str) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_bench_kv_ops_times_both_paths_on_every_mix_and_size(tmp_path):
+    out = tmp_path / "kv_ops.json"
+    run_benchmark("bench_kv_ops.py", "--sizes", "8,16", "--steps", "4", "--warmup", "2", "--repeats", "2",
+                  "--json-out", str(out))
+    figures = json.loads(out.read_text())
+    assert [(row["mix"], row["num_requests"]) for row in figures["rows"]] == [
+        ("decode", 8), ("decode", 16), ("pressure", 8), ("pressure", 16)]
+    for row in figures["rows"]:
+        assert len(row["ratios"]) == 2 and row["ratio_plan_legacy"] > 0
+        assert set(row["us_per_step_by_op"]["plan"]) == {"poll", "release", "evict", "migrate", "alloc"}
+        assert set(row["window_stats"]) == {"evictions", "loads", "recompute_preemptions", "tokens_generated"}
+
+
+def test_bench_compare_reports_the_harness_both_ways_and_every_goal(tmp_path):
+    out, md = tmp_path / "compare.json", tmp_path / "compare.md"
+    run_benchmark("bench_compare.py", "--sizes", "8,16", "--steps", "6", "--repeats", "1", "--no-e2e",
+                  "--json-out", str(out), "--md-out", str(md))
+    figures = json.loads(out.read_text())
+    assert [row["num_requests"] for row in figures["sizes"]] == [8, 16]
+    assert set(figures["goals"]) == {"bookkeeping_ratio", "quiet_harness_growth", "quiet_direct_harness_growth"}
+    for row in figures["per_step"]:
+        for variant in ("compare", "rollout"):
+            # in-run: a compared run's time outside its paths' op calls, which its op time contains
+            direct, whole = row[f"{variant}-attributed_s"], row[f"{variant}_s"]
+            assert len(direct) == len(whole) == 6
+            assert all(d >= 0 for d in direct)
+    assert "harness in-run" in md.read_text()
