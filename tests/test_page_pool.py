@@ -103,6 +103,28 @@ def test_take_rejects_an_owned_page_and_changes_nothing():
     assert internals(pool) == before
 
 
+def test_take_for_several_owners_names_the_refused_grant_and_changes_nothing():
+    pool = pool_with_history()
+    before = internals(pool)
+    with pytest.raises(PageOwnershipError, match=r"^gpu: page 5 is granted twice$") as refused:
+        pool.take_pages_for([("c", [5]), ("d", [6, 5])])
+    assert (refused.value.index, refused.value.page_id) == (1, 5)
+    with pytest.raises(PageOwnershipError, match=r"^gpu: page 3 is not free$") as refused:
+        pool.take_pages_for([("c", [5]), ("d", []), ("e", [6, 3])])
+    assert (refused.value.index, refused.value.page_id) == (2, 3)
+    assert internals(pool) == before
+
+
+def test_take_for_several_owners_takes_them_in_order_and_skips_an_owner_given_none():
+    pool = pool_with_history()
+    pool.journal = []
+    pool.take_pages_for([("c", [6]), ("d", []), ("e", [5, 7])])
+    assert (pool.pages_of("c"), pool.pages_of("d"), pool.pages_of("e")) == ((6,), (), (5, 7))
+    assert pool.journal == [PoolEvent("alloc", "c", (6,)), PoolEvent("alloc", "e", (5, 7))]
+    assert pool.peek_free_pages(3) == [0, 1, 2]
+    pool.check_integrity()
+
+
 # ---- errors ----------------------------------------------------------------------------------
 def test_allocating_more_than_free_raises_out_of_pages_and_changes_nothing():
     pool = pool_with_history()
@@ -211,7 +233,7 @@ def test_fork_raises_once_its_base_changed():
         _ = fork.num_free
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["alloc", "release", "take"]), st.sampled_from("abcd"),
+OPS = st.lists(st.tuples(st.sampled_from(["alloc", "release", "take", "take_for"]), st.sampled_from("abcd"),
                          st.integers(0, 5)), max_size=25)
 
 
@@ -240,4 +262,9 @@ def apply_ops(pool, ops) -> list:
             page_ids = pool.peek_free_pages(n)[::-1]  # out of queue order
             pool.take_pages(uuid, page_ids)
             results.append(page_ids)
+        elif op == "take_for" and pool.can_allocate(n):  # two grants at once: uuid, then the next owner
+            page_ids = pool.peek_free_pages(n)[::-1]
+            grants = [(uuid, page_ids[:n // 2]), ("abcd"[("abcd".index(uuid) + 1) % 4], page_ids[n // 2:])]
+            pool.take_pages_for(grants)
+            results.append(grants)
     return results

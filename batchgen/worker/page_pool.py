@@ -226,7 +226,8 @@ class ForkedPagePool:
         self._cursor = base._head  # first base-queue index not yet consumed by the fork
         self._taken: set[int] = set()  # base-free pages the fork handed out
         self._tail: list[int] = []  # pages released in the fork, FIFO
-        self._owned: dict[str, list[int]] = {}  # owners the fork changed
+        self._released: set[str] = set()  # owners whose base pages the fork released
+        self._added: dict[str, list[int]] = {}  # pages the fork gave each owner (after its release, if any)
         self.journal: list[PoolEvent] = []
 
     @property
@@ -253,9 +254,9 @@ class ForkedPagePool:
         return out
 
     def pages_of(self, uuid: str) -> tuple[int, ...]:
-        if uuid in self._owned:
-            return tuple(self._owned[uuid])
-        return self._base.pages_of(uuid)
+        base = () if uuid in self._released else self._base.pages_of(uuid)
+        added = self._added.get(uuid)
+        return base + tuple(added) if added else base
 
     def allocate_pages(self, uuid: str, n: int) -> list[int]:
         page_ids = self.peek_free_pages(n)
@@ -273,7 +274,8 @@ class ForkedPagePool:
 
     def release_pages(self, uuid: str) -> list[int]:
         page_ids = list(self.pages_of(uuid))
-        self._owned[uuid] = []
+        self._released.add(uuid)
+        self._added.pop(uuid, None)
         if page_ids:
             self._num_free += len(page_ids)
             self._tail.extend(page_ids)
@@ -298,7 +300,7 @@ class ForkedPagePool:
         queue = self._base._queue
         while self._cursor < len(queue) and queue[self._cursor] in self._taken:
             self._cursor += 1
-        self._owned[uuid] = list(self.pages_of(uuid)) + page_ids
+        self._added.setdefault(uuid, []).extend(page_ids)  # what it touches: not the owner's whole page list
         if page_ids:
             self.journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
 
