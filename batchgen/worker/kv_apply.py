@@ -95,8 +95,12 @@ class PlanKvPath:
         swapped = [r for r in requests if r.phase is SWAPPED]
         if not swapped:
             return MigrationRequest(self.snapshot(), NO_SWAPPED, NO_PAGES, 0)  # nothing to decide: no more to read
-        running = [r for r in requests if r.phase is RUNNING]
-        num_loading = sum(1 for r in requests if r.phase is LOADING)
+        running, num_loading = [], 0
+        for r in requests:  # one pass for both
+            if r.phase is RUNNING:
+                running.append(r)
+            elif r.phase is LOADING:
+                num_loading += 1
         return MigrationRequest(self.snapshot(), swapped_columns(swapped), page_columns(running), num_loading)
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
