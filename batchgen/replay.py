@@ -172,7 +172,7 @@ def _bind(op: str, request) -> _BoundOp:
         return op_scope(op, request, state.requests)
 
     if op == "poll":
-        observed = {outcome.uuid: outcome.error for outcome in request.outcomes}
+        observed = dict(zip(request.uuids, request.errors))
         return _BoundOp(lambda path: path.poll(observed), lambda plan: plan.poll_request(observed), scope)
     if op == "release":
         uuids = list(request.uuids)

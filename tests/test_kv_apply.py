@@ -30,7 +30,7 @@ from batchgen.worker.kv_apply import (
 from batchgen.worker.kv_backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
 from batchgen.worker.kv_plans import (
     AllocPlan, Destination, DoesNotFit, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan,
-    AllocRequest, EvictionRequest, KvSnapshot, LoadOutcome, MigrationRequest, PageColumns, PollRequest,
+    AllocRequest, EvictionRequest, KvSnapshot, MigrationRequest, PageColumns, PollRequest,
     PollStep, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
 )
 from batchgen.worker.kv_forms import views_of
@@ -131,7 +131,7 @@ def test_op_requests_hold_the_columns_of_the_requests_each_op_reads():
     # run0's 7 tokens fit its 2 pages of 4: it needs nothing and is left out of the columns
     assert path.alloc_request(["run1", "wait4", "run0"]) == AllocRequest(
         snapshot, PageColumns(("run1", "wait4"), (9, 5), ((2, 3), ())), ("run1", "wait4", "run0"))
-    assert path.poll_request({"load3": "OSError: x"}) == PollRequest(snapshot, (LoadOutcome("load3", "OSError: x"),), (0,))
+    assert path.poll_request({"load3": "OSError: x"}) == PollRequest(snapshot, ("load3",), ("OSError: x",), (0,))
     assert path.release_request(["done5"]) == ReleaseRequest(snapshot, ("done5",))
 
 

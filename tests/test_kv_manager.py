@@ -31,7 +31,7 @@ from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_manager import KVCacheManager, eviction_watermark_pages
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvGeometry, KvPreState,
-    KvSnapshot, LoadOutcome, LoadStart, MigrationPlan, MigrationRequest, PageColumns, PageGrant, PollAction,
+    KvSnapshot, LoadStart, MigrationPlan, MigrationRequest, PageColumns, PageGrant, PollAction,
     PollPlan, PollRequest, PollStep, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim, from_json,
     to_json,
 )
@@ -314,7 +314,7 @@ def _one_of_each():
     return [
         snap.geometry, snap, running, swapped, view("a", RUNNING, 0, 5, gpu=(1, 2)),
         KvPreState(snap, (view("a", RUNNING, 0, 5, gpu=(1, 2)),)),
-        LoadOutcome("a", None), PollRequest(snap, (LoadOutcome("a", "boom"),), (0,)), ReleaseRequest(snap, ("a",)),
+        PollRequest(snap, ("a",), ("boom",), (0,)), ReleaseRequest(snap, ("a",)),
         EvictionRequest(snap, running), MigrationRequest(snap, swapped, running, 1), AllocRequest(snap, running, ("a",)),
         PollStep("a", PollAction.RETRY), PollPlan((PollStep("a", PollAction.COMPLETE),)), ReleasePlan(("a",), ("a",)),
         Victim("a", Destination.HOST, (1, 2), (0, 1)), EvictionPlan(()), LoadStart("a", (3,), (4,)),
@@ -637,7 +637,7 @@ def test_allocation_of_an_empty_pool_serves_only_requests_that_need_nothing():
 # ---- exact plans: poll and release ----------------------------------------------------------------------
 def poll_request(outcomes: dict[str, str | None], retries: dict[str, int], **changes) -> PollRequest:
     snap = KvSnapshot(4, geometry(**changes), 0, 0)
-    return PollRequest(snap, tuple(LoadOutcome(u, e) for u, e in outcomes.items()), tuple(retries[u] for u in outcomes))
+    return PollRequest(snap, tuple(outcomes), tuple(outcomes.values()), tuple(retries[u] for u in outcomes))
 
 
 def test_poll_completes_landed_loads_retries_failed_ones_then_recomputes_in_observed_order():
@@ -691,10 +691,10 @@ columns = st.lists(st.tuples(uuids, counts, page_ids), max_size=4).map(
     lambda rows: PageColumns(*(tuple(column) for column in zip(*rows))) if rows else PageColumns((), (), ()))
 swapped_columns = st.lists(st.tuples(uuids, page_ids, counts), max_size=4).map(
     lambda rows: SwappedColumns(*(tuple(column) for column in zip(*rows))) if rows else SwappedColumns((), (), ()))
-outcomes = st.lists(st.tuples(st.builds(LoadOutcome, uuids, st.none() | st.text()), st.integers(0, 10)), max_size=3)
+outcomes = st.lists(st.tuples(uuids, st.none() | st.text(), st.integers(0, 10)), max_size=3)
 op_requests = st.one_of(
-    st.builds(lambda snap, rows: PollRequest(snap, tuple(o for o, _ in rows), tuple(r for _, r in rows)),
-              snapshots, outcomes),
+    st.builds(lambda snap, rows: PollRequest(snap, *(tuple(column) for column in zip(*rows)))
+              if rows else PollRequest(snap, (), (), ()), snapshots, outcomes),
     st.builds(ReleaseRequest, snapshots, uuid_tuples),
     st.builds(EvictionRequest, snapshots, columns),
     st.builds(MigrationRequest, snapshots, swapped_columns, columns, counts),

@@ -14,7 +14,7 @@ from batchgen.config import DTYPE_SIZES
 from batchgen.worker.kv_manager import KVCacheManager, pages_for
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, EvictionPlan, EvictionRequest, KvGeometry, KvSnapshot,
-    LoadOutcome, MigrationPlan, MigrationRequest, PageColumns, PollAction, PollPlan, PollRequest, ReleasePlan,
+    MigrationPlan, MigrationRequest, PageColumns, PollAction, PollPlan, PollRequest, ReleasePlan,
     ReleaseRequest, SwappedColumns,
 )
 from batchgen.worker.kv_target import KvTarget
@@ -79,7 +79,7 @@ class PlanKvPath:
     # Requests (op inputs) are built by these, so compare mode can log and replay them.
     def poll_request(self, observed: Mapping[str, str | None]) -> PollRequest:
         requests = self.target.state.requests
-        return PollRequest(self.snapshot(), tuple([LoadOutcome(u, e) for u, e in observed.items()]),
+        return PollRequest(self.snapshot(), tuple(observed), tuple(observed.values()),
                            tuple([requests[u].num_load_retries for u in observed]))
 
     def release_request(self, uuids: Sequence[str]) -> ReleaseRequest:

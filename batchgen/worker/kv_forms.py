@@ -100,9 +100,7 @@ def op_scope(op: str, request, requests: Mapping[str, RequestState]) -> list[str
     phases = _SCOPE_PHASES.get(op)
     if phases is not None:
         return [u for u, r in requests.items() if r.phase in phases]
-    if op == "poll":
-        return [outcome.uuid for outcome in request.outcomes]
-    return list(request.uuids if op == "release" else request.batch)
+    return list(request.uuids if op in ("poll", "release") else request.batch)
 
 
 def pre_state(op: str, request, target: KvTarget, written: Mapping[str, RequestState]) -> KvPreState:

@@ -66,15 +66,15 @@ class KVCacheManager:
     def plan_poll(self, req: PollRequest) -> PollPlan:
         geometry = req.snapshot.geometry
         steps = []
-        for outcome, retries in zip(req.outcomes, req.num_load_retries):
-            if outcome.error is None:
-                steps.append(PollStep(outcome.uuid, COMPLETE))
+        for uuid, error, retries in zip(req.uuids, req.errors, req.num_load_retries):
+            if error is None:
+                steps.append(PollStep(uuid, COMPLETE))
             elif retries < geometry.max_load_retries:
-                steps.append(PollStep(outcome.uuid, RETRY))
+                steps.append(PollStep(uuid, RETRY))
             elif geometry.load_failure == "fail":
-                steps.append(PollStep(outcome.uuid, FAIL, load_failure_reason(outcome.error)))
+                steps.append(PollStep(uuid, FAIL, load_failure_reason(error)))
             else:
-                steps.append(PollStep(outcome.uuid, RECOMPUTE_LOAD))
+                steps.append(PollStep(uuid, RECOMPUTE_LOAD))
         return PollPlan(tuple(steps))
 
     def plan_release(self, req: ReleaseRequest) -> ReleasePlan:

@@ -136,16 +136,11 @@ class KvPreState:
 
 # ---- op inputs -------------------------------------------------------------------------
 @record
-class LoadOutcome:
-    uuid: str
-    error: str | None  # None: the load completed
-
-
-@record
 class PollRequest:
     snapshot: KvSnapshot
-    outcomes: tuple[LoadOutcome, ...]  # the loads observed this step
-    num_load_retries: tuple[int, ...]  # of each outcome's request
+    uuids: tuple[str, ...]  # the requests whose loads were observed this step
+    errors: tuple[str | None, ...]  # of each load: None if it completed, else the error
+    num_load_retries: tuple[int, ...]  # of each request
 
 
 @record
