@@ -251,8 +251,10 @@ INVALID = [
     # allocation
     ("grant for an unscheduled request", None, alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("done5", ())), ())),
      "AllocPlan.grants[1].uuid"),
-    ("grant for an unknown scheduled request", None, alloc(AllocPlan((PageGrant("ghost", ()),), ()), batch=("ghost",)),
-     "AllocPlan.grants[0].uuid"),
+    ("a batch naming an unknown request", None, alloc(AllocPlan((PageGrant("ghost", ()),), ()), batch=("ghost",)),
+     "AllocRequest.batch"),
+    ("a request left out twice", None,
+     alloc(AllocPlan((PageGrant("run1", (8,)),), (DoesNotFit("wait4", 2, 1),) * 2)), "AllocPlan.not_fitting"),
     ("grant for a swapped request", None, alloc(AllocPlan((PageGrant("swap2", (8, 9)),), ()), batch=("swap2",)),
      "AllocPlan.grants[0].uuid"),
     ("grant of the wrong page count", None, alloc(AllocPlan((PageGrant("wait4", (9, 10)), PageGrant("run1", (8, 11))), ())),
@@ -294,6 +296,26 @@ def test_plan_rejected_is_a_value_error_whose_message_says_why():
     target = make_target()
     with pytest.raises(ValueError, match=r"^EvictionPlan\.victims\[0\]\.host_page_ids: page 0 is not free in the host pool$"):
         apply_eviction_plan(target, EvictionPlan((Victim("run1", HOST, (2, 3), (0, 5)),)))
+
+
+def test_an_alloc_request_built_before_the_pool_changed_is_rejected_as_stale():
+    target = make_target()
+    path = PlanKvPath(target)
+    request = path.alloc_request(["run1", "wait4"])
+    plan = path.manager.plan_allocation(request)
+    target.gpu_kv.take_pages("intruder", [11])
+    before = deep_dump(target)
+    with pytest.raises(PlanRejected, match=r"^AllocRequest\.snapshot: stale: step 7 with 4 free GPU pages, the target "
+                                           r"is at step 7 with 3$"):
+        apply_alloc_plan(target, plan, request)
+    assert deep_dump(target) == before
+
+
+def test_a_waiting_request_holding_pages_enough_is_admitted_with_an_empty_grant():
+    target = make_target()
+    target.state.requests["wait4"].gpu_page_ids = (8, 9)  # 5 tokens, 2 pages of 4: nothing more needed
+    assert PlanKvPath(target).allocate(["wait4"]) == ["wait4"]
+    assert (target.state.requests["wait4"].phase, target.state.requests["wait4"].gpu_page_ids) == (Phase.RUNNING, (8, 9))
 
 
 def test_a_plan_built_before_the_pool_changed_is_rejected_not_half_applied():

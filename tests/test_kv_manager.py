@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import enum
 import inspect
+import pickle
 from pathlib import Path
 
 import pytest
@@ -332,6 +333,35 @@ def test_writing_to_a_snapshot_view_op_request_or_plan_raises(obj):
             delattr(obj, name)
     with pytest.raises((AttributeError, TypeError)):
         obj.extra_field = 1
+
+
+def test_a_record_builds_like_its_dataclass_and_copies_pickles_and_replaces():
+    @kv_plans.record
+    class Point:
+        x: int
+        label: str = "p"
+
+    point = Point(1)
+    assert (point.x, point.label, point, hash(point)) == (1, "p", Point(1, "p"), hash(Point(1, "p")))
+    assert Point(x=2, label="q") == Point(2, "q") != point
+    assert dataclasses.replace(point, label="r") == Point(1, "r")
+    assert copy.deepcopy(point) == point and copy.copy(point) == point
+    assert repr(point).endswith("Point(x=1, label='p')")
+    with pytest.raises(TypeError):
+        Point()
+    for obj in _one_of_each():  # the module's records pickle and round-trip by value
+        assert pickle.loads(pickle.dumps(obj)) == obj
+
+
+@pytest.mark.parametrize("declare", [
+    lambda: type("Factory", (), {"__annotations__": {"x": "list"}, "x": dataclasses.field(default_factory=list)}),
+    lambda: type("NoInit", (), {"__annotations__": {"x": "int"}, "x": dataclasses.field(default=0, init=False)}),
+    lambda: type("KwOnly", (), {"__annotations__": {"x": "int"}, "x": dataclasses.field(kw_only=True)}),
+    lambda: type("PostInit", (), {"__annotations__": {"x": "int"}, "__post_init__": lambda self: None}),
+], ids=["default_factory", "init=False", "kw_only", "__post_init__"])
+def test_a_record_refuses_what_its_init_would_get_wrong(declare):
+    with pytest.raises(TypeError, match=r"need the dataclass's own __init__"):
+        kv_plans.record(declare())
 
 
 def test_every_plan_and_request_class_is_covered_by_the_immutability_test():

@@ -146,8 +146,7 @@ def _take_pages(pool, grants: Grants, field: str) -> None:
     try:
         pool.take_pages_for(grants)
     except PageOwnershipError as refused:
-        raise PlanRejected(field.format(refused.index),
-                           f"page {refused.page_id} is not free in the {pool.pages.name} pool") from None
+        raise PlanRejected(field.format(refused.index), f"{refused.reason} in the {pool.pages.name} pool") from None
 
 
 def _check_unique(field: str, uuids: Sequence[str]) -> None:
@@ -294,27 +293,38 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
 def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -> list[str]:
     """Mutates page tables, the GPU pool, admitted phases (-> RUNNING); returns the served uuids.
 
-    ``request`` is the op request the plan answers, built from ``target`` just before. Each
-    request it lists as needing pages is granted exactly the pages its tokens need now or left
-    out as not fitting, and no other request is named; the rest of the batch is served as it is.
+    ``request`` is the op request the plan answers, built from ``target`` just before: its
+    snapshot must match the target's step and free GPU pages, and its batch name live requests.
+    Each request it lists as needing pages is granted exactly the pages its tokens need now or
+    left out as not fitting, and no other request is named; the rest of the batch is served as
+    it is.
     """
+    snapshot, state, requests = request.snapshot, target.state, target.state.requests
+    if snapshot.step != state.step or snapshot.num_free_gpu_pages != target.gpu_kv.pages.num_free:
+        raise PlanRejected("AllocRequest.snapshot", f"stale: step {snapshot.step} with {snapshot.num_free_gpu_pages} "
+                                                    f"free GPU pages, the target is at step {state.step} with "
+                                                    f"{target.gpu_kv.pages.num_free}")
+    if not all(map(requests.__contains__, request.batch)):
+        raise PlanRejected("AllocRequest.batch",
+                           f"unknown scheduled requests {[u for u in request.batch if u not in requests]}")
     needing = set(request.needing.uuids)
     granted_uuids = {g.uuid for g in plan.grants}
     if len(granted_uuids) != len(plan.grants):
         _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
-    page_size = target.cache_config.page_size
-    requests, admissible = target.state.requests, _ADMISSIBLE
+    page_size, admissible = target.cache_config.page_size, _ADMISSIBLE
     for i, grant in enumerate(plan.grants):  # field names are formatted only on the error paths (hot loop)
         if grant.uuid not in needing:
             raise PlanRejected(f"AllocPlan.grants[{i}].uuid", f"{grant.uuid!r} is not a scheduled request that needs pages")
         req = requests.get(grant.uuid)
         if req is None or req.phase not in admissible:
             _request(target, f"AllocPlan.grants[{i}].uuid", grant.uuid, admissible)  # raises, naming the problem
-        need = pages_for(req.num_tokens, page_size) - len(req.gpu_page_ids)
+        need = max(0, pages_for(req.num_tokens, page_size) - len(req.gpu_page_ids))  # as the manager counts it
         if len(grant.new_page_ids) != need:
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {need} needed")
     left_out = {d.uuid for d in plan.not_fitting}
+    if len(left_out) != len(plan.not_fitting):
+        _check_unique("AllocPlan.not_fitting", [d.uuid for d in plan.not_fitting])  # raises, naming them
     if not (left_out <= needing and left_out.isdisjoint(granted_uuids)):
         i, uuid = next((i, d.uuid) for i, d in enumerate(plan.not_fitting)
                        if d.uuid not in needing or d.uuid in granted_uuids)

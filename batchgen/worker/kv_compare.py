@@ -7,8 +7,8 @@ Per compared op (``compare.ShadowExecutor`` fixes the order)::
     shadow        fork the worker's state copy-on-write and overlay both pools
                   (bookkeeping only: no tensors; the forked host pool records the
                   copies it would issue), run the shadow path on the fork,
-                  canonicalise its counters and free page counts (the rest waits
-                  for the authoritative step)
+                  canonicalise its counters and keep its free page counts (the
+                  rest waits for the authoritative step)
     authoritative run the authoritative path on the worker, its pools journaling and
                   its state recording the requests it writes; canonicalise both
                   sides' journals and copy lists (once, shared, when equal); of the
@@ -101,7 +101,8 @@ class _ShadowRun:
     """What the authoritative step of an op needs from its shadow step."""
 
     fork: KvTarget  # the shadow's post-state, its pools' journals and copies included
-    canonical: dict  # the shadow's canonical form: requests, outputs, journals and copies still to be filled in
+    canonical: dict  # the shadow's canonical form: counters and result (quiet), or with requests, outputs,
+    # pools and copies still to be filled in
     free_pages: tuple[int, int]  # the fork's free GPU and host pages after the op (readable only until then)
     quiet: bool  # the shadow wrote nothing: no request, pending append, pool page or copy
 

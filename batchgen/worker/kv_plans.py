@@ -29,9 +29,15 @@ def record(cls):
     The ``__init__`` a frozen dataclass generates calls ``object.__setattr__`` per field; the
     slot descriptors' own setters do the same store in about half the time (0.55 against 1.0 us
     for three fields on Python 3.11), and op requests and plans are built several times per step.
-    Everything else is the dataclass's: equality, hash, repr, and writes that raise.
+    Everything else is the dataclass's: equality, hash, repr, and writes that raise. Fields may have
+    plain defaults; what this ``__init__`` would get wrong (a default factory, ``init=False``,
+    ``kw_only``, ``__post_init__``) is refused.
     """
     cls = dataclass(frozen=True, slots=True)(cls)
+    unsupported = [f.name for f in fields(cls) if f.default_factory is not MISSING or not f.init or f.kw_only]
+    if unsupported or hasattr(cls, "__post_init__"):
+        raise TypeError(f"record {cls.__name__}: fields {unsupported} (or __post_init__) need the dataclass's own "
+                        f"__init__; use @dataclass(frozen=True, slots=True)")
     names = [f.name for f in fields(cls)]
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     params = ", ".join(f"{name}=_default_{name}" if name in defaults else name for name in names)
@@ -39,8 +45,9 @@ def record(cls):
     namespace = {f"_set_{name}": getattr(cls, name).__set__ for name in names}
     namespace.update({f"_default_{name}": value for name, value in defaults.items()})
     exec(f"def __init__(self, {params}):\n{body}", namespace)
-    cls.__init__ = namespace["__init__"]
-    cls.__init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    init = namespace["__init__"]
+    init.__qualname__, init.__module__ = f"{cls.__qualname__}.__init__", cls.__module__
+    cls.__init__ = init
     return cls
 
 
@@ -231,7 +238,7 @@ class DoesNotFit:
 
 @record
 class AllocPlan:
-    grants: tuple[PageGrant, ...]  # requests that get new pages, in batch order
+    grants: tuple[PageGrant, ...]  # requests granted pages (none, for one admitted into the pages it holds), in batch order
     not_fitting: tuple[DoesNotFit, ...]  # left out of this step; every other scheduled request is served
 
 

@@ -24,11 +24,13 @@ class OutOfPages(RuntimeError):
 class PageOwnershipError(ValueError):
     """Pages named for an owner are not free, unknown, or owned twice.
 
-    ``index`` is the refused grant's position in the grants given, ``page_id`` the first bad id in it.
+    ``reason`` says which (the message without the pool's name), ``index`` is the refused grant's
+    position in the grants given, ``page_id`` the first bad id in it.
     """
 
-    def __init__(self, message: str, index: int = 0, page_id: int | None = None):
-        super().__init__(message)
+    def __init__(self, pool_name: str, reason: str, index: int, page_id: int):
+        super().__init__(f"{pool_name}: {reason}")
+        self.reason = reason
         self.index = index
         self.page_id = page_id
 
@@ -52,15 +54,15 @@ def _refused_grant(pool: "PagePool | ForkedPagePool", grants: Grants) -> PageOwn
     for index, (_, page_ids) in enumerate(grants):
         if len(set(page_ids)) != len(page_ids):
             duplicate = next(p for i, p in enumerate(page_ids) if p in page_ids[:i])
-            return PageOwnershipError(f"{pool.name}: page ids {list(page_ids)} name a page twice", index, duplicate)
+            return PageOwnershipError(pool.name, f"page ids {list(page_ids)} name a page twice", index, duplicate)
         for page_id in page_ids:
             if not 0 <= page_id < pool.num_pages:
-                return PageOwnershipError(f"{pool.name}: page {page_id} is out of range [0, {pool.num_pages})",
+                return PageOwnershipError(pool.name, f"page {page_id} is out of range [0, {pool.num_pages})",
                                           index, page_id)
             if page_id in earlier:
-                return PageOwnershipError(f"{pool.name}: page {page_id} is granted twice", index, page_id)
+                return PageOwnershipError(pool.name, f"page {page_id} is granted twice", index, page_id)
             if not pool.is_free(page_id):
-                return PageOwnershipError(f"{pool.name}: page {page_id} is not free", index, page_id)
+                return PageOwnershipError(pool.name, f"page {page_id} is not free", index, page_id)
         earlier.update(page_ids)
     return None
 
@@ -267,6 +269,8 @@ class ForkedPagePool:
         self.take_pages_for(((uuid, page_ids),))
 
     def take_pages_for(self, grants: Grants) -> None:
+        """See :meth:`PagePool.take_pages_for`. Mutates the fork only."""
+        self._check_base()
         _check_grants(self, grants)
         for uuid, page_ids in grants:
             if page_ids:
