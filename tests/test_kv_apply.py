@@ -251,8 +251,8 @@ INVALID = [
     # allocation
     ("grant for an unscheduled request", None, alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("done5", ())), ())),
      "AllocPlan.grants[1].uuid"),
-    ("a batch naming an unknown request", None, alloc(AllocPlan((PageGrant("ghost", ()),), ()), batch=("ghost",)),
-     "AllocRequest.batch"),
+    ("grant for an unknown scheduled request", None, alloc(AllocPlan((PageGrant("ghost", ()),), ()), batch=("ghost",)),
+     "AllocPlan.grants[0].uuid"),
     ("a request left out twice", None,
      alloc(AllocPlan((PageGrant("run1", (8,)),), (DoesNotFit("wait4", 2, 1),) * 2)), "AllocPlan.not_fitting"),
     ("grant for a swapped request", None, alloc(AllocPlan((PageGrant("swap2", (8, 9)),), ()), batch=("swap2",)),

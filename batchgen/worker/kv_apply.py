@@ -293,20 +293,17 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
 def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -> list[str]:
     """Mutates page tables, the GPU pool, admitted phases (-> RUNNING); returns the served uuids.
 
-    ``request`` is the op request the plan answers, built from ``target`` just before: its
-    snapshot must match the target's step and free GPU pages, and its batch name live requests.
-    Each request it lists as needing pages is granted exactly the pages its tokens need now or
-    left out as not fitting, and no other request is named; the rest of the batch is served as
-    it is.
+    ``request`` is the op request the plan answers, built by :meth:`PlanKvPath.alloc_request` from
+    ``target`` just before (it raises KeyError on an unknown scheduled request); a request whose snapshot
+    does not match the target's step and free GPU pages is refused as stale. Each request it lists
+    as needing pages is granted exactly the pages its tokens need now or left out as not fitting,
+    and no other request is named; the rest of the batch is served as it is.
     """
     snapshot, state, requests = request.snapshot, target.state, target.state.requests
     if snapshot.step != state.step or snapshot.num_free_gpu_pages != target.gpu_kv.pages.num_free:
         raise PlanRejected("AllocRequest.snapshot", f"stale: step {snapshot.step} with {snapshot.num_free_gpu_pages} "
                                                     f"free GPU pages, the target is at step {state.step} with "
                                                     f"{target.gpu_kv.pages.num_free}")
-    if not all(map(requests.__contains__, request.batch)):
-        raise PlanRejected("AllocRequest.batch",
-                           f"unknown scheduled requests {[u for u in request.batch if u not in requests]}")
     needing = set(request.needing.uuids)
     granted_uuids = {g.uuid for g in plan.grants}
     if len(granted_uuids) != len(plan.grants):
