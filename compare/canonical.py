@@ -152,23 +152,56 @@ def flatten(canonical: Any) -> dict[str, Any]:
     return out
 
 
+def _child(path: str, key: Any, keyed: bool) -> str:
+    """The path of ``key`` under ``path``: `[key]` in a `Keyed` or a list, `.key` in a plain dict."""
+    if keyed:
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
 def _flatten(node: Any, path: str, out: dict[str, Any]) -> None:
     if isinstance(node, dict):
         if not node:
             out[path] = {}
-        elif isinstance(node, Keyed):
-            for key, value in node.items():
-                _flatten(value, f"{path}[{key}]", out)
-        else:
-            for key, value in node.items():
-                _flatten(value, f"{path}.{key}" if path else str(key), out)
+        keyed = isinstance(node, Keyed)
+        for key, value in node.items():
+            _flatten(value, _child(path, key, keyed), out)
     elif isinstance(node, list):
         if not node:
             out[path] = []
         for index, value in enumerate(node):
-            _flatten(value, f"{path}[{index}]", out)
+            _flatten(value, _child(path, index, True), out)
     else:
         out[path] = node
+
+
+def shape_difference(expected: Any, actual: Any, path: str = "") -> str | None:
+    """The path (as `flatten` renders it; `<root>` at the top) of the first place where two canonical
+    forms differ in a way their flattened leaves may not show: a container's kind (plain dict, `Keyed`,
+    list), keys or length, or a leaf; None when they are the same, NaN counting as equal to NaN.
+
+    Flattened paths are not unique (`{"a.b": 1}` and `{"a": {"b": 1}}` both give `a.b`), so two
+    forms with equal flattened leaves can still differ; this walk tells them apart. Pure.
+    """
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        keyed = isinstance(expected, Keyed)
+        if keyed != isinstance(actual, Keyed) or expected.keys() != actual.keys():
+            return path or "<root>"
+        children = ((_child(path, key, keyed), expected[key], actual[key]) for key in expected)
+    elif isinstance(expected, list) and isinstance(actual, list):
+        if len(expected) != len(actual):
+            return path or "<root>"
+        children = ((_child(path, index, True), x, y) for index, (x, y) in enumerate(zip(expected, actual)))
+    elif isinstance(expected, (dict, list)) or isinstance(actual, (dict, list)):
+        return path or "<root>"
+    else:
+        same = expected == actual or (expected != expected and actual != actual)  # NaN == NaN
+        return None if same else path or "<root>"
+    for child, x, y in children:
+        found = shape_difference(x, y, child)
+        if found is not None:
+            return found
+    return None
 
 
 def wildcard(path: str) -> str:

@@ -1,6 +1,7 @@
 """Compare two canonical forms: equal or not, which leaf paths differ, and why.
 
-Equality is decided on the canonical forms (`==` first, then flattened leaf by leaf); deepdiff
+Equality is decided on the canonical forms (`==` first, then flattened leaf by leaf, then, when
+the leaves agree, structurally: flattened paths are not unique); deepdiff
 only explains a difference that is already known, and only over the differing leaves, so its
 cost is O(what differs), not O(state).
 
@@ -19,7 +20,7 @@ from typing import Any
 
 from deepdiff import DeepDiff
 
-from compare.canonical import flatten
+from compare.canonical import flatten, shape_difference
 
 MAX_DETAIL_PATHS = 50  # leaves explained in `Diff.detail`; the rest are only counted
 
@@ -40,12 +41,19 @@ def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
     left, right = flatten(expected), flatten(actual)
     paths = [path for path in sorted(left.keys() | right.keys())
              if path not in left or path not in right or not _same(left[path], right[path])]
+    shape = None
+    if not paths:  # equal leaves: only NaNs differ (equal), or a shape the flattened paths cannot tell apart
+        shape = shape_difference(expected, actual)
+        paths = [] if shape is None else [shape]
     if ignore:
         ignored = re.compile("|".join(_glob_to_regex(glob) for glob in ignore))
         paths = [path for path in paths if not ignored.fullmatch(path)]
     if not paths:
         return Diff(equal=True)
-    return Diff(equal=False, paths=tuple(paths), detail=_explain(left, right, paths))
+    detail = _explain(left, right, paths)
+    if shape is not None:
+        detail["shape"] = f"the forms differ in structure at {shape} (a container's kind, keys or length)"
+    return Diff(equal=False, paths=tuple(paths), detail=detail)
 
 
 def _same(a: Any, b: Any) -> bool:

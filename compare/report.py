@@ -159,9 +159,12 @@ def _most_common(counts: Counter[str]) -> tuple[tuple[str, int], ...]:
 
 
 def headline(report: Report) -> str:
-    """"N divergences in M compared steps"."""
-    return (f"{_plural(report.num_divergences, 'divergence')} in "
+    """"N divergences in M compared steps", and the harness errors if any."""
+    line = (f"{_plural(report.num_divergences, 'divergence')} in "
             f"{_plural(report.num_compared, 'compared step')}")
+    if report.num_harness_errors:
+        line += f", {_plural(report.num_harness_errors, 'harness error')}"
+    return line
 
 
 def _plural(n: int, noun: str) -> str:
@@ -239,11 +242,14 @@ def _cell(text: str) -> str:
 
 
 def render_junit(report: Report) -> str:
-    """JUnit XML: one test case per (workload, op), failing where divergences exist."""
+    """JUnit XML: one test case per (workload, op), failing where divergences exist, and a failing
+    `harness` case when the harness itself failed (those ops were not compared)."""
     failed = [pair for pair in report.pairs if pair.num_divergences]
+    harness_failed = report.num_harness_errors > 0
     suites = ET.Element("testsuites")
-    suite = ET.SubElement(suites, "testsuite", name="compare", tests=str(len(report.pairs)),
-                          failures=str(len(failed)), errors="0", skipped="0",
+    suite = ET.SubElement(suites, "testsuite", name="compare",
+                          tests=str(len(report.pairs) + harness_failed),
+                          failures=str(len(failed) + harness_failed), errors="0", skipped="0",
                           time=f"{report.compare_seconds:.3f}")
     properties = ET.SubElement(suite, "properties")
     ET.SubElement(properties, "property", name="harness_errors",
@@ -258,6 +264,11 @@ def render_junit(report: Report) -> str:
                          f"{_plural(pair.num_compared, 'compared step')}"))
             failure.text = "\n".join(f"{count} x {path}"
                                      for path, count in pair.top_paths[:_TOP_PATHS])
+    if harness_failed:
+        case = ET.SubElement(suite, "testcase", classname="compare", name="harness")
+        ET.SubElement(case, "failure", type="harness_error",
+                      message=f"{_plural(report.num_harness_errors, 'harness error')}: the ops they hit "
+                              f"were not compared")
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
 

@@ -8,11 +8,17 @@ funnel (`on_harness_error`), and an authoritative exception reaches the caller u
 Order of one compared step, and why:
 
     1. context()        pre-state / replay info, captured before anything runs
-    2. shadow()         on a fork that may read the real state lazily, so it must run (and be
-                        canonicalised) BEFORE the authoritative path mutates anything
-    3. authoritative()  on the real state; returns (result, canonical)
-    4. compare          exceptions by type, values with `diff`, then classify
-    5. report           on_divergence(comparison, context); DivergenceError in "raise" mode
+    2. fork()           isolates the shadow from the real state (harness: a failure skips the
+                        comparison, and the authoritative path runs alone)
+    3. shadow(fork)     on the fork, which may read the real state lazily, so it must run BEFORE
+                        the authoritative path mutates anything
+    4. authoritative()  on the real state; its result (or exception) is what the caller gets
+    5. canonicalize     both raw observations -> their canonical forms (harness)
+    6. compare          exceptions by type, values with `diff`, then classify
+    7. report           on_divergence(comparison, context); DivergenceError in "raise" mode
+
+Only the two paths' own exceptions are observations: a failure in context, fork, canonicalize,
+compare, classify or on_divergence goes to the funnel and never becomes a divergence.
 
 A/A noise check: pass the same path as both `authoritative` and `shadow` (on a fork); every
 divergence it reports is noise (nondeterminism, ids, timings) to ignore or fix, not a bug in the
@@ -33,6 +39,7 @@ from compare.diff import diff
 from compare.observation import Comparison, Observation
 
 R = TypeVar("R")
+F = TypeVar("F")
 
 UNCLASSIFIED = "unclassified"  # the kind recorded when the classifier itself fails
 _MAX_MESSAGE_PATHS = 10
@@ -54,8 +61,8 @@ class HarnessWarning(RuntimeWarning):
 class ShadowStats:
     """A snapshot of an executor's counters (later runs do not change it).
 
-    Times cover compared steps only: `authoritative_seconds` inside the authoritative callable
-    (including its canonicalisation), `compare_seconds` everything else the harness added.
+    Times cover compared steps only: `authoritative_seconds` inside the authoritative callable,
+    `compare_seconds` everything else the harness added (fork, shadow, canonicalize, compare).
     """
 
     num_compared: Mapping[str, int]  # per op
@@ -76,6 +83,23 @@ def _warn_harness_error(operation: str, error: BaseException) -> None:
 
 def _no_context() -> None:
     return None
+
+
+def _no_fork() -> None:
+    return None
+
+
+def _as_observed(authoritative: Observation, shadow: Observation) -> tuple[Any, Any]:
+    """Default `canonicalize`: the values the paths returned are already comparable."""
+    return authoritative.value, shadow.value
+
+
+def _with_value(seen: Observation, value: Any) -> Observation:
+    """``seen`` with its canonical value; one that raised keeps no value."""
+    return seen if seen.exception is not None else Observation(seen.path, value, None, seen.duration_s)
+
+
+_FAILED = object()  # what `_guard` returns for a hook that raised, where None is a valid result
 
 
 class ShadowExecutor:
@@ -139,35 +163,47 @@ class ShadowExecutor:
         op: str,
         step: int,
         *,
-        authoritative: Callable[[], tuple[R, Any]],
-        shadow: Callable[[], Any],
+        authoritative: Callable[[], R],
+        shadow: Callable[[F], Any],
+        fork: Callable[[], F] = _no_fork,
+        canonicalize: Callable[[Observation, Observation], tuple[Any, Any]] = _as_observed,
         context: Callable[[], Any] = _no_context,
         shadow_path: str,
         authoritative_path: str,
     ) -> R:
         """Run one op on both paths (when sampled) and return the authoritative result.
 
-        `authoritative()` returns (result, canonical form); `shadow()` returns a canonical form.
-        Mutates the executor's counters; whatever the callables mutate is theirs.
+        `authoritative()` returns the result; `shadow(fork())` runs the other path on what
+        `fork()` returned; `canonicalize(authoritative, shadow)` maps both raw observations
+        (values, or exceptions) to the forms compared, its entry for a side that raised is
+        ignored. Mutates the executor's counters; whatever the callables mutate is theirs.
         """
         if not self.should_compare(op, step):
-            return authoritative()[0]
+            return authoritative()
         started = self._clock()
         authoritative_seconds = 0.0
+        comparison = None
         try:
-            captured = self._guard("context", context)
-            shadow_seen = self._observe(shadow_path, shadow)
+            captured = self._guard("context", context, default=None)
+            forked = self._guard("fork", fork, default=_FAILED)
+            if forked is _FAILED:  # no isolated copy to run the shadow on: nothing is compared
+                authoritative_started = self._clock()
+                try:
+                    return authoritative()
+                finally:
+                    authoritative_seconds = self._clock() - authoritative_started
+            shadow_seen = self._observe(shadow_path, shadow, forked)
             authoritative_started = self._clock()
             try:
-                result, value = authoritative()
+                result = authoritative()
             except Exception as error:
                 authoritative_seconds = self._clock() - authoritative_started
                 seen = Observation(authoritative_path, None, error, authoritative_seconds)
-                self._settle(op, step, seen, shadow_seen, captured)
+                self._settle(op, step, seen, shadow_seen, captured, canonicalize)
                 raise
             authoritative_seconds = self._clock() - authoritative_started
-            seen = Observation(authoritative_path, value, None, authoritative_seconds)
-            comparison = self._settle(op, step, seen, shadow_seen, captured)
+            seen = Observation(authoritative_path, result, None, authoritative_seconds)
+            comparison = self._settle(op, step, seen, shadow_seen, captured, canonicalize)
         finally:
             self._authoritative_seconds += authoritative_seconds
             self._compare_seconds += self._clock() - started - authoritative_seconds
@@ -185,23 +221,27 @@ class ShadowExecutor:
             authoritative_seconds=self._authoritative_seconds,
         )
 
-    def _observe(self, path: str, run: Callable[[], Any]) -> Observation:
+    def _observe(self, path: str, run: Callable[[Any], Any], argument: Any) -> Observation:
         started = self._clock()
         try:
-            value = run()
+            value = run(argument)
         except Exception as error:
             return Observation(path, None, error, self._clock() - started)
         return Observation(path, value, None, self._clock() - started)
 
-    def _settle(self, op: str, step: int, authoritative: Observation, shadow: Observation,
-                context: Any) -> Comparison | None:
-        """Compare, count, and report a divergence; None when the comparison itself failed."""
+    def _settle(self, op: str, step: int, authoritative: Observation, shadow: Observation, context: Any,
+                canonicalize: Callable[[Observation, Observation], tuple[Any, Any]]) -> Comparison | None:
+        """Canonicalize, compare, count, and report a divergence; None when the harness failed."""
         self._num_compared[op] = self._num_compared.get(op, 0) + 1
-        comparison = self._guard("compare", self._compare, op, step, authoritative, shadow)
+        forms = self._guard("canonicalize", canonicalize, authoritative, shadow, default=_FAILED)
+        if forms is _FAILED:
+            return None
+        authoritative, shadow = _with_value(authoritative, forms[0]), _with_value(shadow, forms[1])
+        comparison = self._guard("compare", self._compare, op, step, authoritative, shadow, default=None)
         if comparison is None or comparison.matched:
             return comparison
         self._num_divergences[op] = self._num_divergences.get(op, 0) + 1
-        self._guard("on_divergence", self._on_divergence, comparison, context)
+        self._guard("on_divergence", self._on_divergence, comparison, context, default=None)
         return comparison
 
     def _compare(self, op: str, step: int, authoritative: Observation,
@@ -220,17 +260,17 @@ class ShadowExecutor:
 
     def _name(self, operation: str, namer: Callable[[Any], str], argument: Any) -> str:
         """Call a classifier; if it fails, report that and keep the divergence as unclassified."""
-        kind = self._guard(operation, namer, argument)
+        kind = self._guard(operation, namer, argument, default=None)
         return kind if kind is not None else UNCLASSIFIED
 
-    def _guard(self, operation: str, call: Callable[..., Any], *args: Any) -> Any:
-        """Run `call`; on failure, funnel the error and return None."""
+    def _guard(self, operation: str, call: Callable[..., Any], *args: Any, default: Any) -> Any:
+        """Run `call`; on failure, funnel the error and return `default`."""
         try:
             return call(*args)
         except Exception as error:
             self._num_harness_errors += 1
             self._on_harness_error(operation, error)
-            return None
+            return default
 
 
 def _describe(comparison: Comparison) -> str:

@@ -14,7 +14,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from compare import DivergenceRecord, RunSummary, read_log
+from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
 from batchgen.cli import main
 from batchgen.worker.kv_gate import ENV_PREFIX
 from batchgen.workloads import builtin_workload, load_workload
@@ -337,6 +337,15 @@ def test_report_exits_0_without_divergences_and_1_with_them(logs, capsys):
     assert capsys.readouterr().out.startswith("0 divergences in ")
     assert main(["report", str(buggy)]) == 1
     assert capsys.readouterr().out.startswith(f"{num_divergences(buggy)} divergences in ")
+
+
+def test_report_exits_1_when_the_harness_failed_though_nothing_diverged(tmp_path, capsys):
+    log = tmp_path / "harness.jsonl"
+    JsonlSink(log).write(RunSummary(run_id="r", workload="smoke", seed=0, authoritative="plan", shadow="legacy",
+                                    steps_compared={"alloc": 9}, divergences={}, harness_errors=3,
+                                    compare_seconds=0.1, authoritative_seconds=0.2))
+    assert main(["report", str(log)]) == 1
+    assert capsys.readouterr().out.startswith("0 divergences in 9 compared steps, 3 harness errors")
 
 
 @pytest.mark.parametrize("format_", ["text", "md", "junit", "json"])

@@ -13,6 +13,7 @@ message) that say what went wrong:
     a failed load is retried forever           poll             invalid_plan  PollPlan.steps[i].action
     a failed load is never retried             poll             state         phase, recompute counter
     released request keeps its pending append  release          state         outputs[*].has_pending_append
+    release plans no pending-append drop       release          invalid_plan  ReleasePlan.drop_pending_append_ids
     aborted request keeps its host pages       release          state         pools.host, free host
     oldest running request evicted             evict            state         requests[*].phase, copies
     eviction grants host page ids permuted     evict            state         host_page_ids, copy targets
@@ -46,12 +47,12 @@ from pathlib import Path
 
 import pytest
 
-from compare import DivergenceError, DivergenceRecord, Keyed, RunSummary, read_log, wildcard
+from compare import DivergenceError, DivergenceRecord, HarnessWarning, Keyed, RunSummary, read_log, wildcard
 from batchgen.config import TINY_MODELS, CacheConfig
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
 from batchgen.runner import RunResult, run_workload
-from batchgen.worker import kv_apply, kv_manager
+from batchgen.worker import kv_apply, kv_compare, kv_manager
 from batchgen.worker.kv_apply import PlanRejected
 from batchgen.worker.kv_backends import CompletedHandle, HostKvPool
 from batchgen.worker.kv_forms import add_requests, detach_fork, differing_requests, fork_target
@@ -246,8 +247,12 @@ BUGS = [
         frozenset({"poll"}), "state", evidence=("requests[*].phase", "stats.recompute_preemptions"),
         failing_loads=True),
     Bug("release-keeps-pending-append",
-        method_mutant("plan_release", "drop_pending_append_ids=req.uuids", "drop_pending_append_ids=()"),
+        applier_mutant("apply_release_plan", "        target.drop_pending_append(uuid)\n", "        pass\n"),
         frozenset({"release"}), "state", evidence=("outputs[*].has_pending_append",)),
+    Bug("release-plans-no-pending-append-drop",
+        method_mutant("plan_release", "drop_pending_append_ids=req.uuids", "drop_pending_append_ids=()"),
+        frozenset({"release"}), "invalid_plan",
+        message=r"ReleasePlan\.drop_pending_append_ids: released \[.*\] would keep their pending appends"),
     Bug("release-keeps-host-pages-of-aborted",
         applier_mutant("apply_release_plan", "        target.host_kv.release_pages(uuid)\n", ""),
         frozenset({"release"}), "state", evidence=("pools.host", "pools.num_free_host"), aborts=2),
@@ -357,6 +362,35 @@ def test_shadow_exceptions_and_rejected_plans_are_logged_and_never_reach_the_aut
         expected = "RuntimeError: injected planner crash" if record.op == "evict" else "PlanRejected: AllocPlan.grants["
         assert record.exception.startswith(f"plan raised {expected}"), record.exception
         assert record.field_paths == []
+
+
+# ---- failures of the harness itself --------------------------------------------------------------
+@pytest.mark.parametrize("broken", ["fork_target", "differing_requests"])
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_reaches_the_worker(
+        broken, mode, tiny, tmp_path, monkeypatch):
+    """A crash while forking (before the shadow runs) or while canonicalising (after the authoritative
+    op mutated the worker) is the harness's: the worker runs on as if compare mode were off."""
+    workload = stress_smoke(0)
+    reference = run_workload(Worker(tiny, cache_config=workload.cache, engine_config=workload.engine,
+                                    kv_gate=KvGateConfig(path="plan")), workload)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError(f"injected harness crash in {broken}")
+
+    monkeypatch.setattr(kv_compare, broken, crash)
+    with pytest.warns(HarnessWarning, match=broken):
+        run = run_compare(tiny, tmp_path / "log.jsonl", [workload], authoritative="plan", mode=mode)
+    [result], [summary] = run.results, run.summaries
+    assert {u: o.output_ids for u, o in result.outputs.items()} == \
+        {u: o.output_ids for u, o in reference.outputs.items()}
+    assert (result.leaked_gpu_pages, result.leaked_host_pages, result.live_requests) == (0, 0, 0)
+    assert run.records == [] and summary.divergences == {}
+    assert summary.harness_errors > 0
+    if broken == "fork_target":  # no fork, nothing compared
+        assert summary.steps_compared == {}
+    else:  # canonicalised only where one side wrote something: quiet ops still compare
+        assert summary.harness_errors < sum(summary.steps_compared.values())
 
 
 # ---- clean code: no noise ---------------------------------------------------------------------

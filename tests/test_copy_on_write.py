@@ -19,6 +19,7 @@ import pytest
 from batchgen.model.loader import load_model
 from batchgen.runner import run_workload
 from batchgen.worker import kv_apply, legacy_kv
+from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_forms import KV_FIELDS, fork_target
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
 from batchgen.worker.worker import Worker
@@ -85,19 +86,24 @@ def _kv_state(worker: Worker) -> tuple:
 
 @pytest.mark.parametrize("path", ["legacy", "plan"])
 def test_every_op_on_a_fork_leaves_the_worker_as_it_was(path):
-    """Before each step of L2-2048 (eviction, migration, recompute, releases), each op of ``path``
-    runs on its own fork; the worker's requests, pending appends and pools must not change."""
+    """Before each step of L2-2048 (eviction, migration, recompute, releases, and a third of the loads
+    failing: retries and recomputes), each op of ``path`` runs on its own fork; the worker's requests,
+    pending appends and pools must not change."""
     workload = builtin_workload("L2-2048")
     worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
-                    kv_gate=KvGateConfig(path="plan"))
-    ops_run = {"evict": 0, "migrate": 0, "alloc": 0, "release": 0}
-    wrote = set()
+                    kv_gate=KvGateConfig(path="plan"), faults=FaultInjector(FaultSpec.parse("seed=3,load_fail=0.3")))
+    ops_run = {"poll": 0, "evict": 0, "migrate": 0, "alloc": 0, "release": 0}
+    wrote, poll_outcomes = set(), set()
 
     def on_step(num_released: int, num_requests: int) -> None:
         before = _kv_state(worker)
+        worker.faults.step = worker.state.step  # the fault clock the next step's before_step sets: loads land
+        observed = worker._observe_loads()
+        poll_outcomes.update("completed" if error is None else "failed" for error in observed.values())
         done = [u for u, r in worker.state.requests.items() if r.phase.name in ("FINISHED", "FAILED")]
         batch = worker._schedule()
-        for op, run in (("release", lambda kv: kv.release(done) if done else None), ("evict", lambda kv: kv.evict()),
+        for op, run in (("poll", lambda kv: kv.poll(observed) if observed else None),
+                        ("release", lambda kv: kv.release(done) if done else None), ("evict", lambda kv: kv.evict()),
                         ("migrate", lambda kv: kv.migrate()), ("alloc", lambda kv: kv.allocate(batch))):
             fork = fork_target(worker.kv_target())
             run(build_kv_path(path, fork))
@@ -108,3 +114,4 @@ def test_every_op_on_a_fork_leaves_the_worker_as_it_was(path):
     run_workload(worker, workload, on_step=on_step)
     assert all(ops_run.values()), ops_run
     assert {entry.split(":")[0] for entry in wrote} == set(ops_run), "some op never wrote on its fork"
+    assert poll_outcomes == {"completed", "failed"}  # polls that retry (a load on the forked host pool) ran

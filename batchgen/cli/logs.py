@@ -28,7 +28,8 @@ def add_report_command(commands) -> None:
         "report", help="merge divergence logs into one report",
         description="Merge divergence logs (JSON Lines from compare mode) and report divergences per op and per "
                     "field path. A last line cut short by a crash is skipped with a warning on stderr. Exit 0 "
-                    "when there is no divergence, 1 when there are, 2 when an input is unreadable.")
+                    "when there is no divergence and no harness error (a failure inside compare mode, which "
+                    "leaves the op it hit uncompared), 1 when there is either, 2 when an input is unreadable.")
     parser.add_argument("logs", nargs="+", metavar="LOG", help="divergence log files, merged in the order given")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
@@ -51,7 +52,7 @@ def _report(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     if args.format == "md":
         _append_step_summary(text)
-    return EXIT_FAILED if report.num_divergences else EXIT_OK
+    return EXIT_FAILED if report.num_divergences or report.num_harness_errors else EXIT_OK
 
 
 def _write_out(path: str, text: str) -> None:

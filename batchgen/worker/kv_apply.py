@@ -154,6 +154,18 @@ def _check_unique(field: str, uuids: Sequence[str]) -> None:
         raise PlanRejected(field, f"a request is named twice in {list(uuids)}")
 
 
+def _reject_member(field: str, value, enum_type) -> None:
+    """Raise PlanRejected: ``value`` (at ``field``) is not an ``enum_type`` member. Str enums compare equal
+    to their values, so the appliers check the type, not equality."""
+    allowed = ", ".join(f"{enum_type.__name__}.{member.name}" for member in enum_type)
+    raise PlanRejected(field, f"{value!r} is not one of {allowed}")
+
+
+def _reject_ids(field: str, page_ids) -> None:
+    """Raise PlanRejected: ``page_ids`` (at ``field``) is not a tuple (page tables are tuples)."""
+    raise PlanRejected(field, f"page ids must be a tuple of ints, not {type(page_ids).__name__} {page_ids!r}")
+
+
 # ---- appliers: validate everything, then mutate ------------------------------------------
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
     """Mutates phases, page tables, pools (host frees, retried loads), stats."""
@@ -166,6 +178,8 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
         req = requests.get(step.uuid)
         if req is None or req.phase is not LOADING:
             _request(target, f"PollPlan.steps[{i}].uuid", step.uuid, (LOADING,))  # raises, naming why
+        if type(step.action) is not PollAction:
+            _reject_member(f"PollPlan.steps[{i}].action", step.action, PollAction)
         if step.action is COMPLETE and observed[step.uuid] is not None:
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load failed; cannot complete")
         if step.action is not COMPLETE and observed[step.uuid] is None:
@@ -213,9 +227,16 @@ def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
         if req is None or req.phase not in DONE_PHASES:
             _request(target, f"ReleasePlan.released[{i}]", uuid, DONE_PHASES)  # raises, naming why
     released = set(plan.released)
+    _check_unique("ReleasePlan.drop_pending_append_ids", plan.drop_pending_append_ids)
     for i, uuid in enumerate(plan.drop_pending_append_ids):
         if uuid not in released:
             raise PlanRejected(f"ReleasePlan.drop_pending_append_ids[{i}]", f"{uuid!r} is not being released")
+    if len(plan.drop_pending_append_ids) != len(released) and target.pending_appends:
+        dropped = set(plan.drop_pending_append_ids)
+        stranded = [uuid for uuid in plan.released if uuid not in dropped and target.has_pending_append(uuid)]
+        if stranded:
+            raise PlanRejected("ReleasePlan.drop_pending_append_ids",
+                               f"released {stranded} would keep their pending appends")
     for uuid in plan.released:
         req = target.state.remove(uuid)
         req.drain_load()
@@ -239,6 +260,10 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
         if victim.gpu_page_ids != req.gpu_page_ids:
             raise PlanRejected(f"EvictionPlan.victims[{i}].gpu_page_ids",
                                f"{victim.gpu_page_ids} != page table {req.gpu_page_ids}")
+        if type(victim.destination) is not Destination:
+            _reject_member(f"EvictionPlan.victims[{i}].destination", victim.destination, Destination)
+        if type(victim.host_page_ids) is not tuple:
+            _reject_ids(f"EvictionPlan.victims[{i}].host_page_ids", victim.host_page_ids)
         want = len(req.gpu_page_ids) if victim.destination is TO_HOST else 0
         if len(victim.host_page_ids) != want:
             raise PlanRejected(f"EvictionPlan.victims[{i}].host_page_ids",
@@ -275,6 +300,8 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
         if load.host_page_ids != req.host_page_ids:
             raise PlanRejected(f"MigrationPlan.loads[{i}].host_page_ids",
                                f"{load.host_page_ids} != host page table {req.host_page_ids}")
+        if type(load.gpu_page_ids) is not tuple:
+            _reject_ids(f"MigrationPlan.loads[{i}].gpu_page_ids", load.gpu_page_ids)
         if len(load.gpu_page_ids) != len(req.host_page_ids):
             raise PlanRejected(f"MigrationPlan.loads[{i}].gpu_page_ids",
                                f"{len(load.gpu_page_ids)} pages for {len(req.host_page_ids)} host pages")
@@ -316,6 +343,8 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
         if req is None or req.phase not in admissible:
             _request(target, f"AllocPlan.grants[{i}].uuid", grant.uuid, admissible)  # raises, naming the problem
         need = max(0, pages_for(req.num_tokens, page_size) - len(req.gpu_page_ids))  # as the manager counts it
+        if type(grant.new_page_ids) is not tuple:
+            _reject_ids(f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids)
         if len(grant.new_page_ids) != need:
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {need} needed")

@@ -4,18 +4,21 @@ Per compared op (``compare.ShadowExecutor`` fixes the order)::
 
     context       the op's request (snapshot and the columns the op reads): taken
                   from the side running the plan path, which builds it anyway
-    shadow        fork the worker's state copy-on-write and overlay both pools
+    fork          fork the worker's state copy-on-write and overlay both pools
                   (bookkeeping only: no tensors; the forked host pool records the
-                  copies it would issue), run the shadow path on the fork,
-                  canonicalise its counters and keep its free page counts (the
-                  rest waits for the authoritative step)
+                  copies it would issue)
+    shadow        run the shadow path on the fork; keep its free page counts
     authoritative run the authoritative path on the worker, its pools journaling and
-                  its state recording the requests it writes; canonicalise both
-                  sides' journals and copy lists (once, shared, when equal); of the
-                  requests either side wrote, canonicalise those whose post-states
+                  its state recording the requests it writes
+    canonicalize  both sides' counters, journals and copy lists (once, shared, when
+                  equal); of the requests either side wrote, those whose post-states
                   differ, from each side, into both forms
     compare       canonical forms: differing requests, new outputs, pending appends,
                   counters, each pool's allocator diff, the ordered copy ops
+
+Only the paths' own exceptions are observations: a failure in forking or
+canonicalising is the harness's (counted, warned, never a divergence, never raised
+into the worker).
 
 When neither side wrote anything (no request, pending append, pool page or copy:
 most evict and migrate calls), both forms are only counters and result: every
@@ -25,9 +28,9 @@ the same.
 A request neither side wrote is the same object in both post-states, and one
 written to the same values has equal canonical entries: leaving them out gives
 the same verdict and field paths as canonicalising the whole scope (what
-``replay`` does). Cost: a shallow copy of the request dict (C, a few ns per live
-request), then what the op wrote: a copy of each request on its first write on
-either side, the pool journals and copy lists, canonical forms of the requests
+``replay`` does). Cost: what the op wrote: on the fork's first write, a shallow
+copy of the request dict (C, a few ns per live request); a copy of each request on
+its first write on either side, the pool journals and copy lists, canonical forms of the requests
 that differ. Both paths' own reads (evict walks every RUNNING request) are theirs.
 Ops the executor does not sample run the authoritative path alone. Divergences go
 to a JSON Lines log with what ``replay`` and ``minimize`` need (the op request, the
@@ -43,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from compare import DivergenceRecord, JsonlSink, Keyed, RunSummary, ShadowExecutor
+from compare import DivergenceRecord, JsonlSink, Keyed, Observation, RunSummary, ShadowExecutor
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_forms import (
     add_requests, canonical_copies, canonical_events, canonical_kv, canonical_pools, canonical_stats, classify,
@@ -98,13 +101,12 @@ class _RecordingPlanKvPath(PlanKvPath):
 
 @dataclass(frozen=True, slots=True)
 class _ShadowRun:
-    """What the authoritative step of an op needs from its shadow step."""
+    """What the shadow step of an op leaves for canonicalisation."""
 
     fork: KvTarget  # the shadow's post-state, its pools' journals and copies included
-    canonical: dict  # the shadow's canonical form: counters and result (quiet), or with requests, outputs,
-    # pools and copies still to be filled in
-    free_pages: tuple[int, int]  # the fork's free GPU and host pages after the op (readable only until then)
-    quiet: bool  # the shadow wrote nothing: no request, pending append, pool page or copy
+    result: object  # what the shadow path's op returned
+    free_pages: tuple[int, int]  # the fork's free GPU and host pages after the op (readable only until the
+    # authoritative path changes the worker's pools)
 
 
 def _wrote_nothing(target: KvTarget, written, dropped) -> bool:
@@ -118,11 +120,12 @@ def _quiet_form(target: KvTarget, result) -> dict:
     return {"stats": canonical_stats(target), "result": result}
 
 
-def _full_form(canonical: dict, free_pages: tuple[int, int]) -> dict:
-    """Turn a quiet form into a full one still to be completed (``_complete``). Mutates and returns it."""
-    canonical.update(requests=Keyed(), outputs=Keyed(),
-                     pools={"gpu": [], "host": [], "num_free_gpu": free_pages[0], "num_free_host": free_pages[1]})
-    return canonical
+def _full_form(shadow: _ShadowRun, result) -> dict:
+    """The shadow's canonical form begun: counters, result and free pages; to be completed (``_complete``)."""
+    free_gpu, free_host = shadow.free_pages
+    return {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(shadow.fork),
+            "pools": {"gpu": [], "host": [], "num_free_gpu": free_gpu, "num_free_host": free_host},
+            "result": result}
 
 
 class KvCompare:
@@ -155,7 +158,6 @@ class KvCompare:
         self.seed = seed
         self.run_id = self.workload = self.workload_source = ""
         self.scale = 1.0
-        self._shadow_run: _ShadowRun | None = None  # handed from an op's shadow step to its authoritative step
         self._written: dict = {}  # what the last authoritative step wrote: uuid -> the request before it
         self.executor = self.begin_run("unnamed", seed=seed)
 
@@ -199,75 +201,79 @@ class KvCompare:
         step = self.target.state.step
         if not self.executor.should_compare(op, step):
             return call(self.authoritative)
-        self._shadow_run = self._shadow_request = None
+        self._shadow_request = None
         self._written = {}
         if self.authoritative_path == "plan":
             self.authoritative.last_request = None
-        return self.executor.run(
-            op, step,
-            context=lambda: self._context(op, request),
-            shadow=lambda: self._run_shadow(call),
-            authoritative=lambda: self._run_authoritative(call),
-            shadow_path=self.shadow_path, authoritative_path=self.authoritative_path,
-        )
+        try:
+            return self.executor.run(
+                op, step,
+                context=lambda: self._context(op, request),
+                fork=self._fork,
+                shadow=lambda forked: self._run_shadow(forked, call),
+                authoritative=lambda: self._run_authoritative(call),
+                canonicalize=self._canonicalize,
+                shadow_path=self.shadow_path, authoritative_path=self.authoritative_path,
+            )
+        finally:  # journaling ends with the op, whatever failed
+            state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
+            gpu.pages.journal = host.pages.journal = host.copies = state.written = self.target.dropped = None
 
-    def _run_shadow(self, call: Callable) -> dict:
-        """The shadow path on a fork. Its canonical form's requests, outputs, pool journals and copies
-        are left for the authoritative step to fill in, once both post-states exist. Sets ``_shadow_run``."""
+    def _fork(self) -> tuple[KvTarget, object]:
+        """A copy-on-write fork of the worker's target, and the shadow path on it."""
         fork = fork_target(self.target)
-        path = self._new_shadow_path(fork)
+        return fork, self._new_shadow_path(fork)
+
+    def _run_shadow(self, forked: tuple[KvTarget, object], call: Callable) -> _ShadowRun:
+        """The shadow path's op on its fork; what the canonical forms need of it."""
+        fork, path = forked
         try:
             result = call(path)
         finally:
             self._shadow_request = getattr(path, "last_request", None)
         # The fork's pools can be read only until the authoritative path changes the worker's.
-        free_pages = (fork.gpu_kv.free_pages(), fork.host_kv.free_pages())
-        quiet = _wrote_nothing(fork, fork.state.written, fork.dropped)
-        canonical = _quiet_form(fork, result) if quiet else _full_form(_quiet_form(fork, result), free_pages)
-        self._shadow_run = _ShadowRun(fork, canonical, free_pages, quiet)
-        return canonical
+        return _ShadowRun(fork, result, (fork.gpu_kv.free_pages(), fork.host_kv.free_pages()))
 
     def _run_authoritative(self, call: Callable):
-        """The authoritative path on the worker; completes both canonical forms. Journals the pools and
-        the requests written (``WorkerState.written``) meanwhile.
-
-        Only requests whose post-states differ are canonicalised (on both sides); journals and copy
-        lists equal on both sides are canonicalised once and shared.
-        """
-        shadow, self._shadow_run = self._shadow_run, None
+        """The authoritative path on the worker, its pools journaling and its state recording the requests
+        it writes (``WorkerState.written``) and the pending appends it drops, until ``_compare`` ends."""
         state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
         gpu.pages.journal, host.pages.journal, host.copies = [], [], []
-        written = self._written = state.written = {}
-        dropped = self.target.dropped = set()
-        try:
-            try:
-                result = call(self.authoritative)
-            except Exception:
-                if shadow is not None:  # the record still carries the shadow's journals (replay reads them)
-                    fork = shadow.fork
-                    if shadow.quiet:
-                        _full_form(shadow.canonical, shadow.free_pages)
-                    _complete(shadow.canonical, fork, canonical_events(fork.gpu_kv.journal),
-                              canonical_events(fork.host_kv.journal), canonical_copies(fork.host_kv.copies))
-                raise
-            if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
-                return result, canonical_kv(self.target, list(written), result, gpu.journal, host.journal, host.copies)
-            if shadow.quiet:
-                if _wrote_nothing(self.target, written, dropped):  # neither side changed anything but counters
-                    return result, _quiet_form(self.target, result)
-                _full_form(shadow.canonical, shadow.free_pages)
+        self._written = state.written = {}
+        self.target.dropped = set()
+        return call(self.authoritative)
+
+    def _canonicalize(self, seen: Observation, shadow_seen: Observation) -> tuple[dict | None, dict | None]:
+        """Both canonical forms, once both post-states exist (compare mode's harness, not either path).
+
+        Only requests whose post-states differ are canonicalised (on both sides); journals and copy
+        lists equal on both sides are canonicalised once and shared. When neither side wrote anything
+        both forms are only counters and result. Pure, but for the fork's request view (``detach_fork``).
+        """
+        target, written, dropped = self.target, self._written, self.target.dropped
+        gpu, host = target.gpu_kv, target.host_kv
+        shadow: _ShadowRun | None = shadow_seen.value
+        if seen.raised:  # the record still carries the shadow's form (replay reads its journals)
+            if shadow is None:
+                return None, None
             fork = shadow.fork
-            gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
-            host_events, fork_host_events = _shared(host.journal, fork.host_kv.journal, canonical_events)
-            copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
-            detach_fork(fork, written, dropped)
-            differing = differing_requests(fork, self.target, written, dropped)
-            _complete(shadow.canonical, fork, fork_gpu_events, fork_host_events, fork_copies, differing)
-            mine = {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(self.target),
-                    "pools": canonical_pools(self.target, [], []), "result": result}
-            return result, _complete(mine, self.target, gpu_events, host_events, copies, differing)
-        finally:
-            gpu.pages.journal = host.pages.journal = host.copies = state.written = self.target.dropped = None
+            return None, _complete(_full_form(shadow, shadow.result), fork, canonical_events(fork.gpu_kv.journal),
+                                   canonical_events(fork.host_kv.journal), canonical_copies(fork.host_kv.copies))
+        if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
+            return canonical_kv(target, list(written), seen.value, gpu.journal, host.journal, host.copies), None
+        fork, result = shadow.fork, seen.value
+        if _wrote_nothing(fork, fork.state.written, fork.dropped) and _wrote_nothing(target, written, dropped):
+            return _quiet_form(target, result), _quiet_form(fork, shadow.result)
+        gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
+        host_events, fork_host_events = _shared(host.journal, fork.host_kv.journal, canonical_events)
+        copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
+        detach_fork(fork, written, dropped)
+        differing = differing_requests(fork, target, written, dropped)
+        theirs = _complete(_full_form(shadow, shadow.result), fork, fork_gpu_events, fork_host_events, fork_copies,
+                           differing)
+        mine = {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(target),
+                "pools": canonical_pools(target, [], []), "result": result}
+        return _complete(mine, target, gpu_events, host_events, copies, differing), theirs
 
     def _context(self, op: str, request: Callable) -> tuple:
         """(op, request or None), before either path runs.

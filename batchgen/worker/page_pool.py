@@ -56,6 +56,8 @@ def _refused_grant(pool: "PagePool | ForkedPagePool", grants: Grants) -> PageOwn
             duplicate = next(p for i, p in enumerate(page_ids) if p in page_ids[:i])
             return PageOwnershipError(pool.name, f"page ids {list(page_ids)} name a page twice", index, duplicate)
         for page_id in page_ids:
+            if type(page_id) is not int:
+                return PageOwnershipError(pool.name, f"page id {page_id!r} is not an int", index, page_id)
             if not 0 <= page_id < pool.num_pages:
                 return PageOwnershipError(pool.name, f"page {page_id} is out of range [0, {pool.num_pages})",
                                           index, page_id)
@@ -70,8 +72,11 @@ def _refused_grant(pool: "PagePool | ForkedPagePool", grants: Grants) -> PageOwn
 def _check_grants(pool: "PagePool | ForkedPagePool", grants: Grants) -> list[int]:
     """Every id of ``grants``, in order; raises the error of :func:`_refused_grant` unless all are good. Pure."""
     all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
-    if len(set(all_ids)) == len(all_ids) and pool.all_free(all_ids):
-        return all_ids  # the common case, checked in C; _refused_grant names what is wrong
+    try:
+        if len(set(all_ids)) == len(all_ids) and pool.all_free(all_ids):
+            return all_ids  # the common case, checked in C; _refused_grant names what is wrong
+    except TypeError:  # an id that is not an int cannot index the free flags
+        pass
     error = _refused_grant(pool, grants)
     if error is None:  # the bulk check and the one per grant disagree: a bug in the pool
         raise AssertionError(f"{pool.name}: grants {list(grants)} refused in bulk, accepted one by one")
@@ -198,11 +203,13 @@ class PagePool:
             raise OutOfPages(f"{self.name}: {n} pages requested, {self.num_free} free")
 
     def _assign(self, uuid: str, page_ids: list[int]) -> None:
+        if not page_ids:  # nothing changes: forks stay valid, no empty owner entry
+            return
         self._version += 1
         for page_id in page_ids:
             self._free_flags[page_id] = 0
         self._owned.setdefault(uuid, []).extend(page_ids)
-        if self.journal is not None and page_ids:
+        if self.journal is not None:
             self.journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
 
     def _compact(self) -> None:
@@ -295,6 +302,8 @@ class ForkedPagePool:
 
     def _assign(self, uuid: str, page_ids: list[int]) -> None:
         self._check_base()
+        if not page_ids:
+            return
         self._num_free -= len(page_ids)
         for page_id in page_ids:
             if page_id in self._tail:
@@ -305,8 +314,7 @@ class ForkedPagePool:
         while self._cursor < len(queue) and queue[self._cursor] in self._taken:
             self._cursor += 1
         self._added.setdefault(uuid, []).extend(page_ids)  # what it touches: not the owner's whole page list
-        if page_ids:
-            self.journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
+        self.journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
 
     def _check_base(self) -> None:
         if self._base._version != self._base_version:

@@ -120,7 +120,7 @@ def test_refuses_to_record_a_matched_comparison():
 
 def test_builds_a_run_summary_from_executor_stats():
     executor = ShadowExecutor(mode="log")
-    executor.run("alloc", 0, authoritative=lambda: (None, 1), shadow=lambda: 2,
+    executor.run("alloc", 0, authoritative=lambda: 1, shadow=lambda forked: 2,
                  shadow_path="legacy", authoritative_path="plan")
     summary = RunSummary.from_stats(executor.stats(), run_id="r", workload="w", seed=0,
                                     authoritative="plan", shadow="legacy")

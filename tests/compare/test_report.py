@@ -8,6 +8,7 @@ from compare.report import (
     PairStats,
     PathSample,
     aggregate,
+    headline,
     render_json,
     render_junit,
     render_markdown,
@@ -86,7 +87,7 @@ def test_counts_compared_and_diverged_steps_per_workload_and_op():
 
 def test_renders_text_tables_with_the_headline_ops_and_field_paths():
     text = render_text(aggregate(RECORDS))
-    assert text.startswith("4 divergences in 380 compared steps\n")
+    assert text.startswith("4 divergences in 380 compared steps, 2 harness errors\n")
     assert "2 runs, 2 harness errors; compare overhead 2 s on 8 s authoritative (0.25x)" in text
     assert "requests[*].gpu_pages[*]" in text
     assert "requests[r17].gpu_pages[3]" in text and "(L2-2048 step 5)" in text
@@ -96,7 +97,7 @@ def test_renders_text_tables_with_the_headline_ops_and_field_paths():
 def test_renders_markdown_with_the_headline_and_a_table_per_op_and_per_field_path():
     markdown = render_markdown(aggregate(RECORDS))
     lines = markdown.splitlines()
-    assert lines[0] == "### 4 divergences in 380 compared steps"
+    assert lines[0] == "### 4 divergences in 380 compared steps, 2 harness errors"
     assert "| alloc | 300 | 3 | 1.00% |" in lines
     assert ("| alloc | `requests[*].gpu_pages[*]` | 3 | 2-9 | L2-2048, L2-4096 | state | "
             "`requests[r17].gpu_pages[3]` (L2-2048 step 5) |") in lines
@@ -119,15 +120,24 @@ def test_renders_a_clean_report_without_a_field_path_table():
 def test_renders_junit_with_a_failing_testcase_per_diverging_workload_and_op():
     suites = ET.fromstring(render_junit(aggregate(RECORDS)))
     [suite] = suites.findall("testsuite")
-    assert (suite.get("tests"), suite.get("failures")) == ("5", "3")
+    assert (suite.get("tests"), suite.get("failures")) == ("6", "4")
     cases = {case.get("name"): case.find("failure") for case in suite.findall("testcase")}
     assert list(cases) == ["L2-2048.alloc", "L2-2048.evict", "L2-4096.alloc", "L2-4096.evict",
-                           "L2-4096.migrate"]
+                           "L2-4096.migrate", "harness"]
+    assert cases["harness"].get("message") == "2 harness errors: the ops they hit were not compared"
     assert cases["L2-2048.evict"] is None
     failure = cases["L2-2048.alloc"]
     assert failure.get("message") == "2 divergences in 100 compared steps"
     assert failure.text.splitlines() == ["2 x requests[*].gpu_pages[*]", "1 x free_pages[*]"]
     assert suite.find("properties/property[@name='harness_errors']").get("value") == "2"
+
+
+def test_junit_and_headline_name_no_harness_case_when_the_harness_never_failed():
+    report = aggregate([summary("smoke", "run-c", {"alloc": 1})])
+    [suite] = ET.fromstring(render_junit(report)).findall("testsuite")
+    assert (suite.get("tests"), suite.get("failures")) == ("1", "0")
+    assert headline(report) == "0 divergences in 1 compared step"
+    assert headline(aggregate(RECORDS)).endswith(", 2 harness errors")
 
 
 def test_renders_json_with_every_count():

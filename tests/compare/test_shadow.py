@@ -30,9 +30,11 @@ def make(mode="log", **options):
 
 
 def run(executor, *, auth=SAME, shadow=SAME, op="alloc", step=0, **kwargs):
-    """One step where each path returns its canonical value, or raises it if an exception."""
-    authoritative = raising(auth) if isinstance(auth, BaseException) else lambda: ("result", auth)
-    other = raising(shadow) if isinstance(shadow, BaseException) else lambda: shadow
+    """One step where the authoritative path returns "result" canonicalised as ``auth`` and the shadow
+    returns ``shadow`` (already canonical); either raises its value if an exception."""
+    authoritative = raising(auth) if isinstance(auth, BaseException) else lambda: "result"
+    other = raising(shadow) if isinstance(shadow, BaseException) else lambda forked: shadow
+    kwargs.setdefault("canonicalize", lambda seen, other_seen: (auth, other_seen.value))
     return executor.run(op, step, authoritative=authoritative, shadow=other,
                         shadow_path="legacy", authoritative_path="plan", **kwargs)
 
@@ -53,15 +55,77 @@ def test_returns_the_authoritative_result_and_reports_a_divergence_in_log_mode()
     assert (comparison.shadow.path, comparison.shadow.value) == ("legacy", OTHER)
 
 
-def test_runs_context_then_shadow_then_authoritative():
+def test_runs_context_fork_shadow_authoritative_then_canonicalize():
     executor, _ = make()
     order = []
+
+    def canonicalize(seen, shadow_seen):
+        order.append(("canonicalize", seen.value, shadow_seen.value))
+        return SAME, SAME
     executor.run("alloc", 0,
-                 authoritative=lambda: order.append("authoritative") or ("result", SAME),
-                 shadow=lambda: order.append("shadow") or SAME,
+                 authoritative=lambda: order.append("authoritative") or "result",
+                 shadow=lambda forked: order.append(("shadow", forked)) or "shadow result",
+                 fork=lambda: order.append("fork") or "the fork",
+                 canonicalize=canonicalize,
                  context=lambda: order.append("context"),
                  shadow_path="legacy", authoritative_path="plan")
-    assert order == ["context", "shadow", "authoritative"]
+    assert order == ["context", "fork", ("shadow", "the fork"), "authoritative",
+                     ("canonicalize", "result", "shadow result")]
+
+
+def test_compares_the_canonical_forms_not_the_raw_results():
+    executor, recorder = make()
+    assert run(executor, auth=SAME, shadow=SAME) == "result"  # "result" vs SAME raw; SAME vs SAME canonical
+    assert recorder.divergences == []
+    run(executor, auth=SAME, shadow=OTHER)
+    [(comparison, _)] = recorder.divergences
+    assert (comparison.authoritative.value, comparison.shadow.value) == (SAME, OTHER)
+
+
+def test_a_failing_fork_is_a_harness_error_and_the_authoritative_path_runs_alone():
+    executor, recorder = make("raise")
+    error = MemoryError("no room for a fork")
+    called = []
+    result = executor.run("alloc", 0, authoritative=lambda: "result", shadow=lambda forked: called.append(forked),
+                          fork=raising(error), shadow_path="legacy", authoritative_path="plan")
+    assert result == "result"
+    assert called == []
+    assert recorder.harness_errors == [("fork", error)]
+    assert recorder.divergences == []
+    assert executor.stats().num_compared == {}
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_a_failing_canonicalize_is_a_harness_error_not_a_divergence(mode):
+    executor, recorder = make(mode)
+    error = RuntimeError("bug in the canonical form")
+    assert run(executor, shadow=OTHER, canonicalize=raising(error)) == "result"
+    assert recorder.harness_errors == [("canonicalize", error)]
+    assert recorder.divergences == []
+    assert executor.stats().num_divergences == {}
+
+
+def test_a_failing_canonicalize_leaves_the_authoritative_exception_unchanged():
+    executor, recorder = make("raise")
+    error = ValueError("pool exhausted")
+    with pytest.raises(ValueError) as raised:
+        run(executor, auth=error, canonicalize=raising(RuntimeError("canonical form bug")))
+    assert raised.value is error
+    assert [operation for operation, _ in recorder.harness_errors] == ["canonicalize"]
+
+
+def test_canonicalize_sees_the_exception_of_a_side_that_raised_and_its_form_is_ignored():
+    executor, recorder = make()
+    error = KeyError("r17")
+    seen = []
+
+    def canonicalize(authoritative, shadow):
+        seen.append((authoritative.value, shadow.exception))
+        return SAME, "ignored: the shadow raised"
+    run(executor, shadow=error, canonicalize=canonicalize)
+    assert seen == [("result", error)]
+    [(comparison, _)] = recorder.divergences
+    assert (comparison.kind, comparison.shadow.value, comparison.authoritative.value) == ("exception", None, SAME)
 
 
 def test_passes_the_captured_context_to_on_divergence():
@@ -199,8 +263,9 @@ def test_a_raising_harness_hook_makes_harness_errors_fatal():
 def test_never_calls_shadow_or_context_for_ops_outside_the_filter():
     executor, _ = make(ops={"evict"})
     called = []
-    result = executor.run("alloc", 0, authoritative=lambda: ("result", SAME),
-                          shadow=lambda: called.append("shadow"),
+    result = executor.run("alloc", 0, authoritative=lambda: "result",
+                          shadow=lambda forked: called.append("shadow"),
+                          fork=lambda: called.append("fork"),
                           context=lambda: called.append("context"),
                           shadow_path="legacy", authoritative_path="plan")
     assert result == "result"
@@ -227,7 +292,7 @@ def test_reports_no_divergence_when_one_path_is_compared_with_itself():
     def path():  # one path on both sides
         return {"pages": [1, 2], "free": {3: "x"}}
     for step in range(5):
-        executor.run("alloc", step, authoritative=lambda: (None, path()), shadow=path,
+        executor.run("alloc", step, authoritative=path, shadow=lambda forked: path(),
                      shadow_path="legacy", authoritative_path="legacy")
     assert recorder.divergences == []
     assert executor.stats().num_compared == {"alloc": 5}
@@ -252,8 +317,8 @@ def test_measures_shadow_authoritative_and_harness_time_with_the_injected_clock(
         now[0] += seconds
         return value
 
-    executor.run("alloc", 0, authoritative=lambda: advance(5.0, ("result", SAME)),
-                 shadow=lambda: advance(2.0, OTHER), shadow_path="legacy",
+    executor.run("alloc", 0, authoritative=lambda: advance(5.0, SAME),
+                 shadow=lambda forked: advance(2.0, OTHER), shadow_path="legacy",
                  authoritative_path="plan")
     comparison = recorder.divergences[0][0]
     assert (comparison.shadow.duration_s, comparison.authoritative.duration_s) == (2.0, 5.0)
