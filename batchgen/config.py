@@ -115,6 +115,11 @@ class CacheConfig(_Frozen):
         """Pages needed to hold ``num_tokens`` tokens."""
         return math.ceil(num_tokens / self.page_size)
 
+    @property
+    def watermark_pages(self) -> int:
+        """GPU pages kept free: ``ceil(watermark * num_gpu_pages)``."""
+        return math.ceil(self.watermark * self.num_gpu_pages)
+
 
 class EngineConfig(_Frozen):
     """Per-step limits of the continuous batcher and the load-failure policy."""

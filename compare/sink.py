@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ class JsonlSink:
         data = (record.model_dump_json() + "\n").encode()
         if self._fd is None:
             self._fd = self._open()
+            self._closer = weakref.finalize(self, os.close, self._fd)
             torn = _torn_tail_bytes(self._fd)
             if torn:
                 warnings.warn(f"{self.path}: last line was cut short (earlier crash?); "
@@ -49,6 +51,7 @@ class JsonlSink:
         """Flush the file to disk and close it; a later write reopens it."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            self._closer.detach()
             try:
                 os.fsync(fd)
             finally:

@@ -25,7 +25,6 @@ Policies (shared, by contract, with the plan layer):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 from batchgen.worker.kv_target import KvTarget
@@ -44,7 +43,7 @@ class LegacyKvPath:
         self._drop_pending_kv_append = target.drop_pending_append  # the one way to drop one (see KvTarget)
         self.cache_config = target.cache_config
         self.engine_config = target.engine_config
-        self._kv_watermark_pages = math.ceil(self.cache_config.watermark * self.cache_config.num_gpu_pages)
+        self._kv_watermark_pages = self.cache_config.watermark_pages
 
     def _decode_demand(self, req: RequestState) -> int:
         return self.cache_config.pages_for(req.num_tokens) - len(req.gpu_page_ids)

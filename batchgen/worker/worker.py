@@ -82,7 +82,6 @@ class Worker:
             self.host_kv = faults.host_pool(self.host_kv)
         self.state = WorkerState()
         self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
-        self._watermark_pages = math.ceil(cache_config.watermark * cache_config.num_gpu_pages)
         self.kv_compare = None
         if self.kv_gate.compare != "off":
             from batchgen.worker.kv_compare import KvCompare
@@ -220,7 +219,7 @@ class Worker:
         batch = [r.uuid for r in running]
         if self.state.in_phase(Phase.SWAPPED):
             return batch  # swapped requests come back before new work is admitted
-        watermark = self._watermark_pages
+        watermark = self.cache_config.watermark_pages
         page_size = self.cache_config.page_size
         free = self.gpu_kv.free_pages() - sum(-(-r.num_tokens // page_size) - len(r.gpu_page_ids) for r in running)
         num_active = len(running) + len(self.state.in_phase(Phase.LOADING))
@@ -286,7 +285,7 @@ class Worker:
             raise RequestError(
                 f"{where}: prompt ({len(prompt)}) + max_new_tokens ({request.max_new_tokens}) = {total} "
                 f"exceeds the model's context of {self.model_config.max_context} tokens")
-        usable = self.cache_config.num_gpu_pages - self._watermark_pages
+        usable = self.cache_config.num_gpu_pages - self.cache_config.watermark_pages
         if self.cache_config.pages_for(total) > usable:
             raise RequestError(
                 f"{where}: needs {self.cache_config.pages_for(total)} KV pages but the GPU pool has "

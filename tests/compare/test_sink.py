@@ -47,6 +47,26 @@ def test_opens_the_file_only_on_the_first_write(tmp_path):
     assert not path.exists()
 
 
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_a_sink_dropped_without_close_releases_its_descriptor(tmp_path):
+    before = open_descriptors()
+    sink = JsonlSink(tmp_path / "log.jsonl")
+    sink.write(make_record(0))
+    assert open_descriptors() == before + 1
+    del sink  # no close(): the record is in the file already
+    assert open_descriptors() == before
+    closed = JsonlSink(tmp_path / "log.jsonl")
+    closed.write(make_record(1))
+    closed.close()  # close() and the collector's finaliser never both close the descriptor
+    del closed
+    assert open_descriptors() == before
+    assert len(read_log(tmp_path / "log.jsonl").records) == 2
+
+
 def test_reads_back_exactly_what_was_written(tmp_path):
     path = tmp_path / "log.jsonl"
     records = [make_record(0), make_record(1, "ü"), make_summary()]
