@@ -7,6 +7,7 @@ worker can run several workloads back to back.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -53,6 +54,29 @@ class RunResult:
         }
 
 
+class RunStalled(RuntimeError):
+    """A run that cannot finish: no progress for too long, or past its step limit."""
+
+
+MAX_IDLE_STEPS = 10_000  # steps with live requests and no progress before a run is called stalled
+
+
+def _progress(worker: Worker) -> tuple[int, ...]:
+    """What changes whenever a step gets anywhere: tokens, releases, and every KV event counter. Pure."""
+    stats = worker.state.stats
+    return (stats.tokens_generated, len(worker.state.outputs), stats.evictions, stats.loads, stats.load_failures,
+            stats.recompute_preemptions)
+
+
+def _stalled_message(worker: Worker, workload: Workload, idle_steps: int) -> str:
+    phases = Counter(req.phase.value for req in worker.state.requests.values())
+    live = ", ".join(f"{count} {phase}" for phase, count in sorted(phases.items()))
+    return (f"{workload.name}: no progress in {idle_steps} steps (no token, release, eviction, load or preemption) "
+            f"with {len(worker.state.requests)} requests live ({live}), {worker.gpu_kv.free_pages()} of "
+            f"{worker.gpu_kv.num_pages} GPU pages free: nothing scheduled can get pages (an injected fault holding "
+            f"the pools, such as gpu_refuse=1, can do this)")
+
+
 def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = False,
                  on_step: Callable[[int, int], None] | None = None, max_steps: int = 1_000_000,
                  source: str | None = None, scale: float = 1.0) -> RunResult:
@@ -61,7 +85,9 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
     Mutates the worker. ``on_step(num_released, num_requests)`` reports progress.
     In compare mode the run is one compare run: its divergences carry the
     workload's name, seed and ``source`` (name or file, for replay/minimize), and a
-    summary record closes it.
+    summary record closes it. Raises :class:`RunStalled` past ``max_steps``, or when
+    requests are live and nothing progresses for ``MAX_IDLE_STEPS`` steps (or twice the
+    load timeout, if longer: a hung load is failed after that).
     """
     if worker.kv_compare is not None:
         worker.kv_compare.begin_run(workload.name, seed=workload.seed, source=source, scale=scale)
@@ -73,11 +99,15 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
     aborts = sorted((r.arrival_step + r.abort_step, r.uuid) for r in workload.requests if r.abort_step is not None)
     uuids = {r.uuid for r in workload.requests}
     started = time.perf_counter()
-    next_arrival = next_abort = 0
+    next_arrival = next_abort = idle_steps = 0
+    max_idle_steps = max(MAX_IDLE_STEPS, 2 * worker.engine_config.load_timeout_steps)
+    progress = _progress(worker)
     while next_arrival < len(arrivals) or worker.has_unfinished():
         rel = worker.state.step - start_step
         if rel >= max_steps:
-            raise RuntimeError(f"{workload.name}: not done after {max_steps} steps")
+            raise RunStalled(f"{workload.name}: not done after {max_steps} steps")
+        if idle_steps >= max_idle_steps:
+            raise RunStalled(_stalled_message(worker, workload, idle_steps))
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= rel:
             worker.add_request(arrivals[next_arrival].to_request())
             next_arrival += 1
@@ -87,6 +117,8 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
                 worker.abort(uuid)
             next_abort += 1
         worker.step()
+        progress, before_step = _progress(worker), progress
+        idle_steps = idle_steps + 1 if progress == before_step and worker.state.requests else 0
         if check_integrity:
             worker.check_integrity()
         if on_step is not None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
+from batchgen import runner
 from batchgen.cli import main
 from batchgen.worker.kv_gate import ENV_PREFIX
 from batchgen.workloads import builtin_workload, load_workload
@@ -107,6 +108,17 @@ def run_json(capsys, *flags: str) -> dict:
     """``batchgen run --workload smoke --json FLAGS``: its summary."""
     assert main(["run", "--workload", "smoke", "--json", *flags]) == 0
     return one_json_object(capsys.readouterr().out)
+
+
+def test_run_that_cannot_progress_exits_1_naming_the_stall(capsys, monkeypatch):
+    monkeypatch.setattr(runner, "MAX_IDLE_STEPS", 300)
+    assert main(["run", "--workload", "smoke", "--faults", "seed=1,gpu_refuse=1", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = [line for line in captured.err.splitlines() if line.startswith("batchgen:")]
+    assert line == ("batchgen: stalled: smoke: no progress in 300 steps (no token, release, eviction, load or "
+                    "preemption) with 8 requests live (8 waiting), 0 of 24 GPU pages free: nothing scheduled can get "
+                    "pages (an injected fault holding the pools, such as gpu_refuse=1, can do this)")
 
 
 def test_run_says_which_kv_path_ran(capsys):

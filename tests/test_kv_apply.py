@@ -34,6 +34,7 @@ from batchgen.worker.kv_plans import (
     PollStep, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
 )
 from batchgen.worker.kv_forms import views_of
+from batchgen.worker.kv_gate import build_kv_path
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.state import Phase, Request, RequestOutput, RequestState, TokenLogprobs, WorkerState
 from batchgen.worker.worker import PendingAppend
@@ -391,6 +392,38 @@ def test_poll_fail_marks_the_request_failed_with_the_plans_reason():
     assert (req.phase, req.finish_reason, req.gpu_page_ids, req.host_page_ids) == (
         Phase.FAILED, "load failed: OSError: x", (), ())
     assert (target.state.stats.load_failures, target.state.stats.recompute_preemptions) == (1, 0)
+
+
+class TimedOutCopy:
+    """A stall-prone load whose copy is still running when the worker times it out: ``wait`` records the
+    GPU pages its request holds at that moment (its copy must land before they are freed)."""
+
+    may_stall = True
+
+    def __init__(self, gpu_kv):
+        self.gpu_kv, self.pages_held_at_wait = gpu_kv, []
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        self.pages_held_at_wait.append(self.gpu_kv.pages_of("load3"))
+        raise RuntimeError("the copy failed late")
+
+
+@pytest.mark.parametrize("path", ["legacy", "plan"])
+@pytest.mark.parametrize("load_failure", ["recompute", "fail"])
+def test_poll_waits_for_a_timed_out_loads_copy_before_freeing_its_pages(path, load_failure):
+    target = make_target()
+    target.engine_config = ENGINE.model_copy(update={"load_failure": load_failure})
+    req = target.state.requests["load3"]
+    req.num_load_retries = 1  # no retry left
+    handle = req.load_handle = TimedOutCopy(target.gpu_kv)
+    build_kv_path(path, target).poll({"load3": "LoadTimeout: no completion after 4 steps"})
+    assert handle.pages_held_at_wait == [(4, 5)]  # waited once, while the request still held its pages
+    assert (req.phase, req.load_handle, req.gpu_page_ids) == (
+        Phase.WAITING if load_failure == "recompute" else Phase.FAILED, None, ())
+    assert free_queue(target.gpu_kv) == [8, 9, 10, 11, 4, 5]
 
 
 def test_release_frees_both_tiers_keeps_the_output_and_drops_only_its_pending_append():

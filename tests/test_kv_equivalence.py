@@ -117,13 +117,18 @@ def canonical(worker: Worker) -> dict:
 
 
 def settle_loads(worker: Worker) -> None:
-    """Let in-flight async copies land (state is unchanged: the worker polls them next step)."""
+    """Let in-flight async copies land (state is unchanged: the worker polls them next step), the copies
+    under a stalled load included: the stall is the handle's, the copy still writes its pages."""
     for req in worker.state.requests.values():
-        if req.load_handle is not None and (not getattr(req.load_handle, "may_stall", False) or req.load_handle.done()):
-            try:
-                req.load_handle.wait()
-            except Exception:
-                pass
+        handle = req.load_handle
+        if isinstance(handle, StalledLoad):
+            handle = handle.inner
+        elif handle is None or (getattr(handle, "may_stall", False) and not handle.done()):
+            continue
+        try:
+            handle.wait()
+        except Exception:
+            pass
 
 
 def assert_same_tensors(legacy: Worker, plan: Worker, step: int) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from compare import DivergenceError
-from batchgen.runner import RunResult, run_workload
+from batchgen.runner import MAX_IDLE_STEPS, RunResult, RunStalled, run_workload
 from batchgen.worker import faults as faults_module
 from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_gate import GATE_FLAGS, KvGateConfig, gate_config
@@ -79,7 +79,9 @@ def _run_epilog() -> str:
     return ("KV path options: the BATCHGEN_WORKER_KV_* environment overrides the defaults and an option overrides\n"
             "the environment; a bad value or an unknown BATCHGEN_WORKER_KV_* name exits 2.\n\n"
             f"fault SPEC (--faults): comma-separated KEY=VALUE\n{_fault_grammar()}\n"
-            "Probabilities are in [0, 1]; the same SPEC replays the same faults.")
+            "Probabilities are in [0, 1]; the same SPEC replays the same faults.\n\n"
+            "Exit status: 0 when the run finished; 1 on a divergence (--kv-compare raise) or a run that stalls\n"
+            f"(requests live and nothing progressing for {MAX_IDLE_STEPS} steps, e.g. under gpu_refuse=1); 2 on bad input.")
 
 
 def _fault_grammar() -> str:
@@ -112,6 +114,9 @@ def _run(args: argparse.Namespace) -> int:
     except DivergenceError as error:  # --kv-compare raise
         print(f"batchgen: divergence: {'; '.join(str(error).splitlines())} (logged to {gate.compare_log})",
               file=sys.stderr)
+        return EXIT_FAILED
+    except RunStalled as error:
+        print(f"batchgen: stalled: {error}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         if worker.kv_compare is not None:

@@ -191,8 +191,8 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
     stats = target.state.stats
     for step in plan.steps:
         req = target.state.edit(step.uuid)
-        req.load_handle = None
         if step.action is COMPLETE:
+            req.load_handle = None
             req.load_started_step = None
             target.host_kv.release_pages(step.uuid)
             req.host_page_ids = ()
@@ -205,6 +205,7 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
             req.load_started_step = target.state.step
             stats.loads += 1
             continue
+        req.drain_load()  # a timed-out load's copy may still be writing into the GPU pages freed next
         target.gpu_kv.release_pages(step.uuid)
         target.host_kv.release_pages(step.uuid)
         req.gpu_page_ids, req.host_page_ids = (), ()

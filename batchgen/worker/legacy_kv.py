@@ -18,7 +18,8 @@ Policies (shared, by contract, with the plan layer):
   a request whose pages do not fit is left out of this step.
 - poll: a completed load makes the request RUNNING and frees its host pages; a
   failed (or timed-out) one is retried up to ``max_load_retries`` times, then
-  recomputed, or failed when ``load_failure`` is "fail".
+  recomputed, or failed when ``load_failure`` is "fail", its copy drained before
+  its pages are freed.
 - release: done requests give back GPU and host pages, have their in-flight
   load drained and their pending append dropped, and become outputs.
 """
@@ -57,8 +58,8 @@ class LegacyKvPath:
         stats = self.state.stats
         for uuid, error in observed.items():
             req = self.state.edit(uuid)
-            req.load_handle = None
             if error is None:
+                req.load_handle = None
                 self.host_kv.release_pages(uuid)
                 req.host_page_ids = ()
                 req.load_started_step = None
@@ -71,6 +72,7 @@ class LegacyKvPath:
                 req.load_started_step = self.state.step
                 stats.loads += 1
                 continue
+            req.drain_load()  # a timed-out load's copy may still be writing into the GPU pages freed next
             self.gpu_kv.release_pages(uuid)
             self.host_kv.release_pages(uuid)
             req.gpu_page_ids, req.host_page_ids = (), ()
