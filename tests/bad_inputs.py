@@ -164,6 +164,7 @@ CASES: tuple[BadInput, ...] = (
     case("seed-not-integer", CLI, "--seed that is not a number", f"{RUN} --seed abc",
          ("--seed", "must be an integer >= 0", "'abc'")),
     case("negative-seed", CLI, "--seed below zero", f"{RUN} --seed -3", ("--seed", "must be an integer >= 0", "'-3'")),
+    case("zero-threads", CLI, "--threads 0", f"{RUN} --threads 0", ("--threads", "must be an integer >= 1", "'0'")),
     case("unknown-device", CLI, "a device batchgen cannot run on", f"{RUN} --device tpu",
          ("--device", "invalid choice: 'tpu'", "cpu", "cuda")),
     case("unknown-dtype", CLI, "a weight/KV dtype that is not supported", f"{RUN} --dtype float64",

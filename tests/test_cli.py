@@ -53,6 +53,14 @@ def test_run_json_prints_one_object_with_the_run_summary(capsys):
     assert (summary["leaked_gpu_pages"], summary["leaked_host_pages"], summary["live_requests"]) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("argv, threads", [([], 1), (["--threads", "2"], 2)], ids=["tiny-default", "explicit"])
+def test_run_sets_and_reports_the_torch_cpu_threads(argv, threads, capsys):
+    assert main(["run", "--workload", "smoke", "--json", *argv]) == 0
+    assert one_json_object(capsys.readouterr().out)["threads"] == threads
+    assert torch.get_num_threads() == threads
+    torch.set_num_threads(1)  # the session's setting (conftest)
+
+
 def test_run_prints_a_summary_table_and_progress_on_stderr(capsys):
     assert main(["run", "--workload", "smoke", "--seed", "2"]) == 0
     captured = capsys.readouterr()

@@ -36,6 +36,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="seeds the built-in model's weights and the built-in workloads' traces "
                              "(default: %(default)s)")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                        help="torch CPU threads (default: 1 for --model tiny on --device cpu, whose small matmuls "
+                             "gain nothing from more and, on busy cores, stall in spin-waits; otherwise torch's "
+                             "default, one per core)")
 
 
 def add_scale_arg(parser: argparse.ArgumentParser) -> None:
@@ -78,15 +82,26 @@ def positive_float(text: str) -> float:
 
 
 # ---- library glue ------------------------------------------------------------------------------
+def cpu_threads(args: argparse.Namespace) -> int:
+    """The torch CPU thread count the run uses: ``--threads``, else 1 for the tiny model on the CPU, else
+    torch's own default. Pure."""
+    if args.threads is not None:
+        return args.threads
+    return 1 if args.model == "tiny" and args.device == "cpu" else torch.get_num_threads()
+
+
 def model_from_args(args: argparse.Namespace):
+    """The model ``--model`` names, on ``--device``; sets torch's CPU thread count (``cpu_threads``) first."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine; allowed here: --device cpu")
+    torch.set_num_threads(cpu_threads(args))
     return load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
 
 
 def context(args: argparse.Namespace) -> dict:
     """The flags a result depends on, recorded next to it."""
-    return {"model": args.model, "device": args.device, "dtype": args.dtype, "seed": args.seed, "scale": args.scale}
+    return {"model": args.model, "device": args.device, "dtype": args.dtype, "seed": args.seed, "scale": args.scale,
+            "threads": torch.get_num_threads()}
 
 
 
