@@ -73,8 +73,8 @@ def _stalled_message(worker: Worker, workload: Workload, idle_steps: int) -> str
     live = ", ".join(f"{count} {phase}" for phase, count in sorted(phases.items()))
     return (f"{workload.name}: no progress in {idle_steps} steps (no token, release, eviction, load or preemption) "
             f"with {len(worker.state.requests)} requests live ({live}), {worker.gpu_kv.free_pages()} of "
-            f"{worker.gpu_kv.num_pages} GPU pages free: nothing scheduled can get pages (an injected fault holding "
-            f"the pools, such as gpu_refuse=1, can do this)")
+            f"{worker.gpu_kv.num_pages} GPU pages free (an injected fault holding the pools, such as gpu_refuse=1, "
+            f"can do this)")
 
 
 def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = False,
@@ -104,10 +104,11 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
     progress = _progress(worker)
     while next_arrival < len(arrivals) or worker.has_unfinished():
         rel = worker.state.step - start_step
-        if rel >= max_steps:
-            raise RunStalled(f"{workload.name}: not done after {max_steps} steps")
-        if idle_steps >= max_idle_steps:
-            raise RunStalled(_stalled_message(worker, workload, idle_steps))
+        if rel >= max_steps or idle_steps >= max_idle_steps:
+            if worker.kv_compare is not None:  # the compare log still gets the run's summary record
+                worker.kv_compare.end_run()
+            raise RunStalled(_stalled_message(worker, workload, idle_steps) if idle_steps >= max_idle_steps
+                             else f"{workload.name}: not done after {max_steps} steps")
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= rel:
             worker.add_request(arrivals[next_arrival].to_request())
             next_arrival += 1

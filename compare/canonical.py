@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Any
 
@@ -175,30 +175,38 @@ def _flatten(node: Any, path: str, out: dict[str, Any]) -> None:
         out[path] = node
 
 
-def shape_difference(expected: Any, actual: Any, path: str = "") -> str | None:
+def shape_difference(expected: Any, actual: Any, path: str = "", *,
+                     skip: Callable[[str], Any] | None = None) -> str | None:
     """The path (as `flatten` renders it; `<root>` at the top) of the first place where two canonical
-    forms differ in a way their flattened leaves may not show: a container's kind (plain dict, `Keyed`,
-    list), keys or length, or a leaf; None when they are the same, NaN counting as equal to NaN.
+    forms differ in a way their flattened leaves may not show: a container's kind (mapping or list),
+    keys or length, or a leaf; None when they are the same, NaN counting as equal to NaN. Subtrees
+    whose path ``skip`` accepts are left out (ignored paths).
 
     Flattened paths are not unique (`{"a.b": 1}` and `{"a": {"b": 1}}` both give `a.b`), so two
-    forms with equal flattened leaves can still differ; this walk tells them apart. Pure.
+    forms with equal flattened leaves can still differ; this walk tells them apart. A `Keyed` and a
+    plain dict of the same items are the same here, as they are to `==`. Pure.
     """
     if isinstance(expected, dict) and isinstance(actual, dict):
         keyed = isinstance(expected, Keyed)
-        if keyed != isinstance(actual, Keyed) or expected.keys() != actual.keys():
+        children = [(_child(path, key, keyed), key) for key in expected.keys() | actual.keys()]
+        if skip is not None:
+            children = [(child, key) for child, key in children if not skip(child)]
+        if any(key not in expected or key not in actual for _, key in children):
             return path or "<root>"
-        children = ((_child(path, key, keyed), expected[key], actual[key]) for key in expected)
+        pairs = ((child, expected[key], actual[key]) for child, key in sorted(children))
     elif isinstance(expected, list) and isinstance(actual, list):
         if len(expected) != len(actual):
             return path or "<root>"
-        children = ((_child(path, index, True), x, y) for index, (x, y) in enumerate(zip(expected, actual)))
+        pairs = ((_child(path, index, True), x, y) for index, (x, y) in enumerate(zip(expected, actual)))
+        if skip is not None:
+            pairs = ((child, x, y) for child, x, y in pairs if not skip(child))
     elif isinstance(expected, (dict, list)) or isinstance(actual, (dict, list)):
         return path or "<root>"
     else:
         same = expected == actual or (expected != expected and actual != actual)  # NaN == NaN
         return None if same else path or "<root>"
-    for child, x, y in children:
-        found = shape_difference(x, y, child)
+    for child, x, y in pairs:
+        found = shape_difference(x, y, child, skip=skip)
         if found is not None:
             return found
     return None

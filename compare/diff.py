@@ -41,15 +41,15 @@ def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
     left, right = flatten(expected), flatten(actual)
     paths = [path for path in sorted(left.keys() | right.keys())
              if path not in left or path not in right or not _same(left[path], right[path])]
+    skip = re.compile("|".join(_glob_to_regex(glob) for glob in ignore)).fullmatch if ignore else None
+    if skip is not None:
+        paths = [path for path in paths if not skip(path)]
     shape = None
-    if not paths:  # equal leaves: only NaNs differ (equal), or a shape the flattened paths cannot tell apart
-        shape = shape_difference(expected, actual)
-        paths = [] if shape is None else [shape]
-    if ignore:
-        ignored = re.compile("|".join(_glob_to_regex(glob) for glob in ignore))
-        paths = [path for path in paths if not ignored.fullmatch(path)]
-    if not paths:
-        return Diff(equal=True)
+    if not paths:  # the leaves agree: only NaNs (or ignored paths) differ, or a shape flattened paths cannot show
+        shape = shape_difference(expected, actual, skip=skip)
+        if shape is None:
+            return Diff(equal=True)
+        paths = [shape]
     detail = _explain(left, right, paths)
     if shape is not None:
         detail["shape"] = f"the forms differ in structure at {shape} (a container's kind, keys or length)"

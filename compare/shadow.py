@@ -1,8 +1,9 @@
 """Shadow execution: run an authoritative path and a shadow path of one op, compare, report.
 
 `ShadowExecutor.run` returns the authoritative result, always: shadow exceptions are captured,
-failures inside the harness (context capture, diff, classifier, divergence hook) go through one
-funnel (`on_harness_error`), and an authoritative exception reaches the caller unchanged. Only
+failures inside the harness (context capture, fork, canonicalize, diff, classifier, divergence
+hook) go through one funnel (`on_harness_error`), and an authoritative exception reaches the caller
+unchanged. Only
 "raise" mode turns a divergence into an error (`DivergenceError`), for tests and CI.
 
 Order of one compared step, and why:
@@ -94,8 +95,14 @@ def _as_observed(authoritative: Observation, shadow: Observation) -> tuple[Any, 
     return authoritative.value, shadow.value
 
 
+def _canonical(canonicalize: Callable[[Observation, Observation], tuple[Any, Any]], authoritative: Observation,
+               shadow: Observation) -> tuple[Observation, Observation]:
+    """Both observations with their canonical values (one that raised keeps none)."""
+    authoritative_value, shadow_value = canonicalize(authoritative, shadow)
+    return _with_value(authoritative, authoritative_value), _with_value(shadow, shadow_value)
+
+
 def _with_value(seen: Observation, value: Any) -> Observation:
-    """``seen`` with its canonical value; one that raised keeps no value."""
     return seen if seen.exception is not None else Observation(seen.path, value, None, seen.duration_s)
 
 
@@ -231,14 +238,16 @@ class ShadowExecutor:
 
     def _settle(self, op: str, step: int, authoritative: Observation, shadow: Observation, context: Any,
                 canonicalize: Callable[[Observation, Observation], tuple[Any, Any]]) -> Comparison | None:
-        """Canonicalize, compare, count, and report a divergence; None when the harness failed."""
-        self._num_compared[op] = self._num_compared.get(op, 0) + 1
-        forms = self._guard("canonicalize", canonicalize, authoritative, shadow, default=_FAILED)
-        if forms is _FAILED:
+        """Canonicalize, compare, count, and report a divergence; None when the harness failed (the op
+        then counts as a harness error, not as compared)."""
+        seen = self._guard("canonicalize", _canonical, canonicalize, authoritative, shadow, default=None)
+        if seen is None:
             return None
-        authoritative, shadow = _with_value(authoritative, forms[0]), _with_value(shadow, forms[1])
-        comparison = self._guard("compare", self._compare, op, step, authoritative, shadow, default=None)
-        if comparison is None or comparison.matched:
+        comparison = self._guard("compare", self._compare, op, step, *seen, default=None)
+        if comparison is None:
+            return None
+        self._num_compared[op] = self._num_compared.get(op, 0) + 1
+        if comparison.matched:
             return comparison
         self._num_divergences[op] = self._num_divergences.get(op, 0) + 1
         self._guard("on_divergence", self._on_divergence, comparison, context, default=None)

@@ -118,15 +118,21 @@ def run_json(capsys, *flags: str) -> dict:
     return one_json_object(capsys.readouterr().out)
 
 
-def test_run_that_cannot_progress_exits_1_naming_the_stall(capsys, monkeypatch):
+@pytest.mark.parametrize("compare", ["off", "log"])
+def test_run_that_cannot_progress_exits_1_naming_the_stall(compare, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(runner, "MAX_IDLE_STEPS", 300)
-    assert main(["run", "--workload", "smoke", "--faults", "seed=1,gpu_refuse=1", "--json"]) == 1
+    log = tmp_path / "log.jsonl"
+    assert main(["run", "--workload", "smoke", "--faults", "seed=1,gpu_refuse=1", "--json", "--kv-compare", compare,
+                 "--kv-compare-log", str(log)]) == 1
+    if compare == "log":  # the stalled run still closes its compare log with a summary
+        [summary] = read_log(log).records
+        assert isinstance(summary, RunSummary) and summary.workload == "smoke" and summary.divergences == {}
     captured = capsys.readouterr()
     assert captured.out == ""
     [line] = [line for line in captured.err.splitlines() if line.startswith("batchgen:")]
     assert line == ("batchgen: stalled: smoke: no progress in 300 steps (no token, release, eviction, load or "
-                    "preemption) with 8 requests live (8 waiting), 0 of 24 GPU pages free: nothing scheduled can get "
-                    "pages (an injected fault holding the pools, such as gpu_refuse=1, can do this)")
+                    "preemption) with 8 requests live (8 waiting), 0 of 24 GPU pages free (an injected fault holding "
+                    "the pools, such as gpu_refuse=1, can do this)")
 
 
 def test_run_says_which_kv_path_ran(capsys):

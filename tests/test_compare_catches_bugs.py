@@ -41,6 +41,7 @@ import inspect
 import math
 import re
 import textwrap
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -391,6 +392,32 @@ def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_re
         assert summary.steps_compared == {}
     else:  # canonicalised only where one side wrote something: quiet ops still compare
         assert summary.harness_errors < sum(summary.steps_compared.values())
+
+
+@pytest.mark.parametrize("harness_crash", [False, True], ids=["sampled", "canonicalize-crashes"])
+def test_journaling_stops_after_every_op_compared_or_not(harness_crash, tiny, tmp_path, monkeypatch):
+    """Pools journal and the state records writes only while an op is compared: a sampled-out op, or one
+    whose canonical forms crashed, must leave nothing recording (it would grow without bound)."""
+    if harness_crash:
+        monkeypatch.setattr(kv_compare, "differing_requests", lambda *args: 1 / 0)
+    workload = stress_smoke(1)
+    gate = KvGateConfig(path="plan", compare="log", compare_sample=0.5, compare_log=str(tmp_path / "log.jsonl"))
+    worker = Worker(tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate)
+    recording = []
+
+    def after_step(num_released: int, num_requests: int) -> None:
+        target = worker.kv_target()
+        fields = (target.gpu_kv.pages.journal, target.host_kv.pages.journal, target.host_kv.copies,
+                  target.state.written, worker.kv_compare.target.dropped)
+        recording.extend(f"step {worker.state.step}: {value!r}" for value in fields if value is not None)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HarnessWarning)
+        run_workload(worker, workload, on_step=after_step)
+    assert recording == []
+    summary = worker.kv_compare.executor.stats()
+    assert sum(summary.num_compared.values()) > 0 or harness_crash
+    assert (summary.num_harness_errors > 0) == harness_crash
 
 
 # ---- clean code: no noise ---------------------------------------------------------------------

@@ -282,6 +282,8 @@ INVALID = [
      "AllocPlan.grants[0].new_page_ids"),
     ("grant of a page id that is not an int", None,
      alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 10.0))), ())), "AllocPlan.grants[1].new_page_ids"),
+    ("grant of an unhashable page id", None,
+     alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, [10]))), ())), "AllocPlan.grants[1].new_page_ids"),
     ("grant to a request twice", None, alloc(AllocPlan((PageGrant("run1", (8,)),) * 2, ())), "AllocPlan.grants"),
     ("grant to a request that needs no pages", None, alloc(AllocPlan((PageGrant("run0", ()), PageGrant("run1", (8,))), ())),
      "AllocPlan.grants[0].uuid"),

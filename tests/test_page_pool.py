@@ -1,6 +1,7 @@
 """PagePool: FIFO ids, exact-id takes, errors, integrity; ForkedPagePool: same ids, base untouched."""
 
 import copy
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -113,6 +114,18 @@ def test_take_for_several_owners_names_the_refused_grant_and_changes_nothing():
         pool.take_pages_for([("c", [5]), ("d", []), ("e", [6, 3])])
     assert (refused.value.index, refused.value.page_id) == (2, 3)
     assert internals(pool) == before
+
+
+@pytest.mark.parametrize("bad_id", [True, 1.0, [1]], ids=["bool", "float", "list"])
+@pytest.mark.parametrize("forked", [False, True], ids=["pool", "fork"])
+def test_take_for_refuses_a_page_id_that_is_not_an_int_even_when_its_page_is_free(bad_id, forked):
+    base = PagePool("gpu", 4)
+    pool = base.fork() if forked else base
+    before = internals(base)
+    with pytest.raises(PageOwnershipError, match=rf"^gpu: page id {re.escape(repr(bad_id))} is not an int$") as refused:
+        pool.take_pages_for([("a", [0]), ("b", [2, bad_id])])
+    assert refused.value.index == 1
+    assert pool.peek_free_pages(4) == [0, 1, 2, 3] and internals(base) == before
 
 
 def test_take_for_several_owners_takes_them_in_order_and_skips_an_owner_given_none():

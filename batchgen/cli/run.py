@@ -81,7 +81,8 @@ def _run_epilog() -> str:
             f"fault SPEC (--faults): comma-separated KEY=VALUE\n{_fault_grammar()}\n"
             "Probabilities are in [0, 1]; the same SPEC replays the same faults.\n\n"
             "Exit status: 0 when the run finished; 1 on a divergence (--kv-compare raise) or a run that stalls\n"
-            f"(requests live and nothing progressing for {MAX_IDLE_STEPS} steps, e.g. under gpu_refuse=1); 2 on bad input.")
+            f"(requests live and nothing progressing for {MAX_IDLE_STEPS} steps, or twice the load timeout if longer;\n"
+            "e.g. under gpu_refuse=1); 2 on bad input.")
 
 
 def _fault_grammar() -> str:

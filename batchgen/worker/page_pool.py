@@ -52,12 +52,13 @@ def _refused_grant(pool: "PagePool | ForkedPagePool", grants: Grants) -> PageOwn
     (within it, or by an earlier grant); None when every grant is good. Pure."""
     earlier: set[int] = set()
     for index, (_, page_ids) in enumerate(grants):
+        not_int = next((page_id for page_id in page_ids if type(page_id) is not int), None)
+        if not_int is not None:
+            return PageOwnershipError(pool.name, f"page id {not_int!r} is not an int", index, not_int)
         if len(set(page_ids)) != len(page_ids):
             duplicate = next(p for i, p in enumerate(page_ids) if p in page_ids[:i])
             return PageOwnershipError(pool.name, f"page ids {list(page_ids)} name a page twice", index, duplicate)
         for page_id in page_ids:
-            if type(page_id) is not int:
-                return PageOwnershipError(pool.name, f"page id {page_id!r} is not an int", index, page_id)
             if not 0 <= page_id < pool.num_pages:
                 return PageOwnershipError(pool.name, f"page {page_id} is out of range [0, {pool.num_pages})",
                                           index, page_id)
@@ -69,14 +70,14 @@ def _refused_grant(pool: "PagePool | ForkedPagePool", grants: Grants) -> PageOwn
     return None
 
 
+_INT = frozenset({int})  # the one type a page id may have (not bool, not a float that is integral)
+
+
 def _check_grants(pool: "PagePool | ForkedPagePool", grants: Grants) -> list[int]:
     """Every id of ``grants``, in order; raises the error of :func:`_refused_grant` unless all are good. Pure."""
     all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
-    try:
-        if len(set(all_ids)) == len(all_ids) and pool.all_free(all_ids):
-            return all_ids  # the common case, checked in C; _refused_grant names what is wrong
-    except TypeError:  # an id that is not an int cannot index the free flags
-        pass
+    if _INT.issuperset(map(type, all_ids)) and len(set(all_ids)) == len(all_ids) and pool.all_free(all_ids):
+        return all_ids  # the common case, checked in C; _refused_grant names what is wrong
     error = _refused_grant(pool, grants)
     if error is None:  # the bulk check and the one per grant disagree: a bug in the pool
         raise AssertionError(f"{pool.name}: grants {list(grants)} refused in bulk, accepted one by one")

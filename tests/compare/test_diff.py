@@ -104,3 +104,20 @@ def test_reports_forms_that_differ_only_where_flattened_paths_collide(expected, 
     if path is not None:  # the last case differs in a leaf path too
         assert outcome.paths == (path,)
         assert "structure" in outcome.detail["shape"]
+
+
+@pytest.mark.parametrize(("expected", "actual", "ignore", "path"), [
+    ({"t": 1, "a.b": 1}, {"t": 2, "a": {"b": 1}}, ["t"], "<root>"),  # the ignored leaf hid the shape
+    ({"a": {"x.y": 1}, "z": {"p.q": 2}}, {"a": {"x": {"y": 1}}, "z": {"p": {"q": 2}}}, ["a*"], "z"),
+])
+def test_an_ignored_difference_does_not_hide_a_shape_difference_elsewhere(expected, actual, ignore, path):
+    assert diff(expected, actual, ignore=ignore).paths == (path,)
+
+
+def test_ignores_a_shape_difference_under_an_ignored_path():
+    assert diff({"a": {"x.y": 1}, "t": 1}, {"a": {"x": {"y": 1}}, "t": 2}, ignore=["a*", "t"]).equal
+
+
+def test_a_keyed_and_a_plain_dict_of_the_same_items_are_the_same_shape():
+    nan = float("nan")  # two distinct NaN objects: == fails, the flattened leaves agree
+    assert diff({"a": Keyed(), "n": nan}, {"a": {}, "n": float("nan")}).equal

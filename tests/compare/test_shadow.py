@@ -102,7 +102,15 @@ def test_a_failing_canonicalize_is_a_harness_error_not_a_divergence(mode):
     assert run(executor, shadow=OTHER, canonicalize=raising(error)) == "result"
     assert recorder.harness_errors == [("canonicalize", error)]
     assert recorder.divergences == []
-    assert executor.stats().num_divergences == {}
+    assert (executor.stats().num_compared, executor.stats().num_divergences) == ({}, {})
+
+
+def test_a_canonicalize_that_returns_no_pair_is_a_harness_error():
+    executor, recorder = make()
+    assert run(executor, canonicalize=lambda seen, other: None) == "result"
+    [(operation, error)] = recorder.harness_errors
+    assert (operation, type(error)) == ("canonicalize", TypeError)
+    assert executor.stats().num_compared == {}
 
 
 def test_a_failing_canonicalize_leaves_the_authoritative_exception_unchanged():
@@ -240,7 +248,7 @@ def test_funnels_a_failing_diff_and_still_returns_the_result(monkeypatch):
     executor, recorder = make("raise")
     assert run(executor, shadow=OTHER) == "result"
     assert recorder.harness_errors == [("compare", error)]
-    assert executor.stats().num_harness_errors == 1
+    assert (executor.stats().num_harness_errors, executor.stats().num_compared) == (1, {})
 
 
 def test_warns_about_harness_errors_by_default():
