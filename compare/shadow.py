@@ -3,8 +3,7 @@
 `ShadowExecutor.run` returns the authoritative result, always: shadow exceptions are captured,
 failures inside the harness (context capture, fork, canonicalize, diff, classifier, divergence
 hook) go through one funnel (`on_harness_error`), and an authoritative exception reaches the caller
-unchanged. Only
-"raise" mode turns a divergence into an error (`DivergenceError`), for tests and CI.
+unchanged. Only "raise" mode turns a divergence into an error (`DivergenceError`), for tests and CI.
 
 Order of one compared step, and why:
 
