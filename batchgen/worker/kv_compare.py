@@ -49,7 +49,7 @@ from functools import partial
 from compare import DivergenceRecord, JsonlSink, Keyed, Observation, RunSummary, ShadowExecutor
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_forms import (
-    add_requests, canonical_copies, canonical_events, canonical_kv, canonical_pools, canonical_stats, classify,
+    add_requests, canonical_copies, canonical_events, canonical_kv, canonical_stats, classify,
     detach_fork, differing_requests, exception_kind, fork_target, pre_state,
 )
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, kv_path_class
@@ -120,10 +120,10 @@ def _quiet_form(target: KvTarget, result) -> dict:
     return {"stats": canonical_stats(target), "result": result}
 
 
-def _full_form(shadow: _ShadowRun, result) -> dict:
-    """The shadow's canonical form begun: counters, result and free pages; to be completed (``_complete``)."""
-    free_gpu, free_host = shadow.free_pages
-    return {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(shadow.fork),
+def _begun_form(target: KvTarget, result, free_pages: tuple[int, int]) -> dict:
+    """A canonical form begun: counters, result and free GPU and host pages; to be completed (``_complete``)."""
+    free_gpu, free_host = free_pages
+    return {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(target),
             "pools": {"gpu": [], "host": [], "num_free_gpu": free_gpu, "num_free_host": free_host},
             "result": result}
 
@@ -257,8 +257,9 @@ class KvCompare:
             if shadow is None:
                 return None, None
             fork = shadow.fork
-            return None, _complete(_full_form(shadow, shadow.result), fork, canonical_events(fork.gpu_kv.journal),
-                                   canonical_events(fork.host_kv.journal), canonical_copies(fork.host_kv.copies))
+            return None, _complete(_begun_form(fork, shadow.result, shadow.free_pages), fork,
+                                   canonical_events(fork.gpu_kv.journal), canonical_events(fork.host_kv.journal),
+                                   canonical_copies(fork.host_kv.copies))
         if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
             return canonical_kv(target, list(written), seen.value, gpu.journal, host.journal, host.copies), None
         fork, result = shadow.fork, seen.value
@@ -269,10 +270,9 @@ class KvCompare:
         copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
         detach_fork(fork, written, dropped)
         differing = differing_requests(fork, target, written, dropped)
-        theirs = _complete(_full_form(shadow, shadow.result), fork, fork_gpu_events, fork_host_events, fork_copies,
-                           differing)
-        mine = {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(target),
-                "pools": canonical_pools(target, [], []), "result": result}
+        theirs = _complete(_begun_form(fork, shadow.result, shadow.free_pages), fork, fork_gpu_events,
+                           fork_host_events, fork_copies, differing)
+        mine = _begun_form(target, result, (gpu.free_pages(), host.free_pages()))
         return _complete(mine, target, gpu_events, host_events, copies, differing), theirs
 
     def _context(self, op: str, request: Callable) -> tuple:

@@ -157,8 +157,7 @@ class PagePool:
             self._head = 0
         self._compact()
         for uuid, page_ids in grants:
-            if page_ids:
-                self._assign(uuid, list(page_ids))
+            self._assign(uuid, list(page_ids))
 
     def release_pages(self, uuid: str) -> list[int]:
         """Return every page of ``uuid`` to the queue tail, in page-table order.
@@ -281,8 +280,7 @@ class ForkedPagePool:
         self._check_base()
         _check_grants(self, grants)
         for uuid, page_ids in grants:
-            if page_ids:
-                self._assign(uuid, list(page_ids))
+            self._assign(uuid, list(page_ids))
 
     def release_pages(self, uuid: str) -> list[int]:
         page_ids = list(self.pages_of(uuid))
