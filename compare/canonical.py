@@ -140,15 +140,17 @@ def _sorted(items: list[Any]) -> list[Any]:
         return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
 
 
-def flatten(canonical: Any) -> dict[str, Any]:
+def flatten(canonical: Any, *, like: Any = None) -> dict[str, Any]:
     """Map every leaf path of a canonical form to its value (a new dict).
 
     Plain dict keys render `.key` (no leading dot at the top: `state.requests`), `Keyed` keys
     `[key]`, list indexes `[i]`. Empty containers are leaves with value `[]` or `{}`, so an
     absent field differs from an empty one. A scalar at the top flattens to `{"": value}`.
+    ``like``: another form whose mapping kinds win where both have a mapping at the same place, so
+    a `Keyed` and a plain dict of the same items (equal to `==`) name the same paths.
     """
     out: dict[str, Any] = {}
-    _flatten(canonical, "", out)
+    _flatten(canonical, "", out, like)
     return out
 
 
@@ -159,18 +161,20 @@ def _child(path: str, key: Any, keyed: bool) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def _flatten(node: Any, path: str, out: dict[str, Any]) -> None:
+def _flatten(node: Any, path: str, out: dict[str, Any], like: Any) -> None:
     if isinstance(node, dict):
         if not node:
             out[path] = {}
-        keyed = isinstance(node, Keyed)
+        mapping = like if isinstance(like, dict) else {}
+        keyed = isinstance(like if isinstance(like, dict) else node, Keyed)
         for key, value in node.items():
-            _flatten(value, _child(path, key, keyed), out)
+            _flatten(value, _child(path, key, keyed), out, mapping.get(key))
     elif isinstance(node, list):
         if not node:
             out[path] = []
+        items = like if isinstance(like, list) else []
         for index, value in enumerate(node):
-            _flatten(value, _child(path, index, True), out)
+            _flatten(value, _child(path, index, True), out, items[index] if index < len(items) else None)
     else:
         out[path] = node
 

@@ -38,7 +38,7 @@ def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
     """Compare two canonical forms, dropping differences at paths that match an `ignore` glob."""
     if expected == actual:
         return Diff(equal=True)
-    left, right = flatten(expected), flatten(actual)
+    left, right = flatten(expected), flatten(actual, like=expected)  # mapping kinds named as expected's
     paths = [path for path in sorted(left.keys() | right.keys())
              if path not in left or path not in right or not _same(left[path], right[path])]
     skip = re.compile("|".join(_glob_to_regex(glob) for glob in ignore)).fullmatch if ignore else None

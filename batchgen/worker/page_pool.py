@@ -73,11 +73,11 @@ def _refused_grant(pool: "PagePool | ForkedPagePool", grants: Grants) -> PageOwn
 _INT = frozenset({int})  # the one type a page id may have (not bool, not a float that is integral)
 
 
-def _check_grants(pool: "PagePool | ForkedPagePool", grants: Grants) -> list[int]:
-    """Every id of ``grants``, in order; raises the error of :func:`_refused_grant` unless all are good. Pure."""
-    all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
+def _check_grants(pool: "PagePool | ForkedPagePool", grants: Grants, all_ids: list[int]) -> None:
+    """Raise the error of :func:`_refused_grant` unless every grant is good; ``all_ids``: every id of ``grants``,
+    in order. Pure."""
     if _INT.issuperset(map(type, all_ids)) and len(set(all_ids)) == len(all_ids) and pool.all_free(all_ids):
-        return all_ids  # the common case, checked in C; _refused_grant names what is wrong
+        return  # the common case, checked in C; _refused_grant names what is wrong
     error = _refused_grant(pool, grants)
     if error is None:  # the bulk check and the one per grant disagree: a bug in the pool
         raise AssertionError(f"{pool.name}: grants {list(grants)} refused in bulk, accepted one by one")
@@ -147,17 +147,17 @@ class PagePool:
         them; on a bad one it raises :class:`PageOwnershipError` and nothing changes. An
         owner given no ids is left as it is.
         """
-        all_ids = _check_grants(self, grants)
-        head = self._queue[self._head:self._head + len(all_ids)]
-        if head == all_ids:
-            self._head += len(all_ids)
+        all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
+        if self._queue[self._head:self._head + len(all_ids)] == all_ids and _INT.issuperset(map(type, all_ids)):
+            self._head += len(all_ids)  # the queue head (what a plan peeked): in range, free and distinct already
         else:
+            _check_grants(self, grants, all_ids)
             taken = set(all_ids)
             self._queue = [p for p in self._queue[self._head:] if p not in taken]
             self._head = 0
         self._compact()
         for uuid, page_ids in grants:
-            self._assign(uuid, list(page_ids))
+            self._assign(uuid, page_ids)
 
     def release_pages(self, uuid: str) -> list[int]:
         """Return every page of ``uuid`` to the queue tail, in page-table order.
@@ -202,7 +202,7 @@ class PagePool:
         if n > self.num_free:
             raise OutOfPages(f"{self.name}: {n} pages requested, {self.num_free} free")
 
-    def _assign(self, uuid: str, page_ids: list[int]) -> None:
+    def _assign(self, uuid: str, page_ids: Sequence[int]) -> None:
         if not page_ids:  # nothing changes: forks stay valid, no empty owner entry
             return
         self._version += 1
@@ -278,9 +278,9 @@ class ForkedPagePool:
     def take_pages_for(self, grants: Grants) -> None:
         """See :meth:`PagePool.take_pages_for`. Mutates the fork only."""
         self._check_base()
-        _check_grants(self, grants)
+        _check_grants(self, grants, [page_id for _, page_ids in grants for page_id in page_ids])
         for uuid, page_ids in grants:
-            self._assign(uuid, list(page_ids))
+            self._assign(uuid, page_ids)
 
     def release_pages(self, uuid: str) -> list[int]:
         page_ids = list(self.pages_of(uuid))
@@ -299,7 +299,7 @@ class ForkedPagePool:
     def all_free(self, page_ids: Sequence[int]) -> bool:
         return all(map(self.is_free, page_ids))
 
-    def _assign(self, uuid: str, page_ids: list[int]) -> None:
+    def _assign(self, uuid: str, page_ids: Sequence[int]) -> None:
         self._check_base()
         if not page_ids:
             return

@@ -121,3 +121,13 @@ def test_ignores_a_shape_difference_under_an_ignored_path():
 def test_a_keyed_and_a_plain_dict_of_the_same_items_are_the_same_shape():
     nan = float("nan")  # two distinct NaN objects: == fails, the flattened leaves agree
     assert diff({"a": Keyed(), "n": nan}, {"a": {}, "n": float("nan")}).equal
+
+
+def test_a_keyed_and_a_plain_dict_with_items_and_a_nan_are_equal():
+    nan = float("nan")  # == fails on the NaN; the mapping kinds render different paths ([k] and .k)
+    assert diff({"m": Keyed({"k": 1}), "n": nan}, {"m": {"k": 1}, "n": float("nan")}).equal
+
+
+def test_a_keyed_against_a_plain_dict_names_only_the_leaf_that_differs():
+    outcome = diff({"m": Keyed({"k": 1, "j": 2})}, {"m": {"k": 1, "j": 3}})
+    assert outcome.paths == ("m[j]",)
