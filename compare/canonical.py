@@ -10,10 +10,11 @@ form into `{leaf path: value}` so a difference can be named (`requests[r17].gpu_
     Mapping (ids -> values)         Keyed, str keys, sorted   [key]
     list / tuple                    list                      [index]
     set / frozenset                 sorted list               [index]
-    Enum                            its name
+    Enum                            its name (a Flag of several: Type(value))
     None, bool, int, float, str     itself
 
-Nothing here mutates its input.
+Scalars compare as Python compares them (`True == 1 == 1.0`, `0.0 == -0.0`); a binding whose values
+must also differ by type maps them apart in its canonicalize hook. Nothing here mutates its input.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _canon(obj: Any) -> Any:
     if type(obj) in _EXACT_SCALARS:
         return obj
     if isinstance(obj, Enum):
-        return obj.name
+        return obj.name if obj.name is not None else f"{type(obj).__name__}({obj.value!r})"  # a Flag of no one name
     if isinstance(obj, _SCALARS):
         return obj
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -133,11 +134,22 @@ def _canon_items(items: Any, *, index_parts: bool = True) -> list[Any]:
 
 
 def _sorted(items: list[Any]) -> list[Any]:
-    """Sort set members: natively when they are comparable, else by their JSON text."""
-    try:
-        return sorted(items)
-    except TypeError:
-        return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
+    """Sort set members: natively when they are comparable and hold no NaN (which no order places), else by
+    their JSON text; either way the order depends only on the members."""
+    if not any(map(_holds_nan, items)):
+        try:
+            return sorted(items)
+        except TypeError:
+            pass
+    return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
+
+
+def _holds_nan(item: Any) -> bool:
+    if isinstance(item, float):
+        return item != item
+    if isinstance(item, dict):
+        return any(map(_holds_nan, item.values()))
+    return isinstance(item, list) and any(map(_holds_nan, item))
 
 
 def flatten(canonical: Any, *, like: Any = None) -> dict[str, Any]:
@@ -188,7 +200,8 @@ def shape_difference(expected: Any, actual: Any, path: str = "", *,
 
     Flattened paths are not unique (`{"a.b": 1}` and `{"a": {"b": 1}}` both give `a.b`), so two
     forms with equal flattened leaves can still differ; this walk tells them apart. A `Keyed` and a
-    plain dict of the same items are the same here, as they are to `==`. Pure.
+    plain dict of the same items are the same here, as they are to `==`. Keys or list items present on
+    one side only count unless ``skip`` accepts their paths. Pure.
     """
     if isinstance(expected, dict) and isinstance(actual, dict):
         keyed = isinstance(expected, Keyed)
@@ -199,7 +212,8 @@ def shape_difference(expected: Any, actual: Any, path: str = "", *,
             return path or "<root>"
         pairs = ((child, expected[key], actual[key]) for child, key in sorted(children))
     elif isinstance(expected, list) and isinstance(actual, list):
-        if len(expected) != len(actual):
+        extra = range(min(len(expected), len(actual)), max(len(expected), len(actual)))
+        if any(skip is None or not skip(_child(path, index, True)) for index in extra):
             return path or "<root>"
         pairs = ((_child(path, index, True), x, y) for index, (x, y) in enumerate(zip(expected, actual)))
         if skip is not None:

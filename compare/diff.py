@@ -5,9 +5,10 @@ the leaves agree, structurally: flattened paths are not unique); deepdiff
 only explains a difference that is already known, and only over the differing leaves, so its
 cost is O(what differs), not O(state).
 
-Ignore globs match flattened paths: `*` matches any run of characters (dots and brackets
-included) and `?` one character; brackets are literal, so `requests[*].last_seen` reads as
-written and `stats.*` drops everything under `stats`.
+Ignore globs match flattened paths and everything beneath them: `*` matches any run of characters
+(dots and brackets included) and `?` one character; brackets are literal, so `requests[*].last_seen`
+reads as written, and `stats` (or `stats.*`) drops everything under `stats`, keys added or removed
+there included.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
         return Diff(equal=True)
     left, right = flatten(expected), flatten(actual, like=expected)  # mapping kinds named as expected's
     paths = [path for path in sorted(left.keys() | right.keys())
-             if path not in left or path not in right or not _same(left[path], right[path])]
+             if (path not in left or path not in right or not _same(left[path], right[path]))
+             and not _emptied(path, left, right)]
     skip = re.compile("|".join(_glob_to_regex(glob) for glob in ignore)).fullmatch if ignore else None
     if skip is not None:
         paths = [path for path in paths if not skip(path)]
@@ -56,13 +58,27 @@ def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
     return Diff(equal=False, paths=tuple(paths), detail=detail)
 
 
+def _emptied(path: str, left: dict[str, Any], right: dict[str, Any]) -> bool:
+    """Whether ``path`` is an empty container on one side where the other side has leaves beneath it: those
+    leaves name the difference (and ignore globs apply to them), so the container's own path does not."""
+    for here, there in ((left, right), (right, left)):
+        if here.get(path, None) in ({}, []) and path not in there and any(_beneath(other, path) for other in there):
+            return True
+    return False
+
+
+def _beneath(path: str, parent: str) -> bool:
+    return parent == "" or path.startswith((f"{parent}.", f"{parent}["))
+
+
 def _same(a: Any, b: Any) -> bool:
     """Leaf equality where NaN equals NaN (two paths computing the same NaN agree)."""
     return a == b or (a != a and b != b)
 
 
 def _glob_to_regex(glob: str) -> str:
-    return "(?:" + re.escape(glob).replace(r"\*", ".*").replace(r"\?", ".") + ")"
+    """A glob matches its path and everything beneath it (`stats` drops `stats.evictions` too)."""
+    return "(?:" + re.escape(glob).replace(r"\*", ".*").replace(r"\?", ".") + r")(?:[.\[].*)?"
 
 
 def _explain(left: dict[str, Any], right: dict[str, Any], paths: list[str]) -> dict:

@@ -29,6 +29,8 @@ def ddmin(items: Sequence[T], still_fails: Callable[[Sequence[T]], bool], *,
     `max_tests` calls it warns and returns the smallest failing subsequence found so far (then
     not necessarily 1-minimal). Mutates nothing; `still_fails` receives new lists.
     """
+    if max_tests < 1:
+        raise ValueError(f"max_tests must be >= 1 (the input itself is tested first), not {max_tests}")
     tested: dict[tuple[int, ...], bool] = {}
 
     def fails(indices: list[int]) -> bool:
@@ -59,6 +61,8 @@ def ddmin(items: Sequence[T], still_fails: Callable[[Sequence[T]], bool], *,
             if n >= len(current):
                 break
             n = min(2 * n, len(current))
+        if len(current) == 1 and fails([]):  # the one item left may not be needed either
+            current = []
     except _Budget:
         warnings.warn(f"ddmin stopped after {max_tests} tests; the result of "
                       f"{len(current)} items may not be minimal")

@@ -48,3 +48,13 @@ class Comparison:
     @property
     def field_paths(self) -> tuple[str, ...]:
         return self.diff.paths if self.diff is not None else ()
+
+
+def exception_text(error: BaseException) -> str:
+    """``Type: message``; the message is ``<unprintable>`` when the exception's own ``__str__`` raises (a
+    record or a warning about a failure must not fail in turn)."""
+    try:
+        message = str(error)
+    except Exception:
+        message = "<unprintable>"
+    return f"{type(error).__qualname__}: {message}"

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from compare.observation import Comparison
+from compare.observation import Comparison, exception_text
 from compare.shadow import ShadowStats
 
 SCHEMA_VERSION = 1
@@ -30,7 +30,9 @@ class RecordError(ValueError):
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Non-finite floats (a NaN a path computed, an infinite pre-state value) are written as NaN,
+    # Infinity and -Infinity, as Python's json module does, not as null: they read back as themselves.
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
 
 
 class DivergenceRecord(_Record):
@@ -58,7 +60,7 @@ class DivergenceRecord(_Record):
         """Build the record of a diverged comparison (ValueError for a matched one)."""
         if comparison.kind is None:
             raise ValueError(f"{comparison.op} step {comparison.step} matched: not a divergence")
-        raised = [f"{seen.path} raised {type(seen.exception).__qualname__}: {seen.exception}"
+        raised = [f"{seen.path} raised {exception_text(seen.exception)}"
                   for seen in (comparison.authoritative, comparison.shadow) if seen.raised]
         return cls(
             run_id=run_id, workload=workload, seed=seed, step=comparison.step, op=comparison.op,
@@ -118,12 +120,12 @@ def parse_record(line: str) -> LogRecord:
     version = data.get("schema_version")
     if version is None:
         raise RecordError(f"a {record_type} record without schema_version")
-    if version not in SUPPORTED_SCHEMA_VERSIONS:
+    if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:  # true == 1 to Python
         supported = ", ".join(str(v) for v in SUPPORTED_SCHEMA_VERSIONS)
         raise RecordError(f"unsupported schema_version {version!r} in a {record_type} record; "
                           f"this reader supports {supported}")
     try:
-        return _MODELS[record_type].model_validate(data)
+        return _MODELS[record_type].model_validate(data, strict=True)  # as the schema types say: no "7" for 7
     except ValidationError as error:
         problems = "; ".join(f"{'.'.join(str(part) for part in problem['loc']) or '<record>'}: "
                              f"{problem['msg'].lower()}" for problem in error.errors())

@@ -18,7 +18,9 @@ Order of one compared step, and why:
     7. report           on_divergence(comparison, context); DivergenceError in "raise" mode
 
 Only the two paths' own exceptions are observations: a failure in context, fork, canonicalize,
-compare, classify or on_divergence goes to the funnel and never becomes a divergence.
+compare, classify or on_divergence goes to the funnel and never becomes a divergence. Exceptions
+that are not `Exception`s (KeyboardInterrupt, SystemExit, task cancellation) stop the process,
+not the comparison: they propagate from either path and from the harness.
 
 A/A noise check: pass the same path as both `authoritative` and `shadow` (on a fork); every
 divergence it reports is noise (nondeterminism, ids, timings) to ignore or fix, not a bug in the
@@ -36,7 +38,7 @@ from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 from compare.diff import diff
-from compare.observation import Comparison, Observation
+from compare.observation import Comparison, Observation, exception_text
 
 R = TypeVar("R")
 F = TypeVar("F")
@@ -78,7 +80,7 @@ def _ignore_divergence(comparison: Comparison, context: Any) -> None:
 
 def _warn_harness_error(operation: str, error: BaseException) -> None:
     """Default `on_harness_error`: warn and carry on (the executor counts every call)."""
-    warnings.warn(f"compare harness failed in {operation}: {error!r}", HarnessWarning)
+    warnings.warn(f"compare harness failed in {operation}: {exception_text(error)}", HarnessWarning)
 
 
 def _no_context() -> None:
@@ -137,6 +139,8 @@ class ShadowExecutor:
             raise ValueError(f"mode must be 'log' or 'raise', not {mode!r}")
         if not 0.0 <= sample <= 1.0:
             raise ValueError(f"sample must be in [0, 1], not {sample!r}")
+        if isinstance(ops, str):
+            raise ValueError(f"ops must be a collection of op names, not the string {ops!r} (e.g. [{ops!r}])")
         self._mode = mode
         self._sample = sample
         self._seed = seed
@@ -205,7 +209,10 @@ class ShadowExecutor:
             except Exception as error:
                 authoritative_seconds = self._clock() - authoritative_started
                 seen = Observation(authoritative_path, None, error, authoritative_seconds)
-                self._settle(op, step, seen, shadow_seen, captured, canonicalize)
+                try:
+                    self._settle(op, step, seen, shadow_seen, captured, canonicalize)
+                except Exception:
+                    pass  # a fatal on_harness_error: counted; the authoritative exception still wins
                 raise
             authoritative_seconds = self._clock() - authoritative_started
             seen = Observation(authoritative_path, result, None, authoritative_seconds)
@@ -292,6 +299,5 @@ def _describe(comparison: Comparison) -> str:
                      + (f" (+{more} more)" if more > 0 else ""))
     for seen in (authoritative, shadow):
         if seen.raised:
-            lines.append(f"{seen.path} raised {type(seen.exception).__qualname__}: "
-                         f"{seen.exception}")
+            lines.append(f"{seen.path} raised {exception_text(seen.exception)}")
     return "\n".join(lines)

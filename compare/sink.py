@@ -3,7 +3,8 @@
 Durability: `JsonlSink.write` hands each complete line to the OS in `os.write` calls on an
 O_APPEND descriptor before returning, so a process killed at any point (SIGKILL included) leaves
 every record written before it intact; at worst the last line is cut short, and `read_log`
-skips such a torn last line with a warning. (Surviving a power loss needs `close()`'s fsync.)
+skips such a torn last line with a warning. A write that fails part way (a full disk) is cut off
+before its error propagates. (Surviving a power loss needs `close()`'s fsync.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class JsonlSink:
     Mutates the file and its own descriptor. The file and its parent directories are created on
     the first write. If the file ends in a line torn by an earlier crash, the first write cuts
     that partial line off (with a warning), so the log stays readable and the new record never
-    fuses with it. One writer per file.
+    fuses with it; a last record that is whole but lacks its newline gets one. One writer per file.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -34,18 +35,22 @@ class JsonlSink:
         self._fd: int | None = None
 
     def write(self, record: DivergenceRecord | RunSummary) -> None:
+        """Append ``record`` as one line. A write that fails part way (a full disk) is cut off again before
+        the error propagates, so the next record never fuses with a partial line."""
         data = (record.model_dump_json() + "\n").encode()
         if self._fd is None:
             self._fd = self._open()
             self._closer = weakref.finalize(self, os.close, self._fd)
-            torn = _torn_tail_bytes(self._fd)
-            if torn:
-                warnings.warn(f"{self.path}: last line was cut short (earlier crash?); "
-                              f"dropping its {torn} bytes before appending")
-                os.ftruncate(self._fd, os.fstat(self._fd).st_size - torn)
+            self._end_last_line()
+        size = os.fstat(self._fd).st_size
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except BaseException:
+            if len(view) < len(data):
+                os.ftruncate(self._fd, size)
+            raise
 
     def close(self) -> None:
         """Flush the file to disk and close it; a later write reopens it."""
@@ -68,18 +73,33 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
 
+    def _end_last_line(self) -> None:
+        """Make the file end in a newline: a last line without one is ended if it is a whole record (as
+        `read_log` reads it), else cut off with a warning (a write torn by a crash). Mutates the file."""
+        tail = _last_line(self._fd)
+        if not tail:
+            return
+        try:
+            parse_record(tail.decode("utf-8"))
+        except (RecordError, UnicodeDecodeError):
+            warnings.warn(f"{self.path}: last line was cut short (earlier crash?); "
+                          f"dropping its {len(tail)} bytes before appending")
+            os.ftruncate(self._fd, os.fstat(self._fd).st_size - len(tail))
+            return
+        os.write(self._fd, b"\n")
 
-def _torn_tail_bytes(fd: int, chunk: int = 1 << 16) -> int:
-    """Bytes after the file's last newline (0 when it ends in one, or is empty). Reads only the tail."""
+
+def _last_line(fd: int, chunk: int = 1 << 16) -> bytes:
+    """The bytes after the file's last newline (b"" when it ends in one, or is empty). Reads only the tail."""
     end = size = os.fstat(fd).st_size
     while end > 0:
         start = max(0, end - chunk)
         block = os.pread(fd, end - start, start)
         newline = block.rfind(b"\n")
         if newline >= 0:
-            return size - (start + newline + 1)
+            return os.pread(fd, size - (start + newline + 1), start + newline + 1)
         end = start
-    return size
+    return os.pread(fd, size, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -374,6 +374,20 @@ def test_report_exits_1_when_the_harness_failed_though_nothing_diverged(tmp_path
     assert capsys.readouterr().out.startswith("0 divergences in 9 compared steps, 3 harness errors")
 
 
+def test_report_exits_2_for_a_log_where_no_run_ended(logs, capsys, tmp_path):
+    clean, buggy = logs
+    unended = tmp_path / "unended.jsonl"
+    unended.write_text("")  # a run that died before its summary, having logged no divergence
+    assert main(["report", str(clean), str(unended)]) == 2
+    assert error_line(capsys) == (f"batchgen: error: {unended}: no run summary record: no run in it ended, so it "
+                                  f"vouches for nothing compared")
+    assert capsys.readouterr().out == ""
+    assert main(["report", str(buggy), str(unended)]) == 1  # divergences are still reported, with a warning
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"{num_divergences(buggy)} divergences in ")
+    assert captured.err.strip() == f"batchgen: warning: {unended}: no run summary record (no run in it ended)"
+
+
 @pytest.mark.parametrize("format_", ["text", "md", "junit", "json"])
 def test_report_renders_each_format(logs, capsys, format_):
     _, buggy = logs

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from compare import DivergenceRecord, aggregate, read_log, read_logs, write_atomic
+from compare import DivergenceRecord, RunSummary, aggregate, read_log, write_atomic
 from compare.report import headline, render_json, render_junit, render_markdown, render_text
 from batchgen.minimize import MinimizeError, minimize_divergence, write_regression
 from batchgen.replay import ReplayOutcome, replay_record
@@ -29,7 +29,8 @@ def add_report_command(commands) -> None:
         description="Merge divergence logs (JSON Lines from compare mode) and report divergences per op and per "
                     "field path. A last line cut short by a crash is skipped with a warning on stderr. Exit 0 "
                     "when there is no divergence and no harness error (a failure inside compare mode, which "
-                    "leaves the op it hit uncompared), 1 when there is either, 2 when an input is unreadable.")
+                    "leaves the op it hit uncompared), 1 when there is either, 2 when an input is unreadable "
+                    "or holds no run summary (no run in it ended: nothing it says was compared).")
     parser.add_argument("logs", nargs="+", metavar="LOG", help="divergence log files, merged in the order given")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
@@ -41,9 +42,17 @@ def add_report_command(commands) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    logs = read_logs(args.logs)
-    _print_warnings(logs.warnings)
-    report = aggregate(logs.records)
+    results = [read_log(path) for path in args.logs]
+    records = [record for result in results for record in result.records]
+    _print_warnings([warning for result in results for warning in result.warnings])
+    unended = [path for path, result in zip(args.logs, results)
+               if not any(isinstance(record, RunSummary) for record in result.records)]
+    report = aggregate(records)
+    failed = report.num_divergences or report.num_harness_errors
+    if unended and not failed:
+        raise UsageError(f"{unended[0]}: no run summary record: no run in it ended, so it vouches for nothing "
+                         f"compared")
+    _print_warnings([f"{path}: no run summary record (no run in it ended)" for path in unended])
     text = RENDERERS[args.format](report)
     if args.out is not None:
         _write_out(args.out, text)
@@ -52,7 +61,7 @@ def _report(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     if args.format == "md":
         _append_step_summary(text)
-    return EXIT_FAILED if report.num_divergences or report.num_harness_errors else EXIT_OK
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _write_out(path: str, text: str) -> None:

@@ -1,5 +1,7 @@
+import itertools
+import json
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+from enum import Enum, IntEnum, IntFlag
 
 import pytest
 from hypothesis import given, settings
@@ -143,3 +145,19 @@ def test_is_idempotent_on_canonical_forms(value):
     once = canonicalize(value)
     assert canonicalize(once) == once
     assert flatten(canonicalize(once)) == flatten(once)
+
+
+def test_a_flag_of_no_single_name_keeps_its_value():
+    class Access(IntFlag):
+        READ = 1
+        WRITE = 2
+
+    assert canonicalize([Access(0), Access(8), Access.READ]) == ["Access(0)", "Access(8)", "READ"]
+
+
+def test_a_set_holding_nan_canonicalises_the_same_whatever_its_insertion_order():
+    nan = float("nan")
+    members = [0.0, 8.0, 16.0, nan]  # 0, 8 and 16 share a slot of a small set: iteration follows insertion
+    sets = [set(order) for order in itertools.permutations(members)]
+    assert len({tuple(map(str, members)) for members in sets}) > 1  # the sets iterate in different orders
+    assert len({json.dumps(canonicalize(members)) for members in sets}) == 1

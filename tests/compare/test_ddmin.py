@@ -67,3 +67,12 @@ def test_returns_a_one_minimal_subsequence(case):
     n, required = case
     result = ddmin(list(range(n)), needs(*required))
     assert result == sorted(required)
+
+
+def test_drops_the_last_item_when_the_empty_input_still_fails():
+    assert ddmin([1, 2, 3], lambda subset: True) == []
+
+
+def test_refuses_a_budget_that_cannot_test_the_input():
+    with pytest.raises(ValueError, match="max_tests must be >= 1"):
+        ddmin([1, 2], lambda subset: True, max_tests=0)

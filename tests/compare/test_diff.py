@@ -40,7 +40,7 @@ def test_explains_a_difference_with_json_safe_deepdiff_detail():
     assert result.detail["values_changed"]["root['phase']"] == {
         "old_value": "RUNNING", "new_value": "SWAPPED"}
     assert result.detail["dictionary_item_removed"] == {"root['pages[0]']": 1}
-    assert result.detail["dictionary_item_added"] == {"root['pages']": []}
+    assert result.paths == ("pages[0]", "phase")  # the emptied list is named by the item it lost
 
 
 def test_runs_deepdiff_over_the_differing_leaves_only(monkeypatch):
@@ -131,3 +131,21 @@ def test_a_keyed_and_a_plain_dict_with_items_and_a_nan_are_equal():
 def test_a_keyed_against_a_plain_dict_names_only_the_leaf_that_differs():
     outcome = diff({"m": Keyed({"k": 1, "j": 2})}, {"m": {"k": 1, "j": 3}})
     assert outcome.paths == ("m[j]",)
+
+
+@pytest.mark.parametrize(("expected", "actual", "ignore"), [
+    ({"stats": {"a": 1}}, {"stats": {"b": 1}}, ["stats.*"]),
+    ({"stats": {}}, {"stats": {"b": 1}}, ["stats.*"]),  # a key added to an empty mapping, as to a full one
+    ({"m": Keyed({"a": 1})}, {"m": Keyed({"a": 1, "b": 2})}, ["m[*]"]),
+    ({"m": Keyed()}, {"m": Keyed({"a": 1})}, ["m[*]"]),
+    ({"m": [1]}, {"m": [1, 2]}, ["m[*]"]),  # a list item added, as a key
+    ({"stats": Keyed({"0": 1}), "n": 1}, {"stats": [1], "n": 1}, ["stats"]),  # a glob covers what is beneath
+    ({"stats": Keyed({"0": 1})}, {"stats": Keyed({"0": 2})}, ["stats"]),
+])
+def test_an_ignore_glob_covers_everything_beneath_its_path(expected, actual, ignore):
+    assert diff(expected, actual, ignore=ignore).equal
+
+
+def test_an_ignore_glob_leaves_what_it_does_not_cover():
+    assert diff({"m": [1], "n": {}}, {"m": [1, 2], "n": {"k": 1}}, ignore=["m[*]"]).paths == ("n.k",)
+    assert diff({"m": [1, 5]}, {"m": [1]}, ignore=["m[0]"]).paths == ("m[1]",)

@@ -88,6 +88,23 @@ def test_names_missing_and_unexpected_fields():
     assert "colour: extra inputs are not permitted" in message
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"schema_version": True}, "unsupported schema_version True"),
+    ({"step": True}, "step: input should be a valid integer"),
+    ({"step": "7"}, "step: input should be a valid integer"),
+    ({"seed": 1.0}, "seed: input should be a valid integer"),
+])
+def test_reads_fields_as_the_schema_types_them_not_as_python_would_coerce_them(change, message):
+    data = json.loads(make_divergence().model_dump_json()) | change
+    with pytest.raises(RecordError, match=message):
+        parse_record(json.dumps(data))
+
+
+def test_a_whole_number_of_seconds_is_still_a_float():
+    data = json.loads(make_summary().model_dump_json()) | {"compare_seconds": 0}
+    assert parse_record(json.dumps(data)).compare_seconds == 0.0
+
+
 def test_builds_a_divergence_record_from_a_diverged_comparison():
     comparison = Comparison("evict", 3, Observation("plan", {"a": 1}),
                             Observation("legacy", exception=KeyError("r17")), None, "exception")

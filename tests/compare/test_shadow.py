@@ -122,6 +122,38 @@ def test_a_failing_canonicalize_leaves_the_authoritative_exception_unchanged():
     assert [operation for operation, _ in recorder.harness_errors] == ["canonicalize"]
 
 
+def test_a_fatal_harness_hook_leaves_the_authoritative_exception_unchanged():
+    def fail(operation, error):
+        raise error
+
+    executor, _ = make("log", on_harness_error=fail)
+    error = ValueError("pool exhausted")
+    with pytest.raises(ValueError) as raised:
+        run(executor, auth=error, canonicalize=raising(RuntimeError("canonical form bug")))
+    assert raised.value is error
+    assert executor.stats().num_harness_errors == 1
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no str")
+
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+def test_an_unprintable_harness_error_is_still_only_warned_about():
+    executor = ShadowExecutor(mode="log", classify=raising(Unprintable()))
+    with pytest.warns(HarnessWarning, match="classify: Unprintable: <unprintable>"):
+        assert run(executor, shadow=OTHER) == "result"
+
+
+def test_an_unprintable_shadow_exception_still_raises_divergence_error_in_raise_mode():
+    executor, _ = make("raise")
+    with pytest.raises(DivergenceError, match="legacy raised Unprintable: <unprintable>"):
+        run(executor, shadow=Unprintable())
+
+
 def test_canonicalize_sees_the_exception_of_a_side_that_raised_and_its_form_is_ignored():
     executor, recorder = make()
     error = KeyError("r17")
@@ -361,6 +393,8 @@ def test_rejects_an_unknown_mode_or_a_sample_outside_zero_to_one():
         ShadowExecutor(mode="loud")
     with pytest.raises(ValueError, match="sample"):
         ShadowExecutor(mode="log", sample=1.5)
+    with pytest.raises(ValueError, match="not the string 'alloc'"):
+        ShadowExecutor(mode="log", ops="alloc")  # would filter on its letters
 
 
 def test_compare_package_never_imports_batchgen():

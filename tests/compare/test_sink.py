@@ -1,4 +1,6 @@
+import errno
 import json
+import math
 import os
 import signal
 import subprocess
@@ -173,6 +175,45 @@ def test_cuts_off_a_log_that_is_one_torn_line(tmp_path):
     with pytest.warns(UserWarning, match="dropping its 20 bytes"):
         write_log(path, [make_record(1)])
     assert [record.step for record in read_log(path).records] == [1]
+
+
+def test_ends_a_whole_last_record_without_a_newline_instead_of_dropping_it(tmp_path, recwarn):
+    path = tmp_path / "log.jsonl"
+    path.write_text(make_record(0).model_dump_json() + "\n" + make_summary().model_dump_json())
+    write_log(path, [make_record(1)])
+    assert [record.record_type for record in read_log(path).records] == ["divergence", "run_summary", "divergence"]
+    assert not [w for w in recwarn if "cut short" in str(w.message)]
+
+
+def test_a_write_that_fails_part_way_is_cut_off_so_later_records_stay_readable(tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    sink = JsonlSink(path)
+    sink.write(make_record(0))
+    real_write, calls = os.write, []
+
+    def disk_fills_up(fd, data):  # a short write, then no space left
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[:40]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", disk_fills_up)
+    with pytest.raises(OSError, match="No space left"):
+        sink.write(make_record(1))
+    monkeypatch.setattr(os, "write", real_write)
+    sink.write(make_record(2))
+    sink.close()
+    assert len(calls) == 2
+    result = read_log(path)
+    assert ([record.step for record in result.records], result.num_skipped) == ([0, 2], 0)
+
+
+def test_non_finite_floats_read_back_as_themselves(tmp_path):
+    path = tmp_path / "log.jsonl"
+    write_log(path, [make_record(0).model_copy(update={"replay": {"x": float("inf"), "y": [float("-inf")],
+                                                                   "z": float("nan")}})])
+    replay = read_log(path).records[0].replay
+    assert (replay["x"], replay["y"]) == (float("inf"), [float("-inf")]) and math.isnan(replay["z"])
 
 
 def test_merges_several_logs_in_order(tmp_path):
