@@ -1,8 +1,9 @@
 """Shrink a logged KV divergence to a minimal workload, and write it as a regression test.
 
 :func:`minimize_divergence` reloads the record's workload (``replay``'s
-``workload_source`` and ``scale``, the record's ``seed``) and delta-debugs it
-with ``compare.ddmin``, in two passes:
+``workload_source``, ``scale`` and ``vocab_size``, the record's ``seed``), folds its
+token ids into the tiny model's vocabulary, and delta-debugs it with
+``compare.ddmin``, in two passes:
 
     requests  the fewest requests that still diverge
     steps     the remaining requests' step counts, as units ddmin can drop:
@@ -35,7 +36,7 @@ from typing import Protocol
 from pydantic import ValidationError
 
 from compare import DivergenceRecord, ddmin, read_log, wildcard, write_atomic
-from batchgen.config import EngineConfig, validation_summary
+from batchgen.config import TINY_MODELS, EngineConfig, validation_summary
 from batchgen.model.loader import load_model
 from batchgen.runner import run_workload
 from batchgen.worker.faults import FaultInjector, FaultSpec, FaultSpecError
@@ -44,6 +45,7 @@ from batchgen.worker.worker import Worker
 from batchgen.workloads import Workload, WorkloadRequest, load_workload
 
 _STEP_FIELDS = (("max_new_tokens", 1), ("arrival_step", 0), ("abort_step", 0))  # (field, floor)
+TINY_VOCAB = TINY_MODELS["tiny"].vocab_size  # the candidates' model; also a record's vocabulary when it names none
 
 
 class MinimizeError(ValueError):
@@ -108,7 +110,7 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
     """
     replay = record.replay
     scale = replay.get("scale", 1.0)
-    workload = _with_engine(load_workload(replay["workload_source"], seed=record.seed, scale=scale), replay)
+    workload = recorded_workload(record)
     faults = _fault_spec(replay)
     signature = DivergenceSignature.of(record)
     with tempfile.TemporaryDirectory(prefix="batchgen-minimize-") as log_dir:
@@ -128,6 +130,29 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
     minimal = smallest.model_copy(update={"name": f"{workload.name}-min"})
     return MinimizeResult(minimal, signature, search.num_tests, replay["kv_path"], replay["shadow_path"],
                           faults.to_spec() if faults else None)
+
+
+def recorded_workload(record: DivergenceRecord) -> Workload:
+    """The workload of the record's run (its source, seed, scale, vocabulary and engine config), with its token
+    ids folded into the tiny model's vocabulary."""
+    replay = record.replay
+    workload = load_workload(replay["workload_source"], seed=record.seed, scale=replay.get("scale", 1.0),
+                             vocab_size=replay.get("vocab_size", TINY_VOCAB))
+    return _in_tiny_vocabulary(_with_engine(workload, replay))
+
+
+def _in_tiny_vocabulary(workload: Workload) -> Workload:
+    """The workload with each token id folded into the tiny model's vocabulary (ids in [1, TINY_VOCAB)).
+
+    The run that diverged may have had a larger vocabulary (a checkpoint, the 7B geometry); the
+    candidates run on the tiny model, whose KV decisions depend on the requests' lengths and steps,
+    never on which tokens they hold (it emits no EOS).
+    """
+    if all(token < TINY_VOCAB for req in workload.requests for token in req.prompt_ids):
+        return workload
+    folded = [req.model_copy(update={"prompt_ids": [1 + (token - 1) % (TINY_VOCAB - 1) for token in req.prompt_ids]})
+              for req in workload.requests]
+    return workload.model_copy(update={"requests": folded})
 
 
 def _with_engine(workload: Workload, replay: dict) -> Workload:

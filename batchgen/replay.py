@@ -264,9 +264,9 @@ def _allocated_ids(replay: dict, tier: str) -> list[int]:
     pools = replay.get("pools") or {}
     ids: list[int] = []
     for side in sides:
-        for kind, _uuid, page_ids in (pools.get(side) or {}).get(tier, ()):
-            if kind == "alloc":
-                ids.extend(page_ids)
+        for event in (pools.get(side) or {}).get(tier, ()):
+            if event["kind"] == "alloc":
+                ids.extend(event["page_ids"])
     return list(dict.fromkeys(ids))
 
 

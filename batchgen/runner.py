@@ -6,6 +6,7 @@ worker can run several workloads back to back.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from dataclasses import dataclass, fields
 from compare import RunSummary
 from batchgen.worker.state import RequestOutput, WorkerStats
 from batchgen.worker.worker import Worker
-from batchgen.workloads import Workload
+from batchgen.workloads import MAX_STEPS, Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,16 +79,17 @@ def _stalled_message(worker: Worker, workload: Workload, idle_steps: int) -> str
 
 
 def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = False,
-                 on_step: Callable[[int, int], None] | None = None, max_steps: int = 1_000_000,
+                 on_step: Callable[[int, int], None] | None = None, max_steps: int | None = None,
                  source: str | None = None, scale: float = 1.0) -> RunResult:
     """Submit ``workload`` at its arrival steps and step until every request is released.
 
     Mutates the worker. ``on_step(num_released, num_requests)`` reports progress.
     In compare mode the run is one compare run: its divergences carry the
     workload's name, seed and ``source`` (name or file, for replay/minimize), and a
-    summary record closes it. Raises :class:`RunStalled` past ``max_steps``, or when
-    requests are live and nothing progresses for ``MAX_IDLE_STEPS`` steps (or twice the
-    load timeout, if longer: a hung load is failed after that).
+    summary record closes it, however the run ends. Raises :class:`RunStalled` past
+    ``max_steps`` (default: the last arrival step plus ``MAX_STEPS``), or when requests
+    are live and nothing progresses for ``MAX_IDLE_STEPS`` steps (or twice the load
+    timeout, if longer: a hung load is failed after that).
     """
     if worker.kv_compare is not None:
         worker.kv_compare.begin_run(workload.name, seed=workload.seed, source=source, scale=scale)
@@ -96,34 +98,40 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
     start_step = worker.state.step
     before = _copy_stats(worker.state.stats)
     arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
+    if max_steps is None:
+        max_steps = arrivals[-1].arrival_step + MAX_STEPS
     aborts = sorted((r.arrival_step + r.abort_step, r.uuid) for r in workload.requests if r.abort_step is not None)
     uuids = {r.uuid for r in workload.requests}
     started = time.perf_counter()
     next_arrival = next_abort = idle_steps = 0
     max_idle_steps = max(MAX_IDLE_STEPS, 2 * worker.engine_config.load_timeout_steps)
     progress = _progress(worker)
-    while next_arrival < len(arrivals) or worker.has_unfinished():
-        rel = worker.state.step - start_step
-        if rel >= max_steps or idle_steps >= max_idle_steps:
-            if worker.kv_compare is not None:  # the compare log still gets the run's summary record
+    try:
+        while next_arrival < len(arrivals) or worker.has_unfinished():
+            rel = worker.state.step - start_step
+            if rel >= max_steps or idle_steps >= max_idle_steps:
+                raise RunStalled(_stalled_message(worker, workload, idle_steps) if idle_steps >= max_idle_steps
+                                 else f"{workload.name}: not done after {max_steps} steps")
+            while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= rel:
+                worker.add_request(arrivals[next_arrival].to_request())
+                next_arrival += 1
+            while next_abort < len(aborts) and aborts[next_abort][0] <= rel:
+                uuid = aborts[next_abort][1]
+                if uuid in worker.state.requests:
+                    worker.abort(uuid)
+                next_abort += 1
+            worker.step()
+            progress, before_step = _progress(worker), progress
+            idle_steps = idle_steps + 1 if progress == before_step and worker.state.requests else 0
+            if check_integrity:
+                worker.check_integrity()
+            if on_step is not None:
+                on_step(sum(u in worker.state.outputs for u in uuids), len(uuids))
+    except BaseException:  # a stall, a divergence in raise mode, Ctrl-C: the compare log still gets the summary
+        if worker.kv_compare is not None:
+            with contextlib.suppress(Exception):  # the run's own error is the one to report
                 worker.kv_compare.end_run()
-            raise RunStalled(_stalled_message(worker, workload, idle_steps) if idle_steps >= max_idle_steps
-                             else f"{workload.name}: not done after {max_steps} steps")
-        while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= rel:
-            worker.add_request(arrivals[next_arrival].to_request())
-            next_arrival += 1
-        while next_abort < len(aborts) and aborts[next_abort][0] <= rel:
-            uuid = aborts[next_abort][1]
-            if uuid in worker.state.requests:
-                worker.abort(uuid)
-            next_abort += 1
-        worker.step()
-        progress, before_step = _progress(worker), progress
-        idle_steps = idle_steps + 1 if progress == before_step and worker.state.requests else 0
-        if check_integrity:
-            worker.check_integrity()
-        if on_step is not None:
-            on_step(sum(u in worker.state.outputs for u in uuids), len(uuids))
+        raise
     wall = time.perf_counter() - started
     compare_summary = worker.kv_compare.end_run() if worker.kv_compare is not None else None
     after = worker.state.stats

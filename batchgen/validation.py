@@ -27,8 +27,10 @@ reference allows near-ties (``output_check``); the fresh run batches exactly
 like a shared one, so it must match token for token, counters included.
 
 Every compare run appends its divergences and its ``RunSummary`` to one log,
-``divergences.jsonl`` in the reports directory (emptied first); the markdown, JUnit
-and JSON reports are rendered from it by ``compare.report`` (``batchgen.validation_report``).
+``divergences.jsonl.partial`` in the reports directory, renamed ``divergences.jsonl``
+once every run is done; the markdown, JUnit and JSON reports are then rendered from it
+by ``compare.report`` (``batchgen.validation_report``). An interrupted validation leaves
+the last complete log and its reports as they were, and its own partial log beside them.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
 from batchgen.runner import RunResult, run_workload
-from batchgen.validation_report import (DIRECTIONS, REPORT_FILES, KvDirection, ValidationReport, ValidationRun,
-                                        reports_directory, write_reports)
+from batchgen.validation_report import (DIRECTIONS, PARTIAL_LOG, KvDirection, ValidationReport, ValidationRun,
+                                        complete_log, reports_directory, write_reports)
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.worker import RequestError, Worker
 from batchgen.workloads import BUILTIN_WORKLOADS, Workload, WorkloadError, load_workload
@@ -82,12 +84,13 @@ def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: s
     tolerance = NEAR_TIE_TOLERANCES[dtype]
     with reports_directory(reports_dir) as directory:
         sources = {workload.name: _source(spec) for spec, workload in zip(BACK_TO_BACK_WORKLOADS, workloads)}
-        session = _Session(model, device, directory / REPORT_FILES["jsonl"], sources, on_progress)
+        session = _Session(model, device, directory / PARTIAL_LOG, sources, on_progress)
         for direction in DIRECTIONS:
             session.run_back_to_back(direction, workloads, cache, workloads[-1].engine, scale)
         if session.shared:
             session.check_against_references(workloads, dtype, tolerance)
             session.check_against_fresh(workloads[-1], cache)
+        session.log = complete_log(directory)  # an interrupted validation leaves the last log and reports as they were
         compare = aggregate(session.read_log())
         written = write_reports(directory, compare) if reports_dir is not None else {}
     return ValidationReport(cache=cache, near_tie_tolerance=tolerance, workloads=tuple(w.name for w in workloads),

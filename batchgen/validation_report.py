@@ -9,6 +9,7 @@ rendered from it by ``compare.report`` (``REPORT_FILES``, ``write_reports``).
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -135,14 +136,28 @@ def write_reports(directory: Path, compare: Report) -> dict[str, str]:
     return written
 
 
+PARTIAL_LOG = REPORT_FILES["jsonl"] + ".partial"  # the log while the runs write it; renamed once they are done
+
+
 @contextlib.contextmanager
 def reports_directory(reports_dir: str | Path | None) -> Iterator[Path]:
-    """``reports_dir`` (created, its old log removed), or a temporary directory for the log alone."""
+    """``reports_dir`` (created, an earlier interrupted run's partial log removed; the last complete log and
+    its reports stay until new ones replace them), or a temporary directory for the log alone."""
     if reports_dir is None:
         with tempfile.TemporaryDirectory(prefix="batchgen-validate-") as temporary:
             yield Path(temporary)
         return
     directory = Path(reports_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / REPORT_FILES["jsonl"]).unlink(missing_ok=True)
+    (directory / PARTIAL_LOG).unlink(missing_ok=True)
     yield directory
+
+
+def complete_log(directory: Path) -> Path:
+    """Move the finished partial log (if any run logged) to its name, replacing the last one. Mutates
+    ``directory``; returns the log's path."""
+    log = directory / REPORT_FILES["jsonl"]
+    partial = directory / PARTIAL_LOG
+    if partial.exists():
+        os.replace(partial, log)
+    return log

@@ -74,10 +74,12 @@ def _l2_trace(name: str, max_context: int, *, seed: int, scale: float, vocab_siz
     The GPU pool holds about 1.1 full contexts and the host pool 0.15, while
     each wave asks for several: decode growth keeps pushing the youngest
     requests out (to host, or to recompute once the host pool is full) and
-    finishes pull them back.
+    finishes pull them back. ``scale`` above 1 multiplies the pools, the waves'
+    sizes and ``max_num_seqs`` together: more concurrency, the same pressure.
     """
     rng = random.Random(f"{name}:{seed}")
     num_requests = max(4, round(32 * scale))
+    wave = max(8, round(8 * scale))  # requests per wave grow with the pools, so the pressure holds at any scale
     page_size = 16
     requests = []
     for i in range(num_requests):
@@ -93,7 +95,7 @@ def _l2_trace(name: str, max_context: int, *, seed: int, scale: float, vocab_siz
             uuid=f"{name}-r{i}",
             prompt_ids=[rng.randrange(1, vocab_size) for _ in range(prompt_len)],
             max_new_tokens=max_new,
-            arrival_step=(i // 8) * 60 + rng.randint(0, 8),
+            arrival_step=(i // wave) * 60 + rng.randint(0, 8),
         ))
     full = -(-max_context // page_size)
     cache = CacheConfig(page_size=page_size, num_gpu_pages=round(full * 1.1 * max(1.0, scale)),

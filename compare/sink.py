@@ -38,10 +38,7 @@ class JsonlSink:
         """Append ``record`` as one line. A write that fails part way (a full disk) is cut off again before
         the error propagates, so the next record never fuses with a partial line."""
         data = (record.model_dump_json() + "\n").encode()
-        if self._fd is None:
-            self._fd = self._open()
-            self._closer = weakref.finalize(self, os.close, self._fd)
-            self._end_last_line()
+        self.open()
         size = os.fstat(self._fd).st_size
         view = memoryview(data)
         try:
@@ -51,6 +48,14 @@ class JsonlSink:
             if len(view) < len(data):
                 os.ftruncate(self._fd, size)
             raise
+
+    def open(self) -> None:
+        """Open the file now (the first write does otherwise), creating it and its parent directories: an
+        unwritable path fails here, before any work. OSError when it cannot be opened."""
+        if self._fd is None:
+            self._fd = self._open()
+            self._closer = weakref.finalize(self, os.close, self._fd)
+            self._end_last_line()
 
     def close(self) -> None:
         """Flush the file to disk and close it; a later write reopens it."""

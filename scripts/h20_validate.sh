@@ -23,7 +23,8 @@ reference pools must fit), in bfloat16:
 Options:
   --model NAME|DIR   a built-in model or an HF-format checkpoint directory (config.json +
                      *.safetensors) (default: llama2-7b-geometry, random weights drawn from --seed)
-  --scale X          workload scale: request count, pools and max_num_seqs grow with it (default: 4)
+  --scale X          workload scale: requests, arrival waves, pools and max_num_seqs grow with it
+                     together, so the KV pressure holds (default: 4)
   --seed N           seeds the random weights and the traces (default: 0)
   --kv-path P        authoritative path of the two runs in step 2 (default: plan, the production path)
   --reports-dir DIR  where everything is written (default: reports/h20)

@@ -130,6 +130,7 @@ DIVERGENCE = DivergenceRecord(run_id="smoke-0", workload="smoke", seed=0, step=3
                               shadow="plan", kind="state", field_paths=["requests[r0].gpu_page_ids[0]"], diff={},
                               exception=None, replay={}, created_at=0.0)
 GOOD_LOG = log_line(DIVERGENCE) + log_line(SUMMARY)
+SMOKE_LOG = log_line(DIVERGENCE.model_copy(update={"replay": {"workload_source": "smoke"}})) + log_line(SUMMARY)
 
 
 def divergence_log(*lines: str) -> Builder:
@@ -171,6 +172,8 @@ CASES: tuple[BadInput, ...] = (
          ("--dtype", "invalid choice: 'float64'", "float32", "bfloat16")),
     case("kv-path-typo", CLI, "--kv-path misspelt", f"{RUN} --kv-path lgacy",
          ("--kv-path='lgacy'", "allowed: plan, legacy", "did you mean 'legacy'?")),
+    case("faults-key-twice", CLI, "a --faults KEY given twice", f"{RUN} --faults seed=1,seed=2",
+         ("--faults", "seed is given twice")),
     case("kv-compare-sample-above-1", CLI, "--kv-compare-sample above 1", f"{RUN} --kv-compare-sample 2",
          ("--kv-compare-sample='2'", "allowed: a float in (0, 1]")),
     case("kv-load-retries-negative", CLI, "--kv-load-retries below zero", f"{RUN} --kv-load-retries -1",
@@ -185,8 +188,12 @@ CASES: tuple[BadInput, ...] = (
     case("report-out-under-a-file", CLI, "report --out inside a path whose parent is a file",
          "report div.jsonl --out div.jsonl/report.md", ("--out div.jsonl/report.md", "not a directory"),
          build=divergence_log(GOOD_LOG)),
+    case("report-torn-last-line", CLI, "report on a log whose last line is cut short (its run crashed)",
+         "report div.jsonl", ("div.jsonl: a run in it did not end", "cut short"),
+         build=divergence_log(log_line(SUMMARY.model_copy(update={"divergences": {}}))
+                              + '{"record_type": "divergence", "sche')),
     case("report-no-run-summary", CLI, "report on a log where no run ended (no run summary, no divergence)",
-         "report div.jsonl", ("div.jsonl: no run summary record", "vouches for nothing compared"),
+         "report div.jsonl", ("div.jsonl: a run in it did not end", "no run summary closes it", "vouches for nothing compared"),
          build=divergence_log("")),
     case("replay-no-index", CLI, "replay without --index", "replay div.jsonl", ("required: --index",),
          build=divergence_log(GOOD_LOG)),
@@ -196,6 +203,21 @@ CASES: tuple[BadInput, ...] = (
     case("minimize-index-out-of-range", CLI, "minimize --index past the log's last divergence",
          "minimize div.jsonl --index 1 --out-dir minimized", ("--index 1 is out of range", "--index is 0 to 0"),
          build=divergence_log(GOOD_LOG), outputs=["minimized"]),
+    case("kv-compare-log-under-a-file", CLI, "--kv-compare-log below a path whose ancestor is a file",
+         f"{RUN} --kv-compare log --kv-compare-log div.jsonl/runs/kv.jsonl",
+         ("--kv-compare-log", "div.jsonl is not a directory"), build=divergence_log(GOOD_LOG)),
+    case("validate-reports-dir-is-a-file", CLI, "validate --reports-dir names a file",
+         "validate --reports-dir div.jsonl", ("--reports-dir div.jsonl", "div.jsonl is not a directory"),
+         build=divergence_log(GOOD_LOG)),
+    case("validate-reports-dir-under-a-file", CLI, "validate --reports-dir below a file",
+         "validate --reports-dir div.jsonl/reports", ("--reports-dir div.jsonl/reports", "div.jsonl is not a directory"),
+         build=divergence_log(GOOD_LOG)),
+    case("minimize-out-dir-is-a-file", CLI, "minimize --out-dir names a file",
+         "minimize div.jsonl --index 0 --out-dir div.jsonl", ("--out-dir div.jsonl", "div.jsonl is not a directory"),
+         build=divergence_log(SMOKE_LOG)),
+    case("report-out-is-its-log", CLI, "report --out names the log being read",
+         "report div.jsonl --out div.jsonl", ("--out div.jsonl", "one of the logs being read"),
+         build=divergence_log(GOOD_LOG)),
     case("validate-scale-zero", CLI, "validate --scale 0", "validate --scale 0 --reports-dir reports",
          ("--scale", "must be a finite number > 0", "'0'"), outputs=["reports"]),
 

@@ -18,6 +18,7 @@ from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
 from batchgen import runner
 from batchgen.cli import main
 from batchgen.worker.kv_gate import ENV_PREFIX
+from batchgen.worker.worker import Worker
 from batchgen.workloads import builtin_workload, load_workload
 
 from injected_bugs import reversed_grants
@@ -74,6 +75,16 @@ def test_run_accepts_a_workload_file(tmp_path, capsys):
     path.write_text(workload.model_dump_json())
     assert main(["run", "--workload", str(path), "--json"]) == 0
     assert one_json_object(capsys.readouterr().out)["requests"] == 2
+
+
+def test_run_prints_names_and_paths_with_brackets_as_written(tmp_path, capsys):
+    path = tmp_path / "trace[v2].json"
+    path.write_text(builtin_workload("smoke", scale=0.25).model_copy(update={"name": "trace[/v2]"}).model_dump_json())
+    log = tmp_path / "log[/x].jsonl"
+    assert main(["run", "--workload", str(path), "--kv-compare", "log", "--kv-compare-log", str(log)]) == 0
+    captured = capsys.readouterr()
+    assert "batchgen run: trace[/v2]" in captured.out and "trace[/v2]" in captured.err
+    assert log.exists()
 
 
 @pytest.mark.parametrize("command", ["run", "validate"])
@@ -135,6 +146,35 @@ def test_run_that_cannot_progress_exits_1_naming_the_stall(compare, capsys, monk
                     "the pools, such as gpu_refuse=1, can do this)")
 
 
+def test_an_interrupted_run_still_ends_its_compare_log_and_exits_130(capsys, monkeypatch, tmp_path):
+    log = tmp_path / "log.jsonl"
+    steps = []
+
+    def step(self):
+        steps.append(1)
+        if len(steps) == 5:
+            raise KeyboardInterrupt
+        worker_step(self)
+
+    worker_step = Worker.step
+    monkeypatch.setattr(Worker, "step", step)
+    assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log", str(log)]) == 130
+    assert capsys.readouterr().err.strip().endswith("batchgen: interrupted")
+    [summary] = read_log(log).records
+    assert isinstance(summary, RunSummary) and sum(summary.steps_compared.values()) > 0
+
+
+def test_an_unwritable_compare_log_stops_the_run_before_it_starts(capsys, monkeypatch, tmp_path):
+    def refused(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(JsonlSink, "_open", refused)
+    monkeypatch.setattr(Worker, "step", lambda self: pytest.fail("the run started"))
+    log = tmp_path / "kv.jsonl"
+    assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log", str(log)]) == 2
+    assert error_line(capsys) == f"batchgen: error: divergence log {log}: cannot open it for writing: Permission denied"
+
+
 def test_run_says_which_kv_path_ran(capsys):
     summary = run_json(capsys)
     assert (summary["kv_path"], summary["kv_compare"], summary["load_failure"]) == ("plan", "off", "recompute")
@@ -165,8 +205,11 @@ def test_an_option_beats_the_environment(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHGEN_WORKER_KV_PATH", "legacy")
     monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE", "log")
     monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE_LOG", str(tmp_path / "env.jsonl"))
-    summary = run_json(capsys, "--kv-path", "plan", "--kv-compare-log", str(tmp_path / "cli.jsonl"))
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE_OPS", "alloc,evict")
+    summary = run_json(capsys, "--kv-path", "plan", "--kv-compare-log", str(tmp_path / "cli.jsonl"),
+                       "--kv-compare-ops", "alloc")
     assert (summary["kv_path"], summary["kv_shadow_path"], summary["kv_compare"]) == ("plan", "legacy", "log")
+    assert (summary["kv_compare_ops"], list(summary["steps_compared"])) == (["alloc"], ["alloc"])
     assert summary["compare_log"] == str(tmp_path / "cli.jsonl")
     assert (tmp_path / "cli.jsonl").exists() and not (tmp_path / "env.jsonl").exists()
 
@@ -225,10 +268,11 @@ def test_compare_mode_raise_stops_at_the_first_divergence_with_exit_1(capsys, tm
                  "--kv-compare-log", str(log)]) == 1
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchgen:")]
     assert line.startswith("batchgen: divergence: alloc step 0: state divergence, shadow 'plan' vs authoritative "
-                           "'legacy'; paths: pools.gpu[0][2][0], ")
+                           "'legacy'; paths: pools.gpu[0].page_ids[0], ")
     assert line.endswith(f"(logged to {log})")
-    [record] = read_log(log).records
+    record, summary = read_log(log).records  # the run still ends with its summary record
     assert (record.op, record.step) == ("alloc", 0)
+    assert isinstance(summary, RunSummary) and summary.divergences == {"alloc": 1}
 
 
 def test_faults_and_load_options_reach_the_worker(capsys):
@@ -379,13 +423,13 @@ def test_report_exits_2_for_a_log_where_no_run_ended(logs, capsys, tmp_path):
     unended = tmp_path / "unended.jsonl"
     unended.write_text("")  # a run that died before its summary, having logged no divergence
     assert main(["report", str(clean), str(unended)]) == 2
-    assert error_line(capsys) == (f"batchgen: error: {unended}: no run summary record: no run in it ended, so it "
-                                  f"vouches for nothing compared")
+    assert error_line(capsys) == (f"batchgen: error: {unended}: a run in it did not end (no run summary closes it, or its last line is cut short), so it vouches for "
+                                  f"nothing compared")
     assert capsys.readouterr().out == ""
     assert main(["report", str(buggy), str(unended)]) == 1  # divergences are still reported, with a warning
     captured = capsys.readouterr()
     assert captured.out.startswith(f"{num_divergences(buggy)} divergences in ")
-    assert captured.err.strip() == f"batchgen: warning: {unended}: no run summary record (no run in it ended)"
+    assert captured.err.strip() == f"batchgen: warning: {unended}: a run in it did not end (no run summary closes it, or its last line is cut short)"
 
 
 @pytest.mark.parametrize("format_", ["text", "md", "junit", "json"])
@@ -477,8 +521,9 @@ def test_report_skips_a_torn_last_line_with_a_warning(logs, capsys, tmp_path):
     assert main(["report", str(torn), "--format", "json"]) == 1
     captured = capsys.readouterr()
     assert json.loads(captured.out)["num_divergences"] == num_divergences(logs[1])
-    [warning] = captured.err.strip().splitlines()
+    warning, unended = captured.err.strip().splitlines()
     assert warning.startswith(f"batchgen: warning: {torn}:") and warning.endswith("; skipped as a torn last line")
+    assert unended.startswith(f"batchgen: warning: {torn}: a run in it did not end")
 
 
 # ---- replay and minimize -----------------------------------------------------------------------
@@ -521,7 +566,7 @@ def test_minimize_writes_the_minimal_workload_and_a_regression_test(logs, capsys
     assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(out_dir)]) == 0
     lines = capsys.readouterr().out.splitlines()
     smoke = builtin_workload("smoke")
-    shrink = re.fullmatch(r"alloc state divergence \(pools.gpu\[\*\]\[\*\]\[\*\], requests\[\*\].gpu_page_ids\[\*\]\): "
+    shrink = re.fullmatch(r"alloc state divergence \(pools.gpu\[\*\].page_ids\[\*\], requests\[\*\].gpu_page_ids\[\*\]\): "
                           rf"requests 8 -> 1, new tokens {sum(r.max_new_tokens for r in smoke.requests)} -> 1, "
                           r"(\d+) tests run", lines[0])
     assert shrink and int(shrink[1]) > 0, lines[0]
@@ -538,5 +583,5 @@ def test_minimize_exits_1_when_the_divergence_does_not_reproduce(logs, capsys, t
     assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(tmp_path)]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchgen:")]
     assert errors == ["batchgen: not reproduced: alloc step 0: workload 'smoke' (seed 0, scale 1.0) shows no state "
-                      "divergence at pools.gpu[*][*][*], requests[*].gpu_page_ids[*]"]
+                      "divergence at pools.gpu[*].page_ids[*], requests[*].gpu_page_ids[*]"]
     assert list(tmp_path.iterdir()) == []

@@ -17,7 +17,7 @@ message) that say what went wrong:
     aborted request keeps its host pages       release          state         pools.host, free host
     oldest running request evicted             evict            state         requests[*].phase, copies
     eviction grants host page ids permuted     evict            state         host_page_ids, copy targets
-    eviction copies GPU pages in wrong order   evict            copies        copies[*][*][*] only
+    eviction copies GPU pages in wrong order   evict            copies        copies[*].src_page_ids[*] only
     watermark cached from another geometry     evict / migrate  state         requests[*].phase
     request swapped this step migrated back    migrate          state         requests[*].phase, copies
 
@@ -263,12 +263,12 @@ BUGS = [
     Bug("evict-host-page-ids-permuted",
         method_mutant("plan_eviction", "self._host_kv.peek_free_pages(sum(host_sizes))",
                       "self._host_kv.peek_free_pages(sum(host_sizes))[::-1]"),
-        frozenset({"evict"}), "state", evidence=("requests[*].host_page_ids[*]", "copies[*][*][*]"),
+        frozenset({"evict"}), "state", evidence=("requests[*].host_page_ids[*]", "copies[*].dst_page_ids[*]"),
         absent=("requests[*].phase",)),
     Bug("evict-copies-gpu-pages-in-wrong-order",
         applier_mutant("apply_eviction_plan", "store_from_gpu(victim.uuid, list(victim.gpu_page_ids))",
                        "store_from_gpu(victim.uuid, list(victim.gpu_page_ids)[::-1])"),
-        frozenset({"evict"}), "copies", evidence=("copies[*][*][*]",)),
+        frozenset({"evict"}), "copies", evidence=("copies[*].src_page_ids[*]",)),
     Bug("watermark-cached-from-another-geometry", stale_watermark,
         frozenset({"evict", "migrate"}), "state", evidence=("requests[*].phase",),
         workloads=lambda: [first_wave(builtin_workload("L2-2048")), builtin_workload("L2-4096")]),

@@ -7,7 +7,9 @@ import pytest
 import batchgen.worker.kv_manager as kv_manager
 from compare import DivergenceError, DivergenceRecord, read_log
 from batchgen.config import TINY_MODELS
-from batchgen.minimize import DivergenceSignature, MinimizeError, minimize_divergence, write_regression
+from batchgen.minimize import (
+    DivergenceSignature, MinimizeError, minimize_divergence, recorded_workload, write_regression,
+)
 from batchgen.model.null_model import NullModel
 from batchgen.runner import run_workload
 from batchgen.worker.faults import FaultInjector, FaultSpec
@@ -76,12 +78,43 @@ def test_minimising_keeps_the_signature_with_fewer_requests_and_steps(tmp_path, 
     assert result.signature in {DivergenceSignature.of(r) for r in again}
 
 
+def big_vocabulary_worker(workload, *, kv_gate, shadow_path, faults=None):
+    """A null-model worker whose model has a 32000-token vocabulary (a checkpoint's, not the tiny model's 512)."""
+    config = TINY_MODELS["tiny"].model_copy(update={"vocab_size": 32000})
+    return Worker(NullModel(config), cache_config=workload.cache, engine_config=workload.engine,
+                  kv_storage=False, kv_gate=kv_gate, shadow_path=shadow_path, faults=faults)
+
+
+@pytest.mark.parametrize("source", ["smoke", "file"])
+def test_minimises_a_run_whose_model_had_another_vocabulary_on_the_tiny_model(tmp_path, monkeypatch, source):
+    reversed_grants(monkeypatch)
+    workload = builtin_workload("smoke", vocab_size=32000)
+    if source == "file":  # token ids the tiny model would refuse
+        workload = workload.model_copy(update={"requests": [r.model_copy(update={"prompt_ids": [
+            1000 + token % 1000 for token in r.prompt_ids]}) for r in workload.requests]})
+        path = tmp_path / "big.json"
+        path.write_text(workload.model_dump_json())
+        source = str(path)
+    log = tmp_path / "kv.jsonl"
+    worker = big_vocabulary_worker(workload, kv_gate=KvGateConfig(path="legacy", compare="log", compare_log=str(log)),
+                                   shadow_path="plan")
+    run_workload(worker, workload, source=source)
+    record = next(r for r in read_log(log).records if isinstance(r, DivergenceRecord))
+    assert record.replay["vocab_size"] == 32000
+    reloaded = recorded_workload(record)
+    shape = [(r.uuid, len(r.prompt_ids), r.max_new_tokens, r.arrival_step) for r in workload.requests]
+    assert [(r.uuid, len(r.prompt_ids), r.max_new_tokens, r.arrival_step) for r in reloaded.requests] == shape
+    assert all(0 < token < TINY_MODELS["tiny"].vocab_size for r in reloaded.requests for token in r.prompt_ids)
+    result = minimize_divergence(record, make_worker=null_worker)  # the tiny model's vocabulary
+    assert result.signature == DivergenceSignature.of(record)
+
+
 def test_a_divergence_at_the_first_alloc_shrinks_to_one_request_of_one_token_on_the_tiny_model(tmp_path, monkeypatch):
     reversed_grants(monkeypatch)
     result = minimize_divergence(first_divergence(tmp_path))  # the default worker: the tiny model
     [request] = result.workload.requests
     assert (request.max_new_tokens, request.arrival_step) == (1, 0)
-    assert result.signature.field_paths == ("pools.gpu[*][*][*]", "requests[*].gpu_page_ids[*]")
+    assert result.signature.field_paths == ("pools.gpu[*].page_ids[*]", "requests[*].gpu_page_ids[*]")
 
 
 def test_the_written_regression_test_fails_until_the_bug_is_fixed(tmp_path, monkeypatch):
@@ -171,8 +204,8 @@ def test_the_signature_wildcards_ids_and_indexes():
     record = DivergenceRecord(
         run_id="r", workload="smoke", seed=0, step=3, op="alloc", authoritative="legacy", shadow="plan",
         kind="state",
-        field_paths=["requests[r2].gpu_page_ids[3]", "pools.gpu[0][2][1]", "requests[r1].gpu_page_ids[0]"],
+        field_paths=["requests[r2].gpu_page_ids[3]", "pools.gpu[0].page_ids[1]", "requests[r1].gpu_page_ids[0]"],
         diff={}, exception=None, replay={}, created_at=0.0)
     signature = DivergenceSignature.of(record)
-    assert signature.field_paths == ("pools.gpu[*][*][*]", "requests[*].gpu_page_ids[*]")
+    assert signature.field_paths == ("pools.gpu[*].page_ids[*]", "requests[*].gpu_page_ids[*]")
     assert signature.slug.startswith("alloc_state_") and signature.slug.isidentifier()

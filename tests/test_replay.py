@@ -137,7 +137,7 @@ def alloc_record(*, views, num_free_gpu, authoritative_ids, shadow_ids, batch):
     needing = [by_uuid[u] for u in batch if by_uuid[u][3] > len(by_uuid[u][5]) * GEOMETRY["page_size"]]
     columns = {"uuids": [v[0] for v in needing], "num_tokens": [v[3] for v in needing],
                "gpu_page_ids": [v[5] for v in needing]}
-    pools = {side: {"gpu": [["alloc", batch[-1], ids]], "host": [], "num_free_gpu": num_free_gpu - len(ids),
+    pools = {side: {"gpu": [{"kind": "alloc", "uuid": batch[-1], "page_ids": ids}], "host": [], "num_free_gpu": num_free_gpu - len(ids),
                     "num_free_host": 4} for side, ids in (("authoritative", authoritative_ids), ("shadow", shadow_ids))}
     replay = {"op": "alloc", "request_type": "AllocRequest",
               "request": {"snapshot": snapshot, "needing": columns, "batch": batch},

@@ -145,12 +145,12 @@ def test_a_buggy_plan_method_fails_validation_naming_each_diverging_run(two_pres
         assert re.fullmatch(
             rf"FAIL {name} {direction.role}: \d+ divergences of the {direction.shadow} shadow from the authoritative "
             rf"{direction.authoritative} path \(alloc: \d+\); first: alloc step \d+, state at "
-            rf"pools\.gpu\[\d+\]\[2\]\[\d+\].*", line)
+            rf"pools\.gpu\[\d+\]\.page_ids\[\d+\].*", line)
     records = [r for r in read_log(reports / "divergences.jsonl").records if isinstance(r, DivergenceRecord)]
     assert records and {r.op for r in records} == {"alloc"}
     assert {r.workload for r in records} == {f"{name} {d.role}" for d in DIRECTIONS[:2] for name in ("pa", "pb")}
     markdown = (reports / "divergences.md").read_text()
-    assert markdown.startswith(f"### {len(records)} divergences in ") and "`pools.gpu[*][*][*]`" in markdown
+    assert markdown.startswith(f"### {len(records)} divergences in ") and "`pools.gpu[*].page_ids[*]`" in markdown
     suite = ET.parse(reports / "divergences.xml").getroot().find("testsuite")
     assert int(suite.get("failures")) == 4
 
@@ -179,6 +179,30 @@ def test_validation_fails_a_workload_that_never_evicted(model, monkeypatch, tmp_
         "light legacy/plan", "pb legacy/plan", "light plan/legacy", "pb plan/legacy", "light plan/plan",
         "pb plan/plan", "light reference", "pb reference", "pb fresh"]
     assert progress[-1] == ("pb fresh", 8, 8)
+
+
+def test_an_interrupted_validation_leaves_the_last_log_and_reports_and_its_own_partial_log(
+        two_pressure_workloads, tmp_path, capsys, monkeypatch):
+    reports = tmp_path / "reports"
+    assert main(["validate", "--reports-dir", str(reports)]) == 0
+    before = {path.name: path.read_bytes() for path in reports.iterdir()}
+    calls = []
+
+    def interrupted_on_the_third_run(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return session_run(self, *args, **kwargs)
+
+    session_run = batchgen.validation._Session.run
+    monkeypatch.setattr(batchgen.validation._Session, "run", interrupted_on_the_third_run)
+    assert main(["validate", "--reports-dir", str(reports)]) == 130
+    assert capsys.readouterr().err.strip().endswith("batchgen: interrupted")
+    after = {path.name: path.read_bytes() for path in reports.iterdir()}
+    partial = after.pop("divergences.jsonl.partial")
+    assert after == before
+    assert [record.workload for record in read_log(reports / "divergences.jsonl.partial").records] == [
+        "pa legacy/plan", "pb legacy/plan"] and partial
 
 
 def test_validation_reports_a_leak_in_every_direction_and_stops_each(model, two_pressure_workloads, monkeypatch):

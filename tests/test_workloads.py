@@ -4,6 +4,11 @@ import re
 
 import pytest
 
+from batchgen.config import TINY_MODELS
+from batchgen.model.null_model import NullModel
+from batchgen.runner import run_workload
+from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.worker.worker import Worker
 from batchgen.workloads import BUILTIN_WORKLOADS, WorkloadError, builtin_workload, load_workload
 
 
@@ -28,6 +33,16 @@ def test_scale_grows_the_request_count_and_the_pools_above_one():
     assert (len(small.requests), len(large.requests)) == (8, 64)
     assert small.cache == builtin_workload("L2-2048").cache
     assert large.cache.num_gpu_pages == 2 * builtin_workload("L2-2048").cache.num_gpu_pages
+
+
+@pytest.mark.parametrize("name", ["L2-2048", "L2-4096"])
+@pytest.mark.parametrize("scale", [1, 2, 4, 8])
+def test_the_l2_traces_keep_evicting_to_host_as_they_scale(name, scale):
+    workload = builtin_workload(name, scale=scale)
+    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache, engine_config=workload.engine,
+                    kv_gate=KvGateConfig(path="plan"), kv_storage=False)
+    stats = run_workload(worker, workload).stats
+    assert stats.evictions >= 10 and stats.loads == stats.evictions
 
 
 def test_token_ids_stay_inside_the_vocabulary():

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from compare import RecordError
-from batchgen.cli.common import EXIT_BAD_INPUT, UsageError
+from batchgen.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, UsageError
 from batchgen.cli.logs import RENDERERS, add_minimize_command, add_replay_command, add_report_command
 from batchgen.cli.run import add_run_command
 from batchgen.cli.validate import add_validate_command
@@ -61,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except INPUT_ERRORS as error:
         print(f"batchgen: error: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # what was written is complete: logs end in whole records, reports are atomic
+        print("batchgen: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:

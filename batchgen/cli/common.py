@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -16,12 +18,32 @@ from batchgen.validation import ProgressCallback
 
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 
 
 class UsageError(ValueError):
     """Flags this machine cannot serve (e.g. ``--device cuda`` without CUDA), or a bad index or file."""
+
+
+def check_directory(flag: str, path: str) -> None:
+    """UsageError when ``path`` (``flag``'s output directory) or a parent of it is a file. Pure."""
+    directory = Path(path)
+    blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UsageError(f"{flag} {path}: {blocker} is not a directory")
+
+
+def make_directory(flag: str, path: str) -> None:
+    """Create ``path`` and its parents for ``flag``'s output; UsageError naming what is in the way. Mutates the
+    file system."""
+    check_directory(flag, path)
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot create the directory: {error.strerror or error}") from None
 
 
 # ---- shared flags ------------------------------------------------------------------------------
@@ -42,10 +64,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "default, one per core)")
 
 
-def add_scale_arg(parser: argparse.ArgumentParser) -> None:
+def add_scale_arg(parser: argparse.ArgumentParser, *, workload_files: bool) -> None:
+    """``--scale``; ``workload_files``: whether the command also takes workload files (which it leaves alone)."""
     parser.add_argument("--scale", type=positive_float, default=1.0,
-                        help="built-in workloads: multiplies the request count (and, above 1, the pools and "
-                             "max_num_seqs); ignored for workload files (default: %(default)s)")
+                        help="built-in workloads: multiplies the request count (and, above 1, the pools, the arrival "
+                             "waves and max_num_seqs together: more concurrency at the same KV pressure)"
+                             + ("; ignored for workload files" if workload_files else "") + " (default: %(default)s)")
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -117,19 +141,19 @@ def progress_callback(progress: Progress) -> ProgressCallback:
     task_ids = {}
 
     def on_progress(label: str, num_released: int, num_requests: int) -> None:
-        if label not in task_ids:
-            task_ids[label] = progress.add_task(label, total=num_requests)
+        if label not in task_ids:  # a workload's name is text, not rich markup
+            task_ids[label] = progress.add_task(escape(label), total=num_requests)
         progress.update(task_ids[label], completed=num_released)
 
     return on_progress
 
 
 def key_value_table(title: str, values: dict) -> Table:
-    table = Table(title=title)
+    table = Table(title=escape(title))  # names and paths are text, not rich markup
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in values.items():
-        table.add_row(key, by_op(value) if isinstance(value, dict) else str(value))
+        table.add_row(escape(key), escape(by_op(value) if isinstance(value, dict) else str(value)))
     return table
 
 

@@ -9,13 +9,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from compare import DivergenceRecord, RunSummary, aggregate, read_log, write_atomic
+from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.report import headline, render_json, render_junit, render_markdown, render_text
-from batchgen.minimize import MinimizeError, minimize_divergence, write_regression
+from batchgen.minimize import MinimizeError, minimize_divergence, recorded_workload, write_regression
 from batchgen.replay import ReplayOutcome, replay_record
-from batchgen.workloads import load_workload
 from batchgen.cli.common import (
-    EXIT_FAILED, EXIT_OK, UsageError, non_negative_int, positive_int,
+    EXIT_FAILED, EXIT_OK, UsageError, make_directory, non_negative_int, positive_int,
 )
 
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
@@ -30,7 +29,8 @@ def add_report_command(commands) -> None:
                     "field path. A last line cut short by a crash is skipped with a warning on stderr. Exit 0 "
                     "when there is no divergence and no harness error (a failure inside compare mode, which "
                     "leaves the op it hit uncompared), 1 when there is either, 2 when an input is unreadable "
-                    "or holds no run summary (no run in it ended: nothing it says was compared).")
+                    "or a run in it did not end (no run summary closes it, or its last line is cut short), so "
+                    "that a log whose run died vouches for nothing.")
     parser.add_argument("logs", nargs="+", metavar="LOG", help="divergence log files, merged in the order given")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
@@ -42,17 +42,17 @@ def add_report_command(commands) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
+    if args.out is not None and any(Path(args.out).resolve() == Path(log).resolve() for log in args.logs):
+        raise UsageError(f"--out {args.out}: it is one of the logs being read; write the report elsewhere")
     results = [read_log(path) for path in args.logs]
     records = [record for result in results for record in result.records]
-    _print_warnings([warning for result in results for warning in result.warnings])
-    unended = [path for path, result in zip(args.logs, results)
-               if not any(isinstance(record, RunSummary) for record in result.records)]
+    unended = [path for path, result in zip(args.logs, results) if not _ended(result)]
     report = aggregate(records)
     failed = report.num_divergences or report.num_harness_errors
     if unended and not failed:
-        raise UsageError(f"{unended[0]}: no run summary record: no run in it ended, so it vouches for nothing "
-                         f"compared")
-    _print_warnings([f"{path}: no run summary record (no run in it ended)" for path in unended])
+        raise UsageError(f"{unended[0]}: {UNENDED}, so it vouches for nothing compared")
+    _print_warnings([warning for result in results for warning in result.warnings])
+    _print_warnings([f"{path}: {UNENDED}" for path in unended])
     text = RENDERERS[args.format](report)
     if args.out is not None:
         _write_out(args.out, text)
@@ -62,6 +62,14 @@ def _report(args: argparse.Namespace) -> int:
     if args.format == "md":
         _append_step_summary(text)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+UNENDED = "a run in it did not end (no run summary closes it, or its last line is cut short)"
+
+
+def _ended(log: LogReadResult) -> bool:
+    """Whether every run that wrote to the log ended: its last record is a run summary, whole. Pure."""
+    return not log.num_skipped and bool(log.records) and isinstance(log.records[-1], RunSummary)
 
 
 def _write_out(path: str, text: str) -> None:
@@ -136,7 +144,8 @@ def _minimize(args: argparse.Namespace) -> int:
     replay = record.replay
     if not replay.get("workload_source"):
         raise UsageError(f"{args.log}: divergence record {args.index} names no workload_source to minimize")
-    original = load_workload(replay["workload_source"], seed=record.seed, scale=replay.get("scale", 1.0))
+    original = recorded_workload(record)
+    make_directory("--out-dir", args.out_dir)  # before the search, which takes minutes
     print(f"minimizing record {args.index} of {count} in {args.log}: {_record_title(record)}", file=sys.stderr)
     try:
         result = minimize_divergence(record, max_tests=args.max_tests)

@@ -19,7 +19,7 @@ from batchgen.worker.state import Phase
 from batchgen.worker.worker import Worker
 from batchgen.workloads import BUILTIN_WORKLOADS, load_workload
 from batchgen.cli.common import (
-    EXIT_FAILED, EXIT_OK, add_model_args, add_output_args, add_scale_arg, context, key_value_table,
+    EXIT_FAILED, EXIT_OK, UsageError, add_model_args, add_output_args, add_scale_arg, context, key_value_table,
     model_from_args, non_negative_int, positive_int, progress_bar, progress_callback,
 )
 
@@ -45,7 +45,7 @@ def add_run_command(commands) -> None:
     parser.add_argument("--workload", required=True, metavar="NAME|FILE",
                         help=f"a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) or a workload JSON file")
     add_model_args(parser)
-    add_scale_arg(parser)
+    add_scale_arg(parser, workload_files=True)
     _add_kv_args(parser)
     parser.add_argument("--faults", metavar="SPEC", default=None,
                         help="inject a seeded fault schedule, e.g. 'seed=1,load_fail=0.2,abort=0.05'; SPEC grammar "
@@ -106,6 +106,12 @@ def _run(args: argparse.Namespace) -> int:
                     kv_gate=gate, faults=injector, device=args.device)
     for request in workload.requests:  # reject a bad request before the progress bar opens
         worker.validate_request(request.to_request())
+    if worker.kv_compare is not None:  # an unwritable log fails now, not after the run
+        try:
+            worker.kv_compare.sink.open()
+        except OSError as error:
+            raise UsageError(f"divergence log {gate.compare_log}: cannot open it for writing: "
+                             f"{error.strerror or error}") from None
     source = args.workload if args.workload in BUILTIN_WORKLOADS else str(Path(args.workload).resolve())
     try:
         with progress_bar() as progress:
@@ -144,6 +150,7 @@ def _run_summary(result: RunResult, worker: Worker, args: argparse.Namespace) ->
     compared = result.compare_summary
     if compared is not None:
         summary |= {"kv_shadow_path": compared.shadow, "kv_compare_sample": gate.compare_sample,
+                    "kv_compare_ops": list(gate.compare_ops),
                     "steps_compared": dict(compared.steps_compared),
                     "divergences": sum(compared.divergences.values()),
                     "divergences_by_op": dict(compared.divergences),

@@ -7,13 +7,14 @@ import json
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from batchgen.validation import validate_back_to_back
 from batchgen.validation_report import DIRECTIONS, ValidationReport, compare_overhead
 from batchgen.cli.common import (
     COMPARE_ROWS, EXIT_FAILED, EXIT_OK, VALIDATION_ROWS, add_model_args, add_output_args, add_scale_arg,
-    by_op, cell, context, model_from_args, progress_bar, progress_callback,
+    by_op, cell, check_directory, context, make_directory, model_from_args, progress_bar, progress_callback,
 )
 
 # ---- validate ----------------------------------------------------------------------------------
@@ -28,16 +29,19 @@ def add_validate_command(commands) -> None:
                     "apply. Writes the divergence log and its reports into --reports-dir. Exit 0 when every "
                     "check passes, 1 otherwise.")
     add_model_args(parser)
-    add_scale_arg(parser)
+    add_scale_arg(parser, workload_files=False)
     parser.add_argument("--reports-dir", default="reports", metavar="DIR",
-                        help="where divergences.jsonl (the log, replaced) and its .md, .xml (JUnit) and .json "
-                             "reports go (default: %(default)s)")
+                        help="where divergences.jsonl (the log, replaced once every run is done: an interrupted "
+                             "validation leaves the last one, and its partial log as divergences.jsonl.partial) "
+                             "and its .md, .xml (JUnit) and .json reports go (default: %(default)s)")
     add_output_args(parser)
     parser.set_defaults(handler=_validate)
 
 
 def _validate(args: argparse.Namespace) -> int:
+    check_directory("--reports-dir", args.reports_dir)  # before the model loads, which can take a minute
     model = model_from_args(args)
+    make_directory("--reports-dir", args.reports_dir)
     with progress_bar() as progress:
         report = validate_back_to_back(model, seed=args.seed, scale=args.scale, device=args.device,
                                        reports_dir=args.reports_dir, on_progress=progress_callback(progress))
@@ -72,7 +76,7 @@ def _runs_table(title: str, runs: list, rows: dict[str, str]) -> Table:
     table.add_column("after the run", no_wrap=True)
     for run in runs:
         kv = f"{run.kv_path}\n{run.shadow_path}" if run.shadow_path else run.role
-        table.add_column(f"{run.workload}\n{kv}", justify="right")
+        table.add_column(escape(f"{run.workload}\n{kv}"), justify="right")
     for key, label in rows.items():
         table.add_row(label, *(cell(run.summary.get(key, "")) for run in runs))
     return table

@@ -65,6 +65,8 @@ class FaultSpec:
             key = key.strip()
             if not sep or key not in names:
                 raise FaultSpecError(f"--faults: {part!r} is not KEY=VALUE with KEY one of {', '.join(sorted(names))}")
+            if key in values:
+                raise FaultSpecError(f"--faults: {key} is given twice; give each KEY once")
             values[key] = cls._value(key, raw.strip())
         return cls(**values)
 

@@ -308,6 +308,8 @@ class KvCompare:
             "shadow_path": self.shadow_path,
             "workload_source": self.workload_source,
             "scale": self.scale,
+            "vocab_size": self.target.model_config.vocab_size,  # built-in traces draw their token ids (and so their
+            # lengths, through the generator) from it
             "engine": self.target.engine_config.model_dump(mode="json"),  # overrides (--kv-load-*) included
             "faults": self.faults,
         }

@@ -132,8 +132,10 @@ def canonical_stats(target: KvTarget) -> dict:
     return {name: getattr(stats, name) for name in STAT_FIELDS}
 
 
+# Journal events and copies as records with named fields, so a report's wildcarded paths keep them apart
+# (`copies[*].dst_page_ids[*]`, not `copies[*][*][*]` for source and destination alike).
 def canonical_events(events) -> list:
-    return [[e.kind, e.uuid, list(e.page_ids)] for e in events]
+    return [{"kind": e.kind, "uuid": e.uuid, "page_ids": list(e.page_ids)} for e in events]
 
 
 def canonical_pools(target: KvTarget, gpu_events: list, host_events: list) -> dict:
@@ -142,7 +144,8 @@ def canonical_pools(target: KvTarget, gpu_events: list, host_events: list) -> di
 
 
 def canonical_copies(copies) -> list:
-    return [[c.kind, c.uuid, list(c.src_page_ids), list(c.dst_page_ids)] for c in copies]
+    return [{"kind": c.kind, "uuid": c.uuid, "src_page_ids": list(c.src_page_ids), "dst_page_ids": list(c.dst_page_ids)}
+            for c in copies]
 
 
 def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Sequence[str]) -> None:

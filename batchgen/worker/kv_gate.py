@@ -70,8 +70,9 @@ class KvGateConfig(BaseModel):
         path = Path(value)
         if path.is_dir():
             raise ValueError(f"{value} is a directory")
-        if path.parent.exists() and not path.parent.is_dir():
-            raise ValueError(f"{path.parent} is not a directory")
+        blocker = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+        if blocker is not None:
+            raise ValueError(f"{blocker} is not a directory")
         return value
 
     @property
