@@ -19,6 +19,7 @@ from batchgen.cli.common import (
 
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)
+UNENDED = "a run in it did not end (no run summary closes it, or its last line is cut short)"
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -62,9 +63,6 @@ def _report(args: argparse.Namespace) -> int:
     if args.format == "md":
         _append_step_summary(text)
     return EXIT_FAILED if failed else EXIT_OK
-
-
-UNENDED = "a run in it did not end (no run summary closes it, or its last line is cut short)"
 
 
 def _ended(log: LogReadResult) -> bool:

@@ -169,9 +169,10 @@ def _reject_ids(field: str, page_ids) -> None:
 # ---- appliers: validate everything, then mutate ------------------------------------------
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
     """Mutates phases, page tables, pools (host frees, retried loads), stats."""
-    uuids = [s.uuid for s in plan.steps]
-    _check_unique("PollPlan.steps", uuids)
-    if observed.keys() != set(uuids):
+    uuids = {s.uuid for s in plan.steps}
+    if len(uuids) != len(plan.steps):
+        _check_unique("PollPlan.steps", [s.uuid for s in plan.steps])  # raises, naming the steps
+    if observed.keys() != uuids:
         raise PlanRejected("PollPlan.steps", f"covers {sorted(uuids)}, observed {sorted(observed)}")
     requests = target.state.requests
     for i, step in enumerate(plan.steps):  # field names are formatted only on the error paths
@@ -227,17 +228,8 @@ def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
         req = requests.get(uuid)
         if req is None or req.phase not in DONE_PHASES:
             _request(target, f"ReleasePlan.released[{i}]", uuid, DONE_PHASES)  # raises, naming why
-    released = set(plan.released)
-    _check_unique("ReleasePlan.drop_pending_append_ids", plan.drop_pending_append_ids)
-    for i, uuid in enumerate(plan.drop_pending_append_ids):
-        if uuid not in released:
-            raise PlanRejected(f"ReleasePlan.drop_pending_append_ids[{i}]", f"{uuid!r} is not being released")
-    if len(plan.drop_pending_append_ids) != len(released) and target.pending_appends:
-        dropped = set(plan.drop_pending_append_ids)
-        stranded = [uuid for uuid in plan.released if uuid not in dropped and target.has_pending_append(uuid)]
-        if stranded:
-            raise PlanRejected("ReleasePlan.drop_pending_append_ids",
-                               f"released {stranded} would keep their pending appends")
+    if plan.drop_pending_append_ids != plan.released:  # else checked above (the manager drops every released one)
+        _check_drops(target, plan)
     for uuid in plan.released:
         req = target.state.remove(uuid)
         req.drain_load()
@@ -246,6 +238,19 @@ def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
         target.state.outputs[uuid] = req.to_output()
     for uuid in plan.drop_pending_append_ids:
         target.drop_pending_append(uuid)
+
+
+def _check_drops(target: KvTarget, plan: ReleasePlan) -> None:
+    """PlanRejected unless the plan drops each pending append once, only of released requests, and strands none."""
+    released = set(plan.released)
+    _check_unique("ReleasePlan.drop_pending_append_ids", plan.drop_pending_append_ids)
+    for i, uuid in enumerate(plan.drop_pending_append_ids):
+        if uuid not in released:
+            raise PlanRejected(f"ReleasePlan.drop_pending_append_ids[{i}]", f"{uuid!r} is not being released")
+    dropped = set(plan.drop_pending_append_ids)
+    stranded = [uuid for uuid in plan.released if uuid not in dropped and target.has_pending_append(uuid)]
+    if stranded:
+        raise PlanRejected("ReleasePlan.drop_pending_append_ids", f"released {stranded} would keep their pending appends")
 
 
 def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
