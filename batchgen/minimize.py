@@ -203,6 +203,8 @@ class _Search:
         self._verdicts: dict[str, bool] = {}
 
     def fails(self, workload: Workload) -> bool:
+        if not workload.requests:  # nothing runs, nothing diverges
+            return False
         key = workload.model_dump_json()
         if key not in self._verdicts:
             self._verdicts[key] = self._run(workload)

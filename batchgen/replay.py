@@ -265,6 +265,9 @@ def _allocated_ids(replay: dict, tier: str) -> list[int]:
     ids: list[int] = []
     for side in sides:
         for event in (pools.get(side) or {}).get(tier, ()):
+            if not isinstance(event, dict) or "kind" not in event or "page_ids" not in event:
+                raise ReplayError(f"the record's {side} {tier} pool events are not records with a kind and page ids "
+                                  f"({event!r}); a log written by an older batchgen cannot be replayed")
             if event["kind"] == "alloc":
                 ids.extend(event["page_ids"])
     return list(dict.fromkeys(ids))

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from compare import RunSummary
+from compare import RunSummary, exception_text
 from batchgen.worker.state import RequestOutput, WorkerStats
 from batchgen.worker.worker import Worker
 from batchgen.workloads import MAX_STEPS, Workload
@@ -99,7 +99,7 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
     before = _copy_stats(worker.state.stats)
     arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
     if max_steps is None:
-        max_steps = arrivals[-1].arrival_step + MAX_STEPS
+        max_steps = max((r.arrival_step for r in arrivals), default=0) + MAX_STEPS
     aborts = sorted((r.arrival_step + r.abort_step, r.uuid) for r in workload.requests if r.abort_step is not None)
     uuids = {r.uuid for r in workload.requests}
     started = time.perf_counter()
@@ -127,10 +127,10 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
                 worker.check_integrity()
             if on_step is not None:
                 on_step(sum(u in worker.state.outputs for u in uuids), len(uuids))
-    except BaseException:  # a stall, a divergence in raise mode, Ctrl-C: the compare log still gets the summary
+    except BaseException as error:  # a stall, a divergence in raise mode, Ctrl-C: the log still gets the summary
         if worker.kv_compare is not None:
             with contextlib.suppress(Exception):  # the run's own error is the one to report
-                worker.kv_compare.end_run()
+                worker.kv_compare.end_run(stopped_by=exception_text(error))
         raise
     wall = time.perf_counter() - started
     compare_summary = worker.kv_compare.end_run() if worker.kv_compare is not None else None

@@ -6,7 +6,7 @@ nothing of the code it compares (it never imports `batchgen`).
 
     canonical  canonicalize / flatten / wildcard       plain comparable data and leaf paths
     diff       diff -> Diff                              equal?, differing paths, explanation
-    observation Observation, Comparison                 one path's outcome; both compared
+    observation Observation, Comparison, exception_text  one path's outcome; both compared
     shadow     ShadowExecutor                            run both paths, return the authoritative
     records    DivergenceRecord, RunSummary              the versioned JSON line schema
     sink       JsonlSink, read_log(s), write_atomic      durable append, tolerant read
@@ -25,7 +25,7 @@ from compare.diff import Diff, diff
 
 _MODULES = {
     "compare.canonical": ("Keyed", "canonicalize", "flatten", "wildcard"),
-    "compare.observation": ("Comparison", "Observation"),
+    "compare.observation": ("Comparison", "Observation", "exception_text"),
     "compare.shadow": ("DivergenceError", "HarnessWarning", "ShadowExecutor", "ShadowStats"),
     "compare.records": ("SCHEMA_VERSION", "DivergenceRecord", "LogRecord", "RecordError",
                         "RunSummary", "json_schema", "parse_record", "write_json_schema"),

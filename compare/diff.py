@@ -41,8 +41,10 @@ def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
         return Diff(equal=True)
     left, right = flatten(expected), flatten(actual, like=expected)  # mapping kinds named as expected's
     paths = [path for path in sorted(left.keys() | right.keys())
-             if (path not in left or path not in right or not _same(left[path], right[path]))
-             and not _emptied(path, left, right)]
+             if path not in left or path not in right or not _same(left[path], right[path])]
+    emptied = _emptied([path for path in paths if path not in left or path not in right], left, right)
+    if emptied:
+        paths = [path for path in paths if path not in emptied]
     skip = re.compile("|".join(_glob_to_regex(glob) for glob in ignore)).fullmatch if ignore else None
     if skip is not None:
         paths = [path for path in paths if not skip(path)]
@@ -58,17 +60,25 @@ def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
     return Diff(equal=False, paths=tuple(paths), detail=detail)
 
 
-def _emptied(path: str, left: dict[str, Any], right: dict[str, Any]) -> bool:
-    """Whether ``path`` is an empty container on one side where the other side has leaves beneath it: those
-    leaves name the difference (and ignore globs apply to them), so the container's own path does not."""
-    for here, there in ((left, right), (right, left)):
-        if here.get(path, None) in ({}, []) and path not in there and any(_beneath(other, path) for other in there):
-            return True
-    return False
+def _emptied(one_sided: list[str], left: dict[str, Any], right: dict[str, Any]) -> set[str]:
+    """Of the paths present on one side only, those that are an empty container there while the other side
+    has leaves beneath them: those leaves name the difference (and ignore globs apply to them), so the
+    container's own path does not. O(paths)."""
+    candidates = [(path, right if path in left else left) for path in one_sided
+                  if (left if path in left else right)[path] in ({}, [])]
+    if not candidates:
+        return set()
+    parents = {id(left): _parents(left), id(right): _parents(right)}
+    return {path for path, there in candidates if path in parents[id(there)]}
 
 
-def _beneath(path: str, parent: str) -> bool:
-    return parent == "" or path.startswith((f"{parent}.", f"{parent}["))
+def _parents(flat: dict[str, Any]) -> set[str]:
+    """Every container path above a leaf path of ``flat`` (`a`, `a.b` and `a.b[0]` for `a.b[0].c`; `""` for the
+    root)."""
+    out = {""}
+    for path in flat:
+        out.update(path[:i] for i, char in enumerate(path) if char in ".[" and i)
+    return out
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -86,17 +86,18 @@ class RunSummary(_Record):
     harness_errors: int
     compare_seconds: float  # harness time on top of the authoritative path
     authoritative_seconds: float  # time in the authoritative path on compared steps
+    stopped_by: str | None = None  # why the run stopped before its work was done ("Type: message"); None: it was done
 
     @classmethod
     def from_stats(cls, stats: ShadowStats, *, run_id: str, workload: str, seed: int,
-                   authoritative: str, shadow: str) -> RunSummary:
+                   authoritative: str, shadow: str, stopped_by: str | None = None) -> RunSummary:
         """Build a run's summary from its executor's counters."""
         return cls(
             run_id=run_id, workload=workload, seed=seed, authoritative=authoritative,
             shadow=shadow, steps_compared=dict(stats.num_compared),
             divergences=dict(stats.num_divergences), harness_errors=stats.num_harness_errors,
             compare_seconds=stats.compare_seconds,
-            authoritative_seconds=stats.authoritative_seconds,
+            authoritative_seconds=stats.authoritative_seconds, stopped_by=stopped_by,
         )
 
 

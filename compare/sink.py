@@ -45,7 +45,7 @@ class JsonlSink:
             while view:
                 view = view[os.write(self._fd, view):]
         except BaseException:
-            if len(view) < len(data):
+            if os.fstat(self._fd).st_size != size:  # part of the line made it (maybe before a signal)
                 os.ftruncate(self._fd, size)
             raise
 

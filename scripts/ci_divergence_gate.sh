@@ -9,8 +9,9 @@
 #   PYTHON        the interpreter with batchgen installed (default: .venv/bin/python, else python3)
 #
 # Writes REPORTS_DIR/divergences.{jsonl,md,xml,json}. Exits with `batchgen validate`'s status: 0 when
-# every check passed, 1 on any divergence or failed check, 2 on bad input; a log that cannot be
-# rendered (exit 2 of `batchgen report`) fails the gate too.
+# every check passed, 1 on any divergence or failed check, 2 on bad input, 130 when interrupted; a log
+# that cannot be rendered (exit 2 of `batchgen report`) fails the gate too, and a validation that did
+# not finish (its divergences.jsonl.partial left behind) renders nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -21,7 +22,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # tiny models on shared CI cores: 
 status=$?
 
 log="$REPORTS_DIR/divergences.jsonl"
-if [ -f "$log" ]; then
+if [ -f "$log.partial" ]; then
+    # validate stopped before its last run (interrupted, or a crash): the log beside it is an earlier run's
+    echo "ci_divergence_gate: validate did not finish; its partial log is $log.partial (not rendered)" >&2
+    [ "$status" -eq 0 ] && status=1
+elif [ -f "$log" ]; then
     # Exit 1 only says "there are divergences" (validate already failed for them); 2 is an unreadable log.
     "$PY" -m batchgen report "$log" --format md
     md_status=$?

@@ -17,6 +17,7 @@ import torch
 from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
 from batchgen import runner
 from batchgen.cli import main
+from batchgen.cli.logs import UNENDED
 from batchgen.worker.kv_gate import ENV_PREFIX
 from batchgen.worker.worker import Worker
 from batchgen.workloads import builtin_workload, load_workload
@@ -138,6 +139,7 @@ def test_run_that_cannot_progress_exits_1_naming_the_stall(compare, capsys, monk
     if compare == "log":  # the stalled run still closes its compare log with a summary
         [summary] = read_log(log).records
         assert isinstance(summary, RunSummary) and summary.workload == "smoke" and summary.divergences == {}
+        assert summary.stopped_by.startswith("RunStalled: smoke: no progress in 300 steps")
     captured = capsys.readouterr()
     assert captured.out == ""
     [line] = [line for line in captured.err.splitlines() if line.startswith("batchgen:")]
@@ -162,6 +164,9 @@ def test_an_interrupted_run_still_ends_its_compare_log_and_exits_130(capsys, mon
     assert capsys.readouterr().err.strip().endswith("batchgen: interrupted")
     [summary] = read_log(log).records
     assert isinstance(summary, RunSummary) and sum(summary.steps_compared.values()) > 0
+    assert summary.stopped_by == "KeyboardInterrupt: "
+    assert main(["report", str(log)]) == 2  # the run stopped early: its log vouches for nothing
+    assert error_line(capsys) == f"batchgen: error: {log}: {UNENDED}, so it vouches for nothing compared"
 
 
 def test_an_unwritable_compare_log_stops_the_run_before_it_starts(capsys, monkeypatch, tmp_path):
@@ -423,13 +428,13 @@ def test_report_exits_2_for_a_log_where_no_run_ended(logs, capsys, tmp_path):
     unended = tmp_path / "unended.jsonl"
     unended.write_text("")  # a run that died before its summary, having logged no divergence
     assert main(["report", str(clean), str(unended)]) == 2
-    assert error_line(capsys) == (f"batchgen: error: {unended}: a run in it did not end (no run summary closes it, or its last line is cut short), so it vouches for "
+    assert error_line(capsys) == (f"batchgen: error: {unended}: {UNENDED}, so it vouches for "
                                   f"nothing compared")
     assert capsys.readouterr().out == ""
     assert main(["report", str(buggy), str(unended)]) == 1  # divergences are still reported, with a warning
     captured = capsys.readouterr()
     assert captured.out.startswith(f"{num_divergences(buggy)} divergences in ")
-    assert captured.err.strip() == f"batchgen: warning: {unended}: a run in it did not end (no run summary closes it, or its last line is cut short)"
+    assert captured.err.strip() == f"batchgen: warning: {unended}: {UNENDED}"
 
 
 @pytest.mark.parametrize("format_", ["text", "md", "junit", "json"])

@@ -21,6 +21,7 @@ from compare import DivergenceRecord, read_log
 from compare.records import RunSummary
 from compare.sink import JsonlSink
 from batchgen.cli import main
+from batchgen.cli.logs import UNENDED
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_RECORDS = 12  # complete log lines to wait for before the kill
@@ -161,7 +162,7 @@ def test_a_write_that_fails_before_the_rename_leaves_the_old_report_and_no_temp_
 
     monkeypatch.setattr("compare.sink.os.replace", no_space)
     assert main(["report", str(killed_log), "--format", "md", "--out", str(previous_report)]) == 2
-    assert capsys.readouterr().err == (f"batchgen: warning: {killed_log}: a run in it did not end (no run summary closes it, or its last line is cut short)\n"
+    assert capsys.readouterr().err == (f"batchgen: warning: {killed_log}: {UNENDED}\n"
                                        f"batchgen: error: --out {previous_report}: cannot write the report: "
                                        f"No space left on device\n")
     assert previous_report.read_text() == OLD_REPORT

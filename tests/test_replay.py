@@ -137,8 +137,9 @@ def alloc_record(*, views, num_free_gpu, authoritative_ids, shadow_ids, batch):
     needing = [by_uuid[u] for u in batch if by_uuid[u][3] > len(by_uuid[u][5]) * GEOMETRY["page_size"]]
     columns = {"uuids": [v[0] for v in needing], "num_tokens": [v[3] for v in needing],
                "gpu_page_ids": [v[5] for v in needing]}
-    pools = {side: {"gpu": [{"kind": "alloc", "uuid": batch[-1], "page_ids": ids}], "host": [], "num_free_gpu": num_free_gpu - len(ids),
-                    "num_free_host": 4} for side, ids in (("authoritative", authoritative_ids), ("shadow", shadow_ids))}
+    pools = {side: {"gpu": [{"kind": "alloc", "uuid": batch[-1], "page_ids": ids}], "host": [],
+                    "num_free_gpu": num_free_gpu - len(ids), "num_free_host": 4}
+             for side, ids in (("authoritative", authoritative_ids), ("shadow", shadow_ids))}
     replay = {"op": "alloc", "request_type": "AllocRequest",
               "request": {"snapshot": snapshot, "needing": columns, "batch": batch},
               "pre_state": {"snapshot": snapshot, "requests": views}, "pools": pools, "kv_path": "legacy", "shadow_path": "plan", "workload_source": "smoke", "scale": 1.0}
@@ -148,6 +149,13 @@ def alloc_record(*, views, num_free_gpu, authoritative_ids, shadow_ids, batch):
 
 
 VIEWS = [["a", "running", 0, 9, 8, [3, 4, 5], [], 0, None], ["b", "waiting", 1, 6, 0, [], [], 0, None]]
+
+
+def test_a_record_with_pool_events_in_another_form_is_refused_by_name():
+    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"])
+    record.replay["pools"]["authoritative"]["gpu"] = [["alloc", "b", [7, 2]]]  # events as lists, not records
+    with pytest.raises(ReplayError, match="authoritative gpu pool events are not records"):
+        rebuild_target(record)
 
 
 def test_the_rebuilt_free_queue_hands_out_the_allocated_ids_first():

@@ -218,3 +218,4 @@ def test_validation_reports_a_leak_in_every_direction_and_stops_each(model, two_
     assert len(report.failures) == 3
     for failure, role in zip(report.failures, ROLES):
         assert re.fullmatch(rf"pa {role}: integrity check failed at step \d+: pa-r1: GPU page table != pool", failure)
+    assert report.compare.num_runs == 3  # one summary per run that broke off, each saying why it stopped

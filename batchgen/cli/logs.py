@@ -19,7 +19,7 @@ from batchgen.cli.common import (
 
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)
-UNENDED = "a run in it did not end (no run summary closes it, or its last line is cut short)"
+UNENDED = "a run in it did not end (it stopped early, no run summary closes it, or its last line is cut short)"
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -30,8 +30,8 @@ def add_report_command(commands) -> None:
                     "field path. A last line cut short by a crash is skipped with a warning on stderr. Exit 0 "
                     "when there is no divergence and no harness error (a failure inside compare mode, which "
                     "leaves the op it hit uncompared), 1 when there is either, 2 when an input is unreadable "
-                    "or a run in it did not end (no run summary closes it, or its last line is cut short), so "
-                    "that a log whose run died vouches for nothing.")
+                    "or a run in it did not end (it stopped early, no run summary closes it, or its last line is "
+                    "cut short), so that a log whose run died vouches for nothing.")
     parser.add_argument("logs", nargs="+", metavar="LOG", help="divergence log files, merged in the order given")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
@@ -66,8 +66,11 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _ended(log: LogReadResult) -> bool:
-    """Whether every run that wrote to the log ended: its last record is a run summary, whole. Pure."""
-    return not log.num_skipped and bool(log.records) and isinstance(log.records[-1], RunSummary)
+    """Whether every run that wrote to the log did all its work: the log ends in a whole run summary, and no
+    summary says its run stopped early. Pure."""
+    records = log.records
+    return (not log.num_skipped and bool(records) and isinstance(records[-1], RunSummary)
+            and not any(isinstance(record, RunSummary) and record.stopped_by for record in records))
 
 
 def _write_out(path: str, text: str) -> None:

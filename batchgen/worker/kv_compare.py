@@ -159,6 +159,7 @@ class KvCompare:
         self.run_id = self.workload = self.workload_source = ""
         self.scale = 1.0
         self._written: dict = {}  # what the last authoritative step wrote: uuid -> the request before it
+        self._summary: RunSummary | None = None  # the current run's summary, once it ended
         self.executor = self.begin_run("unnamed", seed=seed)
 
     # ---- runs ----------------------------------------------------------------------------
@@ -167,18 +168,22 @@ class KvCompare:
         self.run_id = f"{workload}-{uuid_lib.uuid4().hex[:8]}"
         self.workload, self.seed = workload, seed
         self.workload_source, self.scale = source or workload, scale
+        self._summary = None
         self.executor = ShadowExecutor(
             mode=self.gate.compare, sample=self.gate.compare_sample, seed=seed, ops=self.gate.compare_ops,
             classify=classify, exception_kind=exception_kind, on_divergence=self._record,
         )
         return self.executor
 
-    def end_run(self) -> RunSummary:
-        """Write and return the run's summary record."""
-        summary = RunSummary.from_stats(self.executor.stats(), run_id=self.run_id, workload=self.workload,
-                                        seed=self.seed, authoritative=self.authoritative_path, shadow=self.shadow_path)
-        self.sink.write(summary)
-        return summary
+    def end_run(self, *, stopped_by: str | None = None) -> RunSummary:
+        """Write and return the run's summary record, once: a later call returns the same summary.
+        ``stopped_by``: why the run stopped before its work was done (None: it was done)."""
+        if self._summary is None:
+            self._summary = RunSummary.from_stats(
+                self.executor.stats(), run_id=self.run_id, workload=self.workload, seed=self.seed,
+                authoritative=self.authoritative_path, shadow=self.shadow_path, stopped_by=stopped_by)
+            self.sink.write(self._summary)
+        return self._summary
 
     # ---- the KvPath interface ---------------------------------------------------------------
     def poll(self, observed: Mapping[str, str | None]) -> None:

@@ -208,6 +208,25 @@ def test_a_write_that_fails_part_way_is_cut_off_so_later_records_stay_readable(t
     assert ([record.step for record in result.records], result.num_skipped) == ([0, 2], 0)
 
 
+def test_a_write_interrupted_after_part_of_its_line_is_cut_off(tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    sink = JsonlSink(path)
+    sink.write(make_record(0))
+    real_write = os.write
+
+    def interrupted(fd, data):  # part of the line reaches the file, then Ctrl-C lands before write returns
+        real_write(fd, bytes(data[:40]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sink.write(make_record(1))
+    monkeypatch.setattr(os, "write", real_write)
+    sink.write(make_summary())
+    sink.close()
+    assert [record.record_type for record in read_log(path).records] == ["divergence", "run_summary"]
+
+
 def test_non_finite_floats_read_back_as_themselves(tmp_path):
     path = tmp_path / "log.jsonl"
     write_log(path, [make_record(0).model_copy(update={"replay": {"x": float("inf"), "y": [float("-inf")],
