@@ -8,10 +8,11 @@ append tensors stay the worker's: a plan only names which ones to drop.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Mapping, Sequence
 
 from batchgen.config import DTYPE_SIZES
-from batchgen.worker.kv_manager import KVCacheManager, pages_for
+from batchgen.worker.kv_manager import KVCacheManager
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, EvictionPlan, EvictionRequest, KvGeometry, KvSnapshot,
     MigrationPlan, MigrationRequest, PageColumns, PollAction, PollPlan, PollRequest, ReleasePlan,
@@ -45,6 +46,8 @@ WAITING, RUNNING, SWAPPED, LOADING, FAILED = Phase.WAITING, Phase.RUNNING, Phase
 COMPLETE, RETRY, FAIL, TO_HOST = PollAction.COMPLETE, PollAction.RETRY, PollAction.FAIL, Destination.HOST
 NO_PAGES, NO_SWAPPED = PageColumns((), (), ()), SwappedColumns((), (), ())
 _ADMISSIBLE = (RUNNING, WAITING)  # phases a request may be allocated pages in
+_GRANT_UUID = operator.itemgetter(0)  # PageGrant.uuid, read in C
+_NONE_LEFT_OUT: frozenset[str] = frozenset()
 
 
 # Columns are built by comprehensions: on Python 3.11 a specialised slot read in a comprehension costs about
@@ -338,7 +341,7 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
                                                     f"free GPU pages, the target is at step {state.step} with "
                                                     f"{target.gpu_kv.pages.num_free}")
     needing = set(request.needing.uuids)
-    granted_uuids = {g.uuid for g in plan.grants}
+    granted_uuids = set(map(_GRANT_UUID, plan.grants))
     if len(granted_uuids) != len(plan.grants):
         _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
     page_size, admissible = target.cache_config.page_size, _ADMISSIBLE
@@ -348,13 +351,13 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
         req = requests.get(grant.uuid)
         if req is None or req.phase not in admissible:
             _request(target, f"AllocPlan.grants[{i}].uuid", grant.uuid, admissible)  # raises, naming the problem
-        need = max(0, pages_for(req.num_tokens, page_size) - len(req.gpu_page_ids))  # as the manager counts it
+        need = max(0, -(-req.num_tokens // page_size) - len(req.gpu_page_ids))  # as the manager counts it (pages_for)
         if type(grant.new_page_ids) is not tuple:
             _reject_ids(f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids)
         if len(grant.new_page_ids) != need:
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {need} needed")
-    left_out = {d.uuid for d in plan.not_fitting}
+    left_out = {d.uuid for d in plan.not_fitting} if plan.not_fitting else _NONE_LEFT_OUT
     if len(left_out) != len(plan.not_fitting):
         _check_unique("AllocPlan.not_fitting", [d.uuid for d in plan.not_fitting])  # raises, naming them
     if not (left_out <= needing and left_out.isdisjoint(granted_uuids)):
