@@ -1,8 +1,10 @@
 # make run  : back-to-back L2-2048 + L2-4096 validation (sets itself up from nothing)
 # make test : the CPU test suite
+# On a host whose torch should be kept (a CUDA build): make test TORCH_SPEC= VENV_FLAGS=--system-site-packages
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -11,7 +13,7 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
 	$(PY) -m pip install -q -e ".[dev]"

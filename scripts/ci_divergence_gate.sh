@@ -4,7 +4,7 @@
 # ($GITHUB_STEP_SUMMARY, appended to by `batchgen report --format md` when it is set) and JUnit XML for a
 # test reporter.
 #
-# Usage: scripts/ci_divergence_gate.sh [VALIDATE FLAGS...]     e.g. --scale 0.5, --seed 3
+# Usage: scripts/ci_divergence_gate.sh [VALIDATE FLAGS...]     e.g. --seed 3, --scale 2
 #   REPORTS_DIR   where the log and reports go (default: reports)
 #   PYTHON        the interpreter with batchgen installed (default: .venv/bin/python, else python3)
 #
@@ -13,6 +13,9 @@
 # that cannot be rendered (exit 2 of `batchgen report`) fails the gate too, and a validation that did
 # not finish (its divergences.jsonl.partial left behind) renders nothing.
 set -uo pipefail
+case "${1:-}" in
+    -h|--help) sed -n '2,16s/^# \{0,1\}//p' "$0"; exit 0 ;;  # this header; validate's own flags: batchgen validate --help
+esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 REPORTS_DIR=${REPORTS_DIR:-reports}

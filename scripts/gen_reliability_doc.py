@@ -9,6 +9,7 @@ summary line; exit 0.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +25,8 @@ from bad_inputs import CASES, run_case, render_doc  # noqa: E402
 from compare import write_atomic  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Takes no arguments.").parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="batchgen-bad-inputs-") as temp:
         outcomes = {}
@@ -39,4 +41,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -494,13 +494,14 @@ REGEN_COMMAND = "OMP_NUM_THREADS=1 .venv/bin/python scripts/gen_reliability_doc.
 
 INTRO = f"""# Reliability: bad inputs and their messages
 
-Every `batchgen` command ends with one of three exit codes:
+Every `batchgen` command ends with one of these exit codes:
 
 | exit | meaning |
 |---|---|
 | 0 | done (`report`: no divergence; `replay`: the divergence reproduced) |
 | 1 | ran, and failed: validation failed, divergences found, a divergence did not reproduce |
 | 2 | bad input: nothing ran or was written; stderr is one `batchgen: error:` line saying what was wrong and what is allowed |
+| 130 | interrupted (Ctrl-C): stderr says `batchgen: interrupted`; logs end in whole records, each compare run with its summary |
 
 The table below lists every bad input the test suite feeds the command and the exact line it prints.
 Paths are relative to the directory the command ran in.

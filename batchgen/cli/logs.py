@@ -27,11 +27,12 @@ def add_report_command(commands) -> None:
     parser = commands.add_parser(
         "report", help="merge divergence logs into one report",
         description="Merge divergence logs (JSON Lines from compare mode) and report divergences per op and per "
-                    "field path. A last line cut short by a crash is skipped with a warning on stderr. Exit 0 "
+                    "field path. A last line cut short by a crash is skipped (its run did not end: see below). Exit 0 "
                     "when there is no divergence and no harness error (a failure inside compare mode, which "
-                    "leaves the op it hit uncompared), 1 when there is either, 2 when an input is unreadable "
-                    "or a run in it did not end (it stopped early, no run summary closes it, or its last line is "
-                    "cut short), so that a log whose run died vouches for nothing.")
+                    "leaves the op it hit uncompared), 1 when there is either, 2 when an input is unreadable, "
+                    "or when a run in it did not end (it stopped early, no run summary closes it, or its last "
+                    "line is cut short) and nothing diverged: a log whose run died vouches for nothing (with "
+                    "divergences it still exits 1, with a warning).")
     parser.add_argument("logs", nargs="+", metavar="LOG", help="divergence log files, merged in the order given")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
