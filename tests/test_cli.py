@@ -141,8 +141,10 @@ def test_run_that_cannot_progress_exits_1_naming_the_stall(compare, capsys, monk
         assert isinstance(summary, RunSummary) and summary.workload == "smoke" and summary.divergences == {}
         assert summary.stopped_by.startswith("RunStalled: smoke: no progress in 300 steps")
     captured = capsys.readouterr()
-    assert captured.out == ""
+    stopped = one_json_object(captured.out)
+    assert (stopped["workload"], stopped["stopped"]) == ("smoke", "stalled")
     [line] = [line for line in captured.err.splitlines() if line.startswith("batchgen:")]
+    assert line == f"batchgen: stalled: {stopped['message']}"
     assert line == ("batchgen: stalled: smoke: no progress in 300 steps (no token, release, eviction, load or "
                     "preemption) with 8 requests live (8 waiting), 0 of 24 GPU pages free (an injected fault holding "
                     "the pools, such as gpu_refuse=1, can do this)")

@@ -119,12 +119,10 @@ def _run(args: argparse.Namespace) -> int:
             result = run_workload(worker, workload, source=source, scale=args.scale,
                                   on_step=lambda done, total: on_progress(workload.name, done, total))
     except DivergenceError as error:  # --kv-compare raise
-        print(f"batchgen: divergence: {'; '.join(str(error).splitlines())} (logged to {gate.compare_log})",
-              file=sys.stderr)
-        return EXIT_FAILED
+        return _stopped(args, workload.name, "divergence",
+                        f"{'; '.join(str(error).splitlines())} (logged to {gate.compare_log})")
     except RunStalled as error:
-        print(f"batchgen: stalled: {error}", file=sys.stderr)
-        return EXIT_FAILED
+        return _stopped(args, workload.name, "stalled", str(error))
     finally:
         if worker.kv_compare is not None:
             worker.kv_compare.sink.close()
@@ -134,6 +132,15 @@ def _run(args: argparse.Namespace) -> int:
     else:
         Console().print(key_value_table(f"batchgen run: {workload.name}", summary))
     return EXIT_OK
+
+
+def _stopped(args: argparse.Namespace, workload: str, reason: str, message: str) -> int:
+    """Report a run that stopped before its work was done: one line on stderr, and with ``--json`` one object
+    on stdout (``workload``, ``stopped``: the reason, ``message``). Returns the exit code."""
+    print(f"batchgen: {reason}: {message}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"workload": workload, "stopped": reason, "message": message}))
+    return EXIT_FAILED
 
 
 def _engine_config(engine, args: argparse.Namespace):
