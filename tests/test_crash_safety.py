@@ -162,7 +162,7 @@ def test_a_write_that_fails_before_the_rename_leaves_the_old_report_and_no_temp_
 
     monkeypatch.setattr("compare.sink.os.replace", no_space)
     assert main(["report", str(killed_log), "--format", "md", "--out", str(previous_report)]) == 2
-    assert capsys.readouterr().err == (f"batchgen: warning: {killed_log}: {UNENDED}\n"
+    assert capsys.readouterr().err == (f"batchgen: warning: {killed_log}: {UNENDED}, so it vouches for nothing compared\n"
                                        f"batchgen: error: --out {previous_report}: cannot write the report: "
                                        f"No space left on device\n")
     assert previous_report.read_text() == OLD_REPORT

@@ -27,12 +27,12 @@ def add_report_command(commands) -> None:
     parser = commands.add_parser(
         "report", help="merge divergence logs into one report",
         description="Merge divergence logs (JSON Lines from compare mode) and report divergences per op and per "
-                    "field path. A last line cut short by a crash is skipped (its run did not end: see below). Exit 0 "
-                    "when there is no divergence and no harness error (a failure inside compare mode, which "
-                    "leaves the op it hit uncompared), 1 when there is either, 2 when an input is unreadable, "
-                    "or when a run in it did not end (it stopped early, no run summary closes it, or its last "
-                    "line is cut short) and nothing diverged: a log whose run died vouches for nothing (with "
-                    "divergences it still exits 1, with a warning).")
+                    "field path. A last line cut short by a crash is skipped with a warning on stderr. Exit 0 "
+                    "when every run in the logs ended and none diverged or hit a harness error (a failure "
+                    "inside compare mode, which leaves the op it hit uncompared); 1 when one did, or when a "
+                    "run did not end (it stopped early, no run summary closes it, or its last line is cut "
+                    "short: such a log vouches for nothing, and a warning says which); 2 when an input is "
+                    "unreadable.")
     parser.add_argument("logs", nargs="+", metavar="LOG", help="divergence log files, merged in the order given")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
@@ -50,11 +50,8 @@ def _report(args: argparse.Namespace) -> int:
     records = [record for result in results for record in result.records]
     unended = [path for path, result in zip(args.logs, results) if not _ended(result)]
     report = aggregate(records)
-    failed = report.num_divergences or report.num_harness_errors
-    if unended and not failed:
-        raise UsageError(f"{unended[0]}: {UNENDED}, so it vouches for nothing compared")
     _print_warnings([warning for result in results for warning in result.warnings])
-    _print_warnings([f"{path}: {UNENDED}" for path in unended])
+    _print_warnings([f"{path}: {UNENDED}, so it vouches for nothing compared" for path in unended])
     text = RENDERERS[args.format](report)
     if args.out is not None:
         _write_out(args.out, text)
@@ -63,7 +60,7 @@ def _report(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     if args.format == "md":
         _append_step_summary(text)
-    return EXIT_FAILED if failed else EXIT_OK
+    return EXIT_FAILED if report.num_divergences or report.num_harness_errors or unended else EXIT_OK
 
 
 def _ended(log: LogReadResult) -> bool:
