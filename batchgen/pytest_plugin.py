@@ -1,17 +1,18 @@
 """pytest plugin: ``--kv-compare=off|log|raise`` runs the workers a test builds in KV compare mode.
 
 Load it with ``-p batchgen.pytest_plugin`` (or through its ``pytest11`` entry
-point). With a mode other than ``off``, an autouse fixture sets, for each test::
+point). With a mode other than ``off``, a session-scoped autouse fixture sets,
+for the whole session (so workers built in fixtures of any scope see it)::
 
     BATCHGEN_WORKER_KV_COMPARE       the mode
-    BATCHGEN_WORKER_KV_COMPARE_LOG   --kv-compare-log, else kv-divergences.jsonl in
-                                     pytest's base temp dir (one log per session)
+    BATCHGEN_WORKER_KV_COMPARE_LOG   --kv-compare-log (made absolute), else
+                                     kv-divergences.jsonl in pytest's base temp dir
 
 and a ``Worker`` built without an explicit ``kv_gate`` parses the environment,
 so it shadows the other KV path: ``raise`` fails the test at its first
-divergence, ``log`` appends it to the log, whose count the terminal summary
-reports. A worker given an explicit ``kv_gate`` keeps it. ``off`` (the default)
-changes nothing.
+divergence, ``log`` appends it to the log; the terminal summary reports how many
+divergences this session added. A worker given an explicit ``kv_gate`` keeps it.
+``off`` (the default) changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ COMPARE_ENV = GATE_FLAGS["compare"][0]
 LOG_ENV = GATE_FLAGS["compare_log"][0]
 LOG_NAME = "kv-divergences.jsonl"
 _LOG_PATH = pytest.StashKey[Path]()
+_EARLIER = pytest.StashKey[int]()  # divergences the log held before the session
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -38,28 +40,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"divergence log of --kv-compare (default: {LOG_NAME} in pytest's base temp dir)")
 
 
-@pytest.fixture(autouse=True)
-def _batchgen_kv_compare(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
-                         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Set the compare-mode variables for the test (monkeypatch restores them after)."""
+@pytest.fixture(scope="session", autouse=True)
+def _batchgen_kv_compare(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Set the compare-mode variables for the whole session, before any other fixture of any scope builds a
+    worker (restored after). Notes how many divergences the log held already, so the summary counts this
+    session's own."""
     config = request.config
     mode = config.getoption("kv_compare")
     if mode == "off":
+        yield
         return
-    if _LOG_PATH not in config.stash:
-        option = config.getoption("kv_compare_log")
-        config.stash[_LOG_PATH] = Path(option) if option else tmp_path_factory.getbasetemp() / LOG_NAME
-    monkeypatch.setenv(COMPARE_ENV, mode)
-    monkeypatch.setenv(LOG_ENV, str(config.stash[_LOG_PATH]))
+    option = config.getoption("kv_compare_log")
+    log = Path(option).resolve() if option else tmp_path_factory.getbasetemp() / LOG_NAME  # a test may chdir
+    config.stash[_LOG_PATH] = log
+    config.stash[_EARLIER] = _num_divergences(log)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(COMPARE_ENV, mode)
+        monkeypatch.setenv(LOG_ENV, str(log))
+        yield
+
+
+def _num_divergences(log: Path) -> int:
+    if not log.exists():
+        return 0
+    from compare import DivergenceRecord, read_log  # only sessions that log pay for the import
+
+    return sum(isinstance(record, DivergenceRecord) for record in read_log(log).records)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """Report how many divergences the compare log holds, and where it is."""
+    """Report how many divergences this session added to the compare log, and where it is."""
     log = config.stash.get(_LOG_PATH, None)
     if log is None or not log.exists():
         return
-    from compare import DivergenceRecord, read_log  # only sessions that logged pay for the import
-
-    records = read_log(log).records
-    num_divergences = sum(isinstance(record, DivergenceRecord) for record in records)
+    num_divergences = _num_divergences(log) - config.stash[_EARLIER]
     terminalreporter.write_line(f"kv-compare: {num_divergences} divergences in {log}")

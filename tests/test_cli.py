@@ -18,7 +18,9 @@ from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
 from batchgen import runner
 from batchgen.cli import main
 from batchgen.cli.logs import UNENDED
+from batchgen.worker import kv_manager
 from batchgen.worker.kv_gate import ENV_PREFIX
+from batchgen.worker.kv_plans import AllocPlan, PageGrant
 from batchgen.worker.worker import Worker
 from batchgen.workloads import builtin_workload, load_workload
 
@@ -281,6 +283,28 @@ def test_compare_mode_raise_stops_at_the_first_divergence_with_exit_1(capsys, tm
     record, summary = read_log(log).records  # the run still ends with its summary record
     assert (record.op, record.step) == ("alloc", 0)
     assert isinstance(summary, RunSummary) and summary.divergences == {"alloc": 1}
+
+
+@pytest.mark.parametrize("compare", ["off", "log", "raise"])
+def test_a_plan_the_plan_path_rejects_stops_the_run_with_exit_1(compare, capsys, monkeypatch, tmp_path):
+    correct = kv_manager.KVCacheManager.plan_allocation
+
+    def one_page_too_many(self, req):
+        plan = correct(self, req)
+        return AllocPlan(tuple(PageGrant(g.uuid, (*g.new_page_ids, 10**6)) for g in plan.grants), plan.not_fitting)
+
+    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_allocation", one_page_too_many)
+    log = tmp_path / "kv.jsonl"
+    assert main(["run", "--workload", "smoke", "--json", "--kv-compare", compare, "--kv-compare-log", str(log)]) == 1
+    captured = capsys.readouterr()
+    stopped = one_json_object(captured.out)
+    assert (stopped["workload"], stopped["stopped"]) == ("smoke", "plan rejected")
+    assert stopped["message"].startswith("AllocPlan.grants[0].new_page_ids: ")
+    assert captured.err.strip().splitlines()[-1] == f"batchgen: plan rejected: {stopped['message']}"
+    if compare != "off":  # logged as an invalid_plan divergence, and the run closed with its summary
+        assert stopped["message"].endswith(f"(logged to {log})")
+        record, summary = read_log(log).records
+        assert record.kind == "invalid_plan" and summary.stopped_by.startswith("PlanRejected: ")
 
 
 def test_faults_and_load_options_reach_the_worker(capsys):

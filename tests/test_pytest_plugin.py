@@ -91,7 +91,49 @@ def test_a_worker_with_an_explicit_gate_keeps_it(buggy):
     buggy.runpytest(*PLUGIN, "--kv-compare=raise", "-k", "explicit_gate").assert_outcomes(passed=1)
 
 
-def test_the_gate_variables_are_restored_after_each_test(pytester):
+MODULE_FIXTURE_TEST = "import pytest\n" + BUGGY_WORKER_TEST + """
+
+@pytest.fixture(scope="module")
+def module_worker():
+    return Worker(NullModel(TINY_MODELS["tiny"]), cache_config=CacheConfig(page_size=4, num_gpu_pages=16,
+                  num_host_pages=8), kv_storage=False)
+
+
+def test_a_worker_from_a_module_fixture_is_compared(module_worker):
+    assert module_worker.kv_compare is not None
+"""
+
+
+def test_a_worker_built_in_a_module_scoped_fixture_runs_in_compare_mode(pytester):
+    pytester.makepyfile(test_module=MODULE_FIXTURE_TEST)
+    pytester.runpytest(*PLUGIN, "--kv-compare=log", "-k", "module_fixture").assert_outcomes(passed=1)
+
+
+def test_a_relative_log_path_holds_when_a_test_changes_directory(buggy, tmp_path):
+    buggy.makepyfile(test_chdir="""
+        from test_buggy import reversed_grants, run
+
+        def test_in_another_directory(monkeypatch, tmp_path):
+            monkeypatch.chdir(tmp_path)
+            reversed_grants(monkeypatch)
+            run()
+    """)
+    result = buggy.runpytest(*PLUGIN, "--kv-compare=log", "--kv-compare-log=rel.jsonl")
+    result.assert_outcomes(passed=3)
+    log = buggy.path / "rel.jsonl"
+    assert sum(isinstance(r, DivergenceRecord) for r in read_log(log).records) == 2
+    result.stdout.fnmatch_lines([f"kv-compare: 2 divergences in {log}"])
+
+
+def test_the_summary_counts_this_sessions_divergences_only(buggy, tmp_path):
+    log = tmp_path / "kv.jsonl"
+    for _ in range(2):
+        result = buggy.runpytest(*PLUGIN, "--kv-compare=log", f"--kv-compare-log={log}")
+        result.stdout.fnmatch_lines([f"kv-compare: 1 divergences in {log}"])
+    assert sum(isinstance(r, DivergenceRecord) for r in read_log(log).records) == 2
+
+
+def test_the_gate_variables_are_restored_after_the_session(pytester):
     pytester.makepyfile(test_env="""
         import os
 

@@ -14,6 +14,7 @@ from compare import DivergenceError
 from batchgen.runner import MAX_IDLE_STEPS, RunResult, RunStalled, run_workload
 from batchgen.worker import faults as faults_module
 from batchgen.worker.faults import FaultInjector, FaultSpec
+from batchgen.worker.kv_apply import PlanRejected
 from batchgen.worker.kv_gate import GATE_FLAGS, KvGateConfig, gate_config
 from batchgen.worker.state import Phase
 from batchgen.worker.worker import Worker
@@ -123,6 +124,9 @@ def _run(args: argparse.Namespace) -> int:
                         f"{'; '.join(str(error).splitlines())} (logged to {gate.compare_log})")
     except RunStalled as error:
         return _stopped(args, workload.name, "stalled", str(error))
+    except PlanRejected as error:  # the plan path rejected its own plan: a bug in the plan layer
+        logged = f" (logged to {gate.compare_log})" if worker.kv_compare is not None else ""
+        return _stopped(args, workload.name, "plan rejected", f"{error}{logged}")
     finally:
         if worker.kv_compare is not None:
             worker.kv_compare.sink.close()

@@ -76,3 +76,15 @@ def test_drops_the_last_item_when_the_empty_input_still_fails():
 def test_refuses_a_budget_that_cannot_test_the_input():
     with pytest.raises(ValueError, match="max_tests must be >= 1"):
         ddmin([1, 2], lambda subset: True, max_tests=0)
+
+
+def test_repeated_items_are_tested_once_per_distinct_subsequence():
+    calls = []
+
+    def at_least_three_units(subset):
+        calls.append(tuple(subset))
+        return subset.count("unit") >= 3
+
+    assert ddmin(["unit"] * 40, at_least_three_units) == ["unit"] * 3
+    assert len(calls) == len(set(calls))  # never the same subsequence twice
+    assert len(calls) <= 40
