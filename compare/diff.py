@@ -64,12 +64,12 @@ def _emptied(one_sided: list[str], left: dict[str, Any], right: dict[str, Any]) 
     """Of the paths present on one side only, those that are an empty container there while the other side
     has leaves beneath them: those leaves name the difference (and ignore globs apply to them), so the
     container's own path does not. O(paths)."""
-    candidates = [(path, right if path in left else left) for path in one_sided
-                  if (left if path in left else right)[path] in ({}, [])]
-    if not candidates:
-        return set()
-    parents = {id(left): _parents(left), id(right): _parents(right)}
-    return {path for path, there in candidates if path in parents[id(there)]}
+    emptied: set[str] = set()
+    for here, there in ((left, right), (right, left)):
+        empty = {path for path in one_sided if path in here and here[path] in ({}, [])}
+        if empty:
+            emptied |= empty & _parents(there)
+    return emptied
 
 
 def _parents(flat: dict[str, Any]) -> set[str]:

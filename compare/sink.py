@@ -25,7 +25,7 @@ class JsonlSink:
     """Appends records to a JSON Lines file, one line per record.
 
     Mutates the file and its own descriptor. The file and its parent directories are created on
-    the first write. If the file ends in a line torn by an earlier crash, the first write cuts
+    the first write (or `open`). If the file ends in a line torn by an earlier crash, the first write cuts
     that partial line off (with a warning), so the log stays readable and the new record never
     fuses with it; a last record that is whole but lacks its newline gets one. One writer per file.
     """
