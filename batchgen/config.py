@@ -91,6 +91,11 @@ TINY_MODELS: dict[str, ModelConfig] = {
 }
 
 
+def watermark_pages(watermark: float, num_gpu_pages: int) -> int:
+    """GPU pages a pool of ``num_gpu_pages`` keeps free (the plan layer computes the same from its snapshot)."""
+    return math.ceil(watermark * num_gpu_pages)
+
+
 class CacheConfig(_Frozen):
     """Geometry of the two KV page pools.
 
@@ -113,12 +118,12 @@ class CacheConfig(_Frozen):
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens."""
-        return math.ceil(num_tokens / self.page_size)
+        return -(-num_tokens // self.page_size)
 
     @property
     def watermark_pages(self) -> int:
         """GPU pages kept free: ``ceil(watermark * num_gpu_pages)``."""
-        return math.ceil(self.watermark * self.num_gpu_pages)
+        return watermark_pages(self.watermark, self.num_gpu_pages)
 
 
 class EngineConfig(_Frozen):

@@ -51,10 +51,7 @@ from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_backends import CompletedHandle, GpuKvPool, HostKvPool
 from batchgen.worker.kv_forms import canonical_kv, classify, exception_kind, fork_target, op_scope
 from batchgen.worker.kv_gate import build_kv_path
-from batchgen.worker.kv_plans import (
-    AllocRequest, EvictionRequest, KvGeometry, KvPreState, MigrationRequest, PollRequest, ReleaseRequest,
-    RequestKvView, from_json, to_jsonable,
-)
+from batchgen.worker.kv_plans import OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, from_json, to_jsonable
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_pool import PagePool, PageOwnershipError
 from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, WorkerState
@@ -62,9 +59,6 @@ from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, Wor
 PLACEHOLDER_OWNER = "<replay:not-in-scope>"  # owns the pages held outside the op's scope
 _REORDER_OWNER = "<replay:reorder>"
 _PRE_FLUSH_OPS = ("poll", "release")  # ops that run before the worker flushes pending appends
-
-OP_REQUEST_TYPES = {"poll": PollRequest, "release": ReleaseRequest, "evict": EvictionRequest,
-                    "migrate": MigrationRequest, "alloc": AllocRequest}
 
 
 class ReplayError(ValueError):

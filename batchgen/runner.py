@@ -96,7 +96,7 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
     for req in workload.requests:  # reject a bad workload before any step runs
         worker.validate_request(req.to_request())
     start_step = worker.state.step
-    before = _copy_stats(worker.state.stats)
+    before = worker.state.stats.copy()
     arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
     if max_steps is None:
         max_steps = max((r.arrival_step for r in arrivals), default=0) + MAX_STEPS
@@ -150,6 +150,3 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
         compare_summary=compare_summary,
     )
 
-
-def _copy_stats(stats: WorkerStats) -> WorkerStats:
-    return WorkerStats(**{f.name: getattr(stats, f.name) for f in fields(WorkerStats)})

@@ -35,7 +35,6 @@ the last complete log and its reports as they were, and its own partial log besi
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from pathlib import Path
 import torch
 
 from compare import DivergenceRecord, RunSummary, aggregate, read_log
-from batchgen.config import CacheConfig, EngineConfig
+from batchgen.config import CacheConfig, EngineConfig, watermark_pages
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
 from batchgen.runner import RunResult, run_workload
@@ -279,7 +278,7 @@ def _no_eviction_pool(workload: Workload, dtype: str) -> dict:
     cache = workload.cache
     num_needed = sum(cache.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in workload.requests)
     num_pages = num_needed
-    while num_pages - math.ceil(cache.watermark * num_pages) < num_needed:  # the worker's watermark rule
+    while num_pages - watermark_pages(cache.watermark, num_pages) < num_needed:
         num_pages += 1
     return {"num_gpu_pages": num_pages, "num_host_pages": 0, "dtype": dtype}
 

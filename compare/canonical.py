@@ -221,13 +221,17 @@ def shape_difference(expected: Any, actual: Any, path: str = "", *,
     elif isinstance(expected, (dict, list)) or isinstance(actual, (dict, list)):
         return path or "<root>"
     else:
-        same = expected == actual or (expected != expected and actual != actual)  # NaN == NaN
-        return None if same else path or "<root>"
+        return None if same_leaf(expected, actual) else path or "<root>"
     for child, x, y in pairs:
         found = shape_difference(x, y, child, skip=skip)
         if found is not None:
             return found
     return None
+
+
+def same_leaf(a: Any, b: Any) -> bool:
+    """Leaf equality where NaN equals NaN (two paths computing the same NaN agree)."""
+    return a == b or (a != a and b != b)
 
 
 def wildcard(path: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from deepdiff import DeepDiff
 
-from compare.canonical import flatten, shape_difference
+from compare.canonical import flatten, same_leaf, shape_difference
 
 MAX_DETAIL_PATHS = 50  # leaves explained in `Diff.detail`; the rest are only counted
 
@@ -41,7 +41,7 @@ def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
         return Diff(equal=True)
     left, right = flatten(expected), flatten(actual, like=expected)  # mapping kinds named as expected's
     paths = [path for path in sorted(left.keys() | right.keys())
-             if path not in left or path not in right or not _same(left[path], right[path])]
+             if path not in left or path not in right or not same_leaf(left[path], right[path])]
     emptied = _emptied([path for path in paths if path not in left or path not in right], left, right)
     if emptied:
         paths = [path for path in paths if path not in emptied]
@@ -79,11 +79,6 @@ def _parents(flat: dict[str, Any]) -> set[str]:
     for path in flat:
         out.update(path[:i] for i, char in enumerate(path) if char in ".[" and i)
     return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Leaf equality where NaN equals NaN (two paths computing the same NaN agree)."""
-    return a == b or (a != a and b != b)
 
 
 def _glob_to_regex(glob: str) -> str:

@@ -23,7 +23,7 @@ def test_an_empty_environment_gives_the_documented_defaults():
     assert config == KvGateConfig()
     assert (config.path, config.compare, config.compare_sample, config.compare_log, config.compare_ops) == (
         "plan", "off", 1.0, "kv-divergences.jsonl", KV_OPS)
-    assert not config.needs_legacy and config.shadow_path == "legacy"
+    assert config.shadow_path == "legacy"
 
 
 def test_variables_outside_the_family_are_ignored():
@@ -46,10 +46,9 @@ def test_each_variable_is_parsed_into_its_field(field, value, expected):
     assert getattr(gate_config({ENV[field]: value}), field) == expected
 
 
-def test_legacy_is_needed_by_the_legacy_path_and_by_any_compare_mode():
-    assert gate_config({ENV["path"]: "legacy"}).needs_legacy
-    assert gate_config({ENV["compare"]: "log"}).needs_legacy
+def test_the_shadow_is_the_other_path():
     assert gate_config({ENV["path"]: "legacy", ENV["compare"]: "raise"}).shadow_path == "plan"
+    assert gate_config({ENV["compare"]: "log"}).shadow_path == "legacy"
 
 
 # ---- precedence -------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from batchgen.config import TINY_MODELS, EngineConfig
 from batchgen.model.null_model import NullModel
-from batchgen.worker import kv_manager, kv_plans
+from batchgen.worker import kv_backends, kv_manager, kv_plans
 from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_manager import KVCacheManager, eviction_watermark_pages
@@ -364,9 +364,24 @@ def test_a_record_refuses_what_its_init_would_get_wrong(declare):
         kv_plans.record(declare())
 
 
+def declared(suffix: str) -> set[type]:
+    """The classes ``kv_plans`` declares whose names end in ``suffix`` (``Plan``, ``Request``)."""
+    return {cls for cls in vars(kv_plans).values()
+            if isinstance(cls, type) and cls.__module__ == kv_plans.__name__ and cls.__name__.endswith(suffix)}
+
+
+def test_the_manager_asks_its_backends_only_what_their_protocols_declare():
+    asked = {(node.value.attr, node.attr) for node in ast.walk(MANAGER_TREE) if isinstance(node, ast.Attribute)
+             and isinstance(node.value, ast.Attribute) and node.value.attr in ("_gpu_kv", "_host_kv")}
+    assert asked  # the manager does ask (which ids an allocation would get)
+    declared = {"_gpu_kv": set(vars(kv_backends.GpuKvBackend)), "_host_kv": set(vars(kv_backends.HostKvBackend))}
+    assert [(backend, method) for backend, method in asked if method not in declared[backend]] == []
+
+
 def test_every_plan_and_request_class_is_covered_by_the_immutability_test():
     covered = {type(o) for o in _one_of_each()}
-    assert set(kv_plans.PLAN_TYPES) | set(kv_plans.REQUEST_TYPES) <= covered
+    assert declared("Plan") | declared("Request") <= covered
+    assert set(kv_plans.OP_REQUEST_TYPES.values()) == declared("Request")
 
 
 # ---- checklist: watermark from the snapshot ---------------------------------------------------
@@ -763,7 +778,7 @@ def test_any_plan_round_trips_through_json_exactly(plan):
 
 def test_round_trips_cover_every_plan_and_request_type():
     assert {type(plan) for plan in (PollPlan(()), ReleasePlan((), ()), EvictionPlan(()), MigrationPlan(()),
-                                    AllocPlan((), ()))} == set(kv_plans.PLAN_TYPES)
+                                    AllocPlan((), ()))} == declared("Plan")
     for obj in _one_of_each():
         assert_round_trips(obj)
 

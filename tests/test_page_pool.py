@@ -145,7 +145,7 @@ def test_allocating_more_than_free_raises_out_of_pages_and_changes_nothing():
     with pytest.raises(OutOfPages, match=r"^gpu: 7 pages requested, 6 free$"):
         pool.allocate_pages("c", 7)
     assert internals(pool) == before
-    assert not pool.can_allocate(7) and pool.can_allocate(6)
+    assert pool.num_free == 6
 
 
 def test_allocating_a_negative_count_is_rejected():
@@ -267,15 +267,15 @@ def apply_ops(pool, ops) -> list:
     """Apply (op, uuid, n) triples that fit; returns what each op gave. Mutates ``pool``."""
     results = []
     for op, uuid, n in ops:
-        if op == "alloc" and pool.can_allocate(n):
+        if op == "alloc" and n <= pool.num_free:
             results.append(pool.allocate_pages(uuid, n))
         elif op == "release":
             results.append(pool.release_pages(uuid))
-        elif op == "take" and pool.can_allocate(n):
+        elif op == "take" and n <= pool.num_free:
             page_ids = pool.peek_free_pages(n)[::-1]  # out of queue order
             pool.take_pages(uuid, page_ids)
             results.append(page_ids)
-        elif op == "take_for" and pool.can_allocate(n):  # two grants at once: uuid, then the next owner
+        elif op == "take_for" and n <= pool.num_free:  # two grants at once: uuid, then the next owner
             page_ids = pool.peek_free_pages(n)[::-1]
             grants = [(uuid, page_ids[:n // 2]), ("abcd"[("abcd".index(uuid) + 1) % 4], page_ids[n // 2:])]
             pool.take_pages_for(grants)

@@ -35,11 +35,13 @@ class GpuKvBackend(Protocol):
     def allocate_pages(self, uuid: str, n: int) -> list[int]: ...
     def release_pages(self, uuid: str) -> None: ...
     def free_pages(self) -> int: ...
+    def peek_free_pages(self, n: int) -> list[int]: ...  # what allocate_pages(_, n) would return; no mutation
 
 
 class HostKvBackend(Protocol):
     def allocate_pages(self, uuid: str, n: int) -> list[int]: ...
     def load_to_gpu_async(self, uuid: str, page_ids: list[int]) -> AsyncHandle: ...
+    def peek_free_pages(self, n: int) -> list[int]: ...  # what allocate_pages(_, n) would return; no mutation
 
 
 class CopyOp(NamedTuple):
@@ -53,8 +55,6 @@ class CopyOp(NamedTuple):
 
 class CompletedHandle:
     """Handle of a copy that needed no work (bookkeeping-only pools)."""
-
-    error = None
 
     def done(self) -> bool:
         return True

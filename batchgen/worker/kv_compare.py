@@ -137,7 +137,7 @@ class KvCompare:
     """
 
     def __init__(self, target: KvTarget, gate: KvGateConfig, *, shadow_path: str | None = None,
-                 sink: JsonlSink | None = None, seed: int = 0, faults: str | None = None):
+                 faults: str | None = None):
         """``faults``: the fault SPEC the worker runs under, recorded with each divergence (for minimize)."""
         self.target = target
         self.faults = faults
@@ -154,13 +154,13 @@ class KvCompare:
         else:
             self._new_shadow_path = kv_path_class(self.shadow_path)  # resolved once: no import per op
         self._shadow_request = None  # the op request the shadow plan path built on the fork
-        self.sink = sink if sink is not None else JsonlSink(gate.compare_log)
-        self.seed = seed
+        self.sink = JsonlSink(gate.compare_log)
+        self.seed = 0
         self.run_id = self.workload = self.workload_source = ""
         self.scale = 1.0
         self._written: dict = {}  # what the last authoritative step wrote: uuid -> the request before it
         self._summary: RunSummary | None = None  # the current run's summary, once it ended
-        self.executor = self.begin_run("unnamed", seed=seed)
+        self.executor = self.begin_run("unnamed", seed=0)
 
     # ---- runs ----------------------------------------------------------------------------
     def begin_run(self, workload: str, *, seed: int, source: str | None = None, scale: float = 1.0) -> ShadowExecutor:

@@ -5,7 +5,7 @@ variable                             values                default              
 ==================================== ===================== ===================== ===========================================
 BATCHGEN_WORKER_KV_PATH              plan, legacy          plan                  authoritative KV path
 BATCHGEN_WORKER_KV_COMPARE           off, log, raise       off                   shadow the other path; log or raise
-BATCHGEN_WORKER_KV_COMPARE_SAMPLE    float in (0, 1]       1.0                   fraction of (op, step) pairs compared (seeded)
+BATCHGEN_WORKER_KV_COMPARE_SAMPLE    float in (0, 1]       1.0                   fraction of steps compared (seeded)   
 BATCHGEN_WORKER_KV_COMPARE_LOG       path                  kv-divergences.jsonl  divergence log (JSON Lines)
 BATCHGEN_WORKER_KV_COMPARE_OPS       comma list of ops     all                   ops compared: poll,release,evict,migrate,alloc
 BATCHGEN_WORKER_KV_LOAD_FAILURE      recompute, fail       (engine: recompute)   after a load's last retry: recompute or fail
@@ -14,7 +14,7 @@ BATCHGEN_WORKER_KV_LOAD_FAILURE      recompute, fail       (engine: recompute)  
 Precedence: default < environment < CLI option. An unknown name in the family
 (a typo) or a bad value raises :class:`GateError` naming the variable, the
 allowed values and the closest valid name. The legacy path module is imported
-only when the config needs it.
+only when a path named "legacy" is built (``kv_path_class``).
 """
 
 from __future__ import annotations
@@ -78,10 +78,6 @@ class KvGateConfig(BaseModel):
     @property
     def shadow_path(self) -> str:
         return "legacy" if self.path == "plan" else "plan"
-
-    @property
-    def needs_legacy(self) -> bool:
-        return self.path == "legacy" or self.compare != "off"
 
 
 def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = None) -> KvGateConfig:

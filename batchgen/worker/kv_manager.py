@@ -29,7 +29,8 @@ TO_HOST, TO_RECOMPUTE = Destination.HOST, Destination.RECOMPUTE
 
 
 def eviction_watermark_pages(snapshot: KvSnapshot) -> int:
-    """GPU pages to keep free; a pure function of the snapshot."""
+    """GPU pages to keep free; a pure function of the snapshot (``config.watermark_pages``'s rule: the plan
+    layer imports nothing outside its plans and backend Protocols)."""
     geometry = snapshot.geometry
     return math.ceil(geometry.watermark * geometry.num_gpu_pages)
 

@@ -80,10 +80,6 @@ class KvGeometry:
     max_load_retries: int
     load_failure: str = "recompute"  # after the last retry: "recompute" or "fail"
 
-    @property
-    def page_bytes(self) -> int:
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_size
-
 
 @record
 class KvSnapshot:
@@ -242,8 +238,8 @@ class AllocPlan:
     not_fitting: tuple[DoesNotFit, ...]  # left out of this step; every other scheduled request is served
 
 
-PLAN_TYPES = (PollPlan, ReleasePlan, EvictionPlan, MigrationPlan, AllocPlan)
-REQUEST_TYPES = (PollRequest, ReleaseRequest, EvictionRequest, MigrationRequest, AllocRequest)
+OP_REQUEST_TYPES = {"poll": PollRequest, "release": ReleaseRequest, "evict": EvictionRequest,
+                    "migrate": MigrationRequest, "alloc": AllocRequest}  # each op's input (replay reads it back)
 
 
 @functools.cache

@@ -84,6 +84,14 @@ def _check_grants(pool: "PagePool | ForkedPagePool", grants: Grants, all_ids: li
     raise error
 
 
+def _check_can_allocate(pool: "PagePool | ForkedPagePool", n: int) -> None:
+    """ValueError for a negative ``n``, OutOfPages when ``pool`` has fewer than ``n`` pages free. Pure."""
+    if n < 0:
+        raise ValueError(f"{pool.name}: cannot allocate {n} pages")
+    if n > pool.num_free:
+        raise OutOfPages(f"{pool.name}: {n} pages requested, {pool.num_free} free")
+
+
 class PagePool:
     """FIFO page allocator for one tier. Mutating methods say so."""
 
@@ -104,12 +112,9 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._queue) - self._head
 
-    def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= self.num_free
-
     def peek_free_pages(self, n: int) -> list[int]:
         """The ids ``allocate_pages(_, n)`` would return now."""
-        self._check_can_allocate(n)
+        _check_can_allocate(self, n)
         return self._queue[self._head:self._head + n]
 
     def pages_of(self, uuid: str) -> tuple[int, ...]:
@@ -196,11 +201,6 @@ class PagePool:
             assert not dead, f"{self.name}: pages owned by requests no longer live: {dead}"
 
     # ---- internals ---------------------------------------------------------------
-    def _check_can_allocate(self, n: int) -> None:
-        if n < 0:
-            raise ValueError(f"{self.name}: cannot allocate {n} pages")
-        if n > self.num_free:
-            raise OutOfPages(f"{self.name}: {n} pages requested, {self.num_free} free")
 
     def _assign(self, uuid: str, page_ids: Sequence[int]) -> None:
         if not page_ids:  # nothing changes: forks stay valid, no empty owner entry
@@ -245,14 +245,8 @@ class ForkedPagePool:
             self._check_base()
         return self._num_free
 
-    def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= self.num_free
-
     def peek_free_pages(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError(f"{self.name}: cannot allocate {n} pages")
-        if n > self.num_free:
-            raise OutOfPages(f"{self.name}: {n} pages requested, {self.num_free} free")
+        _check_can_allocate(self, n)
         out: list[int] = []
         queue, i = self._base._queue, self._cursor
         while len(out) < n and i < len(queue):
