@@ -114,7 +114,7 @@ class ShadowExecutor:
     """Runs ops on two paths and compares them; mutates only its own counters.
 
     `mode`: "log" reports divergences through `on_divergence`; "raise" also raises
-    `DivergenceError`. `sample` in [0, 1] and `seed` pick the compared steps; `ops` limits
+    `DivergenceError`. `sample` in [0, 1] and `seed` pick the compared steps (every op of a picked step); `ops` limits
     comparison to those ops (None: all). `ignore` holds path globs (see `compare.diff`).
     `classify(paths)` names a value divergence, `exception_kind(exc)` an exception divergence.
     `on_harness_error(operation, error)` receives every failure inside the harness; one that
@@ -158,13 +158,14 @@ class ShadowExecutor:
         self._authoritative_seconds = 0.0
 
     def should_compare(self, op: str, step: int) -> bool:
-        """Whether (op, step) is compared: the ops filter, then a hash of (seed, op, step) below
-        `sample`. Deterministic and independent of call order; mutates nothing."""
+        """Whether (op, step) is compared: the ops filter, then whether the step is sampled, by a hash of
+        (seed, step) below `sample` (a sampled step compares all its ops: `sample` is the fraction of
+        steps compared). Deterministic and independent of call order; mutates nothing."""
         if self._ops is not None and op not in self._ops:
             return False
         if self._sample >= 1.0:
             return True
-        key = f"{self._seed}\0{op}\0{step}".encode()
+        key = f"{self._seed}\0{step}".encode()
         digest = hashlib.blake2b(key, digest_size=8).digest()
         return int.from_bytes(digest, "big") / 2.0**64 < self._sample
 

@@ -28,7 +28,8 @@ from batchgen.cli.common import (
 KV_FLAG_HELP = {
     "path": ("plan|legacy", "the authoritative KV path"),
     "compare": ("off|log|raise", "shadow the other path every step: log divergences, or stop at the first"),
-    "compare_sample": ("P", "fraction of (op, step) pairs compared, in (0, 1]; seeded, so reproducible"),
+    "compare_sample": ("P", "fraction of steps compared (all ops of a compared step), in (0, 1]; seeded, so "
+                            "reproducible"),
     "compare_log": ("FILE", "divergence log, JSON Lines, appended to"),
     "compare_ops": ("OPS", "comma list of the ops compared: poll,release,evict,migrate,alloc"),
     "load_failure": ("recompute|fail", "after a failed load's last retry: recompute the request, or fail it"),

@@ -313,13 +313,14 @@ def test_never_calls_shadow_or_context_for_ops_outside_the_filter():
     assert (executor.stats().num_compared, executor.stats().authoritative_seconds) == ({}, 0.0)
 
 
-def test_samples_steps_as_a_function_of_seed_op_and_step_only():
+def test_samples_steps_as_a_function_of_seed_and_step_only():
     first, _ = make(sample=0.3, seed=1)
     second, _ = make(sample=0.3, seed=1)
     keys = [(op, step) for op in ("alloc", "evict") for step in range(400)]
     picked = {key for key in keys if first.should_compare(*key)}
     assert picked == {key for key in reversed(keys) if second.should_compare(*key)}
     assert 0.2 < len(picked) / len(keys) < 0.4
+    assert {step for op, step in picked if op == "alloc"} == {step for op, step in picked if op == "evict"}
     other_seed, _ = make(sample=0.3, seed=2)
     assert picked != {key for key in keys if other_seed.should_compare(*key)}
     assert all(make(sample=1.0)[0].should_compare(*key) for key in keys)
