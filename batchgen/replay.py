@@ -45,7 +45,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from compare import DivergenceRecord, Observation, diff
+from compare import DivergenceRecord, Observation, compare_observations, diff
 from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig, validation_summary
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_backends import CompletedHandle, GpuKvPool, HostKvPool
@@ -135,7 +135,7 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     """Run both paths through the record's op, each on its own rebuilt pre-state, and compare.
 
     Pure function of the record: the targets it mutates are its own. Compares as
-    ``compare.ShadowExecutor`` does: exceptions by type, values with ``compare.diff``.
+    ``compare.ShadowExecutor`` does (``compare.compare_observations``).
     """
     request = op_request(record)
     op = _bind(record.replay["op"], request)
@@ -144,20 +144,12 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     kv_path, shadow_path = record.replay["kv_path"], record.replay["shadow_path"]
     authoritative = _observe(kv_path, lambda: _run_authoritative(authoritative_target, kv_path, op))
     shadow = _observe(shadow_path, lambda: _run_shadow(shadow_target, shadow_path, op))
-    exceptions = tuple(f"{seen.path} raised {type(seen.exception).__qualname__}: {seen.exception}"
-                       for seen in (authoritative, shadow) if seen.raised)
-    if authoritative.raised or shadow.raised:
-        paths, detail = (), {}
-        if type(authoritative.exception) is type(shadow.exception):
-            kind = None
-        else:
-            kind = exception_kind(shadow.exception if shadow.raised else authoritative.exception)
-    else:
-        outcome = diff(authoritative.value, shadow.value)
-        paths, detail = outcome.paths, outcome.detail
-        kind = None if outcome.equal else classify(outcome.paths)
-    reproduced = kind == record.kind and paths == tuple(record.field_paths)
-    return ReplayOutcome(reproduced, kind, paths, detail, exceptions)
+    comparison = compare_observations(record.replay["op"], record.step, authoritative, shadow, classify=classify,
+                                      exception_kind=exception_kind)
+    paths = comparison.field_paths
+    reproduced = comparison.kind == record.kind and paths == tuple(record.field_paths)
+    detail = comparison.diff.detail if comparison.diff is not None else {}
+    return ReplayOutcome(reproduced, comparison.kind, paths, detail, comparison.exceptions)
 
 
 # ---- running one side ------------------------------------------------------------------------

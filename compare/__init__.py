@@ -25,7 +25,7 @@ from compare.diff import Diff, diff
 
 _MODULES = {
     "compare.canonical": ("Keyed", "canonicalize", "flatten", "wildcard"),
-    "compare.observation": ("Comparison", "Observation", "exception_text"),
+    "compare.observation": ("Comparison", "Observation", "compare_observations", "exception_text"),
     "compare.shadow": ("DivergenceError", "HarnessWarning", "ShadowExecutor", "ShadowStats"),
     "compare.records": ("SCHEMA_VERSION", "DivergenceRecord", "LogRecord", "RecordError",
                         "RunSummary", "json_schema", "parse_record", "write_json_schema"),

@@ -6,9 +6,10 @@ Both objects are immutable snapshots built by `ShadowExecutor.run`; nothing muta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from compare.diff import Diff
+from compare.diff import Diff, diff
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,27 @@ class Comparison:
     @property
     def field_paths(self) -> tuple[str, ...]:
         return self.diff.paths if self.diff is not None else ()
+
+    @property
+    def exceptions(self) -> tuple[str, ...]:
+        """``<path> raised <Type>: <message>`` for each side that raised, authoritative first."""
+        return tuple(f"{seen.path} raised {exception_text(seen.exception)}"
+                     for seen in (self.authoritative, self.shadow) if seen.raised)
+
+
+def compare_observations(op: str, step: int, authoritative: Observation, shadow: Observation, *,
+                         classify: Callable[[tuple[str, ...]], str], exception_kind: Callable[[BaseException], str],
+                         ignore: Sequence[str] = ()) -> Comparison:
+    """How two observations of one op compare: exceptions by type (the shadow's named by ``exception_kind``
+    when they differ: it is the path under test), values with ``diff`` (a difference named by ``classify``).
+    Pure, but for what the namers do."""
+    if authoritative.raised or shadow.raised:
+        if type(authoritative.exception) is type(shadow.exception):
+            return Comparison(op, step, authoritative, shadow, None, None)
+        error = shadow.exception if shadow.raised else authoritative.exception
+        return Comparison(op, step, authoritative, shadow, None, exception_kind(error))
+    outcome = diff(authoritative.value, shadow.value, ignore=ignore)
+    return Comparison(op, step, authoritative, shadow, outcome, None if outcome.equal else classify(outcome.paths))
 
 
 def exception_text(error: BaseException) -> str:

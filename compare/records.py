@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from compare.observation import Comparison, exception_text
+from compare.observation import Comparison
 from compare.shadow import ShadowStats
 
 SCHEMA_VERSION = 1
@@ -60,8 +60,7 @@ class DivergenceRecord(_Record):
         """Build the record of a diverged comparison (ValueError for a matched one)."""
         if comparison.kind is None:
             raise ValueError(f"{comparison.op} step {comparison.step} matched: not a divergence")
-        raised = [f"{seen.path} raised {exception_text(seen.exception)}"
-                  for seen in (comparison.authoritative, comparison.shadow) if seen.raised]
+        raised = comparison.exceptions
         return cls(
             run_id=run_id, workload=workload, seed=seed, step=comparison.step, op=comparison.op,
             authoritative=comparison.authoritative.path, shadow=comparison.shadow.path,

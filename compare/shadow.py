@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-from compare.diff import diff
-from compare.observation import Comparison, Observation, exception_text
+from compare.observation import Comparison, Observation, compare_observations, exception_text
 
 R = TypeVar("R")
 F = TypeVar("F")
@@ -262,17 +261,11 @@ class ShadowExecutor:
 
     def _compare(self, op: str, step: int, authoritative: Observation,
                  shadow: Observation) -> Comparison:
-        if authoritative.raised or shadow.raised:
-            if type(authoritative.exception) is type(shadow.exception):
-                return Comparison(op, step, authoritative, shadow, None, None)
-            # When both raised (different types), classify the shadow's: it is the path under
-            # test, and the authoritative exception reaches the caller anyway.
-            error = shadow.exception if shadow.raised else authoritative.exception
-            kind = self._name("exception_kind", self._exception_kind, error)
-            return Comparison(op, step, authoritative, shadow, None, kind)
-        outcome = diff(authoritative.value, shadow.value, ignore=self._ignore)
-        kind = None if outcome.equal else self._name("classify", self._classify, outcome.paths)
-        return Comparison(op, step, authoritative, shadow, outcome, kind)
+        """`compare_observations`, its namers guarded (a failing one leaves the divergence unclassified)."""
+        return compare_observations(
+            op, step, authoritative, shadow, ignore=self._ignore,
+            classify=lambda paths: self._name("classify", self._classify, paths),
+            exception_kind=lambda error: self._name("exception_kind", self._exception_kind, error))
 
     def _name(self, operation: str, namer: Callable[[Any], str], argument: Any) -> str:
         """Call a classifier; if it fails, report that and keep the divergence as unclassified."""
@@ -298,7 +291,5 @@ def _describe(comparison: Comparison) -> str:
         more = len(paths) - _MAX_MESSAGE_PATHS
         lines.append("paths: " + ", ".join(paths[:_MAX_MESSAGE_PATHS])
                      + (f" (+{more} more)" if more > 0 else ""))
-    for seen in (authoritative, shadow):
-        if seen.raised:
-            lines.append(f"{seen.path} raised {exception_text(seen.exception)}")
+    lines += comparison.exceptions
     return "\n".join(lines)

@@ -16,11 +16,12 @@ import inspect
 
 import pytest
 
+from compare import Keyed
 from batchgen.model.loader import load_model
 from batchgen.runner import run_workload
 from batchgen.worker import kv_apply, legacy_kv
 from batchgen.worker.faults import FaultInjector, FaultSpec
-from batchgen.worker.kv_forms import KV_FIELDS, fork_target
+from batchgen.worker.kv_forms import KV_FIELDS, add_requests, fork_target
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
 from batchgen.worker.worker import Worker
 from batchgen.workloads import builtin_workload
@@ -115,3 +116,15 @@ def test_every_op_on_a_fork_leaves_the_worker_as_it_was(path):
     assert all(ops_run.values()), ops_run
     assert {entry.split(":")[0] for entry in wrote} == set(ops_run), "some op never wrote on its fork"
     assert poll_outcomes == {"completed", "failed"}  # polls that retry (a load on the forked host pool) ran
+
+
+def test_the_canonical_request_covers_exactly_the_fields_the_change_detection_reads():
+    """``differing_requests`` compares KV_FIELDS to pick what to canonicalise; ``add_requests`` canonicalises
+    a request: a field in one and not the other would be compared never, or picked and never shown."""
+    worker = Worker(load_model("tiny"), cache_config=builtin_workload("smoke").cache)
+    worker.add_request(builtin_workload("smoke").requests[0].to_request())
+    requests, outputs = Keyed(), Keyed()
+    add_requests(requests, outputs, worker.kv_target(), list(worker.state.requests))
+    [entry] = requests.values()
+    renamed = {"has_load": "load_handle"}  # the handle itself is not comparable: whether there is one
+    assert {renamed.get(key, key) for key in entry} - {"has_pending_append"} == set(KV_FIELDS)

@@ -276,7 +276,7 @@ def test_funnels_a_broken_divergence_hook_and_still_returns_the_result():
 
 def test_funnels_a_failing_diff_and_still_returns_the_result(monkeypatch):
     error = RecursionError("too deep")
-    monkeypatch.setattr(shadow_module, "diff", raising(error))
+    monkeypatch.setattr(importlib.import_module("compare.observation"), "diff", raising(error))
     executor, recorder = make("raise")
     assert run(executor, shadow=OTHER) == "result"
     assert recorder.harness_errors == [("compare", error)]
