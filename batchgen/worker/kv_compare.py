@@ -46,24 +46,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from compare import DivergenceRecord, JsonlSink, Keyed, Observation, RunSummary, ShadowExecutor
+from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_forms import (
-    add_requests, canonical_copies, canonical_events, canonical_kv, canonical_stats, classify,
-    detach_fork, differing_requests, exception_kind, fork_target, pre_state,
+    canonical_copies, canonical_events, canonical_form, canonical_kv, canonical_stats, classify, detach_fork,
+    differing_requests, exception_kind, fork_target, pre_state,
 )
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, kv_path_class
 from batchgen.worker.kv_plans import to_jsonable
 from batchgen.worker.kv_target import KvTarget
-
-
-def _complete(canonical: dict, target: KvTarget, gpu_events: list, host_events: list, copies: list,
-              uuids: Sequence[str] = ()) -> dict:
-    """Fill in a canonical form begun without its journals, copies and requests. Mutates and returns it."""
-    canonical["pools"].update(gpu=gpu_events, host=host_events)
-    canonical["copies"] = copies
-    add_requests(canonical["requests"], canonical["outputs"], target, uuids)
-    return canonical
 
 
 def _shared(mine: list, theirs: list, canonicalise: Callable[[list], list]) -> tuple[list, list]:
@@ -118,14 +109,6 @@ def _wrote_nothing(target: KvTarget, written, dropped) -> bool:
 def _quiet_form(target: KvTarget, result) -> dict:
     """The canonical form of an op that wrote nothing: every other part equals the pre-state's, on both sides."""
     return {"stats": canonical_stats(target), "result": result}
-
-
-def _begun_form(target: KvTarget, result, free_pages: tuple[int, int]) -> dict:
-    """A canonical form begun: counters, result and free GPU and host pages; to be completed (``_complete``)."""
-    free_gpu, free_host = free_pages
-    return {"requests": Keyed(), "outputs": Keyed(), "stats": canonical_stats(target),
-            "pools": {"gpu": [], "host": [], "num_free_gpu": free_gpu, "num_free_host": free_host},
-            "result": result}
 
 
 class KvCompare:
@@ -262,9 +245,8 @@ class KvCompare:
             if shadow is None:
                 return None, None
             fork = shadow.fork
-            return None, _complete(_begun_form(fork, shadow.result, shadow.free_pages), fork,
-                                   canonical_events(fork.gpu_kv.journal), canonical_events(fork.host_kv.journal),
-                                   canonical_copies(fork.host_kv.copies))
+            return None, canonical_form(fork, shadow.result, shadow.free_pages, canonical_events(fork.gpu_kv.journal),
+                                        canonical_events(fork.host_kv.journal), canonical_copies(fork.host_kv.copies))
         if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
             return canonical_kv(target, list(written), seen.value, gpu.journal, host.journal, host.copies), None
         fork, result = shadow.fork, seen.value
@@ -275,10 +257,11 @@ class KvCompare:
         copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
         detach_fork(fork, written, dropped)
         differing = differing_requests(fork, target, written, dropped)
-        theirs = _complete(_begun_form(fork, shadow.result, shadow.free_pages), fork, fork_gpu_events,
-                           fork_host_events, fork_copies, differing)
-        mine = _begun_form(target, result, (gpu.free_pages(), host.free_pages()))
-        return _complete(mine, target, gpu_events, host_events, copies, differing), theirs
+        theirs = canonical_form(fork, shadow.result, shadow.free_pages, fork_gpu_events, fork_host_events, fork_copies,
+                                differing)
+        mine = canonical_form(target, result, (gpu.free_pages(), host.free_pages()), gpu_events, host_events, copies,
+                              differing)
+        return mine, theirs
 
     def _context(self, op: str, request: Callable) -> tuple:
         """(op, request or None), before either path runs.

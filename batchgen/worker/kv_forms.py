@@ -113,16 +113,29 @@ def pre_state(op: str, request, target: KvTarget, written: Mapping[str, RequestS
     return KvPreState(request.snapshot, views_of(scope))
 
 
-def canonical_kv(target: KvTarget, scope: Sequence[str], result, gpu_events, host_events, copies) -> dict:
-    """The comparable post-state of one op on ``target``, over the requests in ``scope``. Pure."""
+def canonical_kv(target: KvTarget, scope: Sequence[str], result, gpu_journal, host_journal, copies) -> dict:
+    """The comparable post-state of one op on ``target``, over the requests in ``scope``, from its pools' raw
+    journals and copy list. Pure."""
+    free_pages = (target.gpu_kv.free_pages(), target.host_kv.free_pages())
+    return canonical_form(target, result, free_pages, canonical_events(gpu_journal), canonical_events(host_journal),
+                          canonical_copies(copies), scope)
+
+
+def canonical_form(target: KvTarget, result, free_pages: tuple[int, int], gpu_events: list, host_events: list,
+                   copies: list, scope: Sequence[str] = ()) -> dict:
+    """The comparable post-state of one op on ``target``: the requests in ``scope`` (live ones and released
+    outputs), its counters, the op's result, the free GPU and host pages, and the pools' events and the copies
+    (each already canonical: ``canonical_events``, ``canonical_copies``). The one shape compare mode and
+    replay both build. Pure."""
     requests, outputs = Keyed(), Keyed()
     add_requests(requests, outputs, target, scope)
+    free_gpu, free_host = free_pages
     return {
         "requests": requests,
         "outputs": outputs,
         "stats": canonical_stats(target),
-        "pools": canonical_pools(target, canonical_events(gpu_events), canonical_events(host_events)),
-        "copies": canonical_copies(copies),
+        "pools": {"gpu": gpu_events, "host": host_events, "num_free_gpu": free_gpu, "num_free_host": free_host},
+        "copies": copies,
         "result": result,
     }
 
@@ -136,11 +149,6 @@ def canonical_stats(target: KvTarget) -> dict:
 # (`copies[*].dst_page_ids[*]`, not `copies[*][*][*]` for source and destination alike).
 def canonical_events(events) -> list:
     return [{"kind": e.kind, "uuid": e.uuid, "page_ids": list(e.page_ids)} for e in events]
-
-
-def canonical_pools(target: KvTarget, gpu_events: list, host_events: list) -> dict:
-    return {"gpu": gpu_events, "host": host_events,
-            "num_free_gpu": target.gpu_kv.free_pages(), "num_free_host": target.host_kv.free_pages()}
 
 
 def canonical_copies(copies) -> list:

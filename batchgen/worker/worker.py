@@ -27,6 +27,7 @@ import torch
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.llama import SeqInput
+from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.model.paged_kv import kv_page_shape, write_kv
 from batchgen.worker.faults import FaultInjector
 from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
@@ -35,8 +36,6 @@ from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_copy import new_page_tensor
 from batchgen.worker.sampler import sample
 from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestOutput, RequestState, WorkerState
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RequestError(ValueError):
@@ -94,7 +93,7 @@ class Worker:
     def _page_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Both tiers' page tensors; PoolAllocationError (sizes named) when memory refuses."""
         cache = self.cache_config
-        dtype = TORCH_DTYPES[cache.dtype]
+        dtype = SUPPORTED_DTYPES[cache.dtype]
         shape = kv_page_shape(self.model_config, cache.page_size, cache.num_gpu_pages)
         host_shape = (cache.num_host_pages, *shape[1:])
         tiers = ((shape, self.device, False), (host_shape, torch.device("cpu"), self.device.type == "cuda"))
