@@ -185,7 +185,7 @@ def _shrink_steps(search: _Search, workload: Workload, requests: list[WorkloadRe
     if search.num_tests >= max_tests:
         return _with_requests(workload, requests)
     units = ddmin(_step_units(requests), lambda kept: search.fails(_with_steps(workload, requests, kept)),
-                  max_tests=max_tests - search.num_tests)
+                  max_tests=max_tests - search.num_tests, interchangeable=True)  # a unit is a count: any one will do
     return _with_steps(workload, requests, units)
 
 

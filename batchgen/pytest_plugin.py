@@ -28,7 +28,7 @@ COMPARE_ENV = GATE_FLAGS["compare"][0]
 LOG_ENV = GATE_FLAGS["compare_log"][0]
 LOG_NAME = "kv-divergences.jsonl"
 _LOG_PATH = pytest.StashKey[Path]()
-_EARLIER = pytest.StashKey[int]()  # divergences the log held before the session
+_EARLIER = pytest.StashKey["int | None"]()  # divergences the log held before the session (None: unreadable)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -53,19 +53,23 @@ def _batchgen_kv_compare(request: pytest.FixtureRequest, tmp_path_factory: pytes
     option = config.getoption("kv_compare_log")
     log = Path(option).resolve() if option else tmp_path_factory.getbasetemp() / LOG_NAME  # a test may chdir
     config.stash[_LOG_PATH] = log
-    config.stash[_EARLIER] = _num_divergences(log)
+    config.stash[_EARLIER] = _num_divergences(log)  # None when the log cannot be read: the tests run anyway
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv(COMPARE_ENV, mode)
         monkeypatch.setenv(LOG_ENV, str(log))
         yield
 
 
-def _num_divergences(log: Path) -> int:
+def _num_divergences(log: Path) -> int | None:
+    """Divergence records in ``log`` (0 when there is none yet); None when it cannot be read."""
     if not log.exists():
         return 0
-    from compare import DivergenceRecord, read_log  # only sessions that log pay for the import
+    from compare import DivergenceRecord, RecordError, read_log  # only sessions that log pay for the import
 
-    return sum(isinstance(record, DivergenceRecord) for record in read_log(log).records)
+    try:
+        return sum(isinstance(record, DivergenceRecord) for record in read_log(log).records)
+    except RecordError:
+        return None
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -73,5 +77,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     log = config.stash.get(_LOG_PATH, None)
     if log is None or not log.exists():
         return
-    num_divergences = _num_divergences(log) - config.stash[_EARLIER]
-    terminalreporter.write_line(f"kv-compare: {num_divergences} divergences in {log}")
+    now, earlier = _num_divergences(log), config.stash[_EARLIER]
+    if now is None or earlier is None:
+        terminalreporter.write_line(f"kv-compare: divergences go to {log}, which holds lines that are not records: "
+                                    f"`batchgen report {log}` says which")
+        return
+    terminalreporter.write_line(f"kv-compare: {now - earlier} divergences in {log}")

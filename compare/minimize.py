@@ -22,26 +22,21 @@ class _Budget(Exception):
 
 
 def ddmin(items: Sequence[T], still_fails: Callable[[Sequence[T]], bool], *,
-          max_tests: int = 2000) -> list[T]:
+          max_tests: int = 2000, interchangeable: bool = False) -> list[T]:
     """Return a 1-minimal subsequence of `items` (order kept) for which `still_fails` holds.
 
-    ValueError if `still_fails(items)` is false. Each distinct subsequence is tested once (for
-    hashable items, distinct by value: two that read the same are one test, so repeated items
-    cost no budget). After `max_tests` calls it warns and returns the smallest failing
-    subsequence found so far (then not necessarily 1-minimal). Mutates nothing; `still_fails`
-    receives new lists.
+    ValueError if `still_fails(items)` is false. Each distinct subsequence is tested once;
+    `interchangeable`: equal items (hashable) are interchangeable for `still_fails`, so two
+    subsequences that read the same are one test and repeated items cost no budget. After
+    `max_tests` calls it warns and returns the smallest failing subsequence found so far (then
+    not necessarily 1-minimal). Mutates nothing; `still_fails` receives new lists.
     """
     if max_tests < 1:
         raise ValueError(f"max_tests must be >= 1 (the input itself is tested first), not {max_tests}")
     tested: dict[tuple, bool] = {}
-    try:
-        hash(tuple(items))
-        by_value = True  # equal items are interchangeable: subsequences that read the same are one test
-    except TypeError:
-        by_value = False
 
     def fails(indices: list[int]) -> bool:
-        key = tuple(items[i] for i in indices) if by_value else tuple(indices)
+        key = tuple(items[i] for i in indices) if interchangeable else tuple(indices)
         if key not in tested:
             if len(tested) >= max_tests:
                 raise _Budget

@@ -10,8 +10,9 @@
 #
 # Writes REPORTS_DIR/divergences.{jsonl,md,xml,json}. Exits with `batchgen validate`'s status: 0 when
 # every check passed, 1 on any divergence or failed check, 2 on bad input, 130 when interrupted; a log
-# that cannot be rendered (exit 2 of `batchgen report`) fails the gate too, and a validation that did
-# not finish (its divergences.jsonl.partial left behind) renders nothing.
+# that `batchgen report` fails (divergences, harness errors, a run that did not end: 1; unreadable: 2)
+# fails the gate too, and a validation that did not finish (its divergences.jsonl.partial left
+# behind) renders nothing.
 set -uo pipefail
 case "${1:-}" in
     -h|--help) sed -n '2,16s/^# \{0,1\}//p' "$0"; exit 0 ;;  # this header; validate's own flags: batchgen validate --help
@@ -30,13 +31,14 @@ if [ -f "$log.partial" ]; then
     echo "ci_divergence_gate: validate did not finish; its partial log is $log.partial (not rendered)" >&2
     [ "$status" -eq 0 ] && status=1
 elif [ -f "$log" ]; then
-    # Exit 1 only says "there are divergences" (validate already failed for them); 2 is an unreadable log.
+    # validate's own status stands when it failed; a passing one still fails on the report's verdict
+    # (1: divergences, harness errors, or a run that did not end; 2: an unreadable log).
     "$PY" -m batchgen report "$log" --format md
     md_status=$?
     "$PY" -m batchgen report "$log" --format junit --out "$REPORTS_DIR/divergences.xml"
     junit_status=$?
     for report_status in "$md_status" "$junit_status"; do
-        if [ "$report_status" -ge 2 ] && [ "$status" -eq 0 ]; then
+        if [ "$report_status" -ne 0 ] && [ "$status" -eq 0 ]; then
             status=$report_status
         fi
     done

@@ -302,7 +302,7 @@ def test_a_plan_the_plan_path_rejects_stops_the_run_with_exit_1(compare, capsys,
     assert stopped["message"].startswith("AllocPlan.grants[0].new_page_ids: ")
     assert captured.err.strip().splitlines()[-1] == f"batchgen: plan rejected: {stopped['message']}"
     if compare != "off":  # logged as an invalid_plan divergence, and the run closed with its summary
-        assert stopped["message"].endswith(f"(logged to {log})")
+        assert stopped["message"].endswith(f"(compare log: {log})")
         record, summary = read_log(log).records
         assert record.kind == "invalid_plan" and summary.stopped_by.startswith("PlanRejected: ")
 

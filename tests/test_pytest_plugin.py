@@ -133,6 +133,14 @@ def test_the_summary_counts_this_sessions_divergences_only(buggy, tmp_path):
     assert sum(isinstance(r, DivergenceRecord) for r in read_log(log).records) == 2
 
 
+def test_an_unreadable_log_leaves_the_tests_alone_and_the_summary_says_so(buggy, tmp_path):
+    log = tmp_path / "kv.jsonl"
+    log.write_text('{"not": "a record"}\n')
+    result = buggy.runpytest(*PLUGIN, "--kv-compare=log", f"--kv-compare-log={log}")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([f"kv-compare: divergences go to {log}, which holds lines that are not records*"])
+
+
 def test_the_gate_variables_are_restored_after_the_session(pytester):
     pytester.makepyfile(test_env="""
         import os

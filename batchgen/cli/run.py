@@ -126,8 +126,8 @@ def _run(args: argparse.Namespace) -> int:
     except RunStalled as error:
         return _stopped(args, workload.name, "stalled", str(error))
     except PlanRejected as error:  # the plan path rejected its own plan: a bug in the plan layer
-        logged = f" (logged to {gate.compare_log})" if worker.kv_compare is not None else ""
-        return _stopped(args, workload.name, "plan rejected", f"{error}{logged}")
+        log = f" (compare log: {gate.compare_log})" if worker.kv_compare is not None else ""
+        return _stopped(args, workload.name, "plan rejected", f"{error}{log}")
     finally:
         if worker.kv_compare is not None:
             worker.kv_compare.sink.close()

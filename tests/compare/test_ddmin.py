@@ -85,6 +85,10 @@ def test_repeated_items_are_tested_once_per_distinct_subsequence():
         calls.append(tuple(subset))
         return subset.count("unit") >= 3
 
-    assert ddmin(["unit"] * 40, at_least_three_units) == ["unit"] * 3
+    assert ddmin(["unit"] * 40, at_least_three_units, interchangeable=True) == ["unit"] * 3
     assert len(calls) == len(set(calls))  # never the same subsequence twice
     assert len(calls) <= 40
+
+
+def test_equal_items_are_told_apart_unless_declared_interchangeable():
+    assert ddmin([1, 1.0], lambda subset: any(type(item) is float for item in subset)) == [1.0]
