@@ -180,7 +180,8 @@ class _Session:
         return result
 
     def end_compare_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:
-        """Close the compare run of a run that broke off: its summary record, and its divergences judged."""
+        """Judge the divergences of a compare run that broke off (its summary: the one the runner wrote as it
+        stopped)."""
         if worker.kv_compare is not None:
             self.check_divergences(label, direction, worker.kv_compare.end_run())
 

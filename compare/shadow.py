@@ -34,6 +34,7 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
@@ -113,8 +114,8 @@ class ShadowExecutor:
     """Runs ops on two paths and compares them; mutates only its own counters.
 
     `mode`: "log" reports divergences through `on_divergence`; "raise" also raises
-    `DivergenceError`. `sample` in [0, 1] and `seed` pick the compared steps (every op of a picked step); `ops` limits
-    comparison to those ops (None: all). `ignore` holds path globs (see `compare.diff`).
+    `DivergenceError`. `sample` in [0, 1] and `seed` pick the compared steps (every op of a
+    picked step); `ops` limits comparison to those ops (None: all). `ignore` holds path globs (see `compare.diff`).
     `classify(paths)` names a value divergence, `exception_kind(exc)` an exception divergence.
     `on_harness_error(operation, error)` receives every failure inside the harness; one that
     raises makes harness failures fatal (useful in tests). `clock` can be faked in tests.
@@ -147,6 +148,8 @@ class ShadowExecutor:
         self._ignore = tuple(ignore)
         self._classify = classify
         self._exception_kind = exception_kind
+        self._guarded_classify = partial(self._name, "classify", classify)
+        self._guarded_exception_kind = partial(self._name, "exception_kind", exception_kind)
         self._on_divergence = on_divergence
         self._on_harness_error = on_harness_error
         self._clock = clock
@@ -262,10 +265,8 @@ class ShadowExecutor:
     def _compare(self, op: str, step: int, authoritative: Observation,
                  shadow: Observation) -> Comparison:
         """`compare_observations`, its namers guarded (a failing one leaves the divergence unclassified)."""
-        return compare_observations(
-            op, step, authoritative, shadow, ignore=self._ignore,
-            classify=lambda paths: self._name("classify", self._classify, paths),
-            exception_kind=lambda error: self._name("exception_kind", self._exception_kind, error))
+        return compare_observations(op, step, authoritative, shadow, ignore=self._ignore,
+                                    classify=self._guarded_classify, exception_kind=self._guarded_exception_kind)
 
     def _name(self, operation: str, namer: Callable[[Any], str], argument: Any) -> str:
         """Call a classifier; if it fails, report that and keep the divergence as unclassified."""

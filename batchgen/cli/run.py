@@ -82,9 +82,9 @@ def _run_epilog() -> str:
             "the environment; a bad value or an unknown BATCHGEN_WORKER_KV_* name exits 2.\n\n"
             f"fault SPEC (--faults): comma-separated KEY=VALUE\n{_fault_grammar()}\n"
             "Probabilities are in [0, 1]; the same SPEC replays the same faults.\n\n"
-            "Exit status: 0 when the run finished; 1 on a divergence (--kv-compare raise) or a run that stalls\n"
-            f"(requests live and nothing progressing for {MAX_IDLE_STEPS} steps, or twice the load timeout if longer;\n"
-            "e.g. under gpu_refuse=1); 2 on bad input.")
+            "Exit status: 0 when the run finished; 1 on a divergence (--kv-compare raise), a plan the plan path\n"
+            f"rejected, or a run that stalls (requests live and nothing progressing for {MAX_IDLE_STEPS} steps, or\n"
+            "twice the load timeout if longer; e.g. under gpu_refuse=1); 2 on bad input; 130 on Ctrl-C.")
 
 
 def _fault_grammar() -> str:

@@ -253,7 +253,8 @@ def _check_drops(target: KvTarget, plan: ReleasePlan) -> None:
     dropped = set(plan.drop_pending_append_ids)
     stranded = [uuid for uuid in plan.released if uuid not in dropped and target.has_pending_append(uuid)]
     if stranded:
-        raise PlanRejected("ReleasePlan.drop_pending_append_ids", f"released {stranded} would keep their pending appends")
+        raise PlanRejected("ReleasePlan.drop_pending_append_ids",
+                           f"released {stranded} would keep their pending appends")
 
 
 def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:

@@ -5,7 +5,7 @@ variable                             values                default              
 ==================================== ===================== ===================== ===========================================
 BATCHGEN_WORKER_KV_PATH              plan, legacy          plan                  authoritative KV path
 BATCHGEN_WORKER_KV_COMPARE           off, log, raise       off                   shadow the other path; log or raise
-BATCHGEN_WORKER_KV_COMPARE_SAMPLE    float in (0, 1]       1.0                   fraction of steps compared (seeded)   
+BATCHGEN_WORKER_KV_COMPARE_SAMPLE    float in (0, 1]       1.0                   fraction of steps compared (seeded)
 BATCHGEN_WORKER_KV_COMPARE_LOG       path                  kv-divergences.jsonl  divergence log (JSON Lines)
 BATCHGEN_WORKER_KV_COMPARE_OPS       comma list of ops     all                   ops compared: poll,release,evict,migrate,alloc
 BATCHGEN_WORKER_KV_LOAD_FAILURE      recompute, fail       (engine: recompute)   after a load's last retry: recompute or fail

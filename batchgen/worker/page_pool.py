@@ -201,7 +201,6 @@ class PagePool:
             assert not dead, f"{self.name}: pages owned by requests no longer live: {dead}"
 
     # ---- internals ---------------------------------------------------------------
-
     def _assign(self, uuid: str, page_ids: Sequence[int]) -> None:
         if not page_ids:  # nothing changes: forks stay valid, no empty owner entry
             return
