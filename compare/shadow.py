@@ -14,7 +14,7 @@ Order of one compared step, and why:
                         the authoritative path mutates anything
     4. authoritative()  on the real state; its result (or exception) is what the caller gets
     5. canonicalize     both raw observations -> their canonical forms (harness)
-    6. compare          exceptions by type, values with `diff`, then classify
+    6. compare          exceptions by type; values by equality, `diff` only for a mismatch; classify
     7. report           on_divergence(comparison, context); DivergenceError in "raise" mode
 
 Only the two paths' own exceptions are observations: a failure in context, fork, canonicalize,
@@ -97,16 +97,17 @@ def _as_observed(authoritative: Observation, shadow: Observation) -> tuple[Any, 
 
 
 def _canonical(canonicalize: Callable[[Observation, Observation], tuple[Any, Any]], authoritative: Observation,
-               shadow: Observation) -> tuple[Observation, Observation]:
-    """Both observations with their canonical values (one that raised keeps none)."""
+               shadow: Observation) -> tuple[Any, Any]:
+    """Both sides' canonical values (the entry of a side that raised is ignored)."""
     authoritative_value, shadow_value = canonicalize(authoritative, shadow)
-    return _with_value(authoritative, authoritative_value), _with_value(shadow, shadow_value)
+    return authoritative_value, shadow_value
 
 
 def _with_value(seen: Observation, value: Any) -> Observation:
     return seen if seen.exception is not None else Observation(seen.path, value, None, seen.duration_s)
 
 
+_HOOKS = frozenset({"fork", "canonicalize", "context"})  # run's optional callables
 _FAILED = object()  # what `_guard` returns for a hook that raised, where None is a valid result
 
 
@@ -171,7 +172,20 @@ class ShadowExecutor:
         digest = hashlib.blake2b(key, digest_size=8).digest()
         return int.from_bytes(digest, "big") / 2.0**64 < self._sample
 
-    def run(
+    def run(self, op: str, step: int, *, authoritative: Callable[[], R], shadow: Callable[[F], Any], shadow_path: str,
+            authoritative_path: str, **hooks: Any) -> R:
+        """Run one op on both paths when (op, step) is sampled (`should_compare`), else the authoritative
+        path alone; return the authoritative result. Arguments as `run_both`'s (`hooks`: `fork`,
+        `canonicalize`, `context`)."""
+        unknown = hooks.keys() - _HOOKS
+        if unknown:
+            raise TypeError(f"ShadowExecutor.run() got unknown hooks {sorted(unknown)}; allowed: {sorted(_HOOKS)}")
+        if not self.should_compare(op, step):
+            return authoritative()
+        return self.run_both(op, step, authoritative=authoritative, shadow=shadow, shadow_path=shadow_path,
+                             authoritative_path=authoritative_path, **hooks)
+
+    def run_both(
         self,
         op: str,
         step: int,
@@ -184,15 +198,14 @@ class ShadowExecutor:
         shadow_path: str,
         authoritative_path: str,
     ) -> R:
-        """Run one op on both paths (when sampled) and return the authoritative result.
+        """Run one op on both paths and return the authoritative result (`run` without the sampling check:
+        for a caller that asked `should_compare` itself).
 
         `authoritative()` returns the result; `shadow(fork())` runs the other path on what
         `fork()` returned; `canonicalize(authoritative, shadow)` maps both raw observations
         (values, or exceptions) to the forms compared, its entry for a side that raised is
         ignored. Mutates the executor's counters; whatever the callables mutate is theirs.
         """
-        if not self.should_compare(op, step):
-            return authoritative()
         started = self._clock()
         authoritative_seconds = 0.0
         comparison = None
@@ -223,7 +236,7 @@ class ShadowExecutor:
         finally:
             self._authoritative_seconds += authoritative_seconds
             self._compare_seconds += self._clock() - started - authoritative_seconds
-        if self._mode == "raise" and comparison is not None and not comparison.matched:
+        if self._mode == "raise" and comparison is not None:
             raise DivergenceError(comparison) from comparison.shadow.exception
         return result
 
@@ -247,17 +260,32 @@ class ShadowExecutor:
 
     def _settle(self, op: str, step: int, authoritative: Observation, shadow: Observation, context: Any,
                 canonicalize: Callable[[Observation, Observation], tuple[Any, Any]]) -> Comparison | None:
-        """Canonicalize, compare, count, and report a divergence; None when the harness failed (the op
-        then counts as a harness error, not as compared)."""
-        seen = self._guard("canonicalize", _canonical, canonicalize, authoritative, shadow, default=None)
-        if seen is None:
+        """Canonicalize, compare, count, and report a divergence. Returns the comparison of a divergence;
+        None when the paths matched or the harness failed (the op then counts as a harness error, not as
+        compared).
+
+        Equal canonical forms of two paths that returned are a match with nothing to explain, so only
+        a mismatch builds observations of the canonical values and runs `diff` (whose verdict starts
+        with the same equality)."""
+        forms = self._guard("canonicalize", _canonical, canonicalize, authoritative, shadow, default=_FAILED)
+        if forms is _FAILED:
             return None
+        if authoritative.exception is None and shadow.exception is None:
+            try:
+                equal = bool(forms[0] == forms[1])
+            except Exception as error:
+                self._funnel("compare", error)
+                return None
+            if equal:
+                self._num_compared[op] = self._num_compared.get(op, 0) + 1
+                return None
+        seen = _with_value(authoritative, forms[0]), _with_value(shadow, forms[1])
         comparison = self._guard("compare", self._compare, op, step, *seen, default=None)
         if comparison is None:
             return None
         self._num_compared[op] = self._num_compared.get(op, 0) + 1
-        if comparison.matched:
-            return comparison
+        if comparison.matched:  # equal leaves of unequal forms (NaN, ignored paths)
+            return None
         self._num_divergences[op] = self._num_divergences.get(op, 0) + 1
         self._guard("on_divergence", self._on_divergence, comparison, context, default=None)
         return comparison
@@ -278,9 +306,13 @@ class ShadowExecutor:
         try:
             return call(*args)
         except Exception as error:
-            self._num_harness_errors += 1
-            self._on_harness_error(operation, error)
+            self._funnel(operation, error)
             return default
+
+    def _funnel(self, operation: str, error: Exception) -> None:
+        """The one way a harness failure is reported: counted, then handed to `on_harness_error`."""
+        self._num_harness_errors += 1
+        self._on_harness_error(operation, error)
 
 
 def _describe(comparison: Comparison) -> str:

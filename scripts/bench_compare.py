@@ -229,8 +229,8 @@ def timed_steps(workload: Workload, variant: str, steps: int, log: Path, *, coll
         per_step[step[0]] += seconds
 
     wrap_kv_ops(worker, lambda: None, add)
+    gc.collect()  # start each run from the same collector state; collections inside a KV op still count
     if not collector:
-        gc.collect()
         gc.disable()
     try:
         with path_calls_timed(in_paths, step) if attributed else nullcontext():

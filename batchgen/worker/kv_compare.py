@@ -45,6 +45,7 @@ import uuid as uuid_lib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from operator import methodcaller
 
 from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor
 from batchgen.worker.kv_apply import PlanKvPath
@@ -55,6 +56,9 @@ from batchgen.worker.kv_forms import (
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, kv_path_class
 from batchgen.worker.kv_plans import to_jsonable
 from batchgen.worker.kv_target import KvTarget
+
+
+_EVICT, _MIGRATE = methodcaller("evict"), methodcaller("migrate")  # the op on a path, called in C
 
 
 def _shared(mine: list, theirs: list, canonicalise: Callable[[list], list]) -> tuple[list, list]:
@@ -103,7 +107,8 @@ class _ShadowRun:
 def _wrote_nothing(target: KvTarget, written, dropped) -> bool:
     """Whether an op that wrote ``written`` and dropped ``dropped`` on ``target`` changed no request, pending
     append, pool page or copy (its pools journal and its host pool records copies). Pure."""
-    return not (written or dropped or target.gpu_kv.journal or target.host_kv.journal or target.host_kv.copies)
+    host = target.host_kv
+    return not (written or dropped or target.gpu_kv.pages.journal or host.pages.journal or host.copies)
 
 
 def _quiet_form(target: KvTarget, result) -> dict:
@@ -142,6 +147,7 @@ class KvCompare:
         self.run_id = self.workload = self.workload_source = ""
         self.scale = 1.0
         self._written: dict = {}  # what the last authoritative step wrote: uuid -> the request before it
+        self._op: tuple = ("", None, None)  # the compared op: (name, the op on a path, its request builder)
         self._summary: RunSummary | None = None  # the current run's summary, once it ended
         self.executor = self.begin_run("unnamed", seed=0)
 
@@ -170,37 +176,37 @@ class KvCompare:
 
     # ---- the KvPath interface ---------------------------------------------------------------
     def poll(self, observed: Mapping[str, str | None]) -> None:
-        self._compare("poll", lambda path: path.poll(observed), lambda: self._requests.poll_request(observed))
+        self._compare("poll", methodcaller("poll", observed), partial(self._requests.poll_request, observed))
 
     def release(self, uuids: Sequence[str]) -> None:
-        self._compare("release", lambda path: path.release(uuids), lambda: self._requests.release_request(uuids))
+        self._compare("release", methodcaller("release", uuids), partial(self._requests.release_request, uuids))
 
     def evict(self) -> None:
-        self._compare("evict", lambda path: path.evict(), self._requests.eviction_request)
+        self._compare("evict", _EVICT, self._requests.eviction_request)
 
     def migrate(self) -> None:
-        self._compare("migrate", lambda path: path.migrate(), self._requests.migration_request)
+        self._compare("migrate", _MIGRATE, self._requests.migration_request)
 
     def allocate(self, batch: Sequence[str]) -> list[str]:
-        return self._compare("alloc", lambda path: path.allocate(batch), lambda: self._requests.alloc_request(batch))
+        return self._compare("alloc", methodcaller("allocate", batch), partial(self._requests.alloc_request, batch))
 
     # ---- internals -------------------------------------------------------------------------
     def _compare(self, op: str, call: Callable, request: Callable):
+        """Run ``call`` (the op on a path) on the authoritative path, and, when the executor samples this
+        step, on the shadow path on a fork, and compare. ``request`` builds the op request (the replay
+        context) when no plan path builds it. Mutates what the op mutates, and this op's ``_op``."""
         step = self.target.state.step
         if not self.executor.should_compare(op, step):
             return call(self.authoritative)
+        self._op = (op, call, request)
         self._shadow_request = None
         self._written = {}
         if self.authoritative_path == "plan":
             self.authoritative.last_request = None
         try:
-            return self.executor.run(
-                op, step,
-                context=lambda: self._context(op, request),
-                fork=self._fork,
-                shadow=lambda forked: self._run_shadow(forked, call),
-                authoritative=lambda: self._run_authoritative(call),
-                canonicalize=self._canonicalize,
+            return self.executor.run_both(
+                op, step, context=self._context, fork=self._fork, shadow=self._run_shadow,
+                authoritative=self._run_authoritative, canonicalize=self._canonicalize,
                 shadow_path=self.shadow_path, authoritative_path=self.authoritative_path,
             )
         finally:  # journaling ends with the op, whatever failed
@@ -212,24 +218,24 @@ class KvCompare:
         fork = fork_target(self.target)
         return fork, self._new_shadow_path(fork)
 
-    def _run_shadow(self, forked: tuple[KvTarget, object], call: Callable) -> _ShadowRun:
+    def _run_shadow(self, forked: tuple[KvTarget, object]) -> _ShadowRun:
         """The shadow path's op on its fork; what the canonical forms need of it."""
         fork, path = forked
         try:
-            result = call(path)
+            result = self._op[1](path)
         finally:
             self._shadow_request = getattr(path, "last_request", None)
         # The fork's pools can be read only until the authoritative path changes the worker's.
         return _ShadowRun(fork, result, (fork.gpu_kv.free_pages(), fork.host_kv.free_pages()))
 
-    def _run_authoritative(self, call: Callable):
+    def _run_authoritative(self):
         """The authoritative path on the worker, its pools journaling and its state recording the requests
         it writes (``WorkerState.written``) and the pending appends it drops, until ``_compare`` ends."""
         state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
         gpu.pages.journal, host.pages.journal, host.copies = [], [], []
         self._written = state.written = {}
         self.target.dropped = set()
-        return call(self.authoritative)
+        return self._op[1](self.authoritative)
 
     def _canonicalize(self, seen: Observation, shadow_seen: Observation) -> tuple[dict | None, dict | None]:
         """Both canonical forms, once both post-states exist (compare mode's harness, not either path).
@@ -263,13 +269,14 @@ class KvCompare:
                               differing)
         return mine, theirs
 
-    def _context(self, op: str, request: Callable) -> tuple:
+    def _context(self) -> tuple:
         """(op, request or None), before either path runs.
 
         The op request is taken, when a divergence is recorded, from a plan path that builds it
         anyway: the authoritative one, or else the shadow one, whose fork holds the worker's
         pre-state. With no plan side (A/A legacy) it is built now.
         """
+        op, _, request = self._op
         if "plan" in (self.authoritative_path, self.shadow_path):
             return op, None
         return op, request()

@@ -283,6 +283,53 @@ def test_funnels_a_failing_diff_and_still_returns_the_result(monkeypatch):
     assert (executor.stats().num_harness_errors, executor.stats().num_compared) == (1, {})
 
 
+def test_equal_forms_match_without_running_diff(monkeypatch):
+    monkeypatch.setattr(importlib.import_module("compare.observation"), "diff", raising(AssertionError("diff ran")))
+    executor, recorder = make("raise")
+    assert run(executor) == "result"
+    assert (recorder.harness_errors, recorder.divergences) == ([], [])
+    assert executor.stats().num_compared == {"alloc": 1}
+
+
+class _Incomparable:
+    def __eq__(self, other):
+        raise TypeError("cannot compare")
+
+    __hash__ = None
+
+
+def test_forms_that_cannot_be_compared_are_a_harness_error():
+    executor, recorder = make("raise")
+    assert run(executor, auth=_Incomparable()) == "result"
+    assert [(operation, str(error)) for operation, error in recorder.harness_errors] == [("compare", "cannot compare")]
+    assert (executor.stats().num_harness_errors, executor.stats().num_compared) == (1, {})
+
+
+def test_leaves_that_agree_in_unequal_forms_are_a_match():
+    nan = float("nan")
+    executor, recorder = make("raise")
+    assert run(executor, auth={"x": [nan]}, shadow={"x": [float("nan")]}) == "result"
+    assert (recorder.harness_errors, recorder.divergences) == ([], [])
+    assert executor.stats().num_compared == {"alloc": 1}
+
+
+def test_run_refuses_an_unknown_hook_even_when_the_step_is_not_sampled():
+    executor, _ = make(sample=0.0)
+    with pytest.raises(TypeError, match=r"unknown hooks \['forks'\]; allowed: \['canonicalize', 'context', 'fork'\]"):
+        executor.run("alloc", 0, authoritative=lambda: "result", shadow=lambda forked: None, forks=lambda: None,
+                     shadow_path="legacy", authoritative_path="plan")
+
+
+def test_run_both_compares_whatever_the_sampling_says():
+    executor, recorder = make(sample=0.0, ops={"evict"})
+    result = executor.run_both("alloc", 3, authoritative=lambda: "result", shadow=lambda forked: OTHER,
+                               canonicalize=lambda seen, other_seen: (SAME, other_seen.value),
+                               shadow_path="legacy", authoritative_path="plan")
+    assert result == "result"
+    assert [comparison.step for comparison, _ in recorder.divergences] == [3]
+    assert executor.stats().num_divergences == {"alloc": 1}
+
+
 def test_warns_about_harness_errors_by_default():
     executor = ShadowExecutor(mode="log", classify=raising(RuntimeError("classifier bug")))
     with pytest.warns(HarnessWarning, match="classify"):
