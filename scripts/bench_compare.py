@@ -20,7 +20,11 @@ plan - legacy): what compare mode adds beyond running both paths (fork, change d
 diff, context, the forked pools' overlay). "harness in-run": each compared variant
 runs ``--repeats`` more times with the paths' own op calls timed too (on the worker
 and on the fork), and is that run's time outside them: no difference between
-separate runs, but the paths' slow-down on forks counts as theirs. All variants make the same
+separate runs, but the paths' slow-down on forks counts as theirs. "floor": compare
+mode rerun the same way with its harness cut to what no compared op can skip (fork,
+shadow path, authoritative path with its writes recorded, the check that neither side
+wrote anything; nothing canonicalised or compared), shown for quiet steps only: how
+much of the harness, and of its growth with N, any harness of this design pays. All variants make the same
 decisions, so step i touches the same requests in each: an untimed probe run
 counts, per step, the requests whose phase, page tables or retry count the KV
 ops changed, or that they released: "touched".
@@ -87,6 +91,8 @@ from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
 from batchgen.runner import run_workload
 from batchgen.worker.kv_apply import PlanKvPath
+from batchgen.worker.kv_compare import KvCompare, _wrote_nothing
+from batchgen.worker.kv_forms import fork_target
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.legacy_kv import LegacyKvPath
 from batchgen.worker.worker import Worker
@@ -216,11 +222,42 @@ def path_calls_timed(per_step: list[float], step: list[int]):
             setattr(cls, op, original)
 
 
+def _floor_compare(self: KvCompare, op: str, call: Callable, request: Callable):
+    """The least a compared op can cost in this design: fork, the shadow path on the fork, the authoritative
+    path with its writes recorded, and the check that neither side wrote anything. Nothing is canonicalised
+    or compared, so it stands for the harness on quiet steps only."""
+    fork = fork_target(self.target)
+    call(self._new_shadow_path(fork))
+    target = self.target
+    state, gpu, host = target.state, target.gpu_kv, target.host_kv
+    gpu.pages.journal, host.pages.journal, host.copies = [], [], []
+    written = state.written = {}
+    target.dropped = set()
+    try:
+        result = call(self.authoritative)
+        _wrote_nothing(fork, fork.state.written, fork.dropped) and _wrote_nothing(target, written, target.dropped)
+        return result
+    finally:
+        gpu.pages.journal = host.pages.journal = host.copies = state.written = target.dropped = None
+
+
+@contextmanager
+def floor_harness():
+    """While open, compare mode runs ``_floor_compare`` instead of its harness (a measurement, not a check)."""
+    original = KvCompare._compare
+    KvCompare._compare = _floor_compare
+    try:
+        yield
+    finally:
+        KvCompare._compare = original
+
+
 def timed_steps(workload: Workload, variant: str, steps: int, log: Path, *, collector: bool = True,
-                attributed: bool = False) -> list[float]:
+                attributed: bool = False, floor: bool = False) -> list[float]:
     """Seconds spent in KV ops, per step, on a fresh worker (``collector=False``: the cyclic garbage
     collector off while the steps run). ``attributed``: minus the seconds inside the paths' own op
-    calls, timed in the same run (for compare mode: the harness alone, measured in-run)."""
+    calls, timed in the same run (for compare mode: the harness alone, measured in-run). ``floor``:
+    compare mode with its harness cut to ``_floor_compare``."""
     worker = new_worker(workload, variant, log)
     per_step, in_paths = [0.0] * steps, [0.0] * steps
     step = [0]
@@ -233,7 +270,8 @@ def timed_steps(workload: Workload, variant: str, steps: int, log: Path, *, coll
     if not collector:
         gc.disable()
     try:
-        with path_calls_timed(in_paths, step) if attributed else nullcontext():
+        with path_calls_timed(in_paths, step) if attributed else nullcontext(), \
+                floor_harness() if floor else nullcontext():
             for step[0] in range(steps):
                 worker.step()
     finally:
@@ -270,7 +308,8 @@ def touched_steps(workload: Workload, steps: int, log: Path) -> tuple[list[int],
 VARIANTS = ("plan", "legacy", "compare", "rollout")
 COMPARED = ("compare", "rollout")
 ATTRIBUTED = "-attributed"  # a compared variant rerun with its path calls timed: its harness, measured in-run
-RUNS = VARIANTS + tuple(variant + ATTRIBUTED for variant in COMPARED)
+FLOOR = "floor"  # compare, its harness cut to _floor_compare, measured in-run: the least a harness costs
+RUNS = VARIANTS + tuple(variant + ATTRIBUTED for variant in COMPARED) + (FLOOR,)
 PATH_OPS = ("poll", "release", "evict", "migrate", "allocate")
 
 
@@ -283,9 +322,9 @@ def bookkeeping(sizes: list[int], steps: int, repeats: int, seed: int, log: Path
         samples: dict[str, list[list[float]]] = {variant: [] for variant in RUNS}
         for repeat in range(repeats):
             for variant in RUNS[repeat % len(RUNS):] + RUNS[:repeat % len(RUNS)]:
-                compared = variant.removesuffix(ATTRIBUTED)
+                compared = "compare" if variant == FLOOR else variant.removesuffix(ATTRIBUTED)
                 samples[variant].append(timed_steps(workload, compared, steps, log, collector=collector,
-                                                    attributed=variant != compared))
+                                                    attributed=variant != compared, floor=variant == FLOOR))
         touched, alive = touched_steps(workload, steps, log)
         row = {"num_requests": size, "touched": touched, "alive": alive, "num_gpu_pages": workload.cache.num_gpu_pages}
         for variant, runs in samples.items():
@@ -344,7 +383,8 @@ def summarise_touched(rows: list[dict]) -> list[dict]:
                            for variant in COMPARED},
                         **{f"{variant}_direct_harness_us":
                            statistics.median(direct_harness(row, i, variant) for i in steps) * 1e6
-                           for variant in COMPARED}})
+                           for variant in COMPARED},
+                        "floor_us": statistics.median(row[f"{FLOOR}_s"][i] for i in steps) * 1e6})
     return out
 
 
@@ -408,11 +448,15 @@ def verdicts(sizes: list[dict], touched: list[dict], e2e: dict | None) -> dict:
     ratio, size, variant = max((row[f"{v}_ratio"], row["num_requests"], v) for row in sizes for v in COMPARED)
     out = {"bookkeeping_ratio": {"value": ratio, "at": f"{variant}, N = {size}", "goal": GOALS["bookkeeping_ratio"],
                                  "met": ratio <= GOALS["bookkeeping_ratio"]}}
-    for key, column in (("quiet_harness_growth", "harness_us"), ("quiet_direct_harness_growth", "direct_harness_us")):
+    growth_columns = {
+        "quiet_harness_growth": {variant: f"{variant}_harness_us" for variant in COMPARED},
+        "quiet_direct_harness_growth": {variant: f"{variant}_direct_harness_us" for variant in COMPARED},
+        "quiet_floor_growth": {"compare": "floor_us"},
+    }
+    for key, columns in growth_columns.items():
         growths = []
-        for variant in COMPARED:
-            quiet = {row["num_requests"]: row[f"{variant}_{column}"] for row in touched
-                     if row["touched"] == bucket_label(QUIET)}
+        for variant, column in columns.items():
+            quiet = {row["num_requests"]: row[column] for row in touched if row["touched"] == bucket_label(QUIET)}
             if len(quiet) >= 2:
                 small, large = min(quiet), max(quiet)
                 growths.append((quiet[large] / quiet[small] if quiet[small] > 0 else math.inf, variant, small, large))
@@ -445,13 +489,15 @@ def report_tables(sizes: list[dict], touched: list[dict], fit: dict, e2e: dict |
          for r in sizes],
     ), (
         "By requests touched: us per step, medians over the steps in each bucket; in-run: the compared run "
-        "minus the time inside its two paths' op calls, timed in that run",
+        "minus the time inside its two paths' op calls, timed in that run; floor: the same for compare mode cut "
+        "to fork, both paths and the nothing-written check (the least a compared op costs; quiet steps only)",
         ("N", "touched", "steps", "plan", "legacy", "compare", "rollout", "harness", "rollout harness",
-         "harness in-run", "rollout harness in-run"),
+         "harness in-run", "rollout harness in-run", "floor in-run"),
         [(str(r["num_requests"]), r["touched"], str(r["num_steps"]), f"{r['plan_us']:.0f}", f"{r['legacy_us']:.0f}",
           f"{r['compare_us']:.0f}", f"{r['rollout_us']:.0f}", f"{r['compare_harness_us']:.0f}",
           f"{r['rollout_harness_us']:.0f}", f"{r['compare_direct_harness_us']:.0f}",
-          f"{r['rollout_direct_harness_us']:.0f}") for r in touched],
+          f"{r['rollout_direct_harness_us']:.0f}", f"{r['floor_us']:.0f}" if r["touched"] == bucket_label(QUIET)
+          else "-") for r in touched],
     )]
     if e2e is not None:
         tables.append((
@@ -465,7 +511,9 @@ def report_tables(sizes: list[dict], touched: list[dict], fit: dict, e2e: dict |
              "end_to_end_ratio": f"L2-4096 end to end, compare on / off ({e2e['basis'] if e2e else ''})",
              "quiet_harness_growth": "harness on quiet steps (<= 4 touched), largest N / smallest N, worst",
              "quiet_direct_harness_growth": "the same, harness measured in-run (diagnostic: it leaves out the "
-                                            "paths' own slow-down on forks)"}
+                                            "paths' own slow-down on forks)",
+             "quiet_floor_growth": "the same for the floor, in-run (diagnostic: the least any compared op costs: "
+                                   "fork, both paths, the nothing-written check)"}
     tables.append((
         f"Goals (compare harness, least-squares fit over all steps: {fit['fixed_us']:.0f} us"
         f" + {fit['us_per_alive_request']:.2f} us x alive "

@@ -38,11 +38,12 @@ def test_bench_compare_reports_the_harness_both_ways_and_every_goal(tmp_path):
                   "--json-out", str(out), "--md-out", str(md))
     figures = json.loads(out.read_text())
     assert [row["num_requests"] for row in figures["sizes"]] == [8, 16]
-    assert set(figures["goals"]) == {"bookkeeping_ratio", "quiet_harness_growth", "quiet_direct_harness_growth"}
+    assert set(figures["goals"]) == {"bookkeeping_ratio", "quiet_harness_growth", "quiet_direct_harness_growth",
+                                     "quiet_floor_growth"}
     for row in figures["per_step"]:
-        for variant in ("compare", "rollout"):
+        for variant in ("compare", "rollout", "floor"):
             # in-run: a compared run's time outside its paths' op calls, which its op time contains
-            direct, whole = row[f"{variant}-attributed_s"], row[f"{variant}_s"]
-            assert len(direct) == len(whole) == 6
+            direct = row["floor_s" if variant == "floor" else f"{variant}-attributed_s"]
+            assert len(direct) == len(row["compare_s"]) == 6
             assert all(d >= 0 for d in direct)
     assert "harness in-run" in md.read_text()
