@@ -91,7 +91,7 @@ from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
 from batchgen.runner import run_workload
 from batchgen.worker.kv_apply import PlanKvPath
-from batchgen.worker.kv_compare import KvCompare, _wrote_nothing
+from batchgen.worker.kv_compare import KvCompare, wrote_nothing
 from batchgen.worker.kv_forms import fork_target
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.legacy_kv import LegacyKvPath
@@ -235,7 +235,7 @@ def _floor_compare(self: KvCompare, op: str, call: Callable, request: Callable):
     target.dropped = set()
     try:
         result = call(self.authoritative)
-        _wrote_nothing(fork, fork.state.written, fork.dropped) and _wrote_nothing(target, written, target.dropped)
+        wrote_nothing(fork, fork.state.written, fork.dropped) and wrote_nothing(target, written, target.dropped)
         return result
     finally:
         gpu.pages.journal = host.pages.journal = host.copies = state.written = target.dropped = None

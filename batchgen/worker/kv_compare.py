@@ -104,7 +104,7 @@ class _ShadowRun:
     # authoritative path changes the worker's pools)
 
 
-def _wrote_nothing(target: KvTarget, written, dropped) -> bool:
+def wrote_nothing(target: KvTarget, written, dropped) -> bool:
     """Whether an op that wrote ``written`` and dropped ``dropped`` on ``target`` changed no request, pending
     append, pool page or copy (its pools journal and its host pool records copies). Pure."""
     host = target.host_kv
@@ -256,7 +256,7 @@ class KvCompare:
         if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
             return canonical_kv(target, list(written), seen.value, gpu.journal, host.journal, host.copies), None
         fork, result = shadow.fork, seen.value
-        if _wrote_nothing(fork, fork.state.written, fork.dropped) and _wrote_nothing(target, written, dropped):
+        if wrote_nothing(fork, fork.state.written, fork.dropped) and wrote_nothing(target, written, dropped):
             return _quiet_form(target, result), _quiet_form(fork, shadow.result)
         gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
         host_events, fork_host_events = _shared(host.journal, fork.host_kv.journal, canonical_events)
