@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from batchgen.config import ModelConfig
+from batchgen.config import DTYPE_SIZES, ModelConfig
 from batchgen.model.llama import LlamaForCausalLM
-from batchgen.model.loader import ModelLoadError, load_model
+from batchgen.model.loader import SUPPORTED_DTYPES, ModelLoadError, load_model
 
 HF_CONFIG = dict(
     model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -265,3 +265,7 @@ def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
 
 def test_unsupported_dtype_lists_the_allowed_ones():
     assert load_error("tiny", dtype="float64") == "unsupported dtype 'float64'; allowed: float32, bfloat16, float16"
+
+
+def test_every_cache_dtype_is_a_torch_dtype_of_the_size_the_plan_layer_counts():
+    assert {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in SUPPORTED_DTYPES.items()} == DTYPE_SIZES

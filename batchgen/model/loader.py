@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from batchgen.config import TINY_MODELS, ModelConfig, validation_summary
+from batchgen.config import DTYPE_SIZES, TINY_MODELS, ModelConfig, validation_summary
 from batchgen.model.llama import LlamaForCausalLM
 
-SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}  # config's dtype names are torch's
 INIT_STD = 0.02
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
