@@ -1,6 +1,8 @@
 """What one path produced for one operation, and how the two paths' results compared.
 
-Both objects are immutable snapshots built by `ShadowExecutor.run`; nothing mutates them.
+Both objects are immutable snapshots built by `ShadowExecutor.run_both`; nothing mutates them. A
+comparison is built only when the canonical forms are not `==` or a path raised: an op whose forms
+are equal is counted as matched without one.
 """
 
 from __future__ import annotations

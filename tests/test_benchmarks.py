@@ -41,9 +41,8 @@ def test_bench_compare_reports_the_harness_both_ways_and_every_goal(tmp_path):
     assert set(figures["goals"]) == {"bookkeeping_ratio", "quiet_harness_growth", "quiet_direct_harness_growth",
                                      "quiet_floor_growth"}
     for row in figures["per_step"]:
-        for variant in ("compare", "rollout", "floor"):
-            # in-run: a compared run's time outside its paths' op calls, which its op time contains
-            direct = row["floor_s" if variant == "floor" else f"{variant}-attributed_s"]
-            assert len(direct) == len(row["compare_s"]) == 6
-            assert all(d >= 0 for d in direct)
-    assert "harness in-run" in md.read_text()
+        for variant in ("plan", "legacy", "compare", "rollout", "compare-attributed", "rollout-attributed", "floor"):
+            assert len(row[f"{variant}_s"]) == 6
+        for direct in ("compare-attributed", "rollout-attributed", "floor"):  # in-run: time outside the paths' calls
+            assert all(seconds >= 0 for seconds in row[f"{direct}_s"])
+    assert "harness in-run" in md.read_text() and "floor in-run" in md.read_text()

@@ -1,25 +1,29 @@
 """Compare mode's own work grows with what an op wrote, not with the live requests.
 
 The harness (fork, journals, change detection, canonical forms, comparison) is
-measured in bytecodes executed outside the two paths' op calls: evict and
-migrate read every running request on either path, which is the paths' cost,
-not the harness's. A bytecode count is deterministic, so these tests compare
-exact counts: equal for the same op at 8 and 256 live requests, larger when the
-op writes more requests. (What a count cannot see: C-level work inside one call;
-the one such cost that grows with the live requests is the fork's shallow copy of
-the request dict on its first write, a few ns per request.)
+measured outside the two paths' op calls: evict and migrate read every running
+request on either path, which is the paths' cost, not the harness's. Two
+deterministic measures, compared exactly between 8 and 256 live requests: the
+bytecodes the harness executes (Python-level work), and the leaves of the two
+canonical forms it builds and compares (work done in C, such as copying or
+comparing containers, shows there). Also checked: on an op that writes nothing,
+the fork never copies the worker's request dict. (Not measured: the fork's
+shallow copy of that dict on its first write, C-level, a few ns per live request.)
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
+from compare.canonical import flatten
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.model.null_model import NullModel
 from batchgen.worker.kv_apply import PlanKvPath
+from batchgen.worker.kv_compare import KvCompare
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.legacy_kv import LegacyKvPath
 from batchgen.worker.state import Phase, Request
@@ -44,14 +48,40 @@ def running_worker(num_requests: int, path: str, log) -> Worker:
     return worker
 
 
-def compared_bytecodes(worker: Worker, name: str, op: Callable[[], object]) -> int:
-    """``harness_bytecodes(op)``, checking that ``op`` is one compared op ``name`` that matched."""
-    before = worker._kv.executor.stats()
-    count = harness_bytecodes(op)
-    after = worker._kv.executor.stats()
+@dataclass
+class HarnessWork:
+    """What compare mode did for one op, outside the two paths' op calls."""
+
+    bytecodes: int  # Python-level work (deterministic)
+    form_leaves: tuple[int, int]  # leaves of the two canonical forms compared (what was built in C, too)
+    fork_shares_requests: bool  # the fork still reads the worker's request dict (it wrote no request)
+
+
+def harness_work(worker: Worker, name: str, op: Callable[[], object]) -> HarnessWork:
+    """Run ``op``, one compared op ``name`` that must match, and measure the harness's work in it."""
+    kv, seen = worker._kv, {}
+
+    def fork():
+        seen["fork"] = forked = KvCompare._fork(kv)
+        return forked
+
+    def canonicalize(authoritative, shadow):
+        seen["forms"] = forms = KvCompare._canonicalize(kv, authoritative, shadow)
+        return forms
+
+    kv._fork, kv._canonicalize = fork, canonicalize  # instance attributes: KvCompare hands these to the executor
+    before = kv.executor.stats()
+    try:
+        count = harness_bytecodes(op)
+    finally:
+        del kv._fork, kv._canonicalize
+    after = kv.executor.stats()
     assert after.num_compared[name] == before.num_compared.get(name, 0) + 1
     assert (sum(after.num_divergences.values()), after.num_harness_errors) == (0, 0)
-    return count
+    mine, theirs = seen["forms"]
+    fork_state = seen["fork"][0].state
+    return HarnessWork(count, (len(flatten(mine)), len(flatten(theirs))),
+                       fork_state.requests is worker.state.requests)
 
 
 def harness_bytecodes(op: Callable[[], object]) -> int:
@@ -81,11 +111,12 @@ def harness_bytecodes(op: Callable[[], object]) -> int:
         frame.f_trace_opcodes = True
         return local
 
+    previous = sys.gettrace()  # a coverage tool's or debugger's tracer, put back after
     sys.settrace(on_call)
     try:
         op()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return count
 
 
@@ -100,35 +131,48 @@ def finish(worker: Worker, num_done: int) -> list[str]:
 @pytest.mark.parametrize("path", DIRECTIONS.values(), ids=DIRECTIONS.keys())
 @pytest.mark.parametrize("op", ["evict", "migrate"])
 def test_an_op_that_writes_nothing_costs_the_harness_the_same_at_any_number_of_requests(op, path, tmp_path):
-    counts = []
-    for num_requests in (8, 256):
-        worker = running_worker(num_requests, path, tmp_path / f"{num_requests}.jsonl")
-        counts.append(compared_bytecodes(worker, op, getattr(worker._kv, op)))
-    assert counts[0] == counts[1] > 0
+    work = [harness_work(worker, op, getattr(worker._kv, op))
+            for worker in (running_worker(n, path, tmp_path / f"{n}.jsonl") for n in (8, 256))]
+    assert work[0] == work[1]
+    assert work[0].bytecodes > 0 and work[0].fork_shares_requests
+    assert work[0].form_leaves == (5, 5)  # four counters and the result, on each side
 
 
 @pytest.mark.parametrize("path", DIRECTIONS.values(), ids=DIRECTIONS.keys())
 def test_a_release_costs_the_harness_what_it_released_not_what_is_live(path, tmp_path):
-    counts = {}
+    work = {}
     for num_requests in (8, 256):
         for num_done in (2, 4):
             worker = running_worker(num_requests, path, tmp_path / f"{num_requests}-{num_done}.jsonl")
             done = finish(worker, num_done)
-            counts[num_requests, num_done] = compared_bytecodes(worker, "release", lambda: worker._kv.release(done))
+            work[num_requests, num_done] = harness_work(worker, "release", lambda: worker._kv.release(done))
             assert sorted(worker.state.outputs) == sorted(done)
-    assert counts[8, 2] == counts[256, 2] < counts[8, 4] == counts[256, 4]
+    for num_done in (2, 4):
+        assert work[8, num_done].bytecodes == work[256, num_done].bytecodes
+        assert work[8, num_done].form_leaves == work[256, num_done].form_leaves
+    assert work[8, 2].bytecodes < work[8, 4].bytecodes
+    assert work[8, 2].form_leaves < work[8, 4].form_leaves  # one pool event (and its pages) per released request
 
 
-def test_the_count_sees_harness_work_that_grows_with_the_live_requests(tmp_path, monkeypatch):
-    """The measure itself: a harness that scans every live request per op is counted as growing."""
-    from batchgen.worker import kv_compare
-
-    quiet_form = kv_compare._quiet_form
-
-    def scanning_quiet_form(target, result):
+def _scanning(quiet_form):
+    def form(target, result):  # a Python-level scan of every live request per op
         assert all(r.phase is not None for r in target.state.requests.values())
         return quiet_form(target, result)
+    return form
 
-    monkeypatch.setattr(kv_compare, "_quiet_form", scanning_quiet_form)
-    counts = [harness_bytecodes(running_worker(n, "plan", tmp_path / f"{n}.jsonl")._kv.evict) for n in (8, 256)]
-    assert counts[1] - counts[0] >= 2 * (256 - 8)  # a generator step per request, on both sides
+
+def _copying(quiet_form):
+    def form(target, result):  # C-level: every live request copied into the form
+        return {**quiet_form(target, result), "requests": dict(target.state.requests)}
+    return form
+
+
+@pytest.mark.parametrize("bug, grows", [(_scanning, "bytecodes"), (_copying, "form_leaves")],
+                         ids=["python scan", "C copy"])
+def test_the_measure_sees_harness_work_that_grows_with_the_live_requests(bug, grows, tmp_path, monkeypatch):
+    from batchgen.worker import kv_compare
+
+    monkeypatch.setattr(kv_compare, "_quiet_form", bug(kv_compare._quiet_form))
+    small, large = (harness_work(worker, "evict", worker._kv.evict)
+                    for worker in (running_worker(n, "plan", tmp_path / f"{n}.jsonl") for n in (8, 256)))
+    assert getattr(large, grows) > getattr(small, grows)

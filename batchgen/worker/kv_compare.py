@@ -59,6 +59,7 @@ from batchgen.worker.kv_target import KvTarget
 
 
 _EVICT, _MIGRATE = methodcaller("evict"), methodcaller("migrate")  # the op on a path, called in C
+_NO_OP = ("", None, None)
 
 
 def _shared(mine: list, theirs: list, canonicalise: Callable[[list], list]) -> tuple[list, list]:
@@ -147,7 +148,7 @@ class KvCompare:
         self.run_id = self.workload = self.workload_source = ""
         self.scale = 1.0
         self._written: dict = {}  # what the last authoritative step wrote: uuid -> the request before it
-        self._op: tuple = ("", None, None)  # the compared op: (name, the op on a path, its request builder)
+        self._op: tuple = _NO_OP  # while an op is compared: (name, the op on a path, its request builder)
         self._summary: RunSummary | None = None  # the current run's summary, once it ended
         self.executor = self.begin_run("unnamed", seed=0)
 
@@ -212,6 +213,7 @@ class KvCompare:
         finally:  # journaling ends with the op, whatever failed
             state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
             gpu.pages.journal = host.pages.journal = host.copies = state.written = self.target.dropped = None
+            self._op = _NO_OP
 
     def _fork(self) -> tuple[KvTarget, object]:
         """A copy-on-write fork of the worker's target, and the shadow path on it."""

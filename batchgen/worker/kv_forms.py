@@ -140,7 +140,7 @@ def canonical_form(target: KvTarget, result, free_pages: tuple[int, int], gpu_ev
     }
 
 
-_stat_values = operator.attrgetter(*STAT_FIELDS)
+_stat_values = operator.attrgetter(*STAT_FIELDS)  # a tuple: STAT_FIELDS names more than one field
 
 
 def canonical_stats(target: KvTarget) -> dict:
