@@ -12,6 +12,7 @@ a pressure workload and checks the worker is left as it was.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 
 import pytest
@@ -23,6 +24,7 @@ from batchgen.worker import kv_apply, legacy_kv
 from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_forms import KV_FIELDS, add_requests, fork_target
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
+from batchgen.worker.state import Phase, Request, RequestState
 from batchgen.worker.worker import Worker
 from batchgen.workloads import builtin_workload
 
@@ -128,3 +130,18 @@ def test_the_canonical_request_covers_exactly_the_fields_the_change_detection_re
     [entry] = requests.values()
     renamed = {"has_load": "load_handle"}  # the handle itself is not comparable: whether there is one
     assert {renamed.get(key, key) for key in entry} - {"has_pending_append"} == set(KV_FIELDS)
+
+
+def test_a_request_copy_has_every_field_of_the_original_and_shares_only_the_output_lists():
+    request = RequestState(Request("r1", (1, 2, 3), 8, temperature=0.5, seed=7), arrival_index=4)
+    values = {"phase": Phase.SWAPPED, "output_ids": [5, 6], "output_logprobs": [], "num_cached_tokens": 4,
+              "gpu_page_ids": (), "host_page_ids": (9, 10), "load_handle": None, "load_started_step": 11,
+              "num_load_retries": 1, "swapped_step": 12, "finish_reason": None, "num_tokens": 5}
+    for name, value in values.items():
+        setattr(request, name, value)
+    copy = request.copy()
+    assert copy is not request and copy == request
+    assert {f.name for f in dataclasses.fields(RequestState)} == {"request", "arrival_index", "uuid", *values}
+    assert copy.output_ids is request.output_ids  # shared: KV ops never write them
+    copy.phase, copy.gpu_page_ids = Phase.LOADING, (1, 2)
+    assert (request.phase, request.gpu_page_ids) == (Phase.SWAPPED, ())

@@ -93,8 +93,28 @@ class RequestState:
             self.load_handle = None
 
     def copy(self) -> "RequestState":
-        """A shallow copy: the output lists are shared (KV ops never write them)."""
-        return RequestState(*_request_fields(self))
+        """A shallow copy: the output lists are shared (KV ops never write them).
+
+        Every field set directly, without ``__init__`` and ``__post_init__``: compare mode copies each
+        request an op writes, on both sides (about 0.25 us, against 0.6 us through ``__init__``).
+        """
+        new = _new_request_state(RequestState)
+        new.request = self.request
+        new.arrival_index = self.arrival_index
+        new.phase = self.phase
+        new.output_ids = self.output_ids
+        new.output_logprobs = self.output_logprobs
+        new.num_cached_tokens = self.num_cached_tokens
+        new.gpu_page_ids = self.gpu_page_ids
+        new.host_page_ids = self.host_page_ids
+        new.load_handle = self.load_handle
+        new.load_started_step = self.load_started_step
+        new.num_load_retries = self.num_load_retries
+        new.swapped_step = self.swapped_step
+        new.finish_reason = self.finish_reason
+        new.uuid = self.uuid
+        new.num_tokens = self.num_tokens
+        return new
 
     def to_output(self) -> "RequestOutput":
         return RequestOutput(uuid=self.uuid, phase=self.phase, finish_reason=self.finish_reason,
@@ -108,7 +128,7 @@ class RequestState:
         return [*prompt[start:], *self.output_ids]
 
 
-_request_fields = attrgetter(*(f.name for f in fields(RequestState) if f.init))  # copy() in C: 5x copy.copy
+_new_request_state = object.__new__
 
 
 @dataclass(frozen=True, slots=True)
