@@ -246,6 +246,19 @@ def test_fork_raises_once_its_base_changed():
         _ = fork.num_free
 
 
+@pytest.mark.parametrize("access", [lambda fork: fork.release_pages("a"), lambda fork: fork.pages_of("a"),
+                                    lambda fork: fork.is_free(0), lambda fork: fork.all_free([0]),
+                                    lambda fork: fork.peek_free_pages(1)],
+                         ids=["release_pages", "pages_of", "is_free", "all_free", "peek_free_pages"])
+def test_a_fork_refuses_every_access_once_its_base_changed(access):
+    base = PagePool("gpu", 4)
+    base.allocate_pages("a", 2)
+    fork = base.fork()
+    base.release_pages("a")
+    with pytest.raises(RuntimeError, match=r"^gpu: fork used after its base pool changed$"):
+        access(fork)
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["alloc", "release", "take", "take_for"]), st.sampled_from("abcd"),
                          st.integers(0, 5)), max_size=25)
 

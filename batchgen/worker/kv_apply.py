@@ -19,7 +19,7 @@ from batchgen.worker.kv_plans import (
     ReleaseRequest, SwappedColumns,
 )
 from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.page_pool import Grants, PageOwnershipError
+from batchgen.worker.page_pool import PAGE_ID_TYPES, Grants, PageOwnershipError
 from batchgen.worker.state import DONE_PHASES, Phase, RequestState
 
 
@@ -153,8 +153,23 @@ def _take_pages(pool, grants: Grants, field: str) -> None:
 
 
 def _check_unique(field: str, uuids: Sequence[str]) -> None:
-    if len(set(uuids)) != len(uuids):
+    try:
+        named_twice = len(set(uuids)) != len(uuids)
+    except TypeError:
+        _reject_unhashable(field + "[{}]", uuids)
+    if named_twice:
         raise PlanRejected(field, f"a request is named twice in {list(uuids)}")
+
+
+def _reject_unhashable(field: str, uuids: Sequence) -> None:
+    """Raise PlanRejected naming the first of ``uuids`` that cannot be a request id (``field`` with ``{}`` for
+    its index), after ``set(uuids)`` raised TypeError; re-raise that error if every one is hashable."""
+    for i, uuid in enumerate(uuids):
+        try:
+            hash(uuid)
+        except TypeError:
+            raise PlanRejected(field.format(i), f"{uuid!r} is not a request id") from None
+    raise TypeError(f"the request ids of {field.format('*')} cannot be put in a set")
 
 
 def _reject_member(field: str, value, enum_type) -> None:
@@ -172,7 +187,10 @@ def _reject_ids(field: str, page_ids) -> None:
 # ---- appliers: validate everything, then mutate ------------------------------------------
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
     """Mutates phases, page tables, pools (host frees, retried loads), stats."""
-    uuids = {s.uuid for s in plan.steps}
+    try:
+        uuids = {s.uuid for s in plan.steps}
+    except TypeError:
+        _reject_unhashable("PollPlan.steps[{}].uuid", [s.uuid for s in plan.steps])
     if len(uuids) != len(plan.steps):
         _check_unique("PollPlan.steps", [s.uuid for s in plan.steps])  # raises, naming the steps
     if observed.keys() != uuids:
@@ -190,8 +208,9 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load completed; nothing to {step.action.value}")
         if step.action is RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
             raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} has no retries left")
-        if step.action is FAIL and not step.reason:
-            raise PlanRejected(f"PollPlan.steps[{i}].reason", f"failing {step.uuid!r} needs a reason")
+        if step.action is FAIL and (type(step.reason) is not str or not step.reason):
+            raise PlanRejected(f"PollPlan.steps[{i}].reason", f"failing {step.uuid!r} needs a reason (a non-empty str), "
+                                                               f"not {step.reason!r}")
     stats = target.state.stats
     for step in plan.steps:
         req = target.state.edit(step.uuid)
@@ -267,9 +286,10 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
         req = requests.get(victim.uuid)
         if req is None or req.phase is not RUNNING:
             _request(target, f"EvictionPlan.victims[{i}].uuid", victim.uuid, (RUNNING,))  # raises, naming why
-        if victim.gpu_page_ids != req.gpu_page_ids:
+        if (victim.gpu_page_ids != req.gpu_page_ids or type(victim.gpu_page_ids) is not tuple
+                or not PAGE_ID_TYPES.issuperset(map(type, victim.gpu_page_ids))):  # (2.0,) == (2,): types too
             raise PlanRejected(f"EvictionPlan.victims[{i}].gpu_page_ids",
-                               f"{victim.gpu_page_ids} != page table {req.gpu_page_ids}")
+                               f"{victim.gpu_page_ids!r} != page table {req.gpu_page_ids}")
         if type(victim.destination) is not Destination:
             _reject_member(f"EvictionPlan.victims[{i}].destination", victim.destination, Destination)
         if type(victim.host_page_ids) is not tuple:
@@ -283,8 +303,8 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
     stats = target.state.stats
     for victim in plan.victims:
         req = target.state.edit(victim.uuid)
-        if victim.destination is TO_HOST:
-            target.host_kv.store_from_gpu(victim.uuid, list(victim.gpu_page_ids))
+        if victim.destination is TO_HOST:  # copied from the page table the plan was checked against
+            target.host_kv.store_from_gpu(victim.uuid, list(req.gpu_page_ids))
             req.host_page_ids = victim.host_page_ids
             req.phase = SWAPPED
             req.swapped_step = target.state.step
@@ -342,7 +362,10 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
                                                     f"free GPU pages, the target is at step {state.step} with "
                                                     f"{target.gpu_kv.pages.num_free}")
     needing = set(request.needing.uuids)
-    granted_uuids = set(map(_GRANT_UUID, plan.grants))
+    try:
+        granted_uuids = set(map(_GRANT_UUID, plan.grants))
+    except TypeError:
+        _reject_unhashable("AllocPlan.grants[{}].uuid", [g.uuid for g in plan.grants])
     if len(granted_uuids) != len(plan.grants):
         _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
     page_size, admissible = target.cache_config.page_size, _ADMISSIBLE
@@ -358,7 +381,10 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
         if len(grant.new_page_ids) != need:
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {need} needed")
-    left_out = {d.uuid for d in plan.not_fitting} if plan.not_fitting else _NONE_LEFT_OUT
+    try:
+        left_out = {d.uuid for d in plan.not_fitting} if plan.not_fitting else _NONE_LEFT_OUT
+    except TypeError:
+        _reject_unhashable("AllocPlan.not_fitting[{}].uuid", [d.uuid for d in plan.not_fitting])
     if len(left_out) != len(plan.not_fitting):
         _check_unique("AllocPlan.not_fitting", [d.uuid for d in plan.not_fitting])  # raises, naming them
     if not (left_out <= needing and left_out.isdisjoint(granted_uuids)):

@@ -70,13 +70,13 @@ def _refused_grant(pool: "PagePool | ForkedPagePool", grants: Grants) -> PageOwn
     return None
 
 
-_INT = frozenset({int})  # the one type a page id may have (not bool, not a float that is integral)
+PAGE_ID_TYPES = frozenset({int})  # the one type a page id may have (not bool, not a float that is integral)
 
 
 def _check_grants(pool: "PagePool | ForkedPagePool", grants: Grants, all_ids: list[int]) -> None:
     """Raise the error of :func:`_refused_grant` unless every grant is good; ``all_ids``: every id of ``grants``,
     in order. Pure."""
-    if _INT.issuperset(map(type, all_ids)) and len(set(all_ids)) == len(all_ids) and pool.all_free(all_ids):
+    if PAGE_ID_TYPES.issuperset(map(type, all_ids)) and len(set(all_ids)) == len(all_ids) and pool.all_free(all_ids):
         return  # the common case, checked in C; _refused_grant names what is wrong
     error = _refused_grant(pool, grants)
     if error is None:  # the bulk check and the one per grant disagree: a bug in the pool
@@ -153,7 +153,7 @@ class PagePool:
         owner given no ids is left as it is.
         """
         all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
-        if self._queue[self._head:self._head + len(all_ids)] == all_ids and _INT.issuperset(map(type, all_ids)):
+        if self._queue[self._head:self._head + len(all_ids)] == all_ids and PAGE_ID_TYPES.issuperset(map(type, all_ids)):
             self._head += len(all_ids)  # the queue head (what a plan peeked): in range, free and distinct already
         else:
             _check_grants(self, grants, all_ids)
@@ -256,6 +256,7 @@ class ForkedPagePool:
         return out
 
     def pages_of(self, uuid: str) -> tuple[int, ...]:
+        self._check_base()
         base = () if uuid in self._released else self._base.pages_of(uuid)
         added = self._added.get(uuid)
         return base + tuple(added) if added else base
@@ -276,7 +277,7 @@ class ForkedPagePool:
             self._assign(uuid, page_ids)
 
     def release_pages(self, uuid: str) -> list[int]:
-        page_ids = list(self.pages_of(uuid))
+        page_ids = list(self.pages_of(uuid))  # refuses a stale fork
         self._released.add(uuid)
         self._added.pop(uuid, None)
         if page_ids:
@@ -286,11 +287,16 @@ class ForkedPagePool:
         return page_ids
 
     def is_free(self, page_id: int) -> bool:
-        in_base = 0 <= page_id < self.num_pages and self._base._free_flags[page_id]
-        return (in_base and page_id not in self._taken) or page_id in self._tail
+        self._check_base()
+        return self._is_free(page_id)
 
     def all_free(self, page_ids: Sequence[int]) -> bool:
-        return all(map(self.is_free, page_ids))
+        self._check_base()
+        return all(map(self._is_free, page_ids))
+
+    def _is_free(self, page_id: int) -> bool:
+        in_base = 0 <= page_id < self.num_pages and self._base._free_flags[page_id]
+        return (in_base and page_id not in self._taken) or page_id in self._tail
 
     def _assign(self, uuid: str, page_ids: Sequence[int]) -> None:
         self._check_base()
