@@ -49,7 +49,11 @@ TINY_VOCAB = TINY_MODELS["tiny"].vocab_size  # the candidates' model; also a rec
 
 
 class MinimizeError(ValueError):
-    """The record's divergence does not reproduce on its own workload."""
+    """The record cannot be minimized: its payload names no valid workload, engine config or fault SPEC."""
+
+
+class NotReproduced(MinimizeError):
+    """The record's divergence does not show on its own workload."""
 
 
 class WorkerFactory(Protocol):
@@ -105,8 +109,8 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
     """Delta-debug the record's workload down to a minimal one with the same divergence.
 
     Runs at most ``max_tests`` candidate workloads (ddmin warns when the budget
-    ends a pass early). Raises MinimizeError when the full workload does not
-    diverge as recorded. Writes only temporary logs, removed before it returns.
+    ends a pass early). Raises NotReproduced when the full workload does not
+    diverge as recorded, MinimizeError when the record's payload is not usable. Writes only temporary logs, removed before it returns.
     """
     replay = record.replay
     scale = replay.get("scale", 1.0)
@@ -117,7 +121,7 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
         search = _Search(signature, make_worker or tiny_worker_factory(), replay["kv_path"], replay["shadow_path"],
                          Path(log_dir), replay["workload_source"], scale, faults)
         if not search.fails(workload):
-            raise MinimizeError(
+            raise NotReproduced(
                 f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed {record.seed}, "
                 f"scale {scale}{', faults ' + faults.to_spec() if faults else ''}) shows no {signature.kind} "
                 f"divergence at "
@@ -136,7 +140,10 @@ def recorded_workload(record: DivergenceRecord) -> Workload:
     """The workload of the record's run (its source, seed, scale, vocabulary and engine config), with its token
     ids folded into the tiny model's vocabulary."""
     replay = record.replay
-    workload = load_workload(replay["workload_source"], seed=record.seed, scale=replay.get("scale", 1.0),
+    source = replay.get("workload_source")
+    if not isinstance(source, str) or not source:
+        raise MinimizeError(f"the record's workload_source must be a workload name or file, not {source!r}")
+    workload = load_workload(source, seed=record.seed, scale=replay.get("scale", 1.0),
                              vocab_size=replay.get("vocab_size", TINY_VOCAB))
     return _in_tiny_vocabulary(_with_engine(workload, replay))
 

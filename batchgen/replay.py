@@ -248,6 +248,9 @@ def _allocated_ids(replay: dict, tier: str) -> list[int]:
     legacy_is_shadow = replay["shadow_path"] == "legacy" and replay["kv_path"] != "legacy"
     sides = ("shadow", "authoritative") if legacy_is_shadow else ("authoritative", "shadow")
     pools = replay.get("pools") or {}
+    if not isinstance(pools, dict) or not all(isinstance(pools.get(side) or {}, dict) for side in sides):
+        raise ReplayError(f"the record's pools must map authoritative and shadow to their pools' events, not "
+                          f"{pools!r}")
     ids: list[int] = []
     for side in sides:
         for event in (pools.get(side) or {}).get(tier, ()):

@@ -12,9 +12,10 @@ import json
 import random
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from batchgen.config import CacheConfig, EngineConfig, validation_summary
+from batchgen.worker.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
 from batchgen.worker.state import Request
 
 
@@ -34,8 +35,16 @@ class WorkloadRequest(BaseModel):
     max_new_tokens: int = Field(ge=1, le=MAX_STEPS)
     arrival_step: int = Field(default=0, ge=0, le=MAX_STEPS)
     abort_step: int | None = Field(default=None, ge=0, le=MAX_STEPS, description="step (relative to arrival) to abort at")
-    temperature: float = Field(default=0.0, ge=0.0)
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     seed: int = 0
+
+    @field_validator("uuid")
+    @classmethod
+    def _not_a_fault_owner(cls, uuid: str) -> str:
+        if uuid.startswith(FAULT_OWNER_PREFIX):
+            raise ValueError(f"uuids starting with {FAULT_OWNER_PREFIX!r} are reserved (fault injection holds pool "
+                             f"pages under them)")
+        return uuid
 
     def to_request(self) -> Request:
         return Request(self.uuid, tuple(self.prompt_ids), self.max_new_tokens, self.temperature, self.seed)
@@ -121,8 +130,11 @@ BUILTIN_WORKLOADS = ("smoke", "L2-2048", "L2-4096")
 
 def builtin_workload(name: str, *, seed: int = 0, scale: float = 1.0, vocab_size: int = 512) -> Workload:
     """A named, seeded trace; ``scale`` grows request count and pools (e.g. for a GPU)."""
-    if not 0 < scale <= MAX_SCALE:
-        raise WorkloadError(f"scale must be in (0, {MAX_SCALE:g}], got {scale}")
+    if type(scale) not in (int, float) or not 0 < scale <= MAX_SCALE:
+        raise WorkloadError(f"scale must be a number in (0, {MAX_SCALE:g}], got {scale!r}")
+    if type(vocab_size) is not int or vocab_size < 2:
+        raise WorkloadError(f"vocab_size must be an integer >= 2 (token ids are drawn from [1, vocab_size)), "
+                            f"got {vocab_size!r}")
     if name == "smoke":
         return _smoke_trace(seed=seed, scale=scale, vocab_size=vocab_size)
     if name in ("L2-2048", "L2-4096"):

@@ -33,6 +33,7 @@ from batchgen.cli import main
 from batchgen.config import ModelConfig
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.worker.kv_gate import ENV_PREFIX
+from batchgen.worker.kv_plans import KvGeometry, KvPreState, KvSnapshot, ReleaseRequest, to_jsonable
 from compare import DivergenceRecord, RunSummary
 
 CATEGORIES = ("CLI argument", "gate variable", "workload file", "checkpoint directory", "divergence log",
@@ -130,6 +131,13 @@ DIVERGENCE = DivergenceRecord(run_id="smoke-0", workload="smoke", seed=0, step=3
                               shadow="plan", kind="state", field_paths=["requests[r0].gpu_page_ids[0]"], diff={},
                               exception=None, replay={}, created_at=0.0)
 GOOD_LOG = log_line(DIVERGENCE) + log_line(SUMMARY)
+_SNAPSHOT = KvSnapshot(step=3, geometry=KvGeometry(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype_size=4,
+                                                   num_gpu_pages=16, num_host_pages=4, watermark=0.0, max_num_seqs=8,
+                                                   max_load_retries=1),
+                       num_free_gpu_pages=16, num_free_host_pages=4)
+# A payload replay can rebuild (a release of nothing, on empty pools): cases change one field of it.
+REPLAYABLE = {"op": "release", "request_type": "ReleaseRequest", "request": to_jsonable(ReleaseRequest(_SNAPSHOT, ())),
+              "pre_state": to_jsonable(KvPreState(_SNAPSHOT, ())), "kv_path": "plan", "shadow_path": "legacy"}
 SMOKE_LOG = log_line(DIVERGENCE.model_copy(update={"replay": {"workload_source": "smoke"}})) + log_line(SUMMARY)
 
 
@@ -165,6 +173,8 @@ CASES: tuple[BadInput, ...] = (
     case("seed-not-integer", CLI, "--seed that is not a number", f"{RUN} --seed abc",
          ("--seed", "must be an integer >= 0", "'abc'")),
     case("negative-seed", CLI, "--seed below zero", f"{RUN} --seed -3", ("--seed", "must be an integer >= 0", "'-3'")),
+    case("seed-beyond-64-bits", CLI, "--seed of 2**64 (torch generators take 64-bit seeds)", f"{RUN} --seed {2**64}",
+         ("--seed", "must be an integer in [0, 2**64 - 1]", f"'{2**64}'")),
     case("zero-threads", CLI, "--threads 0", f"{RUN} --threads 0", ("--threads", "must be an integer >= 1", "'0'")),
     case("unknown-device", CLI, "a device batchgen cannot run on", f"{RUN} --device tpu",
          ("--device", "invalid choice: 'tpu'", "cpu", "cuda")),
@@ -295,6 +305,14 @@ CASES: tuple[BadInput, ...] = (
     case("workload-too-big-for-pool", WORKLOAD, "a request needing more KV pages than the GPU pool has",
          "run --workload workload.json", ("request 'r0'", "needs 26 KV pages", "GPU pool has 15 usable pages"),
          build=workload({"prompt_ids": list(range(1, 101))})),
+    case("workload-reserved-uuid", WORKLOAD, "a uuid in the namespace fault injection reserves pool pages under",
+         "run --workload workload.json", ("requests.0.uuid", "uuids starting with 'fault:' are reserved"),
+         build=workload({"uuid": "fault:gpu-refuse:1"})),
+    case("workload-infinite-temperature", WORKLOAD, "a temperature of 1e999 (infinite)", "run --workload workload.json",
+         ("requests.0.temperature", "finite number"), build=write("workload.json", json.dumps({
+             "name": "bad", "cache": {"page_size": 4, "num_gpu_pages": 16, "num_host_pages": 4},
+             "requests": [{"uuid": "r0", "prompt_ids": [1, 2, 3], "max_new_tokens": 4, "temperature": 1.0}]}
+         ).replace('"temperature": 1.0', '"temperature": 1e999'))),
     case("workload-no-requests", WORKLOAD, "an empty requests list", "run --workload workload.json",
          ("requests", "at least 1 item"), build=workload(requests=[])),
     case("workload-duplicate-uuids", WORKLOAD, "two requests with the same uuid", "run --workload workload.json",
@@ -415,6 +433,25 @@ CASES: tuple[BadInput, ...] = (
     case("log-minimize-missing-workload", LOG, "minimize of a record whose workload file is gone",
          "minimize div.jsonl --index 0 --out-dir minimized", ("workload file 'gone.json' does not exist",),
          build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {"workload_source": "gone.json"}}))),
+         outputs=["minimized"]),
+    case("log-replay-pools-not-an-object", LOG, "replay of a record whose pools are not an object",
+         "replay div.jsonl --index 0", ("the record's pools must map authoritative and shadow", "'x'"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {**REPLAYABLE, "pools": "x"}})))),
+    case("log-minimize-bad-engine", LOG, "minimize of a record whose engine config is not valid",
+         "minimize div.jsonl --index 0 --out-dir minimized", ("the recorded engine config is not valid", "max_num_seqs"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {
+             "workload_source": "smoke", "engine": {"max_num_seqs": 0}}}))), outputs=["minimized"]),
+    case("log-minimize-bad-scale", LOG, "minimize of a record whose scale is not a number",
+         "minimize div.jsonl --index 0 --out-dir minimized", ("scale must be a number", "'abc'"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {
+             "workload_source": "smoke", "scale": "abc"}}))), outputs=["minimized"]),
+    case("log-minimize-bad-vocab", LOG, "minimize of a record whose vocabulary size is 1",
+         "minimize div.jsonl --index 0 --out-dir minimized", ("vocab_size must be an integer >= 2", "got 1"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {
+             "workload_source": "smoke", "vocab_size": 1}}))), outputs=["minimized"]),
+    case("log-minimize-bad-source", LOG, "minimize of a record whose workload_source is not a string",
+         "minimize div.jsonl --index 0 --out-dir minimized", ("workload_source must be a workload name or file", "123"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {"workload_source": 123}}))),
          outputs=["minimized"]),
     case("log-replay-summaries-only", LOG, "replay of a log holding run summaries only", "replay div.jsonl --index 0",
          ("div.jsonl: no divergence record to pick",), build=divergence_log(log_line(SUMMARY))),

@@ -8,7 +8,7 @@ import batchgen.worker.kv_manager as kv_manager
 from compare import DivergenceError, DivergenceRecord, read_log
 from batchgen.config import TINY_MODELS
 from batchgen.minimize import (
-    DivergenceSignature, MinimizeError, minimize_divergence, recorded_workload, write_regression,
+    DivergenceSignature, NotReproduced, minimize_divergence, recorded_workload, write_regression,
 )
 from batchgen.model.null_model import NullModel
 from batchgen.runner import run_workload
@@ -143,7 +143,7 @@ def test_a_record_that_does_not_reproduce_is_refused(tmp_path, monkeypatch):
     reversed_grants(monkeypatch)
     record = first_divergence(tmp_path)
     monkeypatch.undo()
-    with pytest.raises(MinimizeError, match="shows no state divergence at pools.gpu"):
+    with pytest.raises(NotReproduced, match="shows no state divergence at pools.gpu"):
         minimize_divergence(record, make_worker=null_worker)
 
 

@@ -218,10 +218,17 @@ def test_aborting_an_unknown_request_is_rejected(model):
     (Request("zero", (1, 2), 0), r"^request 'zero': max_new_tokens=0; must be >= 1$"),
     (Request("vocab", (1, -1, 512, 3), 4), r"^request 'vocab': token ids \[-1, 512\] outside the vocabulary "
                                            r"\[0, 512\)$"),
-    (Request("cold", (1, 2), 4, temperature=-0.5), r"^request 'cold': temperature=-0.5; must be >= 0 \(0 = greedy\)$"),
+    (Request("cold", (1, 2), 4, temperature=-0.5),
+     r"^request 'cold': temperature=-0.5; must be a finite number >= 0 \(0 = greedy\)$"),
+    (Request("nan", (1, 2), 4, temperature=float("nan")),
+     r"^request 'nan': temperature=nan; must be a finite number >= 0 \(0 = greedy\)$"),
+    (Request("hot", (1, 2), 4, temperature=float("inf")),
+     r"^request 'hot': temperature=inf; must be a finite number >= 0 \(0 = greedy\)$"),
     (Request("p3", (1, 2), 4), r"^request 'p3': uuid already used; uuids must be unique per worker$"),
+    (Request("fault:gpu-refuse:1", (1, 2), 4), r"^request 'fault:gpu-refuse:1': uuids starting with 'fault:' are "
+                                               r"reserved \(fault injection holds pool pages under them\)$"),
 ], ids=["longer-than-context", "larger-than-pool", "empty-prompt", "no-new-tokens", "outside-vocab",
-        "negative-temperature", "duplicate-uuid"])
+        "negative-temperature", "nan-temperature", "infinite-temperature", "duplicate-uuid", "fault-owner-uuid"])
 def test_bad_request_is_rejected_and_changes_nothing(model, pressured, request_, message):
     worker = worker_with_requests(model, pressure_workload())
     worker.step()
@@ -251,3 +258,14 @@ def test_take_outputs_removes_what_it_returns_and_leaves_the_rest(model):
     assert sorted(worker.state.outputs) == rest
     assert worker.take_outputs() == {u: result.outputs[u] for u in rest}
     assert worker.state.outputs == {}
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily(model):
+    """1e-300 would overflow the logits to infinity; below GREEDY_BELOW the argmax is taken, as for 0."""
+    outputs = []
+    for temperature in (0.0, 1e-300, 1e-6):
+        worker = worker_with_requests(model, pressure_workload("t", temperature=temperature))
+        finish(worker)
+        outputs.append({uuid: out.output_ids for uuid, out in worker.state.outputs.items()})
+    assert outputs[1] == outputs[2] == outputs[0]
+    assert len(outputs[0]) == 8

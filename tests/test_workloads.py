@@ -58,7 +58,7 @@ def test_unknown_workload_name_lists_the_builtin_ones():
 
 @pytest.mark.parametrize("scale", [0, -1, 1e9])
 def test_a_scale_outside_its_range_is_rejected_before_any_request_is_built(scale):
-    with pytest.raises(WorkloadError, match=rf"^scale must be in \(0, 1000\], got {scale}$"):
+    with pytest.raises(WorkloadError, match=rf"^scale must be a number in \(0, 1000\], got {scale!r}$"):
         builtin_workload("smoke", scale=scale)
 
 

@@ -12,7 +12,7 @@ A subcommand is a module (``run``, ``validate``, ``logs``) with an
 ``add_<name>_command`` (declares its flags, shares ``common``'s) and a handler
 ``args -> exit code``.
 Exit codes: 0 done (report: no divergence; replay: reproduced), 1 failed
-(validation failed, divergences found, not reproduced), 2 bad input (one
+(validation failed, divergences found, not reproduced, stdout closed early), 2 bad input (one
 ``batchgen: error:`` line on stderr naming what was wrong and what is allowed).
 Progress and warnings go to stderr, results to stdout; ``--json`` prints
 exactly one JSON object.
@@ -21,14 +21,16 @@ exactly one JSON object.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from compare import RecordError
-from batchgen.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, UsageError
+from batchgen.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, UsageError
 from batchgen.cli.logs import RENDERERS, add_minimize_command, add_replay_command, add_report_command
 from batchgen.cli.run import add_run_command
 from batchgen.cli.validate import add_validate_command
+from batchgen.minimize import MinimizeError
 from batchgen.model.loader import ModelLoadError
 from batchgen.replay import ReplayError
 from batchgen.worker.faults import FaultSpecError
@@ -39,7 +41,7 @@ from batchgen.workloads import WorkloadError
 __all__ = ["RENDERERS", "build_parser", "main"]
 
 INPUT_ERRORS = (UsageError, WorkloadError, ModelLoadError, RequestError, PoolAllocationError, GateError,
-                FaultSpecError, RecordError, ReplayError)
+                FaultSpecError, RecordError, ReplayError, MinimizeError)  # MinimizeError: a record minimize cannot use
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,6 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # what was written is complete: logs end in whole records, reports are atomic
         print("batchgen: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout's reader went away (`| head`); files written are whole, as above
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        print("batchgen: stdout was closed before all output was written", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def build_parser() -> argparse.ArgumentParser:

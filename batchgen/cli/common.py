@@ -55,7 +55,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="where the model and the GPU-tier KV pages live (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="dtype of the weights and of the KV pages (default: %(default)s)")
-    parser.add_argument("--seed", type=non_negative_int, default=0,
+    parser.add_argument("--seed", type=seed_int, default=0,
                         help="seeds the built-in model's weights and the built-in workloads' traces "
                              "(default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
@@ -79,6 +79,16 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 
 def non_negative_int(text: str) -> int:
     return int_at_least(text, 0)
+
+
+MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
+
+
+def seed_int(text: str) -> int:
+    value = int_at_least(text, 0)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64 - 1], got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.report import headline, render_json, render_junit, render_markdown, render_text
-from batchgen.minimize import MinimizeError, minimize_divergence, recorded_workload, write_regression
+from batchgen.minimize import NotReproduced, minimize_divergence, recorded_workload, write_regression
 from batchgen.replay import ReplayOutcome, replay_record
 from batchgen.cli.common import (
     EXIT_FAILED, EXIT_OK, UsageError, make_directory, non_negative_int, positive_int,
@@ -148,7 +148,7 @@ def _minimize(args: argparse.Namespace) -> int:
     print(f"minimizing record {args.index} of {count} in {args.log}: {_record_title(record)}", file=sys.stderr)
     try:
         result = minimize_divergence(record, max_tests=args.max_tests)
-    except MinimizeError as error:
+    except NotReproduced as error:
         print(f"batchgen: not reproduced: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_FAILED
     slug = result.signature.slug

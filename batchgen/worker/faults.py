@@ -30,8 +30,9 @@ from batchgen.worker.kv_backends import AsyncHandle, CopyOp, HostKvPool
 from batchgen.worker.state import Phase, RequestState
 
 ABORT_PHASES = ("waiting", "prefilling", "decoding", "swapped", "loading")
-SHRINK_OWNER = "fault:host-shrink"
-REFUSE_OWNER = "fault:gpu-refuse"
+OWNER_PREFIX = "fault:"  # pool owners of fault reservations; request uuids may not start with it
+SHRINK_OWNER = OWNER_PREFIX + "host-shrink"
+REFUSE_OWNER = OWNER_PREFIX + "gpu-refuse"
 
 
 class FaultSpecError(ValueError):

@@ -2,6 +2,8 @@
 
 A sampled request draws from a generator seeded by (request seed, uuid,
 position), so its tokens do not depend on which other requests shared the step.
+A temperature below ``GREEDY_BELOW`` samples greedily: dividing the logits by it
+would overflow to infinity, and the distribution is one-hot long before.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 
 from batchgen.worker.state import RequestState, TokenLogprobs
 
+GREEDY_BELOW = 1e-5
+
 
 def sample(logits: torch.Tensor, reqs: Sequence[RequestState]) -> list[tuple[int, TokenLogprobs]]:
     """One token per row of ``logits`` [num_reqs, vocab]; pure."""
@@ -22,7 +26,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[RequestState]) -> list[tuple[int
     out = []
     for row, req in enumerate(reqs):
         temperature = req.request.temperature
-        if temperature == 0.0:
+        if temperature < GREEDY_BELOW:
             token = top_ids[row][0]
         else:
             key = f"{req.request.seed}:{req.uuid}:{req.num_tokens}".encode()

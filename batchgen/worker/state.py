@@ -41,7 +41,7 @@ class Request:
     uuid: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below sampler.GREEDY_BELOW) = greedy
     seed: int = 0
 
 

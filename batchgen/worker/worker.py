@@ -29,7 +29,7 @@ from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.llama import SeqInput
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.model.paged_kv import kv_page_shape, write_kv
-from batchgen.worker.faults import FaultInjector
+from batchgen.worker.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX, FaultInjector
 from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, gate_config
 from batchgen.worker.kv_target import KvTarget
@@ -269,12 +269,16 @@ class Worker:
         where = f"request {uuid!r}"
         if uuid in self.state.requests or uuid in self.state.outputs:
             raise RequestError(f"{where}: uuid already used; uuids must be unique per worker")
+        if uuid.startswith(FAULT_OWNER_PREFIX):
+            raise RequestError(f"{where}: uuids starting with {FAULT_OWNER_PREFIX!r} are reserved (fault injection "
+                               f"holds pool pages under them)")
         if not prompt:
             raise RequestError(f"{where}: empty prompt; a prompt needs at least one token")
         if request.max_new_tokens < 1:
             raise RequestError(f"{where}: max_new_tokens={request.max_new_tokens}; must be >= 1")
-        if request.temperature < 0:
-            raise RequestError(f"{where}: temperature={request.temperature}; must be >= 0 (0 = greedy)")
+        if not (math.isfinite(request.temperature) and request.temperature >= 0):
+            raise RequestError(f"{where}: temperature={request.temperature}; must be a finite number >= 0 "
+                               f"(0 = greedy)")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
