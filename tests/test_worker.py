@@ -254,6 +254,9 @@ def test_take_outputs_removes_what_it_returns_and_leaves_the_rest(model):
     worker = Worker(model, cache_config=workload.cache, engine_config=workload.engine)
     result = run_workload(worker, workload)
     first, *rest = sorted(result.outputs)
+    with pytest.raises(TypeError, match=rf"use take_outputs\(\['{first}'\]\)"):
+        worker.take_outputs(first)  # one uuid, not a collection: refused, nothing taken
+    assert sorted(worker.state.outputs) == [first, *rest]
     assert worker.take_outputs([first, "never-submitted"]) == {first: result.outputs[first]}
     assert sorted(worker.state.outputs) == rest
     assert worker.take_outputs() == {u: result.outputs[u] for u in rest}

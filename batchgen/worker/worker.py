@@ -132,8 +132,12 @@ class Worker:
         """Remove and return released outputs (all, or those of ``uuids`` that are released).
 
         A long-running client calls this as it collects results, so worker memory stays flat.
+        Mutates ``state.outputs``.
         """
         outputs = self.state.outputs
+        if isinstance(uuids, str):  # one uuid is not a collection of them: its characters would be looked up
+            raise TypeError(f"take_outputs takes a collection of uuids, not the string {uuids!r}; "
+                            f"use take_outputs([{uuids!r}])")
         if uuids is None:
             taken, self.state.outputs = outputs, {}
             return taken
