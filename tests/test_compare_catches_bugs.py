@@ -276,6 +276,15 @@ BUGS = [
         applier_mutant("apply_eviction_plan", "    if not plan.victims:\n        return\n",
                        "    if not plan.victims:\n        target.state.stats.evictions += 1\n        return\n"),
         frozenset({"evict"}), "state", evidence=("stats.evictions",), absent=("requests", "pools", "copies")),
+    Bug("recompute-eviction-forgets-the-generated-tokens",  # a field KV ops read, not one they write
+        applier_mutant("apply_eviction_plan", "            req.num_cached_tokens = 0\n",
+                       "            req.num_cached_tokens = 0\n            req.num_tokens = len(req.request.prompt_ids)\n"),
+        frozenset({"evict"}), "state", evidence=("requests[*].num_tokens",)),
+    Bug("recompute-eviction-requeues-the-request-as-newest",
+        applier_mutant("apply_eviction_plan", "            req.num_cached_tokens = 0\n",
+                       "            req.num_cached_tokens = 0\n"
+                       "            req.arrival_index = target.state.num_submitted + 1000\n"),
+        frozenset({"evict"}), "state", evidence=("requests[*].arrival_index",)),
     Bug("migrate-request-swapped-this-step",
         method_mutant("plan_migration", "swapped_step == snapshot.step", "False"),
         frozenset({"migrate"}), "state", evidence=("requests[*].phase", "copies")),
@@ -451,11 +460,23 @@ def test_clean_paths_report_no_divergence_over_ten_seeds(authoritative, shadow, 
     assert all(stats.values()), stats
 
 
+@pytest.mark.parametrize("authoritative", ["legacy", "plan"])
+def test_an_alloc_answering_with_a_tuple_of_the_same_uuids_is_no_divergence(authoritative, tiny, tmp_path,
+                                                                             monkeypatch):
+    applier_mutant("apply_alloc_plan",
+                   "    return [uuid for uuid in batch if uuid not in left_out] if left_out else list(batch)",
+                   "    return tuple(uuid for uuid in batch if uuid not in left_out) if left_out else tuple(batch)"
+                   )(monkeypatch)
+    run = run_compare(tiny, tmp_path / "log.jsonl", [stress_smoke(0)], authoritative=authoritative, mode="log")
+    assert run.records == [], [(r.step, r.op, r.field_paths[:3]) for r in run.records]
+    assert run.summaries[0].steps_compared["alloc"] > 0
+
+
 # ---- the harness itself overlooks no field -----------------------------------------------------
 FIELD_CHANGES = {
     "phase": Phase.SWAPPED, "num_cached_tokens": 1, "gpu_page_ids": (99,), "host_page_ids": (98,),
     "num_load_retries": 1, "swapped_step": 5, "finish_reason": "abort", "load_handle": CompletedHandle(),
-    "load_started_step": 3,
+    "load_started_step": 3, "num_tokens": 40, "arrival_index": 99,
 }
 
 

@@ -64,9 +64,40 @@ def _dict_changes(node: ast.AST) -> list[ast.AST]:
     return subscripts
 
 
+OUTPUT_LISTS = ("output_ids", "output_logprobs")
+LIST_MUTATORS = ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__",
+                 "__delitem__", "__iadd__")
+
+
+def _output_list_writes(source: str) -> list[str]:
+    """In-place changes of a request's output lists. A copy shares them with the request it was taken from
+    (``RequestState.copy``), so a fork writing one would write the worker's: KV ops never may."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LIST_MUTATORS:
+            owner = node.func.value
+        elif isinstance(node, (ast.Assign, ast.Delete)):
+            owner = next((t.value for t in node.targets if isinstance(t, ast.Subscript)), None)
+        elif isinstance(node, ast.AugAssign):
+            owner = node.target
+        else:
+            continue
+        if isinstance(owner, ast.Attribute) and owner.attr in OUTPUT_LISTS:
+            found.append((node.lineno, f"{node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(found)]
+
+
 @pytest.mark.parametrize("module", [legacy_kv, kv_apply], ids=["legacy_kv", "kv_apply"])
 def test_kv_ops_write_requests_only_through_the_write_entries(module):
     assert _request_writes_outside_edit(inspect.getsource(module)) == []
+    assert _output_list_writes(inspect.getsource(module)) == []
+
+
+def test_the_source_check_sees_an_output_list_changed_in_place():
+    source = ("def release(req):\n    req.output_ids.clear()\n    req.output_logprobs[0] = None\n"
+              "    req.output_ids += [1]\n    n = len(req.output_ids)\n")
+    assert _output_list_writes(source) == ["2: req.output_ids.clear()", "3: req.output_logprobs[0] = None",
+                                           "4: req.output_ids += [1]"]
 
 
 def test_the_source_check_sees_a_write_that_bypasses_the_write_entries():
@@ -79,11 +110,12 @@ def test_the_source_check_sees_a_write_that_bypasses_the_write_entries():
 
 
 def _kv_state(worker: Worker) -> tuple:
-    """Every live request's KV fields, pending appends, both pools' allocator state."""
+    """Every live request's KV fields and output lengths, pending appends, both pools' allocator state."""
     pools = tuple((pool.free_pages(), pool.pages.peek_free_pages(pool.free_pages()),
                    {uuid: pool.pages_of(uuid) for uuid in worker.state.requests})
                   for pool in (worker.gpu_kv, worker.host_kv))
-    requests = {uuid: tuple(getattr(req, name) for name in KV_FIELDS) for uuid, req in worker.state.requests.items()}
+    requests = {uuid: (*(getattr(req, name) for name in KV_FIELDS), len(req.output_ids), len(req.output_logprobs))
+                for uuid, req in worker.state.requests.items()}
     return requests, tuple(worker._pending_kv_append_tensors), pools
 
 

@@ -50,8 +50,8 @@ from operator import methodcaller
 from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_forms import (
-    canonical_copies, canonical_events, canonical_form, canonical_kv, canonical_stats, classify, detach_fork,
-    differing_requests, exception_kind, fork_target, pre_state,
+    canonical_copies, canonical_events, canonical_form, canonical_kv, canonical_result, canonical_stats, classify,
+    detach_fork, differing_requests, exception_kind, fork_target, pre_state,
 )
 from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, kv_path_class
 from batchgen.worker.kv_plans import to_jsonable
@@ -114,7 +114,7 @@ def wrote_nothing(target: KvTarget, written, dropped) -> bool:
 
 def _quiet_form(target: KvTarget, result) -> dict:
     """The canonical form of an op that wrote nothing: every other part equals the pre-state's, on both sides."""
-    return {"stats": canonical_stats(target), "result": result}
+    return {"stats": canonical_stats(target), "result": canonical_result(result)}
 
 
 class KvCompare:

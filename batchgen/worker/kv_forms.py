@@ -23,9 +23,11 @@ from batchgen.worker.state import Phase, RequestState, WorkerState
 
 STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
 
-# The RequestState fields behind canonical_kv's view of a live request (pending appends are checked apart).
+# The RequestState fields behind canonical_kv's view of a live request (pending appends are checked apart): what
+# KV ops write, and what they read that no KV op should change (num_tokens: page demand; arrival_index: the
+# eviction and migration order).
 KV_FIELDS = ("phase", "num_cached_tokens", "gpu_page_ids", "host_page_ids", "num_load_retries", "swapped_step",
-             "finish_reason", "load_handle", "load_started_step")
+             "finish_reason", "load_handle", "load_started_step", "num_tokens", "arrival_index")
 _kv_fields = operator.attrgetter(*KV_FIELDS)
 _RELEASED = SimpleNamespace(**{name: None for name in KV_FIELDS})  # stands for a request no longer live
 
@@ -136,8 +138,14 @@ def canonical_form(target: KvTarget, result, free_pages: tuple[int, int], gpu_ev
         "stats": canonical_stats(target),
         "pools": {"gpu": gpu_events, "host": host_events, "num_free_gpu": free_gpu, "num_free_host": free_host},
         "copies": copies,
-        "result": result,
+        "result": canonical_result(result),
     }
+
+
+def canonical_result(result):
+    """What an op returned, comparable: alloc's served uuids as a list (a tuple of the same uuids is the same
+    answer), None for the other ops."""
+    return None if result is None else list(result)
 
 
 _stat_values = operator.attrgetter(*STAT_FIELDS)  # a tuple: STAT_FIELDS names more than one field
@@ -169,8 +177,8 @@ def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Seque
                 "gpu_page_ids": list(req.gpu_page_ids), "host_page_ids": list(req.host_page_ids),
                 "num_load_retries": req.num_load_retries, "swapped_step": req.swapped_step,
                 "finish_reason": req.finish_reason, "has_load": req.load_handle is not None,
-                "load_started_step": req.load_started_step,
-                "has_pending_append": target.has_pending_append(u),
+                "load_started_step": req.load_started_step, "num_tokens": req.num_tokens,
+                "arrival_index": req.arrival_index, "has_pending_append": target.has_pending_append(u),
             }
         elif u in done:
             out = done[u]
