@@ -230,7 +230,8 @@ def _floor_compare(self: KvCompare, op: str, call: Callable, request: Callable):
     call(self._new_shadow_path(fork))
     target = self.target
     state, gpu, host = target.state, target.gpu_kv, target.host_kv
-    gpu.pages.journal, host.pages.journal, host.copies = [], [], []
+    gpu.pages.journal, host.pages.journal = [], []
+    host.record_copies(True)
     written = state.written = {}
     target.dropped = set()
     try:
@@ -238,7 +239,8 @@ def _floor_compare(self: KvCompare, op: str, call: Callable, request: Callable):
         wrote_nothing(fork, fork.state.written, fork.dropped) and wrote_nothing(target, written, target.dropped)
         return result
     finally:
-        gpu.pages.journal = host.pages.journal = host.copies = state.written = target.dropped = None
+        gpu.pages.journal = host.pages.journal = state.written = target.dropped = None
+        host.record_copies(False)
 
 
 @contextmanager

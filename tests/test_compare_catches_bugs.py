@@ -118,6 +118,15 @@ def stale_watermark(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_manager, "eviction_watermark_pages", eviction_watermark_pages)
 
 
+def handle_of_no_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Migration issues each load's copy, then gives the request a finished handle of no copy."""
+    monkeypatch.setattr(kv_apply, "CompletedHandle", CompletedHandle, raising=False)
+    applier_mutant("apply_migration_plan",
+                   "        req.load_handle = target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))",
+                   "        target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))\n"
+                   "        req.load_handle = CompletedHandle()")(monkeypatch)
+
+
 # ---- drivers: what happens to the worker between steps ----------------------------------------
 class FailedLoad:
     """The handle of an injected load failure: done, and ``wait`` raises like a failed copy."""
@@ -142,7 +151,7 @@ def fail_loads(monkeypatch: pytest.MonkeyPatch, *, every: int = 1) -> None:
         if count["loads"] % every:
             return handle
         handle.wait()  # the real copy lands before the request's pages can be reused
-        return FailedLoad()
+        return self._issued(FailedLoad())  # the handle of the copy just recorded, as the pool's own would be
 
     monkeypatch.setattr(HostKvPool, "load_to_gpu_async", load_to_gpu_async)
 
@@ -285,6 +294,13 @@ BUGS = [
                        "            req.num_cached_tokens = 0\n"
                        "            req.arrival_index = target.state.num_submitted + 1000\n"),
         frozenset({"evict"}), "state", evidence=("requests[*].arrival_index",)),
+    Bug("retry-keeps-the-failed-loads-handle",  # issues the new copy, but the worker would watch the old one
+        applier_mutant("apply_poll_plan",
+                       "            req.load_handle = target.host_kv.load_to_gpu_async(step.uuid, list(req.gpu_page_ids))",
+                       "            target.host_kv.load_to_gpu_async(step.uuid, list(req.gpu_page_ids))"),
+        frozenset({"poll"}), "state", evidence=("requests[*].load",), failing_loads=True),
+    Bug("migrate-tracks-a-handle-of-no-copy", lambda monkeypatch: handle_of_no_copy(monkeypatch),
+        frozenset({"migrate"}), "state", evidence=("requests[*].load",)),
     Bug("migrate-request-swapped-this-step",
         method_mutant("plan_migration", "swapped_step == snapshot.step", "False"),
         frozenset({"migrate"}), "state", evidence=("requests[*].phase", "copies")),

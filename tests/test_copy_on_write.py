@@ -160,7 +160,7 @@ def test_the_canonical_request_covers_exactly_the_fields_the_change_detection_re
     requests, outputs = Keyed(), Keyed()
     add_requests(requests, outputs, worker.kv_target(), list(worker.state.requests))
     [entry] = requests.values()
-    renamed = {"has_load": "load_handle"}  # the handle itself is not comparable: whether there is one
+    renamed = {"load": "load_handle"}  # the handle itself is not comparable: which load it tracks
     assert {renamed.get(key, key) for key in entry} - {"has_pending_append"} == set(KV_FIELDS)
 
 

@@ -62,7 +62,7 @@ def make_target() -> KvTarget:
     state = WorkerState(step=7)
     gpu = GpuKvPool(CACHE.num_gpu_pages)
     host = HostKvPool(CACHE.num_host_pages, None, gpu)
-    host.copies = []
+    host.record_copies(True)
 
     def add(uuid, phase, prompt_len, num_outputs, cached, *, gpu_ids=(), host_ids=(), **fields):
         req = RequestState(Request(uuid, tuple(range(1, prompt_len + 1)), max_new_tokens=16),

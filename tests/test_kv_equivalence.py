@@ -207,7 +207,7 @@ def run_lockstep(trace: Trace, model, *, kv_storage: bool, max_steps: int = 20_0
     for path in PATHS:
         worker = Worker(model, cache_config=trace.cache, engine_config=trace.engine,
                         kv_gate=KvGateConfig(path=path), kv_storage=kv_storage)
-        worker.host_kv.copies = []
+        worker.host_kv.record_copies(True)
         if trace.faults is not None:
             trace.faults.install(worker)
         workers.append(worker)

@@ -136,7 +136,7 @@ class FaultyHostKvPool(HostKvPool):
         if inner is None:
             self._record_skipped(uuid, page_ids)
         step = self._injector.step
-        return FaultHandle(outcome, step + delay, lambda: self._injector.step, inner)
+        return self._issued(FaultHandle(outcome, step + delay, lambda: self._injector.step, inner))
 
     def store_from_gpu(self, uuid: str, gpu_page_ids: list[int]) -> None:
         if self._injector.store_is_slow(uuid, gpu_page_ids):

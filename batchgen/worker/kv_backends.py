@@ -130,6 +130,13 @@ class HostKvPool(_KvPool):
         super().__init__(pages if pages is not None else PagePool("host", num_pages), tensor)
         self.gpu = gpu
         self.copies: list[CopyOp] | None = [] if self.is_fork else None
+        # While copies are recorded: id of each load handle this pool returned -> (its copy's index in copies, the
+        # handle: held, so that its id is not reused by another object while the op is compared).
+        self.load_handles: dict[int, tuple[int, AsyncHandle]] | None = {} if self.is_fork else None
+
+    def record_copies(self, on: bool) -> None:
+        """Start (fresh lists) or stop recording the copies issued and the load handles returned. Mutates both."""
+        self.copies, self.load_handles = ([], {}) if on else (None, None)
 
     def store_from_gpu(self, uuid: str, gpu_page_ids: list[int]) -> None:
         """Copy ``gpu_page_ids`` into ``uuid``'s host pages, in order (synchronous).
@@ -153,8 +160,8 @@ class HostKvPool(_KvPool):
             raise ValueError(f"load {uuid}: {len(page_ids)} GPU pages but {len(host_page_ids)} host pages")
         self._record(CopyOp("load", uuid, tuple(host_page_ids), tuple(page_ids)))
         if self.tensor is None or self.gpu.tensor is None:
-            return CompletedHandle()
-        return copy_pages_async(self.tensor, host_page_ids, self.gpu.tensor, list(page_ids))
+            return self._issued(CompletedHandle())
+        return self._issued(copy_pages_async(self.tensor, host_page_ids, self.gpu.tensor, list(page_ids)))
 
     def fork(self, gpu_fork: GpuKvPool) -> "HostKvPool":
         """Bookkeeping-only overlay bound to ``gpu_fork``; records copies, issues none."""
@@ -163,3 +170,9 @@ class HostKvPool(_KvPool):
     def _record(self, op: CopyOp) -> None:
         if self.copies is not None:
             self.copies.append(op)
+
+    def _issued(self, handle: AsyncHandle) -> AsyncHandle:
+        """``handle``, noted (while copies are recorded) as the handle of the copy recorded last."""
+        if self.load_handles is not None:
+            self.load_handles[id(handle)] = (len(self.copies) - 1, handle)
+        return handle

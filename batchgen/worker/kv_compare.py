@@ -212,7 +212,8 @@ class KvCompare:
             )
         finally:  # journaling ends with the op, whatever failed
             state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
-            gpu.pages.journal = host.pages.journal = host.copies = state.written = self.target.dropped = None
+            gpu.pages.journal = host.pages.journal = state.written = self.target.dropped = None
+            host.record_copies(False)
             self._op = _NO_OP
 
     def _fork(self) -> tuple[KvTarget, object]:
@@ -234,7 +235,8 @@ class KvCompare:
         """The authoritative path on the worker, its pools journaling and its state recording the requests
         it writes (``WorkerState.written``) and the pending appends it drops, until ``_compare`` ends."""
         state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
-        gpu.pages.journal, host.pages.journal, host.copies = [], [], []
+        gpu.pages.journal, host.pages.journal = [], []
+        host.record_copies(True)
         self._written = state.written = {}
         self.target.dropped = set()
         return self._op[1](self.authoritative)

@@ -166,6 +166,21 @@ def canonical_copies(copies) -> list:
             for c in copies]
 
 
+def load_name(target: KvTarget, uuid: str, handle) -> str | None:
+    """Which load ``uuid``'s handle tracks after an op on ``target``: None (no load), "prior" (the handle it had
+    before the op), ``copies[i]`` (the handle of the op's i-th copy), or "other" (neither: a handle of no copy).
+
+    Reads the requests the op wrote as they were before it (``target.state.written``) and the handles its host
+    pool returned (``load_handles``); a request the op did not write keeps its handle. Pure."""
+    if handle is None:
+        return None
+    prior = (target.state.written or {}).get(uuid)
+    if prior is None or prior.load_handle is handle:
+        return "prior"
+    index, issued = (target.host_kv.load_handles or {}).get(id(handle), (None, None))
+    return f"copies[{index}]" if issued is handle else "other"
+
+
 def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Sequence[str]) -> None:
     """Canonicalise ``uuids`` on ``target`` into ``requests`` (live) and ``outputs`` (released). Mutates both."""
     live, done = target.state.requests, target.state.outputs
@@ -176,7 +191,7 @@ def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Seque
                 "phase": req.phase.value, "num_cached_tokens": req.num_cached_tokens,
                 "gpu_page_ids": list(req.gpu_page_ids), "host_page_ids": list(req.host_page_ids),
                 "num_load_retries": req.num_load_retries, "swapped_step": req.swapped_step,
-                "finish_reason": req.finish_reason, "has_load": req.load_handle is not None,
+                "finish_reason": req.finish_reason, "load": load_name(target, u, req.load_handle),
                 "load_started_step": req.load_started_step, "num_tokens": req.num_tokens,
                 "arrival_index": req.arrival_index, "has_pending_append": target.has_pending_append(u),
             }
