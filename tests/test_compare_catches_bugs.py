@@ -118,6 +118,11 @@ def stale_watermark(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_manager, "eviction_watermark_pages", eviction_watermark_pages)
 
 
+def failing_fast(workload: Workload) -> Workload:
+    """``workload`` with ``load_failure="fail"``: a request whose load fails past its retries fails."""
+    return workload.model_copy(update={"engine": workload.engine.model_copy(update={"load_failure": "fail"})})
+
+
 def handle_of_no_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Migration issues each load's copy, then gives the request a finished handle of no copy."""
     monkeypatch.setattr(kv_apply, "CompletedHandle", CompletedHandle, raising=False)
@@ -301,6 +306,10 @@ BUGS = [
         frozenset({"poll"}), "state", evidence=("requests[*].load",), failing_loads=True),
     Bug("migrate-tracks-a-handle-of-no-copy", lambda monkeypatch: handle_of_no_copy(monkeypatch),
         frozenset({"migrate"}), "state", evidence=("requests[*].load",)),
+    Bug("poll-recomputes-when-told-to-fail",  # the load_failure="fail" policy: a request out of retries fails
+        method_mutant("plan_poll", 'elif geometry.load_failure == "fail":', "elif False:"),
+        frozenset({"poll"}), "state", evidence=("requests[*].phase", "requests[*].finish_reason"),
+        workloads=lambda: [failing_fast(builtin_workload("L2-2048"))], failing_loads=True),
     Bug("migrate-request-swapped-this-step",
         method_mutant("plan_migration", "swapped_step == snapshot.step", "False"),
         frozenset({"migrate"}), "state", evidence=("requests[*].phase", "copies")),
