@@ -7,9 +7,13 @@ import ast
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+import tomllib
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,6 +218,25 @@ def test_a_closed_stdout_ends_the_command_with_one_line_not_a_traceback():
     assert child.wait(timeout=300) == 1
     assert "Traceback" not in stderr
     assert stderr.splitlines()[-1] == "batchgen: stdout was closed before all output was written"
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 2.0], ids=["while-importing", "while-running"])
+def test_ctrl_c_ends_the_command_with_one_line_from_the_first_moment(delay_s):
+    """SIGINT while the CLI still imports torch and the engine, and while it runs: exit 130, no traceback."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
+    child = subprocess.Popen([sys.executable, "-m", "batchgen", "run", "--workload", "L2-4096"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**env, "OMP_NUM_THREADS": "1"})
+    time.sleep(delay_s)
+    child.send_signal(signal.SIGINT)
+    stderr = child.stderr.read().decode()
+    assert child.wait(timeout=300) == 130
+    assert "Traceback" not in stderr
+    assert stderr.splitlines()[-1] == "batchgen: interrupted"
+
+
+def test_the_console_script_is_the_entry_point_that_handles_ctrl_c_while_importing():
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"] == {"batchgen": "batchgen.__main__:main"}
 
 
 def test_the_environment_decides_when_an_option_is_absent(capsys, monkeypatch):

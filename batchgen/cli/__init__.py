@@ -26,10 +26,11 @@ import sys
 from collections.abc import Sequence
 
 from compare import RecordError
-from batchgen.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, UsageError
+from batchgen.cli.common import UsageError
 from batchgen.cli.logs import RENDERERS, add_minimize_command, add_replay_command, add_report_command
 from batchgen.cli.run import add_run_command
 from batchgen.cli.validate import add_validate_command
+from batchgen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
 from batchgen.minimize import MinimizeError
 from batchgen.model.loader import ModelLoadError
 from batchgen.replay import ReplayError

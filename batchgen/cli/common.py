@@ -17,8 +17,6 @@ from batchgen.model.loader import load_model
 from batchgen.validation import ProgressCallback
 
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 

@@ -13,9 +13,8 @@ from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read
 from compare.report import headline, render_json, render_junit, render_markdown, render_text
 from batchgen.minimize import NotReproduced, minimize_divergence, recorded_workload, write_regression
 from batchgen.replay import ReplayOutcome, replay_record
-from batchgen.cli.common import (
-    EXIT_FAILED, EXIT_OK, UsageError, make_directory, non_negative_int, positive_int,
-)
+from batchgen.cli.common import UsageError, make_directory, non_negative_int, positive_int
+from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)

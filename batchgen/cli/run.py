@@ -20,9 +20,10 @@ from batchgen.worker.state import Phase
 from batchgen.worker.worker import Worker
 from batchgen.workloads import BUILTIN_WORKLOADS, load_workload
 from batchgen.cli.common import (
-    EXIT_FAILED, EXIT_OK, UsageError, add_model_args, add_output_args, add_scale_arg, context, key_value_table,
-    model_from_args, non_negative_int, positive_int, progress_bar, progress_callback,
+    UsageError, add_model_args, add_output_args, add_scale_arg, context, key_value_table, model_from_args,
+    non_negative_int, positive_int, progress_bar, progress_callback,
 )
+from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 
 # Gate field -> (metavar, what the option means); the variable, option and allowed values come from GATE_FLAGS.
 KV_FLAG_HELP = {

@@ -13,9 +13,10 @@ from rich.table import Table
 from batchgen.validation import validate_back_to_back
 from batchgen.validation_report import DIRECTIONS, ValidationReport, compare_overhead
 from batchgen.cli.common import (
-    COMPARE_ROWS, EXIT_FAILED, EXIT_OK, VALIDATION_ROWS, add_model_args, add_output_args, add_scale_arg,
-    by_op, cell, check_directory, context, make_directory, model_from_args, progress_bar, progress_callback,
+    COMPARE_ROWS, VALIDATION_ROWS, add_model_args, add_output_args, add_scale_arg, by_op, cell, check_directory,
+    context, make_directory, model_from_args, progress_bar, progress_callback,
 )
+from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 
 # ---- validate ----------------------------------------------------------------------------------
 def add_validate_command(commands) -> None:
