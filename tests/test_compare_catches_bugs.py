@@ -56,7 +56,7 @@ from batchgen.runner import RunResult, run_workload
 from batchgen.worker import kv_apply, kv_compare, kv_manager
 from batchgen.worker.kv_apply import PlanRejected
 from batchgen.worker.kv_backends import CompletedHandle, HostKvPool
-from batchgen.worker.kv_forms import add_requests, detach_fork, differing_requests, fork_target
+from batchgen.worker.kv_forms import add_requests, canonical_result, detach_fork, differing_requests, fork_target
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_manager import KVCacheManager
 from batchgen.worker.kv_plans import to_jsonable
@@ -310,6 +310,10 @@ BUGS = [
         method_mutant("plan_poll", 'elif geometry.load_failure == "fail":', "elif False:"),
         frozenset({"poll"}), "state", evidence=("requests[*].phase", "requests[*].finish_reason"),
         workloads=lambda: [failing_fast(builtin_workload("L2-2048"))], failing_loads=True),
+    Bug("migrate-issues-loads-in-reverse-order",  # the same loads: a copies divergence, no request state
+        applier_mutant("apply_migration_plan", "    for load in plan.loads:\n        req = target.state.edit(load.uuid)",
+                       "    for load in plan.loads[::-1]:\n        req = target.state.edit(load.uuid)"),
+        frozenset({"migrate"}), "copies", evidence=("copies[*].uuid",), absent=("requests",)),
     Bug("migrate-request-swapped-this-step",
         method_mutant("plan_migration", "swapped_step == snapshot.step", "False"),
         frozenset({"migrate"}), "state", evidence=("requests[*].phase", "copies")),
@@ -497,6 +501,13 @@ def test_an_alloc_answering_with_a_tuple_of_the_same_uuids_is_no_divergence(auth
     assert run.summaries[0].steps_compared["alloc"] > 0
 
 
+def test_an_ops_result_is_compared_as_a_list_and_never_consumed():
+    served = iter(["a"])
+    assert canonical_result(served) is served and list(served) == ["a"]  # an iterator is left to the caller
+    assert canonical_result(("a", "b")) == canonical_result(["a", "b"]) == ["a", "b"]
+    assert canonical_result(None) is None
+
+
 # ---- the harness itself overlooks no field -----------------------------------------------------
 FIELD_CHANGES = {
     "phase": Phase.SWAPPED, "num_cached_tokens": 1, "gpu_page_ids": (99,), "host_page_ids": (98,),
@@ -619,3 +630,19 @@ def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state
     assert records and {r.op for r in records} == {"migrate"}
     for record in records:
         assert record.replay["request"] == built[record.step], record.step
+
+
+def test_a_logged_load_divergence_names_each_sides_handle_as_replay_does(tiny, tmp_path, monkeypatch):
+    """The fork's record of the requests before it wrote them holds the worker's objects, which the authoritative
+    path then changes: the shadow's load must still be named against the state before the op."""
+    from batchgen.replay import replay_record
+
+    bug = bug_named("retry-keeps-the-failed-loads-handle")
+    bug.inject(monkeypatch)
+    fail_loads(monkeypatch)
+    run = run_compare(tiny, tmp_path / "log.jsonl", bug.workloads(), authoritative="legacy", mode="log")
+    record = run.records[0]
+    assert (record.op, record.kind) == ("poll", "state")
+    assert any(wildcard(path) == "requests[*].load" for path in record.field_paths)
+    assert "'prior'" in str(record.diff) and "'issued'" in str(record.diff)
+    assert replay_record(record).diff == record.diff

@@ -130,9 +130,9 @@ class HostKvPool(_KvPool):
         super().__init__(pages if pages is not None else PagePool("host", num_pages), tensor)
         self.gpu = gpu
         self.copies: list[CopyOp] | None = [] if self.is_fork else None
-        # While copies are recorded: id of each load handle this pool returned -> (its copy's index in copies, the
+        # While copies are recorded: id of each load handle this pool returned -> (the request its load is for, the
         # handle: held, so that its id is not reused by another object while the op is compared).
-        self.load_handles: dict[int, tuple[int, AsyncHandle]] | None = {} if self.is_fork else None
+        self.load_handles: dict[int, tuple[str, AsyncHandle]] | None = {} if self.is_fork else None
 
     def record_copies(self, on: bool) -> None:
         """Start (fresh lists) or stop recording the copies issued and the load handles returned. Mutates both."""
@@ -172,7 +172,7 @@ class HostKvPool(_KvPool):
             self.copies.append(op)
 
     def _issued(self, handle: AsyncHandle) -> AsyncHandle:
-        """``handle``, noted (while copies are recorded) as the handle of the copy recorded last."""
+        """``handle``, noted (while copies are recorded) as the handle of the load recorded last."""
         if self.load_handles is not None:
-            self.load_handles[id(handle)] = (len(self.copies) - 1, handle)
+            self.load_handles[id(handle)] = (self.copies[-1].uuid, handle)
         return handle

@@ -49,12 +49,15 @@ def fork_target(target: KvTarget) -> KvTarget:
 def detach_fork(fork: KvTarget, written: Mapping[str, RequestState], dropped: Collection[str]) -> None:
     """After the worker wrote ``written`` (uuid -> the request before its first write) and dropped the
     pending appends ``dropped``: let the fork read as its own post-state where it shares state with the
-    worker, by putting those prior states in front (ChainMaps: nothing shared is written). Mutates
-    ``fork.state.requests`` and ``fork.pending_appends``."""
+    worker, by putting those prior states in front (ChainMaps: nothing shared is written), and its record of
+    the requests before it wrote them (``fork.state.written``) name their states before the op. Mutates
+    ``fork.state.requests``, ``fork.state.written`` and ``fork.pending_appends``."""
     own = fork.state.written
     prior = {uuid: before for uuid, before in written.items() if uuid not in own}
     if prior:
         fork.state.requests = ChainMap(prior, fork.state.requests)
+    # The fork noted the worker's request objects as its "before"; those the worker wrote changed since.
+    fork.state.written = {uuid: written.get(uuid, before) for uuid, before in own.items()}
     if dropped:
         fork.pending_appends = ChainMap(dict.fromkeys(dropped), fork.pending_appends)
 
@@ -144,8 +147,8 @@ def canonical_form(target: KvTarget, result, free_pages: tuple[int, int], gpu_ev
 
 def canonical_result(result):
     """What an op returned, comparable: alloc's served uuids as a list (a tuple of the same uuids is the same
-    answer), None for the other ops."""
-    return None if result is None else list(result)
+    answer), None for the other ops; anything else as it is (an iterator is never consumed here). Pure."""
+    return list(result) if type(result) in (list, tuple) else result
 
 
 _stat_values = operator.attrgetter(*STAT_FIELDS)  # a tuple: STAT_FIELDS names more than one field
@@ -168,7 +171,9 @@ def canonical_copies(copies) -> list:
 
 def load_name(target: KvTarget, uuid: str, handle) -> str | None:
     """Which load ``uuid``'s handle tracks after an op on ``target``: None (no load), "prior" (the handle it had
-    before the op), ``copies[i]`` (the handle of the op's i-th copy), or "other" (neither: a handle of no copy).
+    before the op), "issued" (the handle of the load the op issued for it), "issued for <other uuid>", or
+    "other" (a handle of no load of this op). Named by what the load is, not where it sits in the op's copies,
+    so loads issued in another order differ in the copies alone.
 
     Reads the requests the op wrote as they were before it (``target.state.written``) and the handles its host
     pool returned (``load_handles``); a request the op did not write keeps its handle. Pure."""
@@ -177,8 +182,10 @@ def load_name(target: KvTarget, uuid: str, handle) -> str | None:
     prior = (target.state.written or {}).get(uuid)
     if prior is None or prior.load_handle is handle:
         return "prior"
-    index, issued = (target.host_kv.load_handles or {}).get(id(handle), (None, None))
-    return f"copies[{index}]" if issued is handle else "other"
+    loaded, issued = (target.host_kv.load_handles or {}).get(id(handle), (None, None))
+    if issued is not handle:
+        return "other"
+    return "issued" if loaded == uuid else f"issued for {loaded}"
 
 
 def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Sequence[str]) -> None:
