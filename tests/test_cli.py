@@ -208,10 +208,11 @@ def test_a_plan_run_without_compare_never_imports_the_legacy_path():
     assert child.stdout.splitlines()[-1] == "legacy not imported"
 
 
-def test_a_closed_stdout_ends_the_command_with_one_line_not_a_traceback():
-    """``batchgen run --json | true``: the reader is gone before the result is printed."""
+@pytest.mark.parametrize("output", [["--json"], []], ids=["json", "table"])
+def test_a_closed_stdout_ends_the_command_with_one_line_not_a_traceback(output):
+    """``batchgen run [--json] | true``: the reader is gone before the result is printed."""
     env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
-    child = subprocess.Popen([sys.executable, "-m", "batchgen", "run", "--workload", "smoke", "--json"],
+    child = subprocess.Popen([sys.executable, "-m", "batchgen", "run", "--workload", "smoke", *output],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "OMP_NUM_THREADS": "1"})
     child.stdout.close()  # before anything is read
     stderr = child.stderr.read().decode()

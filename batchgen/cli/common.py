@@ -21,6 +21,15 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 
 
+class StdoutConsole(Console):
+    """A rich console on stdout whose closed pipe reaches ``batchgen.cli.main`` as BrokenPipeError (one line on
+    stderr, exit 1) instead of rich's own silent exit."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError("stdout was closed")
+
+
 class UsageError(ValueError):
     """Flags this machine cannot serve (e.g. ``--device cuda`` without CUDA), or a bad index or file."""
 

@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-from rich.console import Console
 
 from compare import DivergenceError
 from batchgen.runner import MAX_IDLE_STEPS, RunResult, RunStalled, run_workload
@@ -20,8 +19,8 @@ from batchgen.worker.state import Phase
 from batchgen.worker.worker import Worker
 from batchgen.workloads import BUILTIN_WORKLOADS, load_workload
 from batchgen.cli.common import (
-    UsageError, add_model_args, add_output_args, add_scale_arg, context, key_value_table, model_from_args,
-    non_negative_int, positive_int, progress_bar, progress_callback,
+    StdoutConsole, UsageError, add_model_args, add_output_args, add_scale_arg, context, key_value_table,
+    model_from_args, non_negative_int, positive_int, progress_bar, progress_callback,
 )
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 
@@ -136,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        Console().print(key_value_table(f"batchgen run: {workload.name}", summary))
+        StdoutConsole().print(key_value_table(f"batchgen run: {workload.name}", summary))
     return EXIT_OK
 
 

@@ -6,15 +6,14 @@ import argparse
 import json
 
 from rich import box
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from batchgen.validation import validate_back_to_back
 from batchgen.validation_report import DIRECTIONS, ValidationReport, compare_overhead
 from batchgen.cli.common import (
-    COMPARE_ROWS, VALIDATION_ROWS, add_model_args, add_output_args, add_scale_arg, by_op, cell, check_directory,
-    context, make_directory, model_from_args, progress_bar, progress_callback,
+    COMPARE_ROWS, VALIDATION_ROWS, StdoutConsole, add_model_args, add_output_args, add_scale_arg, by_op, cell,
+    check_directory, context, make_directory, model_from_args, progress_bar, progress_callback,
 )
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 
@@ -55,7 +54,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _print_validation(report: ValidationReport) -> None:
-    console = Console()
+    console = StdoutConsole()
     console.print(f"batchgen validate: {'PASSED' if report.ok else 'FAILED'} in {report.wall_s:.1f} s",
                   highlight=False)
     roles = [direction.role for direction in DIRECTIONS]
