@@ -174,10 +174,8 @@ def _bind(op: str, request) -> _BoundOp:
 def _run_authoritative(target: KvTarget, path: str, op: _BoundOp) -> dict:
     """The op on ``target`` itself, its pools journaling; mutates ``target``."""
     scope = op.scope(target.state)
+    target.record_op(True)  # the requests before the op wrote them, too: canonical_kv names their load handles
     gpu, host = target.gpu_kv, target.host_kv
-    gpu.pages.journal, host.pages.journal = [], []
-    host.record_copies(True)
-    target.state.written = {}  # the requests before the op wrote them: canonical_kv names their load handles
     result = op.run(build_kv_path(path, target))
     return canonical_kv(target, scope, result, gpu.journal, host.journal, host.copies)
 

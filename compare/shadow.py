@@ -147,8 +147,6 @@ class ShadowExecutor:
         self._seed = seed
         self._ops = frozenset(ops) if ops is not None else None
         self._ignore = tuple(ignore)
-        self._classify = classify
-        self._exception_kind = exception_kind
         self._guarded_classify = partial(self._name, "classify", classify)
         self._guarded_exception_kind = partial(self._name, "exception_kind", exception_kind)
         self._on_divergence = on_divergence

@@ -229,18 +229,14 @@ def _floor_compare(self: KvCompare, op: str, call: Callable, request: Callable):
     fork = fork_target(self.target)
     call(self._new_shadow_path(fork))
     target = self.target
-    state, gpu, host = target.state, target.gpu_kv, target.host_kv
-    gpu.pages.journal, host.pages.journal = [], []
-    host.record_copies(True)
-    written = state.written = {}
-    target.dropped = set()
+    target.record_op(True)
     try:
         result = call(self.authoritative)
-        wrote_nothing(fork, fork.state.written, fork.dropped) and wrote_nothing(target, written, target.dropped)
+        wrote_nothing(fork, fork.state.written, fork.dropped) and wrote_nothing(target, target.state.written,
+                                                                                target.dropped)
         return result
     finally:
-        gpu.pages.journal = host.pages.journal = state.written = target.dropped = None
-        host.record_copies(False)
+        target.record_op(False)
 
 
 @contextmanager

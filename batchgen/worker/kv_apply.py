@@ -9,10 +9,10 @@ append tensors stay the worker's: a plan only names which ones to drop.
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from batchgen.config import DTYPE_SIZES
-from batchgen.worker.kv_manager import KVCacheManager
+from batchgen.worker.kv_manager import KVCacheManager, pages_for
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, EvictionPlan, EvictionRequest, KvGeometry, KvSnapshot,
     MigrationPlan, MigrationRequest, PageColumns, PollAction, PollPlan, PollRequest, ReleasePlan,
@@ -47,6 +47,7 @@ COMPLETE, RETRY, FAIL, TO_HOST = PollAction.COMPLETE, PollAction.RETRY, PollActi
 NO_PAGES, NO_SWAPPED = PageColumns((), (), ()), SwappedColumns((), (), ())
 _ADMISSIBLE = (RUNNING, WAITING)  # phases a request may be allocated pages in
 _GRANT_UUID = operator.itemgetter(0)  # PageGrant.uuid, read in C
+_UUID = operator.attrgetter("uuid")
 _NONE_LEFT_OUT: frozenset[str] = frozenset()
 
 
@@ -153,23 +154,23 @@ def _take_pages(pool, grants: Grants, field: str) -> None:
 
 
 def _check_unique(field: str, uuids: Sequence[str]) -> None:
-    try:
-        named_twice = len(set(uuids)) != len(uuids)
-    except TypeError:
-        _reject_unhashable(field + "[{}]", uuids)
-    if named_twice:
+    if len(_uuid_set(field + "[{}]", uuids)) != len(uuids):
         raise PlanRejected(field, f"a request is named twice in {list(uuids)}")
 
 
-def _reject_unhashable(field: str, uuids: Sequence) -> None:
-    """Raise PlanRejected naming the first of ``uuids`` that cannot be a request id (``field`` with ``{}`` for
-    its index), after ``set(uuids)`` raised TypeError; re-raise that error if every one is hashable."""
-    for i, uuid in enumerate(uuids):
-        try:
-            hash(uuid)
-        except TypeError:
-            raise PlanRejected(field.format(i), f"{uuid!r} is not a request id") from None
-    raise TypeError(f"the request ids of {field.format('*')} cannot be put in a set")
+def _uuid_set(field: str, items: Sequence, uuid_of: Callable | None = None) -> set[str]:
+    """The request ids of ``items`` (``uuid_of(item)``, or the items themselves), as a set; PlanRejected naming
+    ``field`` (``{}``: the item's index) for the first that cannot be a request id."""
+    uuids = items if uuid_of is None else map(uuid_of, items)
+    try:
+        return set(uuids)
+    except TypeError:
+        for i, uuid in enumerate(items if uuid_of is None else map(uuid_of, items)):
+            try:
+                hash(uuid)
+            except TypeError:
+                raise PlanRejected(field.format(i), f"{uuid!r} is not a request id") from None
+        raise
 
 
 def _reject_member(field: str, value, enum_type) -> None:
@@ -187,10 +188,7 @@ def _reject_ids(field: str, page_ids) -> None:
 # ---- appliers: validate everything, then mutate ------------------------------------------
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
     """Mutates phases, page tables, pools (host frees, retried loads), stats."""
-    try:
-        uuids = {s.uuid for s in plan.steps}
-    except TypeError:
-        _reject_unhashable("PollPlan.steps[{}].uuid", [s.uuid for s in plan.steps])
+    uuids = _uuid_set("PollPlan.steps[{}].uuid", plan.steps, _UUID)
     if len(uuids) != len(plan.steps):
         _check_unique("PollPlan.steps", [s.uuid for s in plan.steps])  # raises, naming the steps
     if observed.keys() != uuids:
@@ -362,10 +360,7 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
                                                     f"free GPU pages, the target is at step {state.step} with "
                                                     f"{target.gpu_kv.pages.num_free}")
     needing = set(request.needing.uuids)
-    try:
-        granted_uuids = set(map(_GRANT_UUID, plan.grants))
-    except TypeError:
-        _reject_unhashable("AllocPlan.grants[{}].uuid", [g.uuid for g in plan.grants])
+    granted_uuids = _uuid_set("AllocPlan.grants[{}].uuid", plan.grants, _GRANT_UUID)
     if len(granted_uuids) != len(plan.grants):
         _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
     page_size, admissible = target.cache_config.page_size, _ADMISSIBLE
@@ -375,16 +370,14 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
         req = requests.get(grant.uuid)
         if req is None or req.phase not in admissible:
             _request(target, f"AllocPlan.grants[{i}].uuid", grant.uuid, admissible)  # raises, naming the problem
-        need = max(0, -(-req.num_tokens // page_size) - len(req.gpu_page_ids))  # as the manager counts it (pages_for)
+        need = max(0, pages_for(req.num_tokens, page_size) - len(req.gpu_page_ids))  # as the manager counts it
         if type(grant.new_page_ids) is not tuple:
             _reject_ids(f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids)
         if len(grant.new_page_ids) != need:
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {need} needed")
-    try:
-        left_out = {d.uuid for d in plan.not_fitting} if plan.not_fitting else _NONE_LEFT_OUT
-    except TypeError:
-        _reject_unhashable("AllocPlan.not_fitting[{}].uuid", [d.uuid for d in plan.not_fitting])
+    left_out = (_uuid_set("AllocPlan.not_fitting[{}].uuid", plan.not_fitting, _UUID) if plan.not_fitting
+                else _NONE_LEFT_OUT)
     if len(left_out) != len(plan.not_fitting):
         _check_unique("AllocPlan.not_fitting", [d.uuid for d in plan.not_fitting])  # raises, naming them
     if not (left_out <= needing and left_out.isdisjoint(granted_uuids)):

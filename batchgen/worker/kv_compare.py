@@ -211,9 +211,7 @@ class KvCompare:
                 shadow_path=self.shadow_path, authoritative_path=self.authoritative_path,
             )
         finally:  # journaling ends with the op, whatever failed
-            state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
-            gpu.pages.journal = host.pages.journal = state.written = self.target.dropped = None
-            host.record_copies(False)
+            self.target.record_op(False)
             self._op = _NO_OP
 
     def _fork(self) -> tuple[KvTarget, object]:
@@ -234,11 +232,8 @@ class KvCompare:
     def _run_authoritative(self):
         """The authoritative path on the worker, its pools journaling and its state recording the requests
         it writes (``WorkerState.written``) and the pending appends it drops, until ``_compare`` ends."""
-        state, gpu, host = self.target.state, self.target.gpu_kv, self.target.host_kv
-        gpu.pages.journal, host.pages.journal = [], []
-        host.record_copies(True)
-        self._written = state.written = {}
-        self.target.dropped = set()
+        self.target.record_op(True)
+        self._written = self.target.state.written
         return self._op[1](self.authoritative)
 
     def _canonicalize(self, seen: Observation, shadow_seen: Observation) -> tuple[dict | None, dict | None]:

@@ -32,6 +32,16 @@ class KvTarget:
     dropped: set[str] | None = None  # pending appends dropped while an op is compared
     shared_pending: bool = False  # a fork: pending_appends is the worker's, never written
 
+    def record_op(self, on: bool) -> None:
+        """Start (fresh, empty records) or stop recording what one KV op writes: both pools' journals, the
+        copies issued and load handles returned, the requests written (each as it was before) and the pending
+        appends dropped. Mutates those records."""
+        self.gpu_kv.pages.journal = [] if on else None
+        self.host_kv.pages.journal = [] if on else None
+        self.host_kv.record_copies(on)
+        self.state.written = {} if on else None
+        self.dropped = set() if on else None
+
     def drop_pending_append(self, uuid: str) -> None:
         """Discard ``uuid``'s pending K/V, if any. Mutates ``pending_appends`` (a fork: ``dropped`` only)."""
         if uuid not in self.pending_appends or (self.shared_pending and uuid in self.dropped):
