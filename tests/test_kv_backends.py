@@ -8,6 +8,7 @@ import torch
 from batchgen.config import ModelConfig
 from batchgen.model.paged_kv import kv_page_shape
 from batchgen.worker.kv_backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
+from batchgen.worker.page_copy import AsyncCopyQueue
 
 CONFIG = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=2,
                      num_heads=2, num_kv_heads=2, head_dim=4, max_context=64)
@@ -113,3 +114,13 @@ def test_bookkeeping_only_pools_track_pages_and_complete_loads_at_once():
     assert (gpu.free_pages(), host.free_pages()) == (2, 1)
     gpu.check_integrity({"a"})
     host.check_integrity({"a"})
+
+
+def test_each_host_pool_with_pages_owns_its_copy_queue_and_forks_have_none():
+    gpu, host = tiers()
+    _, other_host = tiers()
+
+    assert isinstance(host.copy_queue, AsyncCopyQueue)
+    assert host.copy_queue is not other_host.copy_queue
+    assert host.fork(gpu.fork()).copy_queue is None
+    assert HostKvPool(4, None, GpuKvPool(4)).copy_queue is None

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import random
+import threading
+import time
 
 import pytest
 import torch
 
 from batchgen.worker import page_copy
-from batchgen.worker.page_copy import CopyError, copy_pages, copy_pages_async, new_page_tensor
+from batchgen.worker.page_copy import AsyncCopyQueue, CopyError, copy_pages, new_page_tensor
 
 PAGE_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, page_size, num_kv_heads, head_dim
 NUM_PAGES = 32
@@ -152,11 +155,12 @@ def test_new_page_tensor_is_zeroed_with_requested_shape_and_dtype():
 
 @pytest.mark.parametrize("device", GPU_POOL_DEVICES)
 def test_copy_pages_async_ends_with_the_same_bytes_as_copy_pages(device):
+    queue = AsyncCopyQueue()
     src_ids, dst_ids = ID_PATTERNS["mixed_runs"]
     src, dst = make_pool(seed=1).to(device), make_pool(seed=2)
     expected = reference_copy(src.cpu(), src_ids, dst, dst_ids)
 
-    handle = copy_pages_async(src, src_ids, dst, dst_ids)
+    handle = queue.copy_pages_async(src, src_ids, dst, dst_ids)
     handle.wait()
 
     assert handle.done()
@@ -166,10 +170,11 @@ def test_copy_pages_async_ends_with_the_same_bytes_as_copy_pages(device):
 
 @pytest.mark.parametrize("device", GPU_POOL_DEVICES)
 def test_copy_pages_async_reports_a_failed_copy_as_copy_error_with_its_cause(device):
+    queue = AsyncCopyQueue()
     src, dst = make_pool(seed=1).to(device), make_pool(seed=2)
     dst_before = dst.clone()
 
-    handle = copy_pages_async(src, [0, 99], dst, [0, 1])
+    handle = queue.copy_pages_async(src, [0, 99], dst, [0, 1])
 
     with pytest.raises(CopyError) as raised:
         handle.wait()
@@ -182,15 +187,51 @@ def test_copy_pages_async_reports_a_failed_copy_as_copy_error_with_its_cause(dev
 
 
 def test_copy_pages_async_runs_copies_in_issue_order():
+    queue = AsyncCopyQueue()
     first, second, third = make_pool(seed=1), make_pool(seed=2), make_pool(seed=3)
     expected = third.clone()
     expected[4:8] = first[0:4]
 
-    copy_pages_async(first, range(4), second, range(10, 14))
-    handle = copy_pages_async(second, range(10, 14), third, range(4, 8))
+    queue.copy_pages_async(first, range(4), second, range(10, 14))
+    handle = queue.copy_pages_async(second, range(10, 14), third, range(4, 8))
     handle.wait()
 
     assert torch.equal(third, expected)
+
+
+def test_queues_are_independent_a_stalled_queue_holds_back_only_its_own_copies():
+    stalled, other = AsyncCopyQueue(), AsyncCopyQueue()
+    release = threading.Event()
+    blocker = stalled.submit(release.wait)
+    src, dst = make_pool(seed=1), make_pool(seed=2)
+    expected = reference_copy(src, [0, 1, 2], dst, [5, 6, 7])
+    try:
+        queued_behind = stalled.copy_pages_async(src, [2], dst, [7])
+        independent = other.copy_pages_async(src, [0, 1], dst, [5, 6])
+        deadline = time.monotonic() + 10
+        while not independent.done() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+        assert independent.done()
+        assert not queued_behind.done()
+    finally:
+        release.set()
+    blocker.result()
+    queued_behind.wait()
+    assert torch.equal(dst, expected)
+
+
+def test_a_queue_thread_ends_once_the_queue_is_garbage():
+    before = set(threading.enumerate())
+    queue = AsyncCopyQueue()
+    queue.copy_pages_async(make_pool(seed=1), [0], make_pool(seed=2), [1]).wait()
+    (thread,) = set(threading.enumerate()) - before
+
+    del queue
+    gc.collect()
+    thread.join(timeout=10)
+
+    assert not thread.is_alive()
 
 
 def store_and_load(gpu_pool: torch.Tensor, host_pool: torch.Tensor) -> None:
@@ -198,9 +239,10 @@ def store_and_load(gpu_pool: torch.Tensor, host_pool: torch.Tensor) -> None:
     gpu_ids, host_ids, reload_ids = [3, 7, 8, 9], [10, 11, 12, 13], [20, 5, 6, 31]
     before = page_checksums(gpu_pool, gpu_ids)
 
-    copy_pages_async(gpu_pool, gpu_ids, host_pool, host_ids).wait()
+    queue = AsyncCopyQueue()
+    queue.copy_pages_async(gpu_pool, gpu_ids, host_pool, host_ids).wait()
     gpu_pool[gpu_ids] = 0
-    copy_pages_async(host_pool, host_ids, gpu_pool, reload_ids).wait()
+    queue.copy_pages_async(host_pool, host_ids, gpu_pool, reload_ids).wait()
 
     assert page_checksums(host_pool, host_ids) == before
     assert page_checksums(gpu_pool, reload_ids) == before

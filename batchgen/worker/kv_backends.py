@@ -6,7 +6,7 @@
     host pool [num_host_pages, L, 2, page_size, kv_heads, head_dim]  CPU, pinned with CUDA
 
     store: GPU pages of a request -> its host pages   (synchronous; eviction)
-    load : its host pages -> GPU pages                 (async handle; migration)
+    load : its host pages -> GPU pages                 (async, on the pool's own copy queue; migration)
 
 A pool without a tensor is bookkeeping-only (null-model runs, forks). A forked
 host pool records the copies it would issue instead of issuing them; the real
@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from batchgen.worker.page_copy import copy_pages, copy_pages_async
+from batchgen.worker.page_copy import AsyncCopyQueue, copy_pages
 from batchgen.worker.page_pool import ForkedPagePool, Grants, PagePool, PoolEvent
 
 
@@ -129,6 +129,7 @@ class HostKvPool(_KvPool):
     def __init__(self, num_pages: int, tensor: torch.Tensor | None, gpu: GpuKvPool, *, pages: PagePool | ForkedPagePool | None = None):
         super().__init__(pages if pages is not None else PagePool("host", num_pages), tensor)
         self.gpu = gpu
+        self.copy_queue = AsyncCopyQueue() if tensor is not None else None  # this pool's loads, in issue order
         self.copies: list[CopyOp] | None = [] if self.is_fork else None
         # While copies are recorded: id of each load handle this pool returned -> (the request its load is for, the
         # handle: held, so that its id is not reused by another object while the op is compared).
@@ -161,7 +162,7 @@ class HostKvPool(_KvPool):
         self._record(CopyOp("load", uuid, tuple(host_page_ids), tuple(page_ids)))
         if self.tensor is None or self.gpu.tensor is None:
             return self._issued(CompletedHandle())
-        return self._issued(copy_pages_async(self.tensor, host_page_ids, self.gpu.tensor, list(page_ids)))
+        return self._issued(self.copy_queue.copy_pages_async(self.tensor, host_page_ids, self.gpu.tensor, list(page_ids)))
 
     def fork(self, gpu_fork: GpuKvPool) -> "HostKvPool":
         """Bookkeeping-only overlay bound to ``gpu_fork``; records copies, issues none."""

@@ -26,9 +26,10 @@ tensor, the DMA moves the contiguous host slice, and runs are cut at
 skip runs: one gather and one scatter kernel per chunk of that size. Fresh pools
 hand out consecutive ids, so a batch is usually a handful of runs.
 
-Process state: ``_ASYNC_QUEUE``, created empty at import, lazily starts one
-worker thread (CPU copies) and one side stream per CUDA device (CUDA copies).
-Async copies issued from one thread therefore run in issue order.
+Async copies go through an :class:`AsyncCopyQueue`, which its owner (each host
+KV pool has one) holds: it lazily starts one worker thread (CPU copies) and one
+side stream per CUDA device (CUDA copies), so the async copies issued to one
+queue from one thread run in issue order. Nothing here is process-wide.
 """
 
 from __future__ import annotations
@@ -129,28 +130,27 @@ class CopyHandle:
         return self._cuda_error
 
 
-def copy_pages_async(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]) -> CopyHandle:
-    """Start ``copy_pages`` in the background and return its handle.
+class AsyncCopyQueue:
+    """Where one owner's async copies run: one worker thread (CPU), one side stream per CUDA device.
 
-    Mutates ``dst`` once the copy runs. Until ``done()``, the caller must not
-    write the ``src`` pages nor read or write the ``dst`` pages. Copy failures,
-    invalid ids included, surface as CopyError from ``wait()``, not here.
-    """
-    if src.is_cuda or dst.is_cuda:
-        return _ASYNC_QUEUE.issue_on_side_stream(src, src_ids, dst, dst_ids)
-    return CopyHandle(_ASYNC_QUEUE.submit(copy_pages, src, tuple(src_ids), dst, tuple(dst_ids)))
-
-
-class _AsyncCopyQueue:
-    """Where async copies run: one worker thread (CPU), one side stream per CUDA device.
-
-    Both are created on first use; the module holds the only instance.
+    Both are created on first use. The thread ends once the queue is garbage (its executor's own rule).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._side_streams: dict[int, torch.cuda.Stream] = {}
+
+    def copy_pages_async(self, src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]) -> CopyHandle:
+        """Start ``copy_pages`` behind every copy issued to this queue before it, and return its handle.
+
+        Mutates ``dst`` once the copy runs. Until ``done()``, the caller must not
+        write the ``src`` pages nor read or write the ``dst`` pages. Copy failures,
+        invalid ids included, surface as CopyError from ``wait()``, not here.
+        """
+        if src.is_cuda or dst.is_cuda:
+            return self.issue_on_side_stream(src, src_ids, dst, dst_ids)
+        return CopyHandle(self.submit(copy_pages, src, tuple(src_ids), dst, tuple(dst_ids)))
 
     def submit(self, copy: Callable[..., None], *args: object) -> Future[None]:
         """Run ``copy(*args)`` on the worker thread, after every copy submitted before it."""
@@ -186,9 +186,6 @@ class _AsyncCopyQueue:
             if device.index not in self._side_streams:
                 self._side_streams[device.index] = torch.cuda.Stream(device)
             return self._side_streams[device.index]
-
-
-_ASYNC_QUEUE = _AsyncCopyQueue()
 
 
 class _Run(NamedTuple):
