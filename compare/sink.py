@@ -9,6 +9,7 @@ before its error propagates. (Surviving a power loss needs `close()`'s fsync.)
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import warnings
@@ -27,7 +28,8 @@ class JsonlSink:
     Mutates the file and its own descriptor. The file and its parent directories are created on
     the first write (or `open`). If the file ends in a line torn by an earlier crash, the first write cuts
     that partial line off (with a warning), so the log stays readable and the new record never
-    fuses with it; a last record that is whole but lacks its newline gets one. One writer per file.
+    fuses with it; a last line that is whole JSON but lacks its newline gets one (kept, even if it is no valid
+    record: the reader then names it). One writer per file.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -79,19 +81,27 @@ class JsonlSink:
         return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _end_last_line(self) -> None:
-        """Make the file end in a newline: a last line without one is ended if it is a whole record (as
-        `read_log` reads it), else cut off with a warning (a write torn by a crash). Mutates the file."""
+        """Make the file end in a newline: a last line without one is cut off with a warning if it is torn
+        (a write cut short by a crash, as `read_log` tells), else ended. Mutates the file."""
         tail = _last_line(self._fd)
         if not tail:
             return
-        try:
-            parse_record(tail.decode("utf-8"))
-        except (RecordError, UnicodeDecodeError):
+        if _is_torn(tail):
             warnings.warn(f"{self.path}: last line was cut short (earlier crash?); "
                           f"dropping its {len(tail)} bytes before appending")
             os.ftruncate(self._fd, os.fstat(self._fd).st_size - len(tail))
             return
         os.write(self._fd, b"\n")
+
+
+def _is_torn(tail: bytes) -> bool:
+    """Whether a last line without its newline is a write cut short: not UTF-8 or not whole JSON (no prefix of a
+    record's JSON object is whole JSON). A whole JSON value is a line as written, valid record or not. Pure."""
+    try:
+        json.loads(tail.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return True
+    return False
 
 
 def _last_line(fd: int, chunk: int = 1 << 16) -> bytes:
@@ -120,9 +130,9 @@ class LogReadResult:
 def read_log(path: str | Path) -> LogReadResult:
     """Read every record of a log; mutates nothing.
 
-    Blank lines are ignored. A last line without a trailing newline that does not parse (a write
-    cut short) is skipped with a warning; any other bad line raises RecordError naming
-    `file:line` and the reason. A missing or unreadable file raises RecordError too.
+    Blank lines are ignored. A last line without a trailing newline that is not whole JSON (a write
+    cut short) is skipped with a warning; any other bad line (one of a newer schema version too)
+    raises RecordError naming `file:line` and the reason. A missing or unreadable file raises RecordError too.
     """
     path = Path(path)
     try:
@@ -140,6 +150,8 @@ def read_log(path: str | Path) -> LogReadResult:
     try:
         records.append(_parse(path, len(lines) + 1, tail))
     except RecordError as error:
+        if not _is_torn(tail):
+            raise
         warning = f"{error}; skipped as a torn last line"
         return LogReadResult(tuple(records), len(records), 1, (warning,))
     return LogReadResult(tuple(records), len(records), 0, ())

@@ -139,6 +139,14 @@ def test_accepts_a_complete_last_line_without_a_newline(tmp_path):
     assert read_log(path).num_read == 1
 
 
+def test_raises_for_a_whole_last_line_without_a_newline_that_is_no_valid_record(tmp_path):
+    path = tmp_path / "log.jsonl"  # whole JSON is no write cut short: a newer writer's record, say
+    record = {**json.loads(make_summary().model_dump_json()), "schema_version": 2}
+    path.write_text(make_record(0).model_dump_json() + "\n" + json.dumps(record))
+    with pytest.raises(RecordError, match=rf"^{path}:2: unsupported schema_version 2"):
+        read_log(path)
+
+
 def test_raises_naming_file_and_line_for_a_bad_line_before_the_last(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_text("\n".join([make_record(0).model_dump_json(), "{oops",
@@ -182,6 +190,15 @@ def test_ends_a_whole_last_record_without_a_newline_instead_of_dropping_it(tmp_p
     path.write_text(make_record(0).model_dump_json() + "\n" + make_summary().model_dump_json())
     write_log(path, [make_record(1)])
     assert [record.record_type for record in read_log(path).records] == ["divergence", "run_summary", "divergence"]
+    assert not [w for w in recwarn if "cut short" in str(w.message)]
+
+
+def test_keeps_a_whole_last_line_without_a_newline_that_is_no_valid_record(tmp_path, recwarn):
+    path = tmp_path / "log.jsonl"
+    record = json.dumps({**json.loads(make_summary().model_dump_json()), "schema_version": 2})
+    path.write_text(record)
+    write_log(path, [make_record(1)])
+    assert path.read_text() == record + "\n" + make_record(1).model_dump_json() + "\n"
     assert not [w for w in recwarn if "cut short" in str(w.message)]
 
 
