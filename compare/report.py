@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Iterable
@@ -29,6 +30,7 @@ from compare.records import LogRecord, RunSummary
 
 MAX_SAMPLES = 3  # concrete examples kept per (op, field path)
 _TOP_PATHS = 5  # field paths listed per JUnit failure
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")  # characters XML 1.0 cannot hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,20 +258,26 @@ def render_junit(report: Report) -> str:
                   value=str(report.num_harness_errors))
     for pair in report.pairs:
         case = ET.SubElement(suite, "testcase", classname="compare",
-                             name=f"{pair.workload}.{pair.op}")
+                             name=_xml(f"{pair.workload}.{pair.op}"))
         if pair.num_divergences:
             failure = ET.SubElement(
                 case, "failure", type="divergence",
                 message=(f"{_plural(pair.num_divergences, 'divergence')} in "
                          f"{_plural(pair.num_compared, 'compared step')}"))
-            failure.text = "\n".join(f"{count} x {path}"
-                                     for path, count in pair.top_paths[:_TOP_PATHS])
+            failure.text = _xml("\n".join(f"{count} x {path}"
+                                          for path, count in pair.top_paths[:_TOP_PATHS]))
     if harness_failed:
         case = ET.SubElement(suite, "testcase", classname="compare", name="harness")
         ET.SubElement(case, "failure", type="harness_error",
                       message=f"{_plural(report.num_harness_errors, 'harness error')}: the ops they hit "
                               f"were not compared")
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def _xml(text: str) -> str:
+    """``text`` with each character XML 1.0 cannot hold (control characters, say) written as its escape (``\\x1b``):
+    ElementTree would write them raw, making the document unreadable."""
+    return _NOT_XML.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def render_json(report: Report) -> str:

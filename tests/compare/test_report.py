@@ -140,6 +140,14 @@ def test_junit_and_headline_name_no_harness_case_when_the_harness_never_failed()
     assert headline(aggregate(RECORDS)).endswith(", 2 harness errors")
 
 
+def test_junit_escapes_characters_xml_cannot_hold_so_the_document_stays_readable():
+    records = [divergence(1, ["requests[r1].phase\x1b"], workload="w\x00<&>\x7f\ufffe"),
+               summary("w\x00<&>\x7f\ufffe", "run-a", {"alloc": 4})]
+    [case] = ET.fromstring(render_junit(aggregate(records))).iter("testcase")
+    assert case.get("name") == "w\\x00<&>\x7f\\ufffe.alloc"
+    assert case.find("failure").text == "1 x requests[*].phase\\x1b"
+
+
 def test_renders_json_with_every_count():
     data = json.loads(render_json(aggregate(RECORDS)))
     assert (data["num_compared"], data["num_divergences"]) == (380, 4)
