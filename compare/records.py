@@ -12,6 +12,7 @@ Regenerate the checked-in schema after changing a record:
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -23,6 +24,7 @@ from compare.shadow import ShadowStats
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a \uXXXX escape of a UTF-16 surrogate, paired or not
 
 
 class RecordError(ValueError):
@@ -113,6 +115,12 @@ def parse_record(line: str) -> LogRecord:
         raise RecordError(f"not JSON: {error}") from None
     if not isinstance(data, dict):
         raise RecordError(f"expected a JSON object, found {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(line):  # json reads an unpaired one into a str that is no Unicode text
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise RecordError(f"a string holds the unpaired surrogate \\u{ord(error.object[error.start]):04x}, "
+                              f"which is no Unicode character; surrogates must come in pairs") from None
     record_type = data.get("record_type")
     if record_type not in _MODELS:
         raise RecordError(f"unknown record_type {record_type!r}; known: "

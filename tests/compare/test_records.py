@@ -75,6 +75,13 @@ def test_says_what_is_wrong_with_a_line_that_is_not_a_record(line, message):
         parse_record(line)
 
 
+def test_refuses_a_string_holding_an_unpaired_surrogate_and_reads_a_paired_one():
+    line = make_divergence(workload="L2-\U0001F600").model_dump_json()
+    assert parse_record(line.replace("\U0001F600", "\\ud83d\\ude00")).workload == "L2-\U0001F600"
+    with pytest.raises(RecordError, match=r"unpaired surrogate \\ud83d, which is no Unicode character"):
+        parse_record(line.replace("\U0001F600", "\\ud83d"))
+
+
 def test_names_missing_and_unexpected_fields():
     data = json.loads(make_divergence().model_dump_json())
     del data["op"], data["step"]
