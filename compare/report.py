@@ -230,9 +230,9 @@ def render_markdown(report: Report, *, max_paths: int = 50) -> str:
                   "|---|---|---:|---|---|---|---|"]
         for stats in report.paths[:max_paths]:
             sample = stats.samples[0]
-            lines.append(f"| {_cell(stats.op)} | `{_cell(stats.path)}` | {stats.count} | "
+            lines.append(f"| {_cell(stats.op)} | {_code(stats.path)} | {stats.count} | "
                          f"{_steps(stats)} | {_cell(', '.join(stats.workloads))} | "
-                         f"{_cell(', '.join(stats.kinds))} | `{_cell(sample.path)}` "
+                         f"{_cell(', '.join(stats.kinds))} | {_code(sample.path)} "
                          f"({_cell(sample.workload)} step {sample.step}) |")
         if len(report.paths) > max_paths:
             lines += ["", f"... and {len(report.paths) - max_paths} more field paths."]
@@ -240,7 +240,16 @@ def render_markdown(report: Report, *, max_paths: int = 50) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """``text`` for one table cell: pipes escaped, line breaks (\\n and \\r alike) made spaces."""
+    return text.replace("|", "\\|").replace("\n", " ").replace("\r", " ")
+
+
+def _code(text: str) -> str:
+    """``text`` as a code span in a table cell, fenced by more backticks than it holds in a row (a path may hold
+    backticks: ids are anyone's strings)."""
+    fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{_cell(text)}{pad}{fence}"
 
 
 def render_junit(report: Report) -> str:

@@ -103,6 +103,15 @@ def test_renders_markdown_with_the_headline_and_a_table_per_op_and_per_field_pat
             "`requests[r17].gpu_pages[3]` (L2-2048 step 5) |") in lines
 
 
+def test_markdown_keeps_backticks_and_line_breaks_of_ids_inside_their_cells():
+    records = [divergence(7, ["requests[a`b].phase", "requests[`c].phase"], workload="w\r\nz")]
+    lines = render_markdown(aggregate(records)).splitlines()
+    assert lines[-1] == ("| alloc | `requests[*].phase` | 1 | 7 | w  z | state | ``requests[a`b].phase`` "
+                         "(w  z step 7) |")
+    assert render_markdown(aggregate([divergence(7, ["`c"])])).splitlines()[-1] == (
+        "| alloc | `` `c `` | 1 | 7 | L2-2048 | state | `` `c `` (L2-2048 step 7) |")
+
+
 def test_limits_the_markdown_field_path_table_and_says_how_many_were_left_out():
     records = [divergence(0, [f"field_{n}"]) for n in range(5)]
     markdown = render_markdown(aggregate(records), max_paths=2)
