@@ -527,6 +527,16 @@ def test_report_merges_logs(logs, capsys):
     assert (report["num_runs"], report["num_divergences"]) == (2, num_divergences(buggy))
 
 
+def test_report_reads_a_log_named_twice_once_with_a_warning(logs, capsys, monkeypatch):
+    clean, buggy = logs
+    monkeypatch.chdir(buggy.parent)
+    assert main(["report", "buggy.jsonl", str(clean), f"./{buggy.name}", "--format", "json"]) == 1
+    captured = capsys.readouterr()
+    assert (json.loads(captured.out)["num_runs"], json.loads(captured.out)["num_divergences"]) == (
+        2, num_divergences(buggy))
+    assert captured.err == "batchgen: warning: ./buggy.jsonl: the same file as buggy.jsonl, given again; read once\n"
+
+
 def test_report_out_writes_the_file_instead_of_stdout(logs, capsys, tmp_path):
     _, buggy = logs
     out = tmp_path / "ci" / "divergences.xml"

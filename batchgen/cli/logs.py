@@ -32,7 +32,8 @@ def add_report_command(commands) -> None:
                     "run did not end (it stopped early, no run summary closes it, or its last line is cut "
                     "short: such a log vouches for nothing, and a warning says which); 2 when an input is "
                     "unreadable.")
-    parser.add_argument("logs", nargs="+", metavar="LOG", help="divergence log files, merged in the order given")
+    parser.add_argument("logs", nargs="+", metavar="LOG",
+                        help="divergence log files, merged in the order given (a file named twice is read once)")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
                              "when it is set), junit (XML, a test case per workload and op) or json "
@@ -45,9 +46,10 @@ def add_report_command(commands) -> None:
 def _report(args: argparse.Namespace) -> int:
     if args.out is not None and any(Path(args.out).resolve() == Path(log).resolve() for log in args.logs):
         raise UsageError(f"--out {args.out}: it is one of the logs being read; write the report elsewhere")
-    results = [read_log(path) for path in args.logs]
+    logs = _distinct(args.logs)
+    results = [read_log(path) for path in logs]
     records = [record for result in results for record in result.records]
-    unended = [path for path, result in zip(args.logs, results) if not _ended(result)]
+    unended = [path for path, result in zip(logs, results) if not _ended(result)]
     report = aggregate(records)
     _print_warnings([warning for result in results for warning in result.warnings])
     _print_warnings([f"{path}: {UNENDED}, so it vouches for nothing compared" for path in unended])
@@ -60,6 +62,19 @@ def _report(args: argparse.Namespace) -> int:
     if args.format == "md":
         _append_step_summary(text)
     return EXIT_FAILED if report.num_divergences or report.num_harness_errors or unended else EXIT_OK
+
+
+def _distinct(logs: Sequence[str]) -> list[str]:
+    """``logs`` with each file once, where it is first named (a log read twice would count its runs twice), warning
+    on stderr about each repeat."""
+    first: dict[Path, str] = {}
+    for log in logs:
+        path = Path(log).resolve()
+        if path in first:
+            _print_warnings([f"{log}: the same file as {first[path]}, given again; read once"])
+        else:
+            first[path] = log
+    return list(first.values())
 
 
 def _ended(log: LogReadResult) -> bool:
