@@ -90,6 +90,8 @@ def _write_out(path: str, text: str) -> None:
     blocker = next((parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None)
     if blocker is not None:
         raise UsageError(f"--out {path}: cannot write the report: {blocker} is not a directory")
+    if path.endswith(os.sep) or Path(path).is_dir():  # os.replace calls "." or "/" busy; Path drops a trailing slash
+        raise UsageError(f"--out {path}: cannot write the report: Is a directory")
     try:
         write_atomic(path, text)
     except OSError as error:
