@@ -502,6 +502,21 @@ def test_report_fails_naming_a_log_where_a_run_did_not_end(logs, capsys, tmp_pat
     assert captured.err.strip().splitlines()[-1] == warning
 
 
+def test_report_fails_naming_a_log_where_a_run_died_before_another_appended_to_it(logs, capsys, tmp_path):
+    clean, buggy = logs
+    died = [line for line in buggy.read_text().splitlines(keepends=True) if '"record_type":"divergence"' in
+            line.replace(" ", "")]  # its divergences, and no summary: the run was killed
+    shared = tmp_path / "shared.jsonl"
+    shared.write_text("".join(died) + clean.read_text())  # a later run appended to the same log and ended
+    assert died and isinstance(read_log(shared).records[-1], RunSummary)
+
+    assert main(["report", str(shared), "--format", "json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["num_divergences"] == len(died)
+    assert captured.err.strip().splitlines()[-1] == (f"batchgen: warning: {shared}: {UNENDED}, so it vouches for "
+                                                     f"nothing compared")
+
+
 @pytest.mark.parametrize("format_", ["text", "md", "junit", "json"])
 def test_report_renders_each_format(logs, capsys, format_):
     _, buggy = logs

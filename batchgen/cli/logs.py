@@ -78,11 +78,15 @@ def _distinct(logs: Sequence[str]) -> list[str]:
 
 
 def _ended(log: LogReadResult) -> bool:
-    """Whether every run that wrote to the log did all its work: the log ends in a whole run summary, and no
-    summary says its run stopped early. Pure."""
+    """Whether every run that wrote to the log did all its work: the log ends in a whole run summary, each run
+    that logged a record has a summary (a run that died can be followed by others appending to the same log), and
+    no summary says its run stopped early. Pure."""
     records = log.records
+    summaries = [record for record in records if isinstance(record, RunSummary)]
+    summarised = {summary.run_id for summary in summaries}
     return (not log.num_skipped and bool(records) and isinstance(records[-1], RunSummary)
-            and not any(isinstance(record, RunSummary) and record.stopped_by for record in records))
+            and all(record.run_id in summarised for record in records)
+            and not any(summary.stopped_by for summary in summaries))
 
 
 def _write_out(path: str, text: str) -> None:
