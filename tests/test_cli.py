@@ -235,6 +235,38 @@ def test_ctrl_c_ends_the_command_with_one_line_from_the_first_moment(delay_s):
     assert stderr.splitlines()[-1] == "batchgen: interrupted"
 
 
+INTERRUPT_IN_STRING_EXEC = {  # a probe module, run with ``python -m``, that runs ``python -m batchgen run``
+    "while-importing": """
+import builtins
+real_import = builtins.__import__
+def interrupting_import(name, *args, **kwargs):
+    if name == "batchgen.cli":
+        exec("raise KeyboardInterrupt")
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = interrupting_import
+""",
+    "while-running": """
+from batchgen.worker.worker import Worker
+Worker.step = lambda self: exec("raise KeyboardInterrupt")
+""",
+}
+
+
+@pytest.mark.parametrize("when", sorted(INTERRUPT_IN_STRING_EXEC))
+def test_ctrl_c_ending_a_string_exec_still_exits_130_under_python_m(tmp_path, when):
+    """CPython marks a KeyboardInterrupt that ends a string ``exec`` (dataclass creation runs them) as unhandled even
+    once caught, and under ``-m`` would then end the process by SIGINT (-2) instead of with exit code 130."""
+    (tmp_path / "probe.py").write_text(INTERRUPT_IN_STRING_EXEC[when] + (
+        "import runpy, sys\n"
+        "sys.argv = ['batchgen', 'run', '--workload', 'smoke']\n"
+        "runpy.run_module('batchgen', run_name='__main__')\n"))
+    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-m", "probe"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300, env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"})
+    assert (child.returncode, child.stderr.splitlines()[-1]) == (130, "batchgen: interrupted"), child.stderr
+
+
 def test_the_console_script_is_the_entry_point_that_handles_ctrl_c_while_importing():
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"] == {"batchgen": "batchgen.__main__:main"}
