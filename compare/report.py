@@ -31,6 +31,7 @@ from compare.records import LogRecord, RunSummary
 MAX_SAMPLES = 3  # concrete examples kept per (op, field path)
 _TOP_PATHS = 5  # field paths listed per JUnit failure
 _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")  # characters XML 1.0 cannot hold
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # control characters a terminal acts on (not \t, \n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,13 +198,13 @@ def render_text(report: Report, *, width: int = 120) -> str:
     """The report as plain-text rich tables (for terminals and CI logs)."""
     out = io.StringIO()
     console = Console(file=out, width=width, color_system=None, force_terminal=False)
-    console.print(Text(headline(report)))
-    console.print(Text(_overhead(report)))
+    console.print(_terminal(headline(report)))
+    console.print(_terminal(_overhead(report)))
     ops = Table(title="By op")
     for column in ("op", "compared", "divergences", "rate"):
         ops.add_column(column, justify="left" if column == "op" else "right")
     for stats in report.ops:
-        ops.add_row(Text(stats.op), str(stats.num_compared), str(stats.num_divergences),
+        ops.add_row(_terminal(stats.op), str(stats.num_compared), str(stats.num_divergences),
                     _rate(stats.num_divergences, stats.num_compared))
     console.print(ops)
     if report.paths:
@@ -212,11 +213,21 @@ def render_text(report: Report, *, width: int = 120) -> str:
             paths.add_column(column, justify="right" if column == "count" else "left")
         for stats in report.paths:
             sample = stats.samples[0]
-            paths.add_row(Text(stats.op), Text(stats.path), str(stats.count), _steps(stats),
-                          Text(", ".join(stats.workloads)), Text(", ".join(stats.kinds)),
-                          Text(f"{sample.path} ({sample.workload} step {sample.step})"))
+            paths.add_row(_terminal(stats.op), _terminal(stats.path), str(stats.count), _steps(stats),
+                          _terminal(", ".join(stats.workloads)), _terminal(", ".join(stats.kinds)),
+                          _terminal(f"{sample.path} ({sample.workload} step {sample.step})"))
         console.print(paths)
     return out.getvalue()
+
+
+def _terminal(text: str) -> Text:
+    """``text`` for a terminal: plain (no rich markup), each control character written as its escape (``\\x1b``),
+    so ids from a log (anyone's strings) cannot move the cursor or recolour the screen."""
+    return Text(_CONTROL.sub(_escaped, text))
+
+
+def _escaped(match: re.Match) -> str:
+    return match.group().encode("unicode_escape").decode("ascii")
 
 
 def render_markdown(report: Report, *, max_paths: int = 50) -> str:
@@ -286,7 +297,7 @@ def render_junit(report: Report) -> str:
 def _xml(text: str) -> str:
     """``text`` with each character XML 1.0 cannot hold (control characters, say) written as its escape (``\\x1b``):
     ElementTree would write them raw, making the document unreadable."""
-    return _NOT_XML.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
+    return _NOT_XML.sub(_escaped, text)
 
 
 def render_json(report: Report) -> str:

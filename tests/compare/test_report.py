@@ -1,4 +1,5 @@
 import json
+import re
 import xml.etree.ElementTree as ET
 
 from compare.records import DivergenceRecord, RunSummary
@@ -155,6 +156,15 @@ def test_junit_escapes_characters_xml_cannot_hold_so_the_document_stays_readable
     [case] = ET.fromstring(render_junit(aggregate(records))).iter("testcase")
     assert case.get("name") == "w\\x00<&>\x7f\\ufffe.alloc"
     assert case.find("failure").text == "1 x requests[*].phase\\x1b"
+
+
+def test_text_writes_control_characters_of_ids_as_escapes_not_to_the_terminal():
+    records = [divergence(1, ["requests[r1].phase\x1b[2J"], workload="w\x1b]0;title\x07\x9b"),
+               summary("w\x1b]0;title\x07\x9b", "run-a", {"alloc": 4})]
+    text = render_text(aggregate(records), width=400)
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", text)
+    assert "requests[*].phase\\x1b[2J" in text
+    assert "requests[r1].phase\\x1b[2J (w\\x1b]0;title\\x07\\x9b step 1)" in text
 
 
 def test_renders_json_with_every_count():
