@@ -189,6 +189,20 @@ def test_an_unwritable_compare_log_stops_the_run_before_it_starts(capsys, monkey
     assert error_line(capsys) == f"batchgen: error: divergence log {log}: cannot open it for writing: Permission denied"
 
 
+def test_a_compare_log_that_stops_taking_writes_mid_run_stops_it_with_exit_1(capsys, monkeypatch, tmp_path):
+    def disk_full(self, record):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(JsonlSink, "write", disk_full)  # opened at the start, full by the run summary
+    log = tmp_path / "kv.jsonl"
+    assert main(["run", "--workload", "smoke", "--json", "--kv-compare", "log", "--kv-compare-log", str(log)]) == 1
+    captured = capsys.readouterr()
+    stopped = one_json_object(captured.out)
+    assert (stopped["stopped"], stopped["message"]) == (
+        "compare log unwritable", f"divergence log {log}: a write failed: No space left on device")
+    assert captured.err.strip().splitlines()[-1] == f"batchgen: compare log unwritable: {stopped['message']}"
+
+
 def test_run_says_which_kv_path_ran(capsys):
     summary = run_json(capsys)
     assert (summary["kv_path"], summary["kv_compare"], summary["load_failure"]) == ("plan", "off", "recompute")

@@ -128,6 +128,11 @@ def _run(args: argparse.Namespace) -> int:
     except PlanRejected as error:  # the plan path rejected its own plan: a bug in the plan layer
         log = f" (compare log: {gate.compare_log})" if worker.kv_compare is not None else ""
         return _stopped(args, workload.name, "plan rejected", f"{error}{log}")
+    except OSError as error:  # the divergence log stopped taking writes mid-run (a full disk): no run summary
+        if worker.kv_compare is None:
+            raise
+        return _stopped(args, workload.name, "compare log unwritable",
+                        f"divergence log {gate.compare_log}: a write failed: {error.strerror or error}")
     finally:
         if worker.kv_compare is not None:
             worker.kv_compare.sink.close()
