@@ -133,6 +133,14 @@ def test_a_misspelt_op_gets_the_closest_op_suggested():
         gate_config({ENV["compare_ops"]: "poll,evcit"})
 
 
+@pytest.mark.parametrize(("ops", "closest"), [(",evcit", "evict"), ("poll,,evcit", "evict"), ("poll, ,evcit", "evict"),
+                                              ("EVICT", "evict"), ("poll,Alloc", "alloc")])
+def test_a_misspelt_op_after_an_empty_item_or_in_the_wrong_case_gets_the_closest_op_suggested(ops, closest):
+    with pytest.raises(GateError) as raised:
+        gate_config({ENV["compare_ops"]: ops})
+    assert str(raised.value).endswith(f"did you mean {closest!r}?")
+
+
 def test_a_misspelt_op_is_rejected_naming_the_variable_and_the_ops():
     with pytest.raises(GateError) as raised:
         gate_config({ENV["compare_ops"]: "poll,evcit"})

@@ -111,8 +111,8 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
         if field == "compare_ops":  # suggest for the first unknown op of the list
             given = values.get(field)
             ops = given.split(",") if isinstance(given, str) else list(given or ())
-            unknown = [op.strip() for op in ops if op.strip() not in KV_OPS]
-            close = difflib.get_close_matches(unknown[0], KV_OPS, n=1) if unknown else []
+            unknown = [op.strip() for op in ops if op.strip() and op.strip() not in KV_OPS]
+            close = difflib.get_close_matches(unknown[0].lower(), KV_OPS, n=1) if unknown else []
         else:
             choices = allowed.split(", ") if field in ("path", "compare", "load_failure") else []
             close = difflib.get_close_matches(str(values.get(field)).lower(), choices, n=1)
