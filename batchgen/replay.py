@@ -141,7 +141,7 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     op = _bind(record.replay["op"], request)
     authoritative_target, shadow_target = rebuild_target(record), rebuild_target(record)
     _check_request(record, request, op.build_request(PlanKvPath(authoritative_target)))
-    kv_path, shadow_path = record.replay["kv_path"], record.replay["shadow_path"]
+    kv_path, shadow_path = _paths(record.replay)
     authoritative = _observe(kv_path, lambda: _run_authoritative(authoritative_target, kv_path, op))
     shadow = _observe(shadow_path, lambda: _run_shadow(shadow_target, shadow_path, op))
     comparison = compare_observations(record.replay["op"], record.step, authoritative, shadow, classify=classify,
@@ -204,10 +204,26 @@ def _check_request(record: DivergenceRecord, recorded, rebuilt) -> None:
 
 
 # ---- rebuilding the pre-state ------------------------------------------------------------------
+def _paths(replay: dict) -> tuple[str, str]:
+    """The record's authoritative and shadow KV paths; ReplayError unless each is plan or legacy. Pure."""
+    paths = replay.get("kv_path"), replay.get("shadow_path")
+    for key, path in zip(("kv_path", "shadow_path"), paths):
+        if path not in ("plan", "legacy"):
+            raise ReplayError(f"the record's {key} must be plan or legacy, not {path!r}")
+    return paths
+
+
 def _configs(geometry: KvGeometry) -> tuple[ModelConfig, CacheConfig, EngineConfig]:
     dtype = next((name for name, size in DTYPE_SIZES.items() if size == geometry.dtype_size), None)
     if dtype is None:
         raise ReplayError(f"no cache dtype has {geometry.dtype_size}-byte elements; known: {DTYPE_SIZES}")
+    try:
+        return _valid_configs(geometry, dtype)
+    except ValidationError as error:
+        raise ReplayError(f"the recorded geometry is not valid: {validation_summary(error)}") from None
+
+
+def _valid_configs(geometry: KvGeometry, dtype: str) -> tuple[ModelConfig, CacheConfig, EngineConfig]:
     model = ModelConfig(vocab_size=2, hidden_size=geometry.num_kv_heads * geometry.head_dim, intermediate_size=1,
                         num_layers=geometry.num_layers, num_heads=geometry.num_kv_heads,
                         num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
@@ -220,6 +236,9 @@ def _configs(geometry: KvGeometry) -> tuple[ModelConfig, CacheConfig, EngineConf
 
 
 def _request_state(view: RequestKvView, step: int) -> RequestState:
+    phases = [phase.value for phase in Phase]
+    if view.phase not in phases:
+        raise ReplayError(f"request {view.uuid}: unknown phase {view.phase!r}; known: {', '.join(phases)}")
     phase = Phase(view.phase)
     had_load = phase is Phase.LOADING or bool(view.gpu_page_ids and view.host_page_ids)
     return RequestState(
@@ -245,7 +264,8 @@ def _allocated_ids(replay: dict, tier: str) -> list[int]:
     side's ids first (the authoritative's when neither or both sides are legacy),
     then the other side's extras.
     """
-    legacy_is_shadow = replay["shadow_path"] == "legacy" and replay["kv_path"] != "legacy"
+    kv_path, shadow_path = _paths(replay)
+    legacy_is_shadow = shadow_path == "legacy" and kv_path != "legacy"
     sides = ("shadow", "authoritative") if legacy_is_shadow else ("authoritative", "shadow")
     pools = replay.get("pools") or {}
     if not isinstance(pools, dict) or not all(isinstance(pools.get(side) or {}, dict) for side in sides):
@@ -254,12 +274,16 @@ def _allocated_ids(replay: dict, tier: str) -> list[int]:
     ids: list[int] = []
     for side in sides:
         for event in (pools.get(side) or {}).get(tier, ()):
-            if not isinstance(event, dict) or "kind" not in event or "page_ids" not in event:
+            if not isinstance(event, dict) or "kind" not in event or not _is_id_list(event.get("page_ids")):
                 raise ReplayError(f"the record's {side} {tier} pool events are not records with a kind and page ids "
                                   f"({event!r}); a log written by an older batchgen cannot be replayed")
             if event["kind"] == "alloc":
                 ids.extend(event["page_ids"])
     return list(dict.fromkeys(ids))
+
+
+def _is_id_list(value) -> bool:
+    return isinstance(value, list) and all(type(page_id) is int for page_id in value)
 
 
 def _pool(name: str, num_pages: int, owned: dict[str, Sequence[int]], num_free: int,

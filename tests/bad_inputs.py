@@ -23,7 +23,7 @@ import shlex
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from batchgen.cli import main
 from batchgen.config import ModelConfig
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.worker.kv_gate import ENV_PREFIX
-from batchgen.worker.kv_plans import KvGeometry, KvPreState, KvSnapshot, ReleaseRequest, to_jsonable
+from batchgen.worker.kv_plans import KvGeometry, KvPreState, KvSnapshot, ReleaseRequest, RequestKvView, to_jsonable
 from compare import DivergenceRecord, RunSummary
 
 CATEGORIES = ("CLI argument", "gate variable", "workload file", "checkpoint directory", "divergence log",
@@ -448,6 +448,24 @@ CASES: tuple[BadInput, ...] = (
     case("log-replay-pools-not-an-object", LOG, "replay of a record whose pools are not an object",
          "replay div.jsonl --index 0", ("the record's pools must map authoritative and shadow", "'x'"),
          build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {**REPLAYABLE, "pools": "x"}})))),
+    case("log-replay-no-kv-path", LOG, "replay of a record that names no authoritative KV path",
+         "replay div.jsonl --index 0", ("the record's kv_path must be plan or legacy", "None"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {
+             key: value for key, value in REPLAYABLE.items() if key != "kv_path"}})))),
+    case("log-replay-bad-geometry", LOG, "replay of a record whose load-failure policy does not exist",
+         "replay div.jsonl --index 0", ("the recorded geometry is not valid", "load_failure", "'recompute' or 'fail'"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {
+             **REPLAYABLE, "pre_state": to_jsonable(KvPreState(replace(_SNAPSHOT, geometry=replace(
+                 _SNAPSHOT.geometry, load_failure="retry")), ()))}})))),
+    case("log-replay-unknown-phase", LOG, "replay of a record whose request is in a phase that does not exist",
+         "replay div.jsonl --index 0", ("request r0: unknown phase 'flying'", "known: waiting, running"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {
+             **REPLAYABLE, "pre_state": to_jsonable(KvPreState(_SNAPSHOT, (
+                 RequestKvView("r0", "flying", 0, 4, 0, (), (), 0, None),)))}})))),
+    case("log-replay-page-ids-not-integers", LOG, "replay of a record whose pool events hold page ids as strings",
+         "replay div.jsonl --index 0", ("the record's authoritative gpu pool events are not records", "'7'"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {
+             **REPLAYABLE, "pools": {"authoritative": {"gpu": [{"kind": "alloc", "uuid": "r0", "page_ids": ["7"]}]}}}})))),
     case("log-minimize-bad-engine", LOG, "minimize of a record whose engine config is not valid",
          "minimize div.jsonl --index 0 --out-dir minimized", ("the recorded engine config is not valid", "max_num_seqs"),
          build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {
