@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from compare import DivergenceRecord, ddmin, read_log, wildcard, write_atomic
 from batchgen.config import TINY_MODELS, EngineConfig, validation_summary
 from batchgen.model.loader import load_model
+from batchgen.replay import kv_paths
 from batchgen.runner import run_workload
 from batchgen.worker.faults import FaultInjector, FaultSpec, FaultSpecError
 from batchgen.worker.kv_gate import KvGateConfig
@@ -114,11 +115,10 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
     """
     replay = record.replay
     scale = replay.get("scale", 1.0)
-    workload = recorded_workload(record)
-    faults = _fault_spec(replay)
+    workload, faults, (kv_path, shadow_path) = recorded_run(record)
     signature = DivergenceSignature.of(record)
     with tempfile.TemporaryDirectory(prefix="batchgen-minimize-") as log_dir:
-        search = _Search(signature, make_worker or tiny_worker_factory(), replay["kv_path"], replay["shadow_path"],
+        search = _Search(signature, make_worker or tiny_worker_factory(), kv_path, shadow_path,
                          Path(log_dir), replay["workload_source"], scale, faults)
         if not search.fails(workload):
             raise NotReproduced(
@@ -132,8 +132,14 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
         if search.num_tests < max_tests:
             smallest = _shrink_steps(search, workload, requests, max_tests)
     minimal = smallest.model_copy(update={"name": f"{workload.name}-min"})
-    return MinimizeResult(minimal, signature, search.num_tests, replay["kv_path"], replay["shadow_path"],
+    return MinimizeResult(minimal, signature, search.num_tests, kv_path, shadow_path,
                           faults.to_spec() if faults else None)
+
+
+def recorded_run(record: DivergenceRecord) -> tuple[Workload, FaultSpec | None, tuple[str, str]]:
+    """What the search reruns: the record's workload (``recorded_workload``), fault SPEC and KV paths
+    (authoritative, shadow). MinimizeError, or ReplayError for the paths, when one is not usable. Pure."""
+    return recorded_workload(record), _fault_spec(record.replay), kv_paths(record.replay)
 
 
 def recorded_workload(record: DivergenceRecord) -> Workload:
@@ -178,6 +184,8 @@ def _fault_spec(replay: dict) -> FaultSpec | None:
     spec = replay.get("faults")
     if spec is None:
         return None
+    if not isinstance(spec, str):
+        raise MinimizeError(f"the recorded fault SPEC must be a string, not {spec!r}")
     try:
         return FaultSpec.parse(spec)
     except FaultSpecError as error:

@@ -141,7 +141,7 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     op = _bind(record.replay["op"], request)
     authoritative_target, shadow_target = rebuild_target(record), rebuild_target(record)
     _check_request(record, request, op.build_request(PlanKvPath(authoritative_target)))
-    kv_path, shadow_path = _paths(record.replay)
+    kv_path, shadow_path = kv_paths(record.replay)
     authoritative = _observe(kv_path, lambda: _run_authoritative(authoritative_target, kv_path, op))
     shadow = _observe(shadow_path, lambda: _run_shadow(shadow_target, shadow_path, op))
     comparison = compare_observations(record.replay["op"], record.step, authoritative, shadow, classify=classify,
@@ -204,8 +204,9 @@ def _check_request(record: DivergenceRecord, recorded, rebuilt) -> None:
 
 
 # ---- rebuilding the pre-state ------------------------------------------------------------------
-def _paths(replay: dict) -> tuple[str, str]:
-    """The record's authoritative and shadow KV paths; ReplayError unless each is plan or legacy. Pure."""
+def kv_paths(replay: dict) -> tuple[str, str]:
+    """A record's authoritative and shadow KV paths (``replay``: its payload); ReplayError unless each is plan or
+    legacy. Pure."""
     paths = replay.get("kv_path"), replay.get("shadow_path")
     for key, path in zip(("kv_path", "shadow_path"), paths):
         if path not in ("plan", "legacy"):
@@ -264,7 +265,7 @@ def _allocated_ids(replay: dict, tier: str) -> list[int]:
     side's ids first (the authoritative's when neither or both sides are legacy),
     then the other side's extras.
     """
-    kv_path, shadow_path = _paths(replay)
+    kv_path, shadow_path = kv_paths(replay)
     legacy_is_shadow = shadow_path == "legacy" and kv_path != "legacy"
     sides = ("shadow", "authoritative") if legacy_is_shadow else ("authoritative", "shadow")
     pools = replay.get("pools") or {}

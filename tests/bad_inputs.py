@@ -138,7 +138,8 @@ _SNAPSHOT = KvSnapshot(step=3, geometry=KvGeometry(num_layers=2, num_kv_heads=2,
 # A payload replay can rebuild (a release of nothing, on empty pools): cases change one field of it.
 REPLAYABLE = {"op": "release", "request_type": "ReleaseRequest", "request": to_jsonable(ReleaseRequest(_SNAPSHOT, ())),
               "pre_state": to_jsonable(KvPreState(_SNAPSHOT, ())), "kv_path": "plan", "shadow_path": "legacy"}
-SMOKE_LOG = log_line(DIVERGENCE.model_copy(update={"replay": {"workload_source": "smoke"}})) + log_line(SUMMARY)
+SMOKE_RUN = {"workload_source": "smoke", "kv_path": "legacy", "shadow_path": "plan"}  # what minimize reruns
+SMOKE_LOG = log_line(DIVERGENCE.model_copy(update={"replay": SMOKE_RUN})) + log_line(SUMMARY)
 
 
 def divergence_log(*lines: str) -> Builder:
@@ -466,6 +467,18 @@ CASES: tuple[BadInput, ...] = (
          "replay div.jsonl --index 0", ("the record's authoritative gpu pool events are not records", "'7'"),
          build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {
              **REPLAYABLE, "pools": {"authoritative": {"gpu": [{"kind": "alloc", "uuid": "r0", "page_ids": ["7"]}]}}}})))),
+    case("log-minimize-no-kv-path", LOG, "minimize of a record that names no authoritative KV path",
+         "minimize div.jsonl --index 0 --out-dir minimized", ("the record's kv_path must be plan or legacy", "None"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {"workload_source": "smoke"}}))),
+         outputs=["minimized"]),
+    case("log-minimize-bad-faults", LOG, "minimize of a record whose fault SPEC is not valid",
+         "minimize div.jsonl --index 0 --out-dir minimized", ("the recorded fault SPEC is not valid", "'load_fial=1'"),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {**SMOKE_RUN, "faults": "load_fial=1"}}))),
+         outputs=["minimized"]),
+    case("log-minimize-faults-not-a-string", LOG, "minimize of a record whose fault SPEC is a number",
+         "minimize div.jsonl --index 0 --out-dir minimized", ("the recorded fault SPEC must be a string, not 5",),
+         build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {**SMOKE_RUN, "faults": 5}}))),
+         outputs=["minimized"]),
     case("log-minimize-bad-engine", LOG, "minimize of a record whose engine config is not valid",
          "minimize div.jsonl --index 0 --out-dir minimized", ("the recorded engine config is not valid", "max_num_seqs"),
          build=divergence_log(log_line(DIVERGENCE.model_copy(update={"replay": {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.report import headline, render_json, render_junit, render_markdown, render_text
-from batchgen.minimize import NotReproduced, minimize_divergence, recorded_workload, write_regression
+from batchgen.minimize import NotReproduced, minimize_divergence, recorded_run, write_regression
 from batchgen.replay import ReplayOutcome, replay_record
 from batchgen.cli.common import UsageError, make_directory, non_negative_int, positive_int
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
@@ -163,7 +163,7 @@ def _minimize(args: argparse.Namespace) -> int:
     replay = record.replay
     if not replay.get("workload_source"):
         raise UsageError(f"{args.log}: divergence record {args.index} names no workload_source to minimize")
-    original = recorded_workload(record)
+    original, _, _ = recorded_run(record)  # a payload the search cannot use fails before --out-dir is made
     make_directory("--out-dir", args.out_dir)  # before the search, which takes minutes
     print(f"minimizing record {args.index} of {count} in {args.log}: {_record_title(record)}", file=sys.stderr)
     try:
