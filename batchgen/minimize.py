@@ -119,7 +119,7 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
     signature = DivergenceSignature.of(record)
     with tempfile.TemporaryDirectory(prefix="batchgen-minimize-") as log_dir:
         search = _Search(signature, make_worker or tiny_worker_factory(), kv_path, shadow_path,
-                         Path(log_dir), replay["workload_source"], scale, faults)
+                         Path(log_dir), replay["workload_source"], scale, faults, min_steps=record.step + 1)
         if not search.fails(workload):
             raise NotReproduced(
                 f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed {record.seed}, "
@@ -208,12 +208,13 @@ class _Search:
     """Runs candidate workloads and remembers each verdict. Mutates only itself and its log dir."""
 
     def __init__(self, signature: DivergenceSignature, make_worker: WorkerFactory, kv_path: str, shadow_path: str,
-                 log_dir: Path, source: str, scale: float, faults: FaultSpec | None):
+                 log_dir: Path, source: str, scale: float, faults: FaultSpec | None, *, min_steps: int = 0):
         self.signature = signature
         self.make_worker = make_worker
         self.kv_path, self.shadow_path = kv_path, shadow_path
         self.log_dir, self.source, self.scale = log_dir, source, scale
         self.faults = faults
+        self.min_steps = min_steps  # steps the recorded run took to diverge: a candidate may take as many
         self.num_tests = 0
         self._verdicts: dict[str, bool] = {}
 
@@ -243,7 +244,7 @@ class _Search:
 
         seen = False
         try:
-            run_workload(worker, workload, on_step=stop_once_seen, max_steps=_step_limit(workload),
+            run_workload(worker, workload, on_step=stop_once_seen, max_steps=max(_step_limit(workload), self.min_steps),
                          source=self.source, scale=self.scale)
         except _Seen:
             seen = True

@@ -194,6 +194,17 @@ def test_a_divergence_that_needs_faults_and_an_engine_override_is_minimized_unde
     test(tmp_path)
 
 
+def test_a_divergence_after_a_long_load_timeout_reproduces_past_the_candidates_usual_step_limit(tmp_path,
+                                                                                                 monkeypatch):
+    inject_retry_bug(monkeypatch)
+    workload = builtin_workload("smoke")
+    engine = workload.engine.model_copy(update={"load_timeout_steps": 1000})  # hung loads fail after 1000 steps
+    [record, *_] = divergences(workload, tmp_path / "kv.jsonl", faults="seed=1,load_hang=1", engine=engine)
+    assert record.op == "poll" and record.step > 1000
+    result = minimize_divergence(record, make_worker=null_worker)
+    assert result.signature == DivergenceSignature.of(record) and len(result.workload.requests) < 8
+
+
 def test_a_fault_spec_reads_back_from_its_spec_string():
     spec = FaultSpec.parse("seed=7,load_fail=0.25,abort=0.5,abort_phases=waiting+swapped,store_delay_ms=3")
     assert FaultSpec.parse(spec.to_spec()) == spec
