@@ -92,6 +92,10 @@ def op_request(record: DivergenceRecord):
     cls = OP_REQUEST_TYPES.get(op)
     if cls is None:
         raise ReplayError(f"record of step {record.step}: unknown op {op!r}; known: {', '.join(OP_REQUEST_TYPES)}")
+    if replay.get("request_type") == "NoneType":  # what compare mode records when no request was built
+        raise ReplayError(f"{op} step {record.step}: the plan path raised before building its op request, so the "
+                          f"record holds no pre-state to replay ({record.exception}); `batchgen minimize` reruns its "
+                          f"workload instead")
     if replay.get("request_type") != cls.__name__:
         raise ReplayError(f"op {op!r} needs a {cls.__name__}, the record holds {replay.get('request_type')!r}")
     return _from_record(cls, replay.get("request"), f"op {op!r}: the recorded request")

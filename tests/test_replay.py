@@ -7,6 +7,7 @@ from batchgen.model.null_model import NullModel
 from batchgen.replay import PLACEHOLDER_OWNER, ReplayError, rebuild_target, replay_record
 from batchgen.runner import run_workload
 from batchgen.worker.faults import FaultInjector, FaultSpec
+from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_plans import (
     AllocPlan, Destination, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan, PollStep,
@@ -105,6 +106,20 @@ def test_an_invalid_plan_reproduces_as_the_same_exception_kind(tmp_path, monkeyp
     assert record.kind == outcome.kind == "invalid_plan"
     assert outcome.reproduced and outcome.field_paths == ()
     assert len(outcome.exceptions) == 1 and outcome.exceptions[0].startswith("plan raised PlanRejected: PollPlan")
+
+
+def test_a_record_whose_plan_path_raised_before_building_its_request_is_refused_pointing_to_minimize(
+        tmp_path, monkeypatch):
+    def failing_request(self):
+        raise RuntimeError("no request")
+
+    monkeypatch.setattr(PlanKvPath, "migration_request", failing_request)
+    record = divergences(tmp_path)[0]
+    assert (record.op, record.kind, record.replay["pre_state"]) == ("migrate", "exception", None)
+    with pytest.raises(ReplayError, match=r"migrate step \d+: the plan path raised before building its op request, "
+                                          r"so the record holds no pre-state to replay \(plan raised RuntimeError: "
+                                          r"no request\); `batchgen minimize` reruns its workload instead"):
+        replay_record(record)
 
 
 @pytest.mark.parametrize("op", sorted(BUGS))
