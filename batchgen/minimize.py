@@ -323,7 +323,8 @@ FAULTS = {faults_literal}  # the fault SPEC the divergence needs (None: none)
 
 def test_no_{slug}_divergence(tmp_path):
     workload = load_workload(str(WORKLOAD))
-    gate = KvGateConfig(path={kv_path_literal}, compare="raise", compare_log=str(tmp_path / "kv-divergences.jsonl"))
+    gate = KvGateConfig(path={kv_path_literal}, compare="raise", compare_ops=({op_literal},),  # this op's divergence only
+                        compare_log=str(tmp_path / "kv-divergences.jsonl"))
     worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
                     kv_gate=gate, shadow_path={shadow_path_literal},
                     faults=FaultInjector(FaultSpec.parse(FAULTS)) if FAULTS is not None else None)
@@ -333,7 +334,8 @@ def test_no_{slug}_divergence(tmp_path):
 
 
 def write_regression(result: MinimizeResult, workload_path: str | Path, test_path: str | Path) -> None:
-    """Write the minimal workload (JSON) and a pytest file that replays it in compare mode ``raise``.
+    """Write the minimal workload (JSON) and a pytest file that replays it in compare mode ``raise``, comparing
+    the signature's op only (a divergence of another op, another bug's, does not fail it).
 
     Both files are replaced atomically. The test names the workload by its path
     relative to the test file, is named after the signature
@@ -348,6 +350,7 @@ def write_regression(result: MinimizeResult, workload_path: str | Path, test_pat
         kv_path=_comment(result.kv_path), shadow_path=_comment(result.shadow_path),
         paths="\n#                  ".join(map(_comment, signature.field_paths)) or "(none: a side raised)",
         workload_literal=json.dumps(relative), kv_path_literal=json.dumps(result.kv_path),
+        op_literal=json.dumps(signature.op),
         shadow_path_literal=json.dumps(result.shadow_path),  # a JSON string is a Python string literal
         faults_literal=json.dumps(result.faults) if result.faults is not None else "None",
     )

@@ -139,6 +139,23 @@ def test_the_written_regression_test_fails_until_the_bug_is_fixed(tmp_path, monk
     getattr(module, name)(tmp_path)
 
 
+def test_the_written_regression_test_compares_only_its_op_so_another_ops_bug_does_not_fail_it(tmp_path,
+                                                                                              monkeypatch):
+    reversed_grants(monkeypatch)  # an alloc bug, which the evict regression test is not about
+    with pytest.MonkeyPatch.context() as evict_bug:
+        inject_evict_bug(evict_bug)
+        record = next(r for r in divergences(builtin_workload("smoke"), tmp_path / "kv.jsonl") if r.op == "evict")
+        result = minimize_divergence(record, make_worker=null_worker)
+        write_regression(result, tmp_path / "min.json", tmp_path / "test_min.py")
+        spec = importlib.util.spec_from_file_location("generated_evict_regression", tmp_path / "test_min.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        [test] = [getattr(module, name) for name in dir(module) if name.startswith("test_no_")]
+        with pytest.raises(DivergenceError, match="evict step"):
+            test(tmp_path)
+    test(tmp_path)  # the evict bug is fixed; the alloc bug is still there
+
+
 def test_a_record_that_does_not_reproduce_is_refused(tmp_path, monkeypatch):
     reversed_grants(monkeypatch)
     record = first_divergence(tmp_path)
