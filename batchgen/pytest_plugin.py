@@ -11,7 +11,8 @@ for the whole session (so workers built in fixtures of any scope see it)::
 and a ``Worker`` built without an explicit ``kv_gate`` parses the environment,
 so it shadows the other KV path: ``raise`` fails the test at its first
 divergence, ``log`` appends it to the log; the terminal summary reports how many
-divergences this session added. A worker given an explicit ``kv_gate`` keeps it.
+divergences this session added. A worker given an explicit ``kv_gate`` keeps it. A
+``--kv-compare-log`` no worker could write to (a directory) is a usage error.
 ``off`` (the default) changes nothing.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.worker.kv_gate import GATE_FLAGS
+from batchgen.worker.kv_gate import GATE_FLAGS, GateError, gate_config
 
 MODES = ("off", "log", "raise")
 COMPARE_ENV = GATE_FLAGS["compare"][0]
@@ -38,6 +39,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "log divergences, or raise on the first (default: off)")
     group.addoption("--kv-compare-log", metavar="PATH", default=None,
                     help=f"divergence log of --kv-compare (default: {LOG_NAME} in pytest's base temp dir)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A ``--kv-compare-log`` no worker could write to (a directory, a path under a file) is a usage error, not a
+    GateError in every test that builds a worker."""
+    option = config.getoption("kv_compare_log")
+    if config.getoption("kv_compare") != "off" and option:
+        try:
+            gate_config({}, {"compare_log": option})
+        except GateError as error:
+            raise pytest.UsageError(str(error)) from None
 
 
 @pytest.fixture(scope="session", autouse=True)

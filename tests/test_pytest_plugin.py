@@ -156,3 +156,13 @@ def test_an_unknown_mode_is_a_usage_error(pytester):
     result = pytester.runpytest(*PLUGIN, "--kv-compare=loud")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--kv-compare: invalid choice: 'loud'*"])
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_a_compare_log_no_worker_could_write_is_a_usage_error(pytester, tmp_path, where):
+    (tmp_path / "file").write_text("")
+    log = tmp_path if where == "a directory" else tmp_path / "file" / "kv.jsonl"
+    reason = f"{tmp_path} is a directory" if where == "a directory" else f"{tmp_path / 'file'} is not a directory"
+    result = pytester.runpytest(*PLUGIN, "--kv-compare=raise", f"--kv-compare-log={log}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--kv-compare-log='{log}' is invalid ({reason}); allowed: a file path*"])
