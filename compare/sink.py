@@ -22,6 +22,14 @@ from types import TracebackType
 from compare.records import DivergenceRecord, LogRecord, RecordError, RunSummary, parse_record
 
 
+class LogWriteError(OSError):
+    """A record, or the flush at close, did not reach the log (a full disk, say). The log still ends in whole
+    records; ``str()`` names the file and the OS's reason."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(error.errno, f"{path}: a write failed: {error.strerror or error}")
+
+
 class JsonlSink:
     """Appends records to a JSON Lines file, one line per record.
 
@@ -38,7 +46,7 @@ class JsonlSink:
 
     def write(self, record: DivergenceRecord | RunSummary) -> None:
         """Append ``record`` as one line. A write that fails part way (a full disk) is cut off again before
-        the error propagates, so the next record never fuses with a partial line."""
+        the error propagates (LogWriteError), so the next record never fuses with a partial line."""
         data = (record.model_dump_json() + "\n").encode()
         self.open()
         size = os.fstat(self._fd).st_size
@@ -46,9 +54,11 @@ class JsonlSink:
         try:
             while view:
                 view = view[os.write(self._fd, view):]
-        except BaseException:
+        except BaseException as error:
             if os.fstat(self._fd).st_size != size:  # part of the line made it (maybe before a signal)
                 os.ftruncate(self._fd, size)
+            if isinstance(error, OSError):
+                raise LogWriteError(self.path, error) from error
             raise
 
     def open(self) -> None:
@@ -60,12 +70,14 @@ class JsonlSink:
             self._end_last_line()
 
     def close(self) -> None:
-        """Flush the file to disk and close it; a later write reopens it."""
+        """Flush the file to disk and close it (LogWriteError when the flush fails); a later write reopens it."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             self._closer.detach()
             try:
                 os.fsync(fd)
+            except OSError as error:
+                raise LogWriteError(self.path, error) from error
             finally:
                 os.close(fd)
 

@@ -189,18 +189,24 @@ def test_an_unwritable_compare_log_stops_the_run_before_it_starts(capsys, monkey
     assert error_line(capsys) == f"batchgen: error: divergence log {log}: cannot open it for writing: Permission denied"
 
 
-def test_a_compare_log_that_stops_taking_writes_mid_run_stops_it_with_exit_1(capsys, monkeypatch, tmp_path):
-    def disk_full(self, record):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(JsonlSink, "write", disk_full)  # opened at the start, full by the run summary
-    log = tmp_path / "kv.jsonl"
-    assert main(["run", "--workload", "smoke", "--json", "--kv-compare", "log", "--kv-compare-log", str(log)]) == 1
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux), a file every write to fails")
+def test_a_compare_log_that_stops_taking_writes_mid_run_stops_it_with_exit_1(capsys):
+    """/dev/full opens, as the run's start checks, and refuses every write: the run summary's, at the end."""
+    assert main(["run", "--workload", "smoke", "--json", "--kv-compare", "log", "--kv-compare-log", "/dev/full"]) == 1
     captured = capsys.readouterr()
     stopped = one_json_object(captured.out)
     assert (stopped["stopped"], stopped["message"]) == (
-        "compare log unwritable", f"divergence log {log}: a write failed: No space left on device")
+        "compare log unwritable", "divergence log /dev/full: a write failed: No space left on device")
     assert captured.err.strip().splitlines()[-1] == f"batchgen: compare log unwritable: {stopped['message']}"
+
+
+def test_an_error_that_is_not_the_compare_logs_is_not_blamed_on_it(monkeypatch, tmp_path):
+    def unreadable(self):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(Worker, "step", unreadable)
+    with pytest.raises(OSError, match="Input/output error"):
+        main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log", str(tmp_path / "kv.jsonl")])
 
 
 def test_run_says_which_kv_path_ran(capsys):

@@ -6,10 +6,12 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 
-from compare import DivergenceError
+from compare import DivergenceError, LogWriteError
 from batchgen.runner import MAX_IDLE_STEPS, RunResult, RunStalled, run_workload
 from batchgen.worker import faults as faults_module
 from batchgen.worker.faults import FaultInjector, FaultSpec
@@ -116,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
                              f"{error.strerror or error}") from None
     source = args.workload if args.workload in BUILTIN_WORKLOADS else str(Path(args.workload).resolve())
     try:
-        with progress_bar() as progress:
+        with _closing_compare_log(worker), progress_bar() as progress:
             on_progress = progress_callback(progress)
             result = run_workload(worker, workload, source=source, scale=args.scale,
                                   on_step=lambda done, total: on_progress(workload.name, done, total))
@@ -128,20 +130,29 @@ def _run(args: argparse.Namespace) -> int:
     except PlanRejected as error:  # the plan path rejected its own plan: a bug in the plan layer
         log = f" (compare log: {gate.compare_log})" if worker.kv_compare is not None else ""
         return _stopped(args, workload.name, "plan rejected", f"{error}{log}")
-    except OSError as error:  # the divergence log stopped taking writes mid-run (a full disk): no run summary
-        if worker.kv_compare is None:
-            raise
-        return _stopped(args, workload.name, "compare log unwritable",
-                        f"divergence log {gate.compare_log}: a write failed: {error.strerror or error}")
-    finally:
-        if worker.kv_compare is not None:
-            worker.kv_compare.sink.close()
+    except LogWriteError as error:  # the divergence log stopped taking writes mid-run (a full disk)
+        return _stopped(args, workload.name, "compare log unwritable", f"divergence log {error.strerror}")
     summary = _run_summary(result, worker, args)
     if args.json:
         print(json.dumps(summary))
     else:
         StdoutConsole().print(key_value_table(f"batchgen run: {workload.name}", summary))
     return EXIT_OK
+
+
+@contextmanager
+def _closing_compare_log(worker: Worker) -> Iterator[None]:
+    """Close the worker's divergence log, if it has one, when the block ends. A failed flush raises LogWriteError
+    only when the block ended well: an error the block raised (a failed write, say) is the one reported."""
+    try:
+        yield
+    except BaseException:
+        if worker.kv_compare is not None:
+            with suppress(LogWriteError):
+                worker.kv_compare.sink.close()
+        raise
+    if worker.kv_compare is not None:
+        worker.kv_compare.sink.close()
 
 
 def _stopped(args: argparse.Namespace, workload: str, reason: str, message: str) -> int:

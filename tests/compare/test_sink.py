@@ -11,7 +11,7 @@ import time
 import pytest
 
 from compare.records import DivergenceRecord, RecordError, RunSummary
-from compare.sink import JsonlSink, LogReadResult, read_log, read_logs, write_atomic
+from compare.sink import JsonlSink, LogReadResult, LogWriteError, read_log, read_logs, write_atomic
 
 
 def make_record(step, payload=""):
@@ -215,14 +215,32 @@ def test_a_write_that_fails_part_way_is_cut_off_so_later_records_stay_readable(t
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", disk_fills_up)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(LogWriteError) as raised:
         sink.write(make_record(1))
+    assert raised.value.strerror == f"{path}: a write failed: No space left on device"
+    assert raised.value.errno == errno.ENOSPC
     monkeypatch.setattr(os, "write", real_write)
     sink.write(make_record(2))
     sink.close()
     assert len(calls) == 2
     result = read_log(path)
     assert ([record.step for record in result.records], result.num_skipped) == ([0, 2], 0)
+
+
+def test_a_flush_that_fails_at_close_is_a_log_write_error_and_the_file_is_closed(tmp_path, monkeypatch):
+    sink = JsonlSink(tmp_path / "log.jsonl")
+    sink.write(make_record(0))
+    fd, closed = sink._fd, []
+    real_close = os.close
+
+    def fsync_fails(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync_fails)
+    monkeypatch.setattr(os, "close", lambda fd: (closed.append(fd), real_close(fd)))
+    with pytest.raises(LogWriteError, match="a write failed: Input/output error"):
+        sink.close()
+    assert closed == [fd]
 
 
 def test_a_write_interrupted_after_part_of_its_line_is_cut_off(tmp_path, monkeypatch):
