@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from compare import DivergenceRecord, RunSummary, aggregate, read_log
+from compare import DivergenceRecord, Report, RunSummary, aggregate, read_log
 from batchgen.config import CacheConfig, EngineConfig, watermark_pages
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
@@ -91,10 +91,20 @@ def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: s
             session.check_against_fresh(workloads[-1], cache)
         session.log = complete_log(directory)  # an interrupted validation leaves the last log and reports as they were
         compare = aggregate(session.read_log())
-        written = write_reports(directory, compare) if reports_dir is not None else {}
+        written = _write_reports(session, directory, compare) if reports_dir is not None else {}
     return ValidationReport(cache=cache, near_tie_tolerance=tolerance, workloads=tuple(w.name for w in workloads),
                             runs=tuple(session.runs), failures=list(session.failures), compare=compare,
                             reports=written, wall_s=time.perf_counter() - started)
+
+
+def _write_reports(session: _Session, directory: Path, compare: Report) -> dict[str, str]:
+    """``write_reports``; a report that cannot be written (a full disk, say) is a failure of the validation, not
+    a crash: the summary is still printed. Mutates ``session.failures``."""
+    try:
+        return write_reports(directory, compare)
+    except OSError as error:
+        session.failures.append(f"reports: cannot write {error.filename}: {error.strerror}")
+        return {}
 
 
 @dataclass

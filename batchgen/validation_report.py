@@ -127,11 +127,17 @@ def compare_overhead(report: Report) -> float | None:
 
 
 def write_reports(directory: Path, compare: Report) -> dict[str, str]:
-    """Render ``compare`` next to its log in ``directory``, each file replaced atomically; kind -> path."""
+    """Render ``compare`` next to its log in ``directory``, each file replaced atomically; kind -> path.
+
+    OSError naming the report (its ``filename``) that could not be written; it and the ones after it keep
+    their last version."""
     written = {"jsonl": str(directory / REPORT_FILES["jsonl"])}
     for kind, render in _RENDERERS.items():
         path = directory / REPORT_FILES[kind]
-        write_atomic(path, render(compare))
+        try:
+            write_atomic(path, render(compare))
+        except OSError as error:
+            raise OSError(error.errno, error.strerror or str(error), str(path)) from error
         written[kind] = str(path)
     return written
 

@@ -29,6 +29,9 @@ class LogWriteError(OSError):
     def __init__(self, path: Path, error: OSError):
         super().__init__(error.errno, f"{path}: a write failed: {error.strerror or error}")
 
+    def __str__(self) -> str:
+        return self.strerror  # without OSError's "[Errno N]" prefix: the message names the reason
+
 
 class JsonlSink:
     """Appends records to a JSON Lines file, one line per record.

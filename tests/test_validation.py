@@ -5,6 +5,7 @@ migration and recompute every few steps) given to the validation as workload fil
 ``BACK_TO_BACK_WORKLOADS``: the nine runs take seconds. ``make run`` runs the L2 traces.
 """
 
+import errno
 import json
 import random
 import re
@@ -13,8 +14,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import batchgen.validation
+import batchgen.validation_report
 import batchgen.worker.kv_manager as kv_manager
-from compare import DivergenceRecord, RunSummary, read_log
+from compare import DivergenceRecord, RunSummary, read_log, write_atomic
 from batchgen.cli import main
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
@@ -219,3 +221,19 @@ def test_validation_reports_a_leak_in_every_direction_and_stops_each(model, two_
     for failure, role in zip(report.failures, ROLES):
         assert re.fullmatch(rf"pa {role}: integrity check failed at step \d+: pa-r1: GPU page table != pool", failure)
     assert report.compare.num_runs == 3  # one summary per run that broke off, each saying why it stopped
+
+
+def test_reports_a_full_disk_cannot_take_are_a_named_failure_and_the_summary_still_prints(
+        two_pressure_workloads, tmp_path, capsys, monkeypatch):
+    def disk_full(path, text):
+        if str(path).endswith(".xml"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_atomic(path, text)
+
+    monkeypatch.setattr(batchgen.validation_report, "write_atomic", disk_full)
+    reports = tmp_path / "reports"
+    assert main(["validate", "--json", "--reports-dir", str(reports)]) == 1
+    report = one_json_object(capsys.readouterr().out)
+    assert report["failures"] == [f"reports: cannot write {reports / 'divergences.xml'}: No space left on device"]
+    assert (report["divergences"], report["ok"]) == (0, False)
+    assert sorted(path.name for path in reports.iterdir()) == ["divergences.jsonl", "divergences.md"]
