@@ -15,8 +15,10 @@ canonical result depends on is synthesised, except where noted)::
     pre_state.snapshot.geometry             model / cache / engine configs (other model
                                             fields: any valid values; the KV ops never read them)
     pre_state.requests (the op's scope,     a RequestState each: phase, page tables, cached
-      as it was before the op)              count, retries, swapped step; prompt = num_tokens
-                                            zeros, no outputs, finish reason None; a
+      as it was before the op)              count, retries, swapped step; prompt and outputs:
+                                            zeros, num_prompt_tokens and the rest of
+                                            num_tokens (a log without num_prompt_tokens:
+                                            all prompt), finish reason None; a
                                             CompletedHandle as the load of a LOADING request
                                             (or of a done one holding both tiers' pages),
                                             issued the step before
@@ -54,7 +56,7 @@ from batchgen.worker.kv_gate import build_kv_path
 from batchgen.worker.kv_plans import OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, from_json, to_jsonable
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_pool import PagePool, PageOwnershipError
-from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, WorkerState
+from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, TokenLogprobs, WorkerState
 
 PLACEHOLDER_OWNER = "<replay:not-in-scope>"  # owns the pages held outside the op's scope
 _REORDER_OWNER = "<replay:reorder>"
@@ -240,14 +242,23 @@ def _valid_configs(geometry: KvGeometry, dtype: str) -> tuple[ModelConfig, Cache
     return model, cache, engine
 
 
+NO_LOGPROBS = TokenLogprobs((0, 0), (0.0, 0.0))  # of each rebuilt output token: no KV op reads them
+
+
 def _request_state(view: RequestKvView, step: int) -> RequestState:
     phases = [phase.value for phase in Phase]
     if view.phase not in phases:
         raise ReplayError(f"request {view.uuid}: unknown phase {view.phase!r}; known: {', '.join(phases)}")
     phase = Phase(view.phase)
+    num_prompt_tokens = view.num_tokens if view.num_prompt_tokens is None else view.num_prompt_tokens
+    if not 1 <= num_prompt_tokens <= view.num_tokens:
+        raise ReplayError(f"request {view.uuid}: num_prompt_tokens {num_prompt_tokens} is not in [1, num_tokens = "
+                          f"{view.num_tokens}]")
     had_load = phase is Phase.LOADING or bool(view.gpu_page_ids and view.host_page_ids)
+    num_outputs = view.num_tokens - num_prompt_tokens
     return RequestState(
-        Request(view.uuid, (0,) * view.num_tokens, max_new_tokens=1), view.arrival_index, phase,
+        Request(view.uuid, (0,) * num_prompt_tokens, max_new_tokens=num_outputs + 1), view.arrival_index, phase,
+        output_ids=[0] * num_outputs, output_logprobs=[NO_LOGPROBS] * num_outputs,
         num_cached_tokens=view.num_cached_tokens, gpu_page_ids=tuple(view.gpu_page_ids),
         host_page_ids=tuple(view.host_page_ids), load_handle=CompletedHandle() if had_load else None,
         load_started_step=step - 1 if had_load else None, num_load_retries=view.num_load_retries,

@@ -148,7 +148,8 @@ def test_bulk_snapshot_views_equal_per_request_views_in_every_phase():
     target = make_target()
     reqs = list(target.state.requests.values())
     expected = tuple(RequestKvView(r.uuid, r.phase.value, r.arrival_index, r.num_tokens, r.num_cached_tokens,
-                                   r.gpu_page_ids, r.host_page_ids, r.num_load_retries, r.swapped_step) for r in reqs)
+                                   r.gpu_page_ids, r.host_page_ids, r.num_load_retries, r.swapped_step,
+                                   len(r.request.prompt_ids)) for r in reqs)
     assert {v.phase for v in expected} == {"running", "swapped", "loading", "waiting", "finished"}
     assert views_of(reqs) == expected
     assert repr(views_of(reqs)) == repr(expected)  # RequestKvView records, not bare tuples

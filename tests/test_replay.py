@@ -1,5 +1,6 @@
 import pytest
 
+import batchgen.worker.kv_apply as kv_apply
 import batchgen.worker.kv_manager as kv_manager
 from compare import DivergenceRecord, read_log
 from batchgen.config import TINY_MODELS
@@ -11,7 +12,7 @@ from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_plans import (
     AllocPlan, Destination, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan, PollStep,
-    ReleasePlan, Victim,
+    ReleasePlan, RequestKvView, Victim,
 )
 from batchgen.worker.state import Phase
 from batchgen.worker.worker import Worker
@@ -120,6 +121,48 @@ def test_a_record_whose_plan_path_raised_before_building_its_request_is_refused_
                                           r"so the record holds no pre-state to replay \(plan raised RuntimeError: "
                                           r"no request\); `batchgen minimize` reruns its workload instead"):
         replay_record(record)
+
+
+def forgets_generated_tokens(monkeypatch):
+    """A recompute eviction that sets the victim's token count back to its prompt's: a field KV ops only read."""
+    apply = kv_apply.apply_eviction_plan
+
+    def buggy(target, plan):
+        apply(target, plan)
+        for victim in plan.victims:
+            if victim.destination is Destination.RECOMPUTE:
+                req = target.state.requests[victim.uuid]  # written by the op already: the fork's own copy
+                req.num_tokens = len(req.request.prompt_ids)
+
+    monkeypatch.setattr(kv_apply, "apply_eviction_plan", buggy)
+
+
+def test_a_divergence_that_depends_on_how_many_tokens_are_prompt_reproduces(tmp_path, monkeypatch):
+    forgets_generated_tokens(monkeypatch)
+    records = divergences(tmp_path, faults="seed=1,host_shrink=0.5")  # a shrunk host pool: recompute evictions
+    assert records and {r.op for r in records} == {"evict"}
+    assert all(path.endswith(".num_tokens") for r in records for path in r.field_paths)
+    views = [RequestKvView(*view) for view in records[0].replay["pre_state"]["requests"]]  # JSON arrays
+    assert all(0 < view.num_prompt_tokens <= view.num_tokens for view in views)
+    assert any(view.num_prompt_tokens < view.num_tokens for view in views)
+    for record in records:
+        outcome = replay_record(record)
+        assert outcome.reproduced and outcome.field_paths == tuple(record.field_paths), (record.step, outcome)
+
+
+def test_a_view_without_its_prompt_length_replays_as_all_prompt_and_a_bad_one_is_refused():
+    old = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"])
+    assert {len(view) for view in VIEWS} == {9}  # a log from before num_prompt_tokens
+    a = rebuild_target(old).state.requests["a"]
+    assert (len(a.request.prompt_ids), a.output_ids, a.num_tokens) == (9, [], 9)
+    split = alloc_record(views=[[*VIEWS[0], 4], VIEWS[1]], num_free_gpu=5, authoritative_ids=[7, 2],
+                         shadow_ids=[7, 9], batch=["a", "b"])
+    a = rebuild_target(split).state.requests["a"]
+    assert (len(a.request.prompt_ids), len(a.output_ids), a.num_tokens) == (4, 5, 9)
+    bad = alloc_record(views=[[*VIEWS[0], 10], VIEWS[1]], num_free_gpu=5, authoritative_ids=[7, 2],
+                       shadow_ids=[7, 9], batch=["a", "b"])
+    with pytest.raises(ReplayError, match=r"request a: num_prompt_tokens 10 is not in \[1, num_tokens = 9\]"):
+        rebuild_target(bad)
 
 
 @pytest.mark.parametrize("op", sorted(BUGS))

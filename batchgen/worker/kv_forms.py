@@ -87,7 +87,7 @@ def _output_key(target: KvTarget, uuid: str) -> tuple | None:
     return None if out is None else (out.phase, out.finish_reason, len(out.output_ids))
 
 
-# One RequestKvView per request, built in C (attrgetter, tuple.__new__).
+# One RequestKvView per request: its fields read in C (attrgetter), then the prompt's length.
 _VIEW_FIELDS = operator.attrgetter("uuid", "phase._value_", "arrival_index", "num_tokens", "num_cached_tokens",
                                    "gpu_page_ids", "host_page_ids", "num_load_retries", "swapped_step")
 _new_view = partial(tuple.__new__, RequestKvView)
@@ -95,7 +95,7 @@ _SCOPE_PHASES = {"evict": (Phase.RUNNING,), "migrate": (Phase.RUNNING, Phase.SWA
 
 
 def views_of(scope: Iterable[RequestState]) -> tuple[RequestKvView, ...]:
-    return tuple(map(_new_view, map(_VIEW_FIELDS, scope)))
+    return tuple([_new_view((*_VIEW_FIELDS(r), len(r.request.prompt_ids))) for r in scope])
 
 
 def op_scope(op: str, request, requests: Mapping[str, RequestState]) -> list[str]:

@@ -127,6 +127,7 @@ class RequestKvView(NamedTuple):
     host_page_ids: tuple[int, ...]
     num_load_retries: int
     swapped_step: int | None
+    num_prompt_tokens: int | None = None  # of num_tokens; None in logs older than this field (replay: all prompt)
 
 
 @record
