@@ -16,7 +16,7 @@ import pytest
 import batchgen.validation
 import batchgen.validation_report
 import batchgen.worker.kv_manager as kv_manager
-from compare import DivergenceRecord, RunSummary, read_log, write_atomic
+from compare import DivergenceRecord, JsonlSink, LogWriteError, RunSummary, read_log, write_atomic
 from batchgen.cli import main
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
@@ -237,3 +237,22 @@ def test_reports_a_full_disk_cannot_take_are_a_named_failure_and_the_summary_sti
     assert report["failures"] == [f"reports: cannot write {reports / 'divergences.xml'}: No space left on device"]
     assert (report["divergences"], report["ok"]) == (0, False)
     assert sorted(path.name for path in reports.iterdir()) == ["divergences.jsonl", "divergences.md"]
+
+
+def test_a_divergence_log_whose_flush_fails_is_a_named_failure_of_its_direction(
+        two_pressure_workloads, tmp_path, capsys, monkeypatch):
+    def flush_fails(self):  # the file is closed, as a failed fsync leaves it
+        was_open = self._fd is not None
+        close(self)
+        if was_open:
+            raise LogWriteError(self.path, OSError(errno.EIO, "Input/output error"))
+
+    close = JsonlSink.close
+
+    monkeypatch.setattr(JsonlSink, "close", flush_fails)
+    reports = tmp_path / "reports"
+    assert main(["validate", "--json", "--reports-dir", str(reports)]) == 1
+    report = one_json_object(capsys.readouterr().out)
+    partial = reports / "divergences.jsonl.partial"
+    assert report["failures"] == [f"{role}: divergence log {partial}: a write failed: Input/output error"
+                                  for role in ROLES]
