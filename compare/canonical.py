@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 _SCALARS = (str, int, float, bool, type(None))
 _EXACT_SCALARS = frozenset(_SCALARS)
-_BRACKETED = re.compile(r"\[[^\]]*\]")
+_BRACKETED = re.compile(r"\[(?:[^\]\\]|\\.)*\]")  # a `[key]` component; `\]` and `\\` inside it are the key's own
 
 
 class Keyed(dict):
@@ -167,8 +167,12 @@ def flatten(canonical: Any, *, like: Any = None) -> dict[str, Any]:
 
 
 def _child(path: str, key: Any, keyed: bool) -> str:
-    """The path of ``key`` under ``path``: `[key]` in a `Keyed` or a list, `.key` in a plain dict."""
+    """The path of ``key`` under ``path``: `[key]` in a `Keyed` or a list, `.key` in a plain dict. A `]` or `\\` in
+    a bracketed key is written `\\]` or `\\\\`, so the component ends where it seems to (ids are anyone's strings)."""
     if keyed:
+        key = str(key)
+        if "]" in key or "\\" in key:
+            key = key.replace("\\", "\\\\").replace("]", "\\]")
         return f"{path}[{key}]"
     return f"{path}.{key}" if path else str(key)
 

@@ -161,3 +161,13 @@ def test_a_set_holding_nan_canonicalises_the_same_whatever_its_insertion_order()
     sets = [set(order) for order in itertools.permutations(members)]
     assert len({tuple(map(str, members)) for members in sets}) > 1  # the sets iterate in different orders
     assert len({json.dumps(canonicalize(members)) for members in sets}) == 1
+
+
+def test_a_bracketed_key_holding_brackets_or_backslashes_is_escaped_and_wildcards_as_one_component():
+    keys = ["a]b", "a\\]b", "a[0]", "c\\", "plain"]
+    paths = list(flatten({"requests": Keyed({key: {"x": 1} for key in keys})}))
+    assert paths == ["requests[a\\]b].x", "requests[a\\\\\\]b].x", "requests[a[0\\]].x", "requests[c\\\\].x",
+                     "requests[plain].x"]
+    assert len(set(paths)) == len(keys)  # escaped, distinct keys stay distinct paths
+    assert {wildcard(path) for path in paths} == {"requests[*].x"}
+    assert wildcard("meta[a[0\\]].gpu_pages[3]") == "meta[*].gpu_pages[*]"
