@@ -367,7 +367,7 @@ def test_compare_mode_raise_stops_at_the_first_divergence_with_exit_1(capsys, tm
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchgen:")]
     assert line.startswith("batchgen: divergence: alloc step 0: state divergence, shadow 'plan' vs authoritative "
                            "'legacy'; paths: pools.gpu[0].page_ids[0], ")
-    assert line.endswith(f"(logged to {log})")
+    assert line.endswith(f"(compare log: {log})")
     record, summary = read_log(log).records  # the run still ends with its summary record
     assert (record.op, record.step) == ("alloc", 0)
     assert isinstance(summary, RunSummary) and summary.divergences == {"alloc": 1}

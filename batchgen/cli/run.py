@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
                                   on_step=lambda done, total: on_progress(workload.name, done, total))
     except DivergenceError as error:  # --kv-compare raise
         return _stopped(args, workload.name, "divergence",
-                        f"{'; '.join(str(error).splitlines())} (logged to {gate.compare_log})")
+                        f"{'; '.join(str(error).splitlines())} (compare log: {gate.compare_log})")
     except RunStalled as error:
         return _stopped(args, workload.name, "stalled", str(error))
     except PlanRejected as error:  # the plan path rejected its own plan: a bug in the plan layer
