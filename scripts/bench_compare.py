@@ -97,6 +97,7 @@ from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.legacy_kv import LegacyKvPath
 from batchgen.worker.worker import Worker
 from batchgen.workloads import Workload, WorkloadRequest, builtin_workload
+from output_path import output_path
 
 KV_OPS = ("_kv_poll", "_kv_release", "_kv_evict", "_kv_migrate", "_kv_allocate")
 PAGE_SIZE = 16
@@ -124,8 +125,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces (default 0)")
     parser.add_argument("--profile", type=int, metavar="N",
                         help="instead of benchmarking, cProfile compare mode at N requests and print the top")
-    parser.add_argument("--json-out", type=Path, help="write the figures as JSON to this path")
-    parser.add_argument("--md-out", type=Path, help="write the tables as markdown to this path")
+    parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
+    parser.add_argument("--md-out", type=output_path, help="write the tables as markdown to this path")
     args = parser.parse_args()
     try:
         args.sizes = [int(size) for size in args.sizes.split(",") if size.strip()]

@@ -47,6 +47,7 @@ from batchgen.model.null_model import NullModel
 from batchgen.worker.kv_gate import KV_OPS, KvGateConfig
 from batchgen.worker.state import Request, WorkerStats
 from batchgen.worker.worker import Worker
+from output_path import output_path
 
 PATHS = ("legacy", "plan")
 MIXES = ("decode", "pressure")
@@ -238,7 +239,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: this thread's CPU time (steadier on shared, busy cores); wall: elapsed (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request stream (default 0)")
-    parser.add_argument("--json-out", type=Path, help="write the figures as JSON to this path")
+    parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
     args = parser.parse_args()
     try:
         args.sizes = [int(size) for size in args.sizes.split(",")]

@@ -30,7 +30,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -39,6 +38,7 @@ from rich.table import Table
 from batchgen.config import TINY_MODELS
 from batchgen.model.paged_kv import kv_page_shape
 from batchgen.worker.page_copy import copy_pages, new_page_tensor
+from output_path import output_path
 
 PAGE_SIZE = 16
 DTYPE = torch.float32
@@ -63,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats per variant, median shown (default 9)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the GPU pool is (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the scattered ids (default 0)")
-    parser.add_argument("--json-out", type=Path, help="write the figures as JSON to this path")
+    parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
     args = parser.parse_args()
     if args.page_kib <= 0 or args.page_kib % 4:
         parser.error("--page-kib must be a positive multiple of 4 (one layer of the tiny page is 4 KiB)")

@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from batchgen.worker.kv_gate import KvGateConfig
+from output_path import output_path
 from scale_run import KV_PHASES, WORKER_PHASES, ScaleRun, resident_bytes
 from scale_workload import pressure_workload
 
@@ -243,7 +244,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads in each mode's process (default 1: the null model's tensors "
                              "are tiny, and on busy shared cores a thread pool costs more than it gives)")
-    parser.add_argument("--json-out", type=Path, help="write the figures as JSON to this path")
+    parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: run one mode in this process
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

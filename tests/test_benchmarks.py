@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
@@ -46,3 +48,24 @@ def test_bench_compare_reports_the_harness_both_ways_and_every_goal(tmp_path):
         for direct in ("compare-attributed", "rollout-attributed", "floor"):  # in-run: time outside the paths' calls
             assert all(seconds >= 0 for seconds in row[f"{direct}_s"])
     assert "harness in-run" in md.read_text() and "floor in-run" in md.read_text()
+
+
+TOY_SIZES = {  # so that a script which failed to refuse the path would still end in seconds
+    "bench_kv_ops.py": ("--sizes", "8", "--steps", "1", "--warmup", "0", "--repeats", "1"),
+    "bench_compare.py": ("--sizes", "8", "--steps", "2", "--repeats", "1", "--no-e2e"),
+    "bench_migration.py": ("--pages", "4", "--page-kib", "4", "--repeats", "1"),
+    "scale_check.py": ("--modes", "plan", "--requests", "8", "--gpu-pages", "2000", "--steps", "2",
+                       "--rss-from-step", "1"),
+}
+
+
+@pytest.mark.parametrize("name, flag", [("bench_kv_ops.py", "--json-out"), ("bench_compare.py", "--json-out"),
+                                        ("bench_compare.py", "--md-out"), ("bench_migration.py", "--json-out"),
+                                        ("scale_check.py", "--json-out")])
+def test_a_benchmark_refuses_an_output_file_it_cannot_write_before_it_runs(tmp_path, name, flag):
+    missing = tmp_path / "missing" / "figures.json"
+    for out, error in ((missing, f"argument {flag}: cannot write {missing}: no directory {missing.parent}"),
+                       (tmp_path, f"argument {flag}: '{tmp_path}' is a directory, not a file to write")):
+        done = subprocess.run([sys.executable, str(SCRIPTS / name), *TOY_SIZES[name], flag, str(out)],
+                              capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (2, f"{name}: error: {error}"), done.stderr
