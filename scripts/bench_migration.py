@@ -65,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed for the scattered ids (default 0)")
     parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
     args = parser.parse_args()
+    if args.pages < 1 or args.repeats < 1:
+        parser.error("--pages and --repeats must be >= 1")
     if args.page_kib <= 0 or args.page_kib % 4:
         parser.error("--page-kib must be a positive multiple of 4 (one layer of the tiny page is 4 KiB)")
     if args.device == "cuda" and not torch.cuda.is_available():

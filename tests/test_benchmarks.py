@@ -69,3 +69,11 @@ def test_a_benchmark_refuses_an_output_file_it_cannot_write_before_it_runs(tmp_p
         done = subprocess.run([sys.executable, str(SCRIPTS / name), *TOY_SIZES[name], flag, str(out)],
                               capture_output=True, text=True, timeout=120)
         assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (2, f"{name}: error: {error}"), done.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--pages", "0"), ("--pages", "-3"), ("--repeats", "0")])
+def test_bench_migration_refuses_an_empty_batch_or_no_repeats(flag, value):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_migration.py"), "--page-kib", "4", flag, value],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (
+        2, "bench_migration.py: error: --pages and --repeats must be >= 1"), done.stderr
