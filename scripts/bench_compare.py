@@ -134,6 +134,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--sizes must be a comma list of integers, got {args.sizes!r}")
     if not args.sizes or min(args.sizes) < 1:
         parser.error("--sizes needs at least one size, each >= 1")
+    if args.profile is not None and args.profile < 1:
+        parser.error(f"--profile takes a request count >= 1, got {args.profile}")
     if args.steps < 2 or args.repeats < 1 or args.e2e_repeats < 1:
         parser.error("--steps must be >= 2, --repeats and --e2e-repeats >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -567,7 +569,7 @@ def main() -> None:
     console = Console()
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "divergences.jsonl"
-        if args.profile:
+        if args.profile is not None:
             profile(args.profile, args.steps, args.seed, log)
             return
         started = time.perf_counter()

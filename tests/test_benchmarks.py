@@ -77,3 +77,11 @@ def test_bench_migration_refuses_an_empty_batch_or_no_repeats(flag, value):
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (
         2, "bench_migration.py: error: --pages and --repeats must be >= 1"), done.stderr
+
+
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_bench_compare_refuses_a_profile_of_no_requests_instead_of_running_the_benchmark(count):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_compare.py"), *TOY_SIZES["bench_compare.py"],
+                           "--profile", count], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (
+        2, f"bench_compare.py: error: --profile takes a request count >= 1, got {count}"), done.stdout + done.stderr
