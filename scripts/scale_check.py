@@ -43,6 +43,7 @@ import argparse
 import cProfile
 import io
 import json
+import math
 import os
 import platform
 import pstats
@@ -251,8 +252,12 @@ def parse_args() -> argparse.Namespace:
     if not modes or any(m not in MODES for m in modes):
         parser.error(f"--modes takes a comma list of {', '.join(MODES)}, got {args.modes!r}")
     args.modes = modes
-    if args.requests < 1 or args.gpu_pages < 1 or args.torch_threads < 1:
-        parser.error("--requests, --gpu-pages and --torch-threads must be >= 1")
+    if args.requests < 2 or args.gpu_pages < 1 or args.torch_threads < 1:
+        parser.error("--requests must be >= 2 (an anchor and a crowd), --gpu-pages and --torch-threads >= 1")
+    if not (args.max_rss_ratio > 0 and math.isfinite(args.max_rss_ratio)):
+        parser.error(f"--max-rss-ratio must be a positive number, got {args.max_rss_ratio}")
+    if args.profile < 0:
+        parser.error(f"--profile takes a function count >= 0 (0: no profile), got {args.profile}")
     if args.mode is not None and args.json_out is None:
         parser.error("--mode (internal) needs --json-out")
     if not 1 <= args.rss_from_step < args.steps:

@@ -85,3 +85,16 @@ def test_bench_compare_refuses_a_profile_of_no_requests_instead_of_running_the_b
                            "--profile", count], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (
         2, f"bench_compare.py: error: --profile takes a request count >= 1, got {count}"), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("flag, value, error", [
+    ("--requests", "1", "--requests must be >= 2 (an anchor and a crowd), --gpu-pages and --torch-threads >= 1"),
+    ("--max-rss-ratio", "0", "--max-rss-ratio must be a positive number, got 0.0"),
+    ("--max-rss-ratio", "nan", "--max-rss-ratio must be a positive number, got nan"),
+    ("--profile", "-3", "--profile takes a function count >= 0 (0: no profile), got -3"),
+])
+def test_scale_check_refuses_a_size_or_bound_no_run_can_meet(flag, value, error):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "scale_check.py"), *TOY_SIZES["scale_check.py"], flag, value],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (2, f"scale_check.py: error: {error}"), (
+        done.stdout[-2000:] + done.stderr[-2000:])
