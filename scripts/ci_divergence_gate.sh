@@ -12,7 +12,7 @@
 # every check passed, 1 on any divergence or failed check, 2 on bad input, 130 when interrupted; a log
 # that `batchgen report` fails (divergences, harness errors, a run that did not end: 1; unreadable: 2)
 # fails the gate too, and a validation that did not finish (its divergences.jsonl.partial left
-# behind) renders nothing.
+# behind) or refused its input renders nothing.
 set -uo pipefail
 case "${1:-}" in
     -h|--help) sed -n '2,16s/^# \{0,1\}//p' "$0"; exit 0 ;;  # this header; validate's own flags: batchgen validate --help
@@ -26,7 +26,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # tiny models on shared CI cores: 
 status=$?
 
 log="$REPORTS_DIR/divergences.jsonl"
-if [ -f "$log.partial" ]; then
+if [ "$status" -eq 2 ]; then
+    # bad input (a flag, the model, the reports directory): validate ran nothing, so a log there is an earlier run's
+    echo "ci_divergence_gate: validate refused its input; nothing rendered" >&2
+elif [ -f "$log.partial" ]; then
     # validate stopped before its last run (interrupted, or a crash): the log beside it is an earlier run's
     echo "ci_divergence_gate: validate did not finish; its partial log is $log.partial (not rendered)" >&2
     [ "$status" -eq 0 ] && status=1

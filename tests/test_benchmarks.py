@@ -7,6 +7,7 @@ different counters) or compare mode logs a divergence (``bench_compare``).
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,13 @@ def test_scale_check_refuses_a_size_or_bound_no_run_can_meet(flag, value, error)
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (2, f"scale_check.py: error: {error}"), (
         done.stdout[-2000:] + done.stderr[-2000:])
+
+
+def test_ci_divergence_gate_renders_no_earlier_log_when_validate_refuses_its_flags(tmp_path):
+    stale = tmp_path / "divergences.jsonl"
+    stale.write_text("an earlier run's log\n")
+    done = subprocess.run([str(SCRIPTS / "ci_divergence_gate.sh"), "--no-such-flag"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHON": sys.executable, "REPORTS_DIR": str(tmp_path)})
+    assert done.returncode == 2, done.stderr
+    assert "ci_divergence_gate: validate refused its input; nothing rendered" in done.stderr
+    assert done.stdout == "" and not (tmp_path / "divergences.xml").exists()
