@@ -57,6 +57,10 @@ while [ $# -gt 0 ]; do
         *) echo "h20_validate: unknown option '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
+case "$KV_PATH" in  # used only by step 2: a typo would otherwise surface after the long validation
+    plan|legacy) ;;
+    *) echo "h20_validate: --kv-path takes plan or legacy, not '$KV_PATH' (see --help)" >&2; exit 2 ;;
+esac
 
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

@@ -109,3 +109,10 @@ def test_ci_divergence_gate_renders_no_earlier_log_when_validate_refuses_its_fla
     assert done.returncode == 2, done.stderr
     assert "ci_divergence_gate: validate refused its input; nothing rendered" in done.stderr
     assert done.stdout == "" and not (tmp_path / "divergences.xml").exists()
+
+
+def test_h20_validate_refuses_a_bad_kv_path_before_anything_runs():
+    done = subprocess.run([str(SCRIPTS / "h20_validate.sh"), "--kv-path", "plans"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert (done.returncode, done.stderr) == (
+        2, "h20_validate: --kv-path takes plan or legacy, not 'plans' (see --help)\n")
