@@ -118,7 +118,8 @@ def add_replay_command(commands) -> None:
     parser = commands.add_parser(
         "replay", help="re-run one logged divergence from its record alone",
         description="Rebuild the pre-state of one logged divergence from its record, run both KV paths through "
-                    "the op, and show the diff. Exit 0 when the divergence reproduces, 1 when it does not.")
+                    "the op, and show the diff. Exit 0 when the divergence reproduces, 1 when it does not, 2 on bad "
+                    "input (an unreadable log, an --index out of range, a record replay cannot use).")
     _add_record_args(parser)
     parser.set_defaults(handler=_replay)
 
@@ -128,8 +129,9 @@ def add_minimize_command(commands) -> None:
         "minimize", help="shrink a logged divergence to a minimal workload and a regression test",
         description="Delta-debug the workload of one logged divergence (requests, then their steps) down to a "
                     "minimal one that still diverges the same way on the tiny model, and write it with a pytest "
-                    "regression test that fails until the bug is fixed. Exit 1 when the divergence does not "
-                    "reproduce on its workload.")
+                    "regression test that fails until the bug is fixed. Exit 0 when it wrote them, 1 when the "
+                    "divergence does not reproduce on its workload, 2 on bad input (an unreadable log, an --index "
+                    "out of range, a record minimize cannot use).")
     _add_record_args(parser)
     parser.add_argument("--out-dir", default="reports/minimized", metavar="DIR",
                         help="where the workload JSON and the test go (default: %(default)s)")

@@ -27,7 +27,7 @@ def add_validate_command(commands) -> None:
                     "behind, that tokens match a no-eviction reference (near-ties allowed) and that L2-4096 "
                     "matches a fresh plan-path worker exactly. The BATCHGEN_WORKER_KV_* environment does not "
                     "apply. Writes the divergence log and its reports into --reports-dir. Exit 0 when every "
-                    "check passes, 1 otherwise.")
+                    "check passes, 1 when one fails, 2 on bad input, 130 on Ctrl-C.")
     add_model_args(parser)
     add_scale_arg(parser, workload_files=False)
     parser.add_argument("--reports-dir", default="reports", metavar="DIR",
