@@ -1,4 +1,4 @@
-"""Back-to-back validation in compare mode: L2-2048, then L2-4096, on one worker per KV direction (DESIGN 7).
+"""Back-to-back validation in compare mode: L2-2048, then L2-4096, on one worker per KV direction.
 
 Nine runs, one model::
 

@@ -45,7 +45,7 @@ minimum wall times with ``--device cuda``; shown beside it:
 the ratio of minimum wall times, and an in-run accounting (the on-run's wall
 time over itself minus the harness seconds its RunSummary reports).
 
-Goals (DESIGN section 8 and the compare-mode issue):
+Goals:
 
     compare KV bookkeeping <= 3x plan-only, at every N
     end-to-end L2-4096 time with compare on <= 1.15x off

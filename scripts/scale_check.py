@@ -29,8 +29,8 @@ requests served per step, evictions, loads and recompute preemptions, GPU and
 host pages in use, the resident set every 100 steps, CPU and wall seconds.
 
 The default (300 steps per mode) takes 2-4 minutes on 2 shared cores, the
-issue's figure (``--steps 1000``) 7-12 minutes, depending on their load (see
-docs/benchmarks.md, "Scale"):
+figure in docs/benchmarks.md (``--steps 1000``) 7-12 minutes, depending on their load (see
+its "Scale" section):
 
     python scripts/scale_check.py --json-out scale_check.json
     python scripts/scale_check.py --steps 1000 --json-out scale_check_1000.json
@@ -232,7 +232,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gpu-pages", type=int, default=1_000_000,
                         help="GPU pool pages; the host pool is 1/1000 of it (default 1,000,000)")
     parser.add_argument("--steps", type=int, default=300,
-                        help="steps run per mode, exactly (default 300; the issue's figure is 1000)")
+                        help="steps run per mode, exactly (default 300; docs/benchmarks.md's figures use 1000)")
     parser.add_argument("--rss-from-step", type=int, default=100,
                         help="step whose resident set the last step's is compared with (default 100)")
     parser.add_argument("--max-rss-ratio", type=float, default=1.05,

@@ -1,4 +1,4 @@
-"""KVCacheManager: the DESIGN section 2 pre-merge checklist, exact plans, JSON round trips.
+"""KVCacheManager: the plan layer's pre-merge checklist, exact plans, JSON round trips.
 
 Checklist item -> tests:
 
