@@ -144,7 +144,8 @@ def builtin_workload(name: str, *, seed: int = 0, scale: float = 1.0, vocab_size
 
 
 def load_workload(spec: str, *, seed: int = 0, scale: float = 1.0, vocab_size: int = 512) -> Workload:
-    """A built-in name, or a JSON file validated against :class:`Workload`."""
+    """A built-in name, or a JSON file validated strictly against :class:`Workload` (its cache and engine too: no
+    ``true``, ``"16"`` or ``16.0`` where an integer belongs)."""
     if spec in BUILTIN_WORKLOADS:
         return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)
     path = Path(spec)
@@ -159,7 +160,7 @@ def load_workload(spec: str, *, seed: int = 0, scale: float = 1.0, vocab_size: i
     except OSError as exc:
         raise WorkloadError(f"workload file {spec!r} cannot be read: {exc.strerror}") from None
     try:
-        return Workload.model_validate(json.loads(text))
+        return Workload.model_validate(json.loads(text), strict=True)
     except json.JSONDecodeError as exc:
         raise WorkloadError(f"workload file {spec!r} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     except ValidationError as exc:
