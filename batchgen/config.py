@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_TENSOR_DIM = 2**63 - 1  # torch sizes are int64: a page tensor's dimensions cannot exceed it
 
 
 def validation_summary(error: ValidationError, limit: int = 5) -> str:
@@ -104,9 +105,9 @@ class CacheConfig(_Frozen):
     eviction to host.
     """
 
-    page_size: int = Field(default=16, gt=0)
-    num_gpu_pages: int = Field(gt=0)
-    num_host_pages: int = Field(ge=0)
+    page_size: int = Field(default=16, gt=0, le=MAX_TENSOR_DIM)
+    num_gpu_pages: int = Field(gt=0, le=MAX_TENSOR_DIM)
+    num_host_pages: int = Field(ge=0, le=MAX_TENSOR_DIM)
     dtype: str = "float32"
     watermark: float = Field(default=0.02, ge=0.0, lt=1.0)
 
