@@ -141,7 +141,10 @@ def _normalised_hf_config(raw: dict, path: Path) -> dict:
         raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported; allowed: 'silu'")
     if raw.get("use_sliding_window"):
         raise ModelLoadError(f"{path}: use_sliding_window is not supported; allowed: full attention on every layer")
-    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    rope = raw.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"{path}: {rope_key} must be a JSON object or null, got {type(rope).__name__}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ModelLoadError(f"{path}: rope_type {rope_type!r} is not supported; allowed: 'default' (unscaled RoPE)")
