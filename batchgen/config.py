@@ -49,6 +49,8 @@ class ModelConfig(_Frozen):
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
         return self
 
     @classmethod
