@@ -201,6 +201,15 @@ def test_sliding_window_attention_is_rejected(tmp_path):
     assert "use_sliding_window is not supported" in load_error(str(tmp_path))
 
 
+def test_mistral_sliding_window_is_rejected_and_a_null_one_loads(tmp_path):
+    write_checkpoint(tmp_path)
+    mistral = dict(HF_CONFIG, model_type="mistral", architectures=["MistralForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(dict(mistral, sliding_window=64)))
+    assert "sliding_window 64 is not supported; allowed: null" in load_error(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(dict(mistral, sliding_window=None)))
+    load_model(str(tmp_path))
+
+
 def test_non_silu_activation_is_rejected(tmp_path):
     write_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(dict(HF_CONFIG, hidden_act="gelu")))

@@ -141,6 +141,9 @@ def _normalised_hf_config(raw: dict, path: Path) -> dict:
         raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported; allowed: 'silu'")
     if raw.get("use_sliding_window"):
         raise ModelLoadError(f"{path}: use_sliding_window is not supported; allowed: full attention on every layer")
+    if raw.get("model_type") == "mistral" and raw.get("sliding_window") is not None:  # Mistral has no on/off switch
+        raise ModelLoadError(f"{path}: sliding_window {raw['sliding_window']!r} is not supported; allowed: null "
+                             f"(full attention on every layer)")
     rope_key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     rope = raw.get(rope_key) or {}
     if not isinstance(rope, dict):
