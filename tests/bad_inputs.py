@@ -413,6 +413,10 @@ CASES: tuple[BadInput, ...] = (
          build=both(write("ckpt/config.json", json.dumps(HF_CONFIG)),
                     write("ckpt/model.safetensors.index.json", json.dumps(
                         {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})))),
+    case("model-index-shard-not-a-name", CHECKPOINT, "a shard index mapping a tensor to a number, not a file name",
+         f"{RUN} --model ckpt", ("model.safetensors.index.json: not a safetensors index", "shard file names"),
+         build=both(write("ckpt/config.json", json.dumps(HF_CONFIG)),
+                    write("ckpt/model.safetensors.index.json", json.dumps({"weight_map": {"model.norm.weight": 2}})))),
     case("model-context-too-short", CHECKPOINT, "a model whose context is shorter than the workload's requests",
          "run --workload smoke --model ckpt", ("exceeds the model's context of 16 tokens",),
          build=checkpoint(config=dict(HF_CONFIG, max_position_embeddings=16))),

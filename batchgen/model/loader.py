@@ -179,10 +179,13 @@ def _safetensors_files(directory: Path) -> list[Path]:
                 f"or model-0000x-of-0000y.safetensors shards listed in {INDEX_FILE}"
             )
         return files
+    not_an_index = f"{index_path}: not a safetensors index (needs a 'weight_map' object of tensor -> shard file names)"
     try:
         shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
-        raise ModelLoadError(f"{index_path}: not a safetensors index (needs a 'weight_map' object)") from error
+        raise ModelLoadError(not_an_index) from error
+    if not all(isinstance(name, str) for name in shard_names):
+        raise ModelLoadError(not_an_index)
     missing = [name for name in shard_names if not (directory / name).is_file()]
     if missing:
         raise ModelLoadError(
