@@ -172,7 +172,7 @@ def _checkpoint_weights(
 def _safetensors_files(directory: Path) -> list[Path]:
     index_path = directory / INDEX_FILE
     if not index_path.is_file():
-        files = sorted(directory.glob("*.safetensors"))
+        files = sorted(path for path in directory.glob("*.safetensors") if path.is_file())
         if not files:
             raise ModelLoadError(
                 f"{directory}: no safetensors files; expected model.safetensors, "
