@@ -37,8 +37,8 @@ class ModelConfig(_Frozen):
     num_kv_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
     max_context: int = Field(gt=0, description="max_position_embeddings")
-    rope_theta: float = Field(default=10000.0, gt=0)
-    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0, allow_inf_nan=False)
+    rms_norm_eps: float = Field(default=1e-6, gt=0, allow_inf_nan=False)
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     eos_token_id: int | None = None
