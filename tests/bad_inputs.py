@@ -177,6 +177,8 @@ CASES: tuple[BadInput, ...] = (
     case("seed-beyond-64-bits", CLI, "--seed of 2**64 (torch generators take 64-bit seeds)", f"{RUN} --seed {2**64}",
          ("--seed", "must be an integer in [0, 2**64 - 1]", f"'{2**64}'")),
     case("zero-threads", CLI, "--threads 0", f"{RUN} --threads 0", ("--threads", "must be an integer >= 1", "'0'")),
+    case("huge-threads", CLI, "--threads beyond what torch can take (2**64)", f"{RUN} --threads 18446744073709551616",
+         ("--threads", "must be an integer in [1, 1024]", "'18446744073709551616'")),
     case("unknown-device", CLI, "a device batchgen cannot run on", f"{RUN} --device tpu",
          ("--device", "invalid choice: 'tpu'", "cpu", "cuda")),
     case("unknown-dtype", CLI, "a weight/KV dtype that is not supported", f"{RUN} --dtype float64",

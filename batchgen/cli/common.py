@@ -65,7 +65,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed_int, default=0,
                         help="seeds the built-in model's weights and the built-in workloads' traces "
                              "(default: %(default)s)")
-    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+    parser.add_argument("--threads", type=threads_int, default=None, metavar="N",
                         help="torch CPU threads (default: 1 for --model tiny on --device cpu, whose small matmuls "
                              "gain nothing from more and, on busy cores, stall in spin-waits; otherwise torch's "
                              "default, one per core)")
@@ -95,6 +95,16 @@ def seed_int(text: str) -> int:
     value = int_at_least(text, 0)
     if value > MAX_SEED:
         raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64 - 1], got {text!r}")
+    return value
+
+
+MAX_THREADS = 1024  # torch takes an int32 thread count, and spawns them all at the first parallel op
+
+
+def threads_int(text: str) -> int:
+    value = int_at_least(text, 1)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, {MAX_THREADS}], got {text!r}")
     return value
 
 
