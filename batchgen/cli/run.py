@@ -83,7 +83,8 @@ def _run_epilog() -> str:
     return ("KV path options: the BATCHGEN_WORKER_KV_* environment overrides the defaults and an option overrides\n"
             "the environment; a bad value or an unknown BATCHGEN_WORKER_KV_* name exits 2.\n\n"
             f"fault SPEC (--faults): comma-separated KEY=VALUE\n{_fault_grammar()}\n"
-            "Probabilities are in [0, 1]; the same SPEC replays the same faults.\n\n"
+            "Probabilities are in [0, 1], and load_fail + load_fail_late + load_hang <= 1; the same SPEC\n"
+            "replays the same faults.\n\n"
             "Exit status: 0 when the run finished; 1 on a divergence (--kv-compare raise), a plan the plan path\n"
             f"rejected, or a run that stalls (requests live and nothing progressing for {MAX_IDLE_STEPS} steps, or\n"
             "twice the load timeout if longer; e.g. under gpu_refuse=1); 2 on bad input; 130 on Ctrl-C.")

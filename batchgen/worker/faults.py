@@ -13,7 +13,8 @@ A fault schedule is parsed from a SPEC string (``batchgen run --faults SPEC``)::
     abort=P                per step: abort one live request in a phase of abort_phases
     abort_phases=A+B       waiting, prefilling, decoding, swapped, loading (default: all)
 
-Probabilities are in [0, 1]. Faults are inputs: the worker observes them
+Probabilities are in [0, 1], and load_fail + load_fail_late + load_hang <= 1 (a load
+has one outcome). Faults are inputs: the worker observes them
 before the KV ops run, so both KV paths (and compare mode) see the same ones.
 Load outcomes depend only on (seed, request, its n-th load), per-step faults on
 (seed, step): a schedule replays exactly.
@@ -21,6 +22,7 @@ Load outcomes depend only on (seed, request, its n-th load), per-step faults on
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import zlib
@@ -29,6 +31,7 @@ from dataclasses import dataclass, fields
 from batchgen.worker.kv_backends import AsyncHandle, CopyOp, HostKvPool
 from batchgen.worker.state import Phase, RequestState
 
+LOAD_FAULTS = ("load_fail", "load_fail_late", "load_hang")  # exclusive outcomes of one load, drawn in this order
 ABORT_PHASES = ("waiting", "prefilling", "decoding", "swapped", "loading")
 OWNER_PREFIX = "fault:"  # pool owners of fault reservations; request uuids may not start with it
 SHRINK_OWNER = OWNER_PREFIX + "host-shrink"
@@ -69,6 +72,10 @@ class FaultSpec:
             if key in values:
                 raise FaultSpecError(f"--faults: {key} is given twice; give each KEY once")
             values[key] = cls._value(key, raw.strip())
+        load_outcomes = math.fsum(values.get(key, 0.0) for key in LOAD_FAULTS)
+        if load_outcomes > 1:
+            raise FaultSpecError(f"--faults: {' + '.join(LOAD_FAULTS)} = {load_outcomes:g} must be at most 1 "
+                                 f"(they are exclusive outcomes of one load)")
         return cls(**values)
 
     def to_spec(self) -> str:
