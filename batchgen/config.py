@@ -41,7 +41,7 @@ class ModelConfig(_Frozen):
     rms_norm_eps: float = Field(default=1e-6, gt=0, allow_inf_nan=False)
     attention_bias: bool = False
     tie_word_embeddings: bool = False
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # a generated token in it ends the request ("eos")
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
@@ -59,9 +59,8 @@ class ModelConfig(_Frozen):
         num_heads = hf["num_attention_heads"]
         if not isinstance(num_heads, int) or num_heads <= 0:
             raise ValueError(f"num_attention_heads must be a positive integer, got {num_heads!r}")
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        eos = hf.get("eos_token_id")  # one id, a list of them (Llama 3: end of text, of turn, ...), or null
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -75,7 +74,7 @@ class ModelConfig(_Frozen):
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             attention_bias=hf.get("attention_bias", hf.get("model_type") == "qwen2"),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            eos_token_id=eos,
+            eos_token_ids=eos_ids,
         )
 
 

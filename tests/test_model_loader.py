@@ -6,9 +6,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from batchgen.config import DTYPE_SIZES, ModelConfig
+from batchgen.config import DTYPE_SIZES, CacheConfig, ModelConfig
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.loader import SUPPORTED_DTYPES, ModelLoadError, load_model
+from batchgen.worker.state import Request, RequestOutput
+from batchgen.worker.worker import Worker
 
 HF_CONFIG = dict(
     model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -278,3 +280,21 @@ def test_unsupported_dtype_lists_the_allowed_ones():
 
 def test_every_cache_dtype_is_a_torch_dtype_of_the_size_the_plan_layer_counts():
     assert {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in SUPPORTED_DTYPES.items()} == DTYPE_SIZES
+
+
+def test_every_id_of_an_eos_token_id_list_ends_a_request(tmp_path):
+    write_checkpoint(tmp_path)
+    prompt = Request("r0", (1, 2, 3), max_new_tokens=4, temperature=0.0, seed=0)
+
+    def generate(model) -> RequestOutput:
+        worker = Worker(model, cache_config=CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0))
+        worker.add_request(prompt)
+        while worker.has_unfinished():
+            worker.step()
+        return worker.take_outputs()["r0"]
+
+    first = generate(load_model(str(tmp_path))).output_ids[0]
+    other = (first + 1) % HF_CONFIG["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(HF_CONFIG, eos_token_id=[other, first])))
+    output = generate(load_model(str(tmp_path)))
+    assert (output.output_ids, output.finish_reason) == ((first,), "eos")  # the second id ends it too

@@ -38,7 +38,7 @@ class NullModel:
         """The token greedy sampling picks after ``last_token_id`` at ``position``."""
         vocab = self.config.vocab_size
         token = (last_token_id * 1_000_003 + position * 7_919 + 17) % vocab
-        if token == self.config.eos_token_id:
+        if token in self.config.eos_token_ids:
             token = (token + 1) % vocab
         return token
 

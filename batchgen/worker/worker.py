@@ -253,13 +253,13 @@ class Worker:
         for req, seq, kv in zip(reqs, seqs, out.new_kv):
             self._pending_kv_append_tensors[req.uuid] = PendingAppend(seq.start_pos, kv)
             req.num_cached_tokens = req.num_tokens
-        eos = self.model_config.eos_token_id
+        eos_ids = self.model_config.eos_token_ids
         for req, (token, logprobs) in zip(reqs, sample(out.logits, reqs)):
             req.append_token(token, logprobs)
             self.state.stats.tokens_generated += 1
             if len(req.output_ids) >= req.request.max_new_tokens:
                 req.phase, req.finish_reason = Phase.FINISHED, "length"
-            elif eos is not None and token == eos:
+            elif token in eos_ids:
                 req.phase, req.finish_reason = Phase.FINISHED, "eos"
 
     def _record_peaks(self) -> None:
