@@ -7,7 +7,7 @@ workload files) and frozen, so a component that receives one cannot change it.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -15,9 +15,12 @@ DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_TENSOR_DIM = 2**63 - 1  # torch sizes are int64: a page tensor's dimensions cannot exceed it
 
 
-def validation_summary(error: ValidationError, limit: int = 5) -> str:
-    """``field.path: message; ...`` for the first ``limit`` problems (no pydantic internals)."""
-    problems = [f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in error.errors()[:limit]]
+def validation_summary(error: ValidationError, limit: int = 5, names: dict[str, str] | None = None) -> str:
+    """``field.path: message; ...`` for the first ``limit`` problems (no pydantic internals); ``names`` renames
+    fields to what the input called them."""
+    names = names or {}
+    problems = [f"{'.'.join(str(names.get(part, part)) for part in e['loc']) or '<root>'}: {e['msg']}"
+                for e in error.errors()[:limit]]
     more = error.error_count() - limit
     return "; ".join(problems) + (f"; and {more} more" if more > 0 else "")
 
@@ -52,6 +55,11 @@ class ModelConfig(_Frozen):
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
         return self
+
+    # Fields whose HF config.json key differs (from_hf_dict reads them from it).
+    HF_KEYS: ClassVar[dict[str, str]] = {
+        "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+        "max_context": "max_position_embeddings", "eos_token_ids": "eos_token_id"}
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":

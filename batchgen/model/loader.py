@@ -130,7 +130,7 @@ def _read_config(directory: Path) -> ModelConfig:
     except KeyError as error:
         raise ModelLoadError(f"{path}: missing key {error.args[0]!r}") from error
     except ValidationError as error:
-        raise ModelLoadError(f"{path}: invalid model config: {validation_summary(error)}") from None
+        raise ModelLoadError(f"{path}: invalid model config: {validation_summary(error, names=ModelConfig.HF_KEYS)}") from None
     except (ValueError, TypeError) as error:
         raise ModelLoadError(f"{path}: invalid model config: {error}") from error
 
