@@ -163,5 +163,7 @@ def load_workload(spec: str, *, seed: int = 0, scale: float = 1.0, vocab_size: i
         return Workload.model_validate(json.loads(text), strict=True)
     except json.JSONDecodeError as exc:
         raise WorkloadError(f"workload file {spec!r} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise WorkloadError(f"workload file {spec!r} nests arrays or objects too deeply to parse") from None
     except ValidationError as exc:
         raise WorkloadError(f"workload file {spec!r} is invalid: {validation_summary(exc)}") from None

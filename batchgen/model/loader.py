@@ -122,6 +122,8 @@ def _read_config(directory: Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ModelLoadError(f"{path}: not valid JSON ({error})") from error
+    except RecursionError:
+        raise ModelLoadError(f"{path}: nests arrays or objects too deeply to parse") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
     normalised = _normalised_hf_config(raw, path)  # raises ModelLoadError naming the path
@@ -182,7 +184,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
     not_an_index = f"{index_path}: not a safetensors index (needs a 'weight_map' object of tensor -> shard file names)"
     try:
         shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError, AttributeError) as error:
         raise ModelLoadError(not_an_index) from error
     if not all(isinstance(name, str) for name in shard_names):
         raise ModelLoadError(not_an_index)
