@@ -113,6 +113,8 @@ def parse_record(line: str) -> LogRecord:
         data: Any = json.loads(line)
     except json.JSONDecodeError as error:
         raise RecordError(f"not JSON: {error}") from None
+    except RecursionError:
+        raise RecordError("not JSON this reader can parse: arrays or objects nest too deeply") from None
     if not isinstance(data, dict):
         raise RecordError(f"expected a JSON object, found {type(data).__name__}")
     if _SURROGATE_ESCAPE.search(line):  # json reads an unpaired one into a str that is no Unicode text
