@@ -118,7 +118,7 @@ class CacheConfig(_Frozen):
     num_gpu_pages: int = Field(gt=0, le=MAX_TENSOR_DIM)
     num_host_pages: int = Field(ge=0, le=MAX_TENSOR_DIM)
     dtype: str = "float32"
-    watermark: float = Field(default=0.02, ge=0.0, lt=1.0)
+    watermark: float = Field(default=0.02, ge=0.0, lt=1.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check_dtype(self) -> "CacheConfig":
