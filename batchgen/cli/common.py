@@ -61,7 +61,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="cpu",
                         help="where the model and the GPU-tier KV pages live (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="dtype of the weights and of the KV pages (default: %(default)s)")
+                        help="dtype of the weights and of the KV pages; it replaces a workload file's cache.dtype "
+                             "(default: %(default)s)")
     parser.add_argument("--seed", type=seed_int, default=0,
                         help="seeds the built-in model's weights and the built-in workloads' traces "
                              "(default: %(default)s)")
