@@ -10,8 +10,8 @@ the top two candidates are (almost) tied. The rule, after vLLM's
     anything else                                  -> a mismatch, described
 
 Position i is a near-tie when each run's token is among the other run's top-2
-ids at i, and the reference's log-probabilities of the two tokens differ by
-less than ``tolerance``. ``compare_exact`` makes the same checks with no
+ids at i, and the reference's log-probabilities of the two tokens (both among
+its top-2: a sampled token need not be) differ by less than ``tolerance``. ``compare_exact`` makes the same checks with no
 allowance, for two runs that batch identically. Everything here is pure.
 """
 
@@ -112,7 +112,7 @@ def near_tie_problem(reference: RequestOutput, candidate: RequestOutput, positio
     if position >= len(reference.output_logprobs) or position >= len(candidate.output_logprobs):
         return f"{where}, and a run has no logprobs there to judge a near-tie"
     ref_top, cand_top = reference.output_logprobs[position], candidate.output_logprobs[position]
-    if cand_token not in ref_top.top_ids or ref_token not in cand_top.top_ids:
+    if ref_token not in ref_top.top_ids or cand_token not in ref_top.top_ids or ref_token not in cand_top.top_ids:
         return (f"{where}; not a near-tie: reference top-2 {list(ref_top.top_ids)}, "
                 f"candidate top-2 {list(cand_top.top_ids)}")
     logprob = dict(zip(ref_top.top_ids, ref_top.top_logprobs))

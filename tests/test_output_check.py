@@ -47,6 +47,15 @@ def test_token_outside_the_other_runs_top2_is_a_mismatch():
         "candidate top-2 [8, 6]"]
 
 
+def test_a_reference_token_outside_its_own_top2_is_a_mismatch():
+    # a sampled reference token need not be in its own top-2: the reference has no logprob for it to judge by
+    reference = {"a": output("a", [7], [TokenLogprobs((1, 2), (-1.0, -1.00001))])}
+    candidate = {"a": output("a", [2], [TokenLogprobs((1, 7), (-1.0, -1.00001))])}
+    assert compare_outputs(reference, candidate) == [
+        "a: token 0 is 7 in the reference, 2 in the candidate; not a near-tie: reference top-2 [1, 2], "
+        "candidate top-2 [1, 7]"]
+
+
 def test_only_the_first_difference_may_be_a_near_tie():
     tie = TokenLogprobs((40, 41), (-2.0, -2.0))
     reference = {"a": output("a", [5, 40], [FLAT, tie])}
