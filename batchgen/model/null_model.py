@@ -9,7 +9,7 @@ returns no K/V (``new_kv`` is all ``None``), which a worker built with
 equivalence tests use it to run many traces fast.
 
     token(last, pos) = (last * 1_000_003 + pos * 7_919 + 17) mod vocab_size
-                       (+1 mod vocab_size when that is the EOS id)
+                       (+1 mod vocab_size while that is an EOS id)
 
 Skipping EOS keeps every request running to ``max_new_tokens``, so a trace's
 length depends only on its requests.
@@ -32,13 +32,17 @@ class NullModel:
     def __init__(self, config: ModelConfig):
         if config.vocab_size < 2:
             raise ValueError(f"NullModel needs vocab_size >= 2 (sampling takes a top-2), got {config.vocab_size}")
+        self._eos_ids = frozenset(config.eos_token_ids)
+        if self._eos_ids.issuperset(range(config.vocab_size)):
+            raise ValueError(f"NullModel needs a token that is not EOS, but every id of the vocabulary "
+                             f"({config.vocab_size}) is one")
         self.config = config
 
     def next_token(self, last_token_id: int, position: int) -> int:
         """The token greedy sampling picks after ``last_token_id`` at ``position``."""
         vocab = self.config.vocab_size
         token = (last_token_id * 1_000_003 + position * 7_919 + 17) % vocab
-        if token in self.config.eos_token_ids:
+        while token in self._eos_ids:  # EOS ids may be consecutive (Llama 3.1: 128008, 128009)
             token = (token + 1) % vocab
         return token
 
