@@ -11,8 +11,9 @@ the top two candidates are (almost) tied. The rule, after vLLM's
 
 Position i is a near-tie when each run's token is among the other run's top-2
 ids at i, and the reference's log-probabilities of the two tokens (both among
-its top-2: a sampled token need not be) differ by less than ``tolerance``. ``compare_exact`` makes the same checks with no
-allowance, for two runs that batch identically. Everything here is pure.
+its top-2: a sampled token need not be) differ by less than ``tolerance``.
+``compare_exact`` makes the same checks with no allowance, for two runs that
+batch identically. Everything here is pure.
 """
 
 from __future__ import annotations
