@@ -119,7 +119,7 @@ def _read_config(directory: Path) -> ModelConfig:
     if not path.is_file():
         raise ModelLoadError(f"{path}: missing; a model directory needs {CONFIG_FILE} next to its safetensors files")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ModelLoadError(f"{path}: not valid JSON ({error})") from error
     except RecursionError:
@@ -183,7 +183,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
         return files
     not_an_index = f"{index_path}: not a safetensors index (needs a 'weight_map' object of tensor -> shard file names)"
     try:
-        shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        shard_names = sorted(set(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"].values()))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError, AttributeError) as error:
         raise ModelLoadError(not_an_index) from error
     if not all(isinstance(name, str) for name in shard_names):
