@@ -111,11 +111,14 @@ class JsonlSink:
 
 def _is_torn(tail: bytes) -> bool:
     """Whether a last line without its newline is a write cut short: not UTF-8 or not whole JSON (no prefix of a
-    record's JSON object is whole JSON). A whole JSON value is a line as written, valid record or not. Pure."""
+    record's JSON object is whole JSON). A whole JSON value is a line as written, valid record or not, and so is
+    one nesting too deeply to parse: nothing shows it was cut short. Pure."""
     try:
         json.loads(tail.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         return True
+    except RecursionError:  # too deep to parse, which is no sign of a cut
+        pass
     return False
 
 

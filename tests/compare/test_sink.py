@@ -147,6 +147,13 @@ def test_raises_for_a_whole_last_line_without_a_newline_that_is_no_valid_record(
         read_log(path)
 
 
+def test_raises_for_a_last_line_without_a_newline_nesting_too_deeply_to_parse(tmp_path):
+    path = tmp_path / "log.jsonl"  # too deep to tell whether it was cut short: named, not skipped as torn
+    path.write_text(make_record(0).model_dump_json() + "\n" + "[" * 100_000)
+    with pytest.raises(RecordError, match=rf"^{path}:2: not JSON this reader can parse: arrays or objects nest"):
+        read_log(path)
+
+
 def test_raises_naming_file_and_line_for_a_bad_line_before_the_last(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_text("\n".join([make_record(0).model_dump_json(), "{oops",
@@ -199,6 +206,14 @@ def test_keeps_a_whole_last_line_without_a_newline_that_is_no_valid_record(tmp_p
     path.write_text(record)
     write_log(path, [make_record(1)])
     assert path.read_text() == record + "\n" + make_record(1).model_dump_json() + "\n"
+    assert not [w for w in recwarn if "cut short" in str(w.message)]
+
+
+def test_keeps_a_last_line_without_a_newline_nesting_too_deeply_to_parse(tmp_path, recwarn):
+    path = tmp_path / "log.jsonl"
+    path.write_text("[" * 100_000)
+    write_log(path, [make_record(1)])
+    assert path.read_text() == "[" * 100_000 + "\n" + make_record(1).model_dump_json() + "\n"
     assert not [w for w in recwarn if "cut short" in str(w.message)]
 
 
