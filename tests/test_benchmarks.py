@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from compare import RunSummary
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
@@ -102,8 +104,10 @@ def test_scale_check_refuses_a_size_or_bound_no_run_can_meet(flag, value, error)
 
 
 def test_ci_divergence_gate_renders_no_earlier_log_when_validate_refuses_its_flags(tmp_path):
-    stale = tmp_path / "divergences.jsonl"
-    stale.write_text("an earlier run's log\n")
+    earlier = RunSummary(run_id="earlier-1", workload="L2-2048", seed=0, authoritative="plan", shadow="legacy",
+                         steps_compared={"alloc": 3}, divergences={}, harness_errors=0, compare_seconds=0.1,
+                         authoritative_seconds=1.0)
+    (tmp_path / "divergences.jsonl").write_text(earlier.model_dump_json() + "\n")  # a clean log report would render
     done = subprocess.run([str(SCRIPTS / "ci_divergence_gate.sh"), "--no-such-flag"], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHON": sys.executable, "REPORTS_DIR": str(tmp_path)})
     assert done.returncode == 2, done.stderr
