@@ -139,6 +139,15 @@ def test_the_written_regression_test_fails_until_the_bug_is_fixed(tmp_path, monk
     getattr(module, name)(tmp_path)
 
 
+def generated_test(test_path, module_name):
+    """The one test function of a regression test file ``write_regression`` wrote, imported as ``module_name``."""
+    spec = importlib.util.spec_from_file_location(module_name, test_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    [test] = [getattr(module, name) for name in dir(module) if name.startswith("test_no_")]
+    return test
+
+
 def test_the_written_regression_test_compares_only_its_op_so_another_ops_bug_does_not_fail_it(tmp_path,
                                                                                               monkeypatch):
     reversed_grants(monkeypatch)  # an alloc bug, which the evict regression test is not about
@@ -147,10 +156,7 @@ def test_the_written_regression_test_compares_only_its_op_so_another_ops_bug_doe
         record = next(r for r in divergences(builtin_workload("smoke"), tmp_path / "kv.jsonl") if r.op == "evict")
         result = minimize_divergence(record, make_worker=null_worker)
         write_regression(result, tmp_path / "min.json", tmp_path / "test_min.py")
-        spec = importlib.util.spec_from_file_location("generated_evict_regression", tmp_path / "test_min.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        [test] = [getattr(module, name) for name in dir(module) if name.startswith("test_no_")]
+        test = generated_test(tmp_path / "test_min.py", "generated_evict_regression")
         with pytest.raises(DivergenceError, match="evict step"):
             test(tmp_path)
     test(tmp_path)  # the evict bug is fixed; the alloc bug is still there
@@ -201,10 +207,7 @@ def test_a_divergence_that_needs_faults_and_an_engine_override_is_minimized_unde
     assert len(result.workload.requests) < len(workload.requests)
     write_regression(result, tmp_path / "min.json", tmp_path / "test_min.py")
     assert f"FAULTS = {json.dumps(spec)}" in (tmp_path / "test_min.py").read_text()
-    module_spec = importlib.util.spec_from_file_location("generated_fault_regression", tmp_path / "test_min.py")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    [test] = [getattr(module, name) for name in dir(module) if name.startswith("test_no_")]
+    test = generated_test(tmp_path / "test_min.py", "generated_fault_regression")
     with pytest.raises(DivergenceError, match="poll step"):
         test(tmp_path)
     monkeypatch.undo()
