@@ -111,7 +111,8 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
 
     Runs at most ``max_tests`` candidate workloads (ddmin warns when the budget
     ends a pass early). Raises NotReproduced when the full workload does not
-    diverge as recorded, MinimizeError when the record's payload is not usable. Writes only temporary logs, removed before it returns.
+    diverge as recorded, MinimizeError (ReplayError for its KV paths) when the record's payload is not usable.
+    Writes only temporary logs, removed before it returns.
     """
     replay = record.replay
     scale = replay.get("scale", 1.0)
@@ -138,7 +139,8 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
 
 def recorded_run(record: DivergenceRecord) -> tuple[Workload, FaultSpec | None, tuple[str, str]]:
     """What the search reruns: the record's workload (``recorded_workload``), fault SPEC and KV paths
-    (authoritative, shadow). MinimizeError, or ReplayError for the paths, when one is not usable. Pure."""
+    (authoritative, shadow). MinimizeError, or ReplayError for the paths, when one is not usable. Reads the
+    workload file a record names; mutates nothing."""
     return recorded_workload(record), _fault_spec(record.replay), kv_paths(record.replay)
 
 
