@@ -27,6 +27,17 @@ class WorkloadError(ValueError):
     """An unknown workload name or an invalid workload file."""
 
 
+def _unicode_text(text: str) -> str:
+    """``text``, if it is Unicode text (JSON's ``\\ud800`` reads as a lone surrogate, which no log or report can
+    write); ValueError otherwise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"holds the unpaired surrogate \\u{ord(text[error.start]):04x}; surrogates must come in "
+                         f"pairs") from None
+    return text
+
+
 class WorkloadRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -58,6 +69,8 @@ class Workload(BaseModel):
     cache: CacheConfig
     engine: EngineConfig = EngineConfig()
     requests: list[WorkloadRequest] = Field(min_length=1)
+
+    _name_is_text = field_validator("name")(_unicode_text)
 
     @model_validator(mode="after")
     def _unique_uuids(self) -> "Workload":
