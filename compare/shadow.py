@@ -223,10 +223,13 @@ class ShadowExecutor:
             except Exception as error:
                 authoritative_seconds = self._clock() - authoritative_started
                 seen = Observation(authoritative_path, None, error, authoritative_seconds)
+                traceback, context = error.__traceback__, error.__context__
                 try:
                     self._settle(op, step, seen, shadow_seen, captured, canonicalize)
                 except Exception:
                     pass  # a fatal on_harness_error: counted; the authoritative exception still wins
+                # a hook that raised it again (`try: raise error`) added its frames and context: undone
+                error.__traceback__, error.__context__ = traceback, context
                 raise
             authoritative_seconds = self._clock() - authoritative_started
             seen = Observation(authoritative_path, result, None, authoritative_seconds)

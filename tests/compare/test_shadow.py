@@ -1,6 +1,7 @@
 import ast
 import dataclasses
 import importlib
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -132,6 +133,37 @@ def test_a_fatal_harness_hook_leaves_the_authoritative_exception_unchanged():
         run(executor, auth=error, canonicalize=raising(RuntimeError("canonical form bug")))
     assert raised.value is error
     assert executor.stats().num_harness_errors == 1
+
+
+def test_hooks_that_raise_the_authoritative_exception_again_leave_its_traceback_and_context_unchanged():
+    def kind(error):  # the usual way to classify an exception: by the handler that catches it
+        try:
+            raise error
+        except LookupError:
+            return "lookup"
+
+    def canonicalize(seen, shadow_seen):
+        try:
+            raise RuntimeError("no form for an exception")
+        except RuntimeError:
+            raise seen.exception  # its context becomes this RuntimeError
+
+    def authoritative():
+        raise KeyError("r17")
+
+    outer = RuntimeError("being handled by the caller")
+    for hooks in ({"exception_kind": kind}, {"canonicalize": canonicalize}):
+        executor, recorder = make(exception_kind=hooks.get("exception_kind", lambda error: "exception"))
+        try:
+            raise outer
+        except RuntimeError:
+            with pytest.raises(KeyError) as raised:
+                executor.run("alloc", 0, authoritative=authoritative, shadow=lambda forked: SAME,
+                             canonicalize=hooks.get("canonicalize", lambda seen, shadow_seen: (None, SAME)),
+                             shadow_path="legacy", authoritative_path="plan")
+        names = [entry.name for entry in traceback.extract_tb(raised.value.__traceback__)]
+        assert names[1:] == ["run", "run_both", "authoritative"]
+        assert raised.value.__context__ is outer
 
 
 class Unprintable(Exception):
