@@ -155,6 +155,7 @@ class ShadowExecutor:
         self._num_compared: dict[str, int] = {}
         self._num_divergences: dict[str, int] = {}
         self._num_harness_errors = 0
+        self._fatal: BaseException | None = None  # the last error on_harness_error raised (not funnelled again)
         self._compare_seconds = 0.0
         self._authoritative_seconds = 0.0
 
@@ -307,13 +308,19 @@ class ShadowExecutor:
         try:
             return call(*args)
         except Exception as error:
+            if error is self._fatal:  # a nested guard's failure, already funnelled: on_harness_error raised it
+                raise
             self._funnel(operation, error)
             return default
 
     def _funnel(self, operation: str, error: Exception) -> None:
         """The one way a harness failure is reported: counted, then handed to `on_harness_error`."""
         self._num_harness_errors += 1
-        self._on_harness_error(operation, error)
+        try:
+            self._on_harness_error(operation, error)
+        except BaseException as fatal:
+            self._fatal = fatal
+            raise
 
 
 def _describe(comparison: Comparison) -> str:

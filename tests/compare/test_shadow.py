@@ -379,6 +379,21 @@ def test_a_raising_harness_hook_makes_harness_errors_fatal():
         run(executor, shadow=OTHER)
 
 
+@pytest.mark.parametrize("namer", ["classify", "exception_kind"])
+def test_a_fatal_harness_hook_is_called_and_counted_once_for_a_broken_classifier(namer):
+    calls = []
+
+    def fail(operation, error):
+        calls.append(operation)
+        raise error
+
+    executor = ShadowExecutor(mode="log", on_harness_error=fail, **{namer: raising(RuntimeError("classifier bug"))})
+    with pytest.raises(RuntimeError, match="classifier bug"):
+        run(executor, shadow=OTHER if namer == "classify" else KeyError("r17"))
+    assert calls == [namer]
+    assert executor.stats().num_harness_errors == 1
+
+
 def test_never_calls_shadow_or_context_for_ops_outside_the_filter():
     executor, _ = make(ops={"evict"})
     called = []
