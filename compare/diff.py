@@ -91,7 +91,10 @@ def _explain(left: dict[str, Any], right: dict[str, Any], paths: list[str]) -> d
     shown = paths[:MAX_DETAIL_PATHS]
     report = DeepDiff({p: left[p] for p in shown if p in left},
                       {p: right[p] for p in shown if p in right}, verbose_level=2)
-    detail = json.loads(report.to_json())
+    try:
+        detail = json.loads(report.to_json())
+    except (TypeError, ValueError):  # a leaf JSON cannot hold (a date, a complex): shown by its repr
+        detail = json.loads(report.to_json(default_mapping={object: repr}))
     if len(paths) > len(shown):
         detail["omitted_paths"] = len(paths) - len(shown)
     return detail

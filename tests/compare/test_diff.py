@@ -1,5 +1,6 @@
 import importlib
 import json
+from datetime import date
 
 import pytest
 
@@ -149,3 +150,11 @@ def test_an_ignore_glob_covers_everything_beneath_its_path(expected, actual, ign
 def test_an_ignore_glob_leaves_what_it_does_not_cover():
     assert diff({"m": [1], "n": {}}, {"m": [1, 2], "n": {"k": 1}}, ignore=["m[*]"]).paths == ("n.k",)
     assert diff({"m": [1, 5]}, {"m": [1]}, ignore=["m[0]"]).paths == ("m[1]",)
+
+
+def test_explains_leaves_json_cannot_hold_by_their_repr():
+    outcome = diff({"day": date(2024, 1, 1), "z": 1j}, {"day": date(2024, 1, 2), "z": 2j})
+    assert outcome.paths == ("day", "z")
+    assert outcome.detail["values_changed"]["root['day']"] == {
+        "old_value": "datetime.date(2024, 1, 1)", "new_value": "datetime.date(2024, 1, 2)"}
+    assert json.loads(json.dumps(outcome.detail)) == outcome.detail

@@ -499,3 +499,10 @@ def test_compare_package_never_imports_batchgen():
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(name.split(".")[0] == "batchgen" for name in names), source.name
+
+
+def test_a_divergence_in_values_json_cannot_hold_is_still_a_divergence():
+    executor, recorder = make("raise")
+    with pytest.raises(DivergenceError, match="paths: t"):
+        run(executor, auth={"t": 1j}, shadow={"t": 2j})
+    assert (recorder.harness_errors, executor.stats().num_divergences) == ([], {"alloc": 1})
