@@ -232,6 +232,9 @@ class ShadowExecutor:
                 # a hook that raised it again (`try: raise error`) added its frames and context: undone
                 error.__traceback__, error.__context__ = traceback, context
                 raise
+            except BaseException:  # Ctrl-C, SystemExit: the time until then was still the authoritative path's
+                authoritative_seconds = self._clock() - authoritative_started
+                raise
             authoritative_seconds = self._clock() - authoritative_started
             seen = Observation(authoritative_path, result, None, authoritative_seconds)
             comparison = self._settle(op, step, seen, shadow_seen, captured, canonicalize)

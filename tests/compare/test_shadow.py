@@ -461,6 +461,24 @@ def test_measures_shadow_authoritative_and_harness_time_with_the_injected_clock(
     assert (stats.compare_seconds, stats.authoritative_seconds) == (2.0, 5.0)
 
 
+def test_counts_the_time_of_an_interrupted_authoritative_path_as_authoritative():
+    now = [100.0]
+    executor, _ = make(clock=lambda: now[0])
+
+    def interrupted():
+        now[0] += 5.0
+        raise KeyboardInterrupt
+
+    def shadow(forked):
+        now[0] += 2.0
+        return SAME
+    with pytest.raises(KeyboardInterrupt):
+        executor.run("alloc", 0, authoritative=interrupted, shadow=shadow, shadow_path="legacy",
+                     authoritative_path="plan")
+    stats = executor.stats()
+    assert (stats.compare_seconds, stats.authoritative_seconds) == (2.0, 5.0)
+
+
 def test_stats_is_an_immutable_snapshot():
     executor, _ = make()
     run(executor)
