@@ -63,13 +63,14 @@ class ModelConfig(_Frozen):
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":
-        """Build from a HF ``config.json`` dict (Llama or Qwen2 keys)."""
+        """Build from a HF ``config.json`` dict (Llama or Qwen2 keys), validated strictly: no ``true`` or ``"16"``
+        where a number belongs (an integer may stand for a float, as ``"rope_theta": 500000`` does)."""
         num_heads = hf["num_attention_heads"]
-        if not isinstance(num_heads, int) or num_heads <= 0:
+        if type(num_heads) is not int or num_heads <= 0:  # not a bool either: JSON's true is no head count
             raise ValueError(f"num_attention_heads must be a positive integer, got {num_heads!r}")
         eos = hf.get("eos_token_id")  # one id, a list of them (Llama 3: end of text, of turn, ...), or null
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        return cls(
+        return cls.model_validate(dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -83,7 +84,7 @@ class ModelConfig(_Frozen):
             attention_bias=hf.get("attention_bias", hf.get("model_type") == "qwen2"),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             eos_token_ids=eos_ids,
-        )
+        ), strict=True)
 
 
 TINY_MODELS: dict[str, ModelConfig] = {
