@@ -97,12 +97,16 @@ def test_bounds_the_detail_and_counts_the_omitted_paths(extra):
     ({"a.b": 1}, {"a": {"b": 1}}, "<root>"),  # a dotted key and nesting flatten to the same path
     (Keyed({"0": 5}), [5], "<root>"),  # an id "0" and list index 0 both render [0]
     ({"x": [1, 2]}, {"x": Keyed({"0": 1, "1": 2})}, "x"),
-    ({"r": Keyed({"a": {"n": [1, {"b": 2}]}})}, {"r": Keyed({"a": {"n": [1, {"b.c": 2}]}})}, None),
+    ({"r": Keyed({"a": {"n": [1, {"b": 2}]}})}, {"r": Keyed({"a": {"n": [1, {"b.c": 2}]}})},
+     ("r[a].n[1].b", "r[a].n[1].b.c")),  # differs in a leaf path too: reported as those leaves, no shape
 ])
 def test_reports_forms_that_differ_only_where_flattened_paths_collide(expected, actual, path):
     outcome = diff(expected, actual)
     assert not outcome.equal
-    if path is not None:  # the last case differs in a leaf path too
+    if isinstance(path, tuple):
+        assert outcome.paths == path
+        assert "shape" not in outcome.detail
+    else:
         assert outcome.paths == (path,)
         assert "structure" in outcome.detail["shape"]
 
