@@ -170,6 +170,7 @@ def test_replay_says_not_reproduced_once_the_bug_is_gone(tmp_path, monkeypatch, 
     inject(monkeypatch, op)
     records = divergences(tmp_path)
     monkeypatch.undo()
+    assert records and {r.op for r in records} == {op}
     for record in records:
         outcome = replay_record(record)
         assert not outcome.reproduced
