@@ -74,7 +74,11 @@ def test_copy_pages_moves_exact_bytes_and_leaves_other_pages_untouched(pattern):
     assert torch.equal(src, src_before)
 
 
-@pytest.mark.parametrize("page_shape", [PAGE_SHAPE, (3, 5)], ids=["even_page", "odd_page"])
+# With rows of 16 elements: 256-element pages split into 16 rows; 21 (odd) cannot split;
+# 42 splits once into rows of 21, then stops at the odd row length, not at the row size.
+@pytest.mark.parametrize(
+    "page_shape", [PAGE_SHAPE, (3, 7), (2, 3, 7)], ids=["even_page", "odd_page", "split_then_odd_page"]
+)
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "single_thread"])
 @pytest.mark.parametrize("pattern", ID_PATTERNS)
 def test_cpu_gathers_and_scatters_move_exact_bytes_split_into_rows_or_not(pattern, parallel, page_shape, monkeypatch):
