@@ -54,10 +54,11 @@ def test_stops_at_the_test_budget_with_a_warning_and_the_smallest_failure_so_far
         calls.append(len(items))
         return {0, 63} <= set(items)
 
-    with pytest.warns(UserWarning, match="stopped after 12 tests"):
+    with pytest.warns(UserWarning, match="stopped after 12 tests; the result of 32 items"):
         result = ddmin(list(range(64)), still_fails, max_tests=12)
-    assert len(calls) == 12
-    assert still_fails(result) and len(result) < 64
+    # the input, halves, quarters, two quarter complements, a 3-chunk complement, two eighths
+    assert calls == [64, 32, 32, 16, 16, 16, 16, 48, 48, 32, 8, 8]
+    assert result == [*range(16), *range(48, 64)]
 
 
 @settings(max_examples=40, deadline=None)
