@@ -92,7 +92,10 @@ def test_renders_text_tables_with_the_headline_ops_and_field_paths():
     assert "2 runs, 2 harness errors; compare overhead 2 s on 8 s authoritative (0.25x)" in text
     assert "requests[*].gpu_pages[*]" in text
     assert "requests[r17].gpu_pages[3]" in text and "(L2-2048 step 5)" in text
-    assert "migrate" in text
+    assert [line for line in text.splitlines() if line.startswith("│ ") and line.endswith("% │")] == [
+        "│ alloc   │      300 │           3 │ 1.00% │",
+        "│ evict   │       70 │           1 │ 1.43% │",
+        "│ migrate │       10 │           0 │ 0.00% │"]
 
 
 def test_renders_markdown_with_the_headline_and_a_table_per_op_and_per_field_path():
