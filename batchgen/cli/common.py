@@ -90,22 +90,22 @@ def non_negative_int(text: str) -> int:
 
 
 MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
-
-
-def seed_int(text: str) -> int:
-    value = int_at_least(text, 0)
-    if value > MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64 - 1], got {text!r}")
-    return value
-
-
 MAX_THREADS = 1024  # torch takes an int32 thread count, and spawns them all at the first parallel op
 
 
+def seed_int(text: str) -> int:
+    return int_in_range(text, 0, MAX_SEED, "2**64 - 1")
+
+
 def threads_int(text: str) -> int:
-    value = int_at_least(text, 1)
-    if value > MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"must be an integer in [1, {MAX_THREADS}], got {text!r}")
+    return int_in_range(text, 1, MAX_THREADS, str(MAX_THREADS))
+
+
+def int_in_range(text: str, minimum: int, maximum: int, maximum_shown: str) -> int:
+    """``text`` as an integer in [minimum, maximum]; ``maximum_shown``: how the message writes the maximum."""
+    value = int_at_least(text, minimum)
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be an integer in [{minimum}, {maximum_shown}], got {text!r}")
     return value
 
 
