@@ -23,9 +23,10 @@ import dataclasses
 import pytest
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
+from batchgen.worker import kv_apply
 from batchgen.worker.kv_apply import (
     PlanKvPath, PlanRejected, apply_alloc_plan, apply_eviction_plan, apply_migration_plan, apply_poll_plan,
-    apply_release_plan,
+    apply_release_plan, running_after,
 )
 from batchgen.worker.kv_backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
 from batchgen.worker.kv_plans import (
@@ -144,6 +145,63 @@ def test_migration_reads_no_running_request_while_nothing_is_swapped():
     assert request.swapped == SwappedColumns((), (), ()) and request.running == PageColumns((), (), ())
 
 
+def _count_page_columns(monkeypatch) -> list:
+    """Record each RUNNING-columns build of the plan path (``kv_apply.page_columns``); returns the record."""
+    calls = []
+    build = kv_apply.page_columns
+    monkeypatch.setattr(kv_apply, "page_columns", lambda scope: calls.append(len(scope)) or build(scope))
+    return calls
+
+
+@pytest.mark.parametrize("watermark, evicted", [(0.0, ()), (0.5, ("run1",))])
+def test_migrate_right_after_evict_reads_the_running_columns_evict_left(monkeypatch, watermark, evicted):
+    target = make_target()
+    target.cache_config = CACHE.model_copy(update={"watermark": watermark})
+    path = PlanKvPath(target)
+    path.evict()
+    assert [u for u, r in target.state.requests.items() if r.phase is not Phase.RUNNING and u in ("run0", "run1")] \
+        == list(evicted)
+    built = _count_page_columns(monkeypatch)
+    request = path.migration_request()
+    assert built == []  # evict's columns, less its victims
+    still_running = (PageColumns(("run0",), (7,), ((0, 1),)) if evicted
+                     else PageColumns(("run0", "run1"), (7, 9), ((0, 1), (2, 3))))
+    assert request.running == still_running
+    assert request == PlanKvPath(target).migration_request() and built == [2 - len(evicted)]  # as built afresh
+
+
+@pytest.mark.parametrize("between", ["a GPU page taken", "a host page taken", "the next step", "a release op"])
+def test_migrate_builds_its_own_columns_when_anything_ran_after_evict(monkeypatch, between):
+    target = make_target()
+    path = PlanKvPath(target)
+    path.evict()
+    if between == "a GPU page taken":
+        target.gpu_kv.allocate_pages("run0", 1)
+        target.state.requests["run0"].gpu_page_ids += (8,)
+    elif between == "a host page taken":
+        target.host_kv.allocate_pages("swap6", 1)
+        target.state.requests["swap6"].host_page_ids += (5,)
+    elif between == "the next step":
+        target.state.step += 1
+    else:
+        path.release(["done5"])
+    built = _count_page_columns(monkeypatch)
+    request = path.migration_request()
+    assert built == [2]
+    assert request == PlanKvPath(target).migration_request()
+
+
+def test_running_after_refuses_victims_that_are_not_the_youngest_running_requests():
+    target = make_target()
+    request = PlanKvPath(target).eviction_request()
+    plan = EvictionPlan((Victim("run0", Destination.RECOMPUTE, (0, 1), ()),))  # the older one
+    after = dataclasses.replace(request.snapshot, num_free_gpu_pages=request.snapshot.num_free_gpu_pages + 2)
+    assert running_after(request, plan, after) is None
+    youngest = EvictionPlan((Victim("run1", Destination.RECOMPUTE, (2, 3), ()),))
+    assert running_after(request, youngest, after) == PageColumns(("run0",), (7,), ((0, 1),))
+    assert running_after(request, youngest, request.snapshot) is None  # the pages it frees are not free
+
+
 def test_bulk_snapshot_views_equal_per_request_views_in_every_phase():
     target = make_target()
     reqs = list(target.state.requests.values())
@@ -254,7 +312,10 @@ INVALID = [
     ("evict naming GPU pages as a list", None, evict(EvictionPlan((Victim("run1", HOST, [2, 3], (5, 6)),))),
      "EvictionPlan.victims[0].gpu_page_ids"),
     ("evict a request by an unhashable id", None, evict(EvictionPlan((Victim(["run1"], DROP, (2, 3), ()),))),
-     "EvictionPlan.victims[0]"),
+     "EvictionPlan.victims[0].uuid"),
+    ("evict two requests, one by an unhashable id", None,
+     evict(EvictionPlan((Victim("run0", DROP, (0, 1), ()), Victim(["run1"], DROP, (2, 3), ())))),
+     "EvictionPlan.victims[1]"),
     # migration
     ("migrate unknown uuid", None, migrate(MigrationPlan((LoadStart("ghost", (8,), (0,)),))), "MigrationPlan.loads[0].uuid"),
     ("migrate a running request", None, migrate(MigrationPlan((LoadStart("run0", (8, 9), (0, 1)),))),
@@ -273,6 +334,10 @@ INVALID = [
      "MigrationPlan.loads[1].gpu_page_ids"),
     ("migrate into GPU pages given as a list", None, migrate(MigrationPlan((LoadStart("swap2", [8, 9], (0, 1)),))),
      "MigrationPlan.loads[0].gpu_page_ids"),
+    ("migrate a request by an unhashable id", None, migrate(MigrationPlan((LoadStart(["swap2"], (8, 9), (0, 1)),))),
+     "MigrationPlan.loads[0].uuid"),
+    ("migrate a request by a non-str id", None, migrate(MigrationPlan((LoadStart(2, (8, 9), (0, 1)),))),
+     "MigrationPlan.loads[0].uuid"),
     ("migrate a request twice", None, migrate(MigrationPlan((LoadStart("swap6", (8,), (4,)),) * 2)), "MigrationPlan.loads"),
     # allocation
     ("grant for an unscheduled request", None, alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("done5", ())), ())),

@@ -9,10 +9,10 @@ append tensors stay the worker's: a plan only names which ones to drop.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 
 from batchgen.config import DTYPE_SIZES
-from batchgen.worker.kv_manager import KVCacheManager, pages_for
+from batchgen.worker.kv_manager import KVCacheManager
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, EvictionPlan, EvictionRequest, KvGeometry, KvSnapshot,
     MigrationPlan, MigrationRequest, PageColumns, PollAction, PollPlan, PollRequest, ReleasePlan,
@@ -48,6 +48,7 @@ NO_PAGES, NO_SWAPPED = PageColumns((), (), ()), SwappedColumns((), (), ())
 _ADMISSIBLE = (RUNNING, WAITING)  # phases a request may be allocated pages in
 _GRANT_UUID = operator.itemgetter(0)  # PageGrant.uuid, read in C
 _UUID = operator.attrgetter("uuid")
+_NUM_LOAD_RETRIES = operator.attrgetter("num_load_retries")
 _NONE_LEFT_OUT: frozenset[str] = frozenset()
 
 
@@ -75,6 +76,7 @@ class PlanKvPath:
         self.target = target
         self.manager = KVCacheManager(gpu_kv=target.gpu_kv, host_kv=target.host_kv)
         self.geometry = geometry or geometry_of(target)
+        self._evicted: tuple[EvictionRequest, EvictionPlan] | None = None  # the last op, when it was evict
 
     def snapshot(self) -> KvSnapshot:
         target = self.target
@@ -84,7 +86,7 @@ class PlanKvPath:
     def poll_request(self, observed: Mapping[str, str | None]) -> PollRequest:
         requests = self.target.state.requests
         return PollRequest(self.snapshot(), tuple(observed), tuple(observed.values()),
-                           tuple([requests[u].num_load_retries for u in observed]))
+                           tuple(map(_NUM_LOAD_RETRIES, map(requests.__getitem__, observed))))
 
     def release_request(self, uuids: Sequence[str]) -> ReleaseRequest:
         return ReleaseRequest(self.snapshot(), tuple(uuids))
@@ -95,17 +97,17 @@ class PlanKvPath:
 
     def migration_request(self) -> MigrationRequest:
         """Columns of the SWAPPED requests, and of the RUNNING ones (their decode demand) when any is SWAPPED."""
+        evicted, self._evicted = self._evicted, None
         requests = self.target.state.requests.values()
         swapped = [r for r in requests if r.phase is SWAPPED]
+        snapshot = self.snapshot()
         if not swapped:
-            return MigrationRequest(self.snapshot(), NO_SWAPPED, NO_PAGES, 0)  # nothing to decide: no more to read
-        running, num_loading = [], 0
-        for r in requests:  # one pass for both
-            if r.phase is RUNNING:
-                running.append(r)
-            elif r.phase is LOADING:
-                num_loading += 1
-        return MigrationRequest(self.snapshot(), swapped_columns(swapped), page_columns(running), num_loading)
+            return MigrationRequest(snapshot, NO_SWAPPED, NO_PAGES, 0)  # nothing to decide: no more to read
+        running = running_after(*evicted, snapshot) if evicted is not None else None
+        if running is None:
+            running = page_columns([r for r in requests if r.phase is RUNNING])
+        num_loading = len([r for r in requests if r.phase is LOADING])
+        return MigrationRequest(snapshot, swapped_columns(swapped), running, num_loading)
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
         """Columns of the scheduled requests the op must act on: those whose tokens run past their last
@@ -117,24 +119,58 @@ class PlanKvPath:
 
     # The KvPath interface (same as LegacyKvPath).
     def poll(self, observed: Mapping[str, str | None]) -> None:
+        self._evicted = None
         apply_poll_plan(self.target, self.manager.plan_poll(self.poll_request(observed)), observed)
 
     def release(self, uuids: Sequence[str]) -> None:
+        self._evicted = None
         apply_release_plan(self.target, self.manager.plan_release(self.release_request(uuids)))
 
     def evict(self) -> None:
-        apply_eviction_plan(self.target, self.manager.plan_eviction(self.eviction_request()))
+        """Keeps its request and plan for the migrate that directly follows (the worker's step order): the
+        RUNNING columns that migrate reads are the eviction's, less its victims (:func:`running_after`)."""
+        self._evicted = None
+        request = self.eviction_request()
+        plan = self.manager.plan_eviction(request)
+        apply_eviction_plan(self.target, plan)
+        self._evicted = request, plan
 
     def migrate(self) -> None:
         apply_migration_plan(self.target, self.manager.plan_migration(self.migration_request()))
 
     def allocate(self, batch: Sequence[str]) -> list[str]:
+        self._evicted = None
         request = self.alloc_request(batch)
         return apply_alloc_plan(self.target, self.manager.plan_allocation(request), request)
 
 
+def running_after(request: EvictionRequest, plan: EvictionPlan, snapshot: KvSnapshot) -> PageColumns | None:
+    """The RUNNING columns once ``plan`` is applied to the state ``request`` was built from: ``request``'s, less the
+    victims, which are their tail (the youngest, last first). None when the victims are not that tail, or when
+    ``snapshot`` (taken since) is not of that step with the free pages the plan leaves: something else changed
+    the pools. Only KV ops change which requests run and what pages they hold, and the worker runs none between
+    its evict and its migrate. Pure."""
+    before, running, victims = request.snapshot, request.running, plan.victims
+    freed_gpu = taken_host = 0
+    for victim in victims:
+        freed_gpu += len(victim.gpu_page_ids)
+        taken_host += len(victim.host_page_ids)
+    if (snapshot.step != before.step or snapshot.num_free_gpu_pages != before.num_free_gpu_pages + freed_gpu
+            or snapshot.num_free_host_pages != before.num_free_host_pages - taken_host):
+        return None
+    if not victims:
+        return running
+    kept = len(running.uuids) - len(victims)
+    if kept < 0 or running.uuids[kept:] != tuple([victim.uuid for victim in reversed(victims)]):
+        return None
+    return PageColumns(running.uuids[:kept], running.num_tokens[:kept], running.gpu_page_ids[:kept])
+
+
 # ---- validation helpers ------------------------------------------------------------------
 def _request(target: KvTarget, field: str, uuid: str, phases: Collection[Phase]) -> RequestState:
+    """The live request ``uuid`` if it is in one of ``phases``; else PlanRejected naming ``field`` and why."""
+    if type(uuid) is not str:
+        raise PlanRejected(field, f"{uuid!r} is not a request id")
     req = target.state.requests.get(uuid)
     if req is None:
         raise PlanRejected(field, f"unknown request {uuid!r}")
@@ -188,11 +224,12 @@ def _reject_ids(field: str, page_ids) -> None:
 # ---- appliers: validate everything, then mutate ------------------------------------------
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
     """Mutates phases, page tables, pools (host frees, retried loads), stats."""
-    uuids = _uuid_set("PollPlan.steps[{}].uuid", plan.steps, _UUID)
-    if len(uuids) != len(plan.steps):
-        _check_unique("PollPlan.steps", [s.uuid for s in plan.steps])  # raises, naming the steps
-    if observed.keys() != uuids:
-        raise PlanRejected("PollPlan.steps", f"covers {sorted(uuids)}, observed {sorted(observed)}")
+    if tuple(map(_UUID, plan.steps)) != tuple(observed):  # else: each observed load once, in order
+        uuids = _uuid_set("PollPlan.steps[{}].uuid", plan.steps, _UUID)
+        if len(uuids) != len(plan.steps):
+            _check_unique("PollPlan.steps", [s.uuid for s in plan.steps])  # raises, naming the steps
+        if observed.keys() != uuids:
+            raise PlanRejected("PollPlan.steps", f"covers {sorted(uuids)}, observed {sorted(observed)}")
     requests = target.state.requests
     for i, step in enumerate(plan.steps):  # field names are formatted only on the error paths
         req = requests.get(step.uuid)
@@ -278,13 +315,16 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
     """Mutates victims (phase, page tables), both pools (store copies, pages), stats."""
     if not plan.victims:
         return
-    _check_unique("EvictionPlan.victims", [v.uuid for v in plan.victims])
+    if len(plan.victims) > 1:  # one victim is named once; if its id cannot be one, the lookup below says so
+        _check_unique("EvictionPlan.victims", [v.uuid for v in plan.victims])
     requests = target.state.requests
     for i, victim in enumerate(plan.victims):  # field names are formatted only on the error paths
-        req = requests.get(victim.uuid)
+        req = requests.get(victim.uuid) if type(victim.uuid) is str else _request(
+            target, f"EvictionPlan.victims[{i}].uuid", victim.uuid, (RUNNING,))
         if req is None or req.phase is not RUNNING:
             _request(target, f"EvictionPlan.victims[{i}].uuid", victim.uuid, (RUNNING,))  # raises, naming why
-        if (victim.gpu_page_ids != req.gpu_page_ids or type(victim.gpu_page_ids) is not tuple
+        if victim.gpu_page_ids is not req.gpu_page_ids and (  # the page table itself: equal, and a tuple of ints
+                victim.gpu_page_ids != req.gpu_page_ids or type(victim.gpu_page_ids) is not tuple
                 or not PAGE_ID_TYPES.issuperset(map(type, victim.gpu_page_ids))):  # (2.0,) == (2,): types too
             raise PlanRejected(f"EvictionPlan.victims[{i}].gpu_page_ids",
                                f"{victim.gpu_page_ids!r} != page table {req.gpu_page_ids}")
@@ -319,10 +359,12 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
     """Mutates phases (-> LOADING), page tables, the GPU pool, stats; starts async loads."""
     if not plan.loads:
         return
-    _check_unique("MigrationPlan.loads", [load.uuid for load in plan.loads])
+    if len(plan.loads) > 1:  # one load is named once; if its id cannot be one, the lookup below says so
+        _check_unique("MigrationPlan.loads", [load.uuid for load in plan.loads])
     requests = target.state.requests
     for i, load in enumerate(plan.loads):
-        req = requests.get(load.uuid)
+        req = requests.get(load.uuid) if type(load.uuid) is str else _request(
+            target, f"MigrationPlan.loads[{i}].uuid", load.uuid, (SWAPPED,))
         if req is None or req.phase is not SWAPPED:
             _request(target, f"MigrationPlan.loads[{i}].uuid", load.uuid, (SWAPPED,))  # raises, naming why
         if load.host_page_ids != req.host_page_ids:
@@ -345,6 +387,31 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
         target.state.stats.loads += 1
 
 
+def _check_left_out(plan: AllocPlan, request: AllocRequest, needing: set[str]) -> Set[str]:
+    """The requests ``plan`` leaves out; PlanRejected unless it grants or leaves out each request of ``needing``
+    once and names no other. Pure."""
+    granted_uuids = _uuid_set("AllocPlan.grants[{}].uuid", plan.grants, _GRANT_UUID)
+    if len(granted_uuids) != len(plan.grants):
+        _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
+    for i, grant in enumerate(plan.grants):
+        if grant.uuid not in needing:
+            raise PlanRejected(f"AllocPlan.grants[{i}].uuid", f"{grant.uuid!r} is not a scheduled request that needs pages")
+    left_out = (_uuid_set("AllocPlan.not_fitting[{}].uuid", plan.not_fitting, _UUID) if plan.not_fitting
+                else _NONE_LEFT_OUT)
+    if len(left_out) != len(plan.not_fitting):
+        _check_unique("AllocPlan.not_fitting", [d.uuid for d in plan.not_fitting])  # raises, naming them
+    if not (left_out <= needing and left_out.isdisjoint(granted_uuids)):
+        i, uuid = next((i, d.uuid) for i, d in enumerate(plan.not_fitting)
+                       if d.uuid not in needing or d.uuid in granted_uuids)
+        raise PlanRejected(f"AllocPlan.not_fitting[{i}].uuid",
+                           f"{uuid!r} is not a scheduled request that needs pages, or is also granted")
+    if len(left_out) + len(granted_uuids) != len(needing):
+        missing = [uuid for uuid in request.needing.uuids if uuid not in left_out and uuid not in granted_uuids]
+        raise PlanRejected("AllocPlan.grants", f"scheduled requests {missing} need pages and are neither granted "
+                                               f"them nor left out")
+    return left_out
+
+
 def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -> list[str]:
     """Mutates page tables, the GPU pool, admitted phases (-> RUNNING); returns the served uuids.
 
@@ -360,35 +427,21 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
                                                     f"free GPU pages, the target is at step {state.step} with "
                                                     f"{target.gpu_kv.pages.num_free}")
     needing = set(request.needing.uuids)
-    granted_uuids = _uuid_set("AllocPlan.grants[{}].uuid", plan.grants, _GRANT_UUID)
-    if len(granted_uuids) != len(plan.grants):
-        _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
+    if plan.not_fitting or len(needing) != len(plan.grants) or tuple(map(_GRANT_UUID, plan.grants)) != request.needing.uuids:
+        left_out = _check_left_out(plan, request, needing)  # else: each needing request granted, once, in order
+    else:
+        left_out = _NONE_LEFT_OUT
     page_size, admissible = target.cache_config.page_size, _ADMISSIBLE
     for i, grant in enumerate(plan.grants):  # field names are formatted only on the error paths (hot loop)
-        if grant.uuid not in needing:
-            raise PlanRejected(f"AllocPlan.grants[{i}].uuid", f"{grant.uuid!r} is not a scheduled request that needs pages")
         req = requests.get(grant.uuid)
         if req is None or req.phase not in admissible:
             _request(target, f"AllocPlan.grants[{i}].uuid", grant.uuid, admissible)  # raises, naming the problem
-        need = max(0, pages_for(req.num_tokens, page_size) - len(req.gpu_page_ids))  # as the manager counts it
+        need = -(-req.num_tokens // page_size) - len(req.gpu_page_ids)  # as the manager counts it (pages_for)
         if type(grant.new_page_ids) is not tuple:
             _reject_ids(f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids)
-        if len(grant.new_page_ids) != need:
+        if len(grant.new_page_ids) != (need if need > 0 else 0):
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
-                               f"{len(grant.new_page_ids)} pages granted, {need} needed")
-    left_out = (_uuid_set("AllocPlan.not_fitting[{}].uuid", plan.not_fitting, _UUID) if plan.not_fitting
-                else _NONE_LEFT_OUT)
-    if len(left_out) != len(plan.not_fitting):
-        _check_unique("AllocPlan.not_fitting", [d.uuid for d in plan.not_fitting])  # raises, naming them
-    if not (left_out <= needing and left_out.isdisjoint(granted_uuids)):
-        i, uuid = next((i, d.uuid) for i, d in enumerate(plan.not_fitting)
-                       if d.uuid not in needing or d.uuid in granted_uuids)
-        raise PlanRejected(f"AllocPlan.not_fitting[{i}].uuid",
-                           f"{uuid!r} is not a scheduled request that needs pages, or is also granted")
-    if len(left_out) + len(granted_uuids) != len(needing):
-        missing = [uuid for uuid in request.needing.uuids if uuid not in left_out and uuid not in granted_uuids]
-        raise PlanRejected("AllocPlan.grants", f"scheduled requests {missing} need pages and are neither granted "
-                                               f"them nor left out")
+                               f"{len(grant.new_page_ids)} pages granted, {max(0, need)} needed")
     _take_pages(target.gpu_kv, plan.grants, "AllocPlan.grants[{}].new_page_ids")  # grants are (uuid, ids) pairs
     for grant in plan.grants:
         req = target.state.edit(grant.uuid)

@@ -51,14 +51,6 @@ def load_failure_reason(error: str) -> str:
     return f"load failed: {error}"
 
 
-def _split(page_ids: list[int], sizes: list[int]) -> list[tuple[int, ...]]:
-    out, start = [], 0
-    for size in sizes:
-        out.append(tuple(page_ids[start:start + size]))
-        start += size
-    return out
-
-
 class KVCacheManager:
     def __init__(self, *, gpu_kv: GpuKvBackend, host_kv: HostKvBackend):
         self._gpu_kv = gpu_kv
@@ -103,10 +95,17 @@ class KVCacheManager:
                 chosen.append((i, TO_RECOMPUTE))
         if not chosen:
             return EvictionPlan(())
-        host_sizes = [len(running.gpu_page_ids[i]) if d is TO_HOST else 0 for i, d in chosen]
-        host_ids = _split(self._host_kv.peek_free_pages(sum(host_sizes)), host_sizes)
-        return EvictionPlan(tuple(Victim(running.uuids[i], d, running.gpu_page_ids[i], h)
-                                  for (i, d), h in zip(chosen, host_ids)))
+        host_ids = self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)
+        victims, start = [], 0
+        for i, destination in chosen:
+            page_ids = running.gpu_page_ids[i]
+            if destination is TO_HOST:
+                end = start + len(page_ids)
+                victims.append(Victim(running.uuids[i], TO_HOST, page_ids, tuple(host_ids[start:end])))
+                start = end
+            else:
+                victims.append(Victim(running.uuids[i], TO_RECOMPUTE, page_ids, ()))
+        return EvictionPlan(tuple(victims))
 
     def plan_migration(self, req: MigrationRequest) -> MigrationPlan:
         snapshot, swapped = req.snapshot, req.swapped
@@ -128,10 +127,14 @@ class KVCacheManager:
             free -= num_pages
         if not chosen:
             return MigrationPlan(())
-        sizes = [len(swapped.host_page_ids[i]) for i in chosen]
-        gpu_ids = _split(self._gpu_kv.peek_free_pages(sum(sizes)), sizes)
-        return MigrationPlan(tuple(LoadStart(swapped.uuids[i], g, swapped.host_page_ids[i])
-                                   for i, g in zip(chosen, gpu_ids)))
+        gpu_ids = self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)
+        loads, start = [], 0
+        for i in chosen:
+            host_page_ids = swapped.host_page_ids[i]
+            end = start + len(host_page_ids)
+            loads.append(LoadStart(swapped.uuids[i], tuple(gpu_ids[start:end]), host_page_ids))
+            start = end
+        return MigrationPlan(tuple(loads))
 
     def plan_allocation(self, req: AllocRequest) -> AllocPlan:
         snapshot, needing = req.snapshot, req.needing
