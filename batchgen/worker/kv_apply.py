@@ -232,19 +232,22 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
             raise PlanRejected("PollPlan.steps", f"covers {sorted(uuids)}, observed {sorted(observed)}")
     requests = target.state.requests
     for i, step in enumerate(plan.steps):  # field names are formatted only on the error paths
-        req = requests.get(step.uuid)
+        uuid, action = step.uuid, step.action
+        req = requests.get(uuid)
         if req is None or req.phase is not LOADING:
-            _request(target, f"PollPlan.steps[{i}].uuid", step.uuid, (LOADING,))  # raises, naming why
-        if type(step.action) is not PollAction:
-            _reject_member(f"PollPlan.steps[{i}].action", step.action, PollAction)
-        if step.action is COMPLETE and observed[step.uuid] is not None:
-            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load failed; cannot complete")
-        if step.action is not COMPLETE and observed[step.uuid] is None:
-            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} load completed; nothing to {step.action.value}")
-        if step.action is RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
-            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{step.uuid!r} has no retries left")
-        if step.action is FAIL and (type(step.reason) is not str or not step.reason):
-            raise PlanRejected(f"PollPlan.steps[{i}].reason", f"failing {step.uuid!r} needs a reason (a non-empty str), "
+            _request(target, f"PollPlan.steps[{i}].uuid", uuid, (LOADING,))  # raises, naming why
+        if action is COMPLETE:
+            if observed[uuid] is not None:
+                raise PlanRejected(f"PollPlan.steps[{i}].action", f"{uuid!r} load failed; cannot complete")
+            continue
+        if type(action) is not PollAction:
+            _reject_member(f"PollPlan.steps[{i}].action", action, PollAction)
+        if observed[uuid] is None:
+            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{uuid!r} load completed; nothing to {action.value}")
+        if action is RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
+            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{uuid!r} has no retries left")
+        if action is FAIL and (type(step.reason) is not str or not step.reason):
+            raise PlanRejected(f"PollPlan.steps[{i}].reason", f"failing {uuid!r} needs a reason (a non-empty str), "
                                                                f"not {step.reason!r}")
     stats = target.state.stats
     for step in plan.steps:
@@ -279,10 +282,11 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
 
 def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
     """Mutates requests (removed), outputs, both pools, pending appends."""
-    _check_unique("ReleasePlan.released", plan.released)
+    if len(plan.released) > 1:  # one request is named once; if its id cannot be one, the lookup below says so
+        _check_unique("ReleasePlan.released", plan.released)
     requests = target.state.requests
     for i, uuid in enumerate(plan.released):
-        req = requests.get(uuid)
+        req = requests.get(uuid) if type(uuid) is str else None
         if req is None or req.phase not in DONE_PHASES:
             _request(target, f"ReleasePlan.released[{i}]", uuid, DONE_PHASES)  # raises, naming why
     if plan.drop_pending_append_ids != plan.released:  # else checked above (the manager drops every released one)
@@ -317,10 +321,9 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
         return
     if len(plan.victims) > 1:  # one victim is named once; if its id cannot be one, the lookup below says so
         _check_unique("EvictionPlan.victims", [v.uuid for v in plan.victims])
-    requests = target.state.requests
+    requests, to_host = target.state.requests, False
     for i, victim in enumerate(plan.victims):  # field names are formatted only on the error paths
-        req = requests.get(victim.uuid) if type(victim.uuid) is str else _request(
-            target, f"EvictionPlan.victims[{i}].uuid", victim.uuid, (RUNNING,))
+        req = requests.get(victim.uuid) if type(victim.uuid) is str else None
         if req is None or req.phase is not RUNNING:
             _request(target, f"EvictionPlan.victims[{i}].uuid", victim.uuid, (RUNNING,))  # raises, naming why
         if victim.gpu_page_ids is not req.gpu_page_ids and (  # the page table itself: equal, and a tuple of ints
@@ -336,8 +339,10 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
         if len(victim.host_page_ids) != want:
             raise PlanRejected(f"EvictionPlan.victims[{i}].host_page_ids",
                                f"{len(victim.host_page_ids)} pages for {want} GPU pages")
-    _take_pages(target.host_kv, [(v.uuid, v.host_page_ids) for v in plan.victims],
-                "EvictionPlan.victims[{}].host_page_ids")
+        to_host = to_host or victim.destination is TO_HOST
+    if to_host:  # else no host page is named (checked above)
+        _take_pages(target.host_kv, [(v.uuid, v.host_page_ids) for v in plan.victims],
+                    "EvictionPlan.victims[{}].host_page_ids")
     stats = target.state.stats
     for victim in plan.victims:
         req = target.state.edit(victim.uuid)
@@ -363,8 +368,7 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
         _check_unique("MigrationPlan.loads", [load.uuid for load in plan.loads])
     requests = target.state.requests
     for i, load in enumerate(plan.loads):
-        req = requests.get(load.uuid) if type(load.uuid) is str else _request(
-            target, f"MigrationPlan.loads[{i}].uuid", load.uuid, (SWAPPED,))
+        req = requests.get(load.uuid) if type(load.uuid) is str else None
         if req is None or req.phase is not SWAPPED:
             _request(target, f"MigrationPlan.loads[{i}].uuid", load.uuid, (SWAPPED,))  # raises, naming why
         if load.host_page_ids != req.host_page_ids:

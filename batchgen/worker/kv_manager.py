@@ -26,6 +26,7 @@ from batchgen.worker.kv_plans import (
 # Enum members as module constants: ``PollAction.X`` is a class attribute lookup of ~0.1 us on Python 3.11.
 COMPLETE, RETRY, FAIL, RECOMPUTE_LOAD = PollAction.COMPLETE, PollAction.RETRY, PollAction.FAIL, PollAction.RECOMPUTE
 TO_HOST, TO_RECOMPUTE = Destination.HOST, Destination.RECOMPUTE
+NO_VICTIMS, NO_LOADS = EvictionPlan(()), MigrationPlan(())  # plans are immutable: the empty ones are shared
 
 
 def eviction_watermark_pages(snapshot: KvSnapshot) -> int:
@@ -77,7 +78,7 @@ class KVCacheManager:
         snapshot, running = req.snapshot, req.running
         page_size = snapshot.geometry.page_size
         if not running.uuids:
-            return EvictionPlan(())
+            return NO_VICTIMS
         demand = total_decode_demand(running, page_size)
         free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
         watermark = eviction_watermark_pages(snapshot)
@@ -94,7 +95,7 @@ class KVCacheManager:
             else:
                 chosen.append((i, TO_RECOMPUTE))
         if not chosen:
-            return EvictionPlan(())
+            return NO_VICTIMS
         host_ids = self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)
         victims, start = [], 0
         for i, destination in chosen:
@@ -110,7 +111,7 @@ class KVCacheManager:
     def plan_migration(self, req: MigrationRequest) -> MigrationPlan:
         snapshot, swapped = req.snapshot, req.swapped
         if not swapped.uuids:
-            return MigrationPlan(())
+            return NO_LOADS
         demand = total_decode_demand(req.running, snapshot.geometry.page_size)
         num_active = len(req.running.uuids) + req.num_loading
         free = snapshot.num_free_gpu_pages
@@ -126,7 +127,7 @@ class KVCacheManager:
             num_active += 1
             free -= num_pages
         if not chosen:
-            return MigrationPlan(())
+            return NO_LOADS
         gpu_ids = self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)
         loads, start = [], 0
         for i in chosen:
