@@ -67,7 +67,8 @@ def swapped_columns(scope: Sequence[RequestState]) -> SwappedColumns:
 
 
 class PlanKvPath:
-    """The KV ops through :class:`KVCacheManager` plans, applied to ``target``."""
+    """The KV ops through :class:`KVCacheManager` plans, applied to ``target``. Its one piece of state between
+    ops is what an evict leaves for the migrate that follows it (``_evicted``); every other op drops it."""
 
     name = "plan"
 
@@ -96,7 +97,9 @@ class PlanKvPath:
         return EvictionRequest(self.snapshot(), page_columns([r for r in requests if r.phase is RUNNING]))
 
     def migration_request(self) -> MigrationRequest:
-        """Columns of the SWAPPED requests, and of the RUNNING ones (their decode demand) when any is SWAPPED."""
+        """Columns of the SWAPPED requests, and of the RUNNING ones (their decode demand) when any is SWAPPED:
+        right after an evict, that eviction's, less its victims, when :func:`running_after` can vouch for
+        them. Takes what evict kept (mutates ``_evicted``)."""
         evicted, self._evicted = self._evicted, None
         requests = self.target.state.requests.values()
         swapped = [r for r in requests if r.phase is SWAPPED]
