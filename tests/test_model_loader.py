@@ -212,6 +212,24 @@ def test_mistral_sliding_window_is_rejected_and_a_null_one_loads(tmp_path):
     load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("where", ["top level", "rope_parameters"])
+def test_partial_rotary_embedding_is_rejected_and_a_factor_of_one_loads(tmp_path, where):
+    write_checkpoint(tmp_path)
+
+    def config(factor):
+        if where == "top level":
+            return dict(HF_CONFIG, partial_rotary_factor=factor)
+        return dict(HF_CONFIG, rope_parameters={"rope_type": "default", "partial_rotary_factor": factor})
+
+    key = "partial_rotary_factor" if where == "top level" else "rope_parameters.partial_rotary_factor"
+    for factor in (0.5, "1", True):
+        (tmp_path / "config.json").write_text(json.dumps(config(factor)))
+        assert f"{key} {factor!r} is not supported; allowed: 1 or null" in load_error(str(tmp_path))
+    for factor in (1, 1.0, None):
+        (tmp_path / "config.json").write_text(json.dumps(config(factor)))
+        load_model(str(tmp_path))
+
+
 def test_non_silu_activation_is_rejected(tmp_path):
     write_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(dict(HF_CONFIG, hidden_act="gelu")))

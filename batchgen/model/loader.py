@@ -153,6 +153,11 @@ def _normalised_hf_config(raw: dict, path: Path) -> dict:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ModelLoadError(f"{path}: rope_type {rope_type!r} is not supported; allowed: 'default' (unscaled RoPE)")
+    for key, factor in (("partial_rotary_factor", raw.get("partial_rotary_factor")),
+                        (f"{rope_key}.partial_rotary_factor", rope.get("partial_rotary_factor"))):
+        if factor is not None and not (type(factor) in (int, float) and factor == 1):
+            raise ModelLoadError(f"{path}: {key} {factor!r} is not supported; allowed: 1 or null (RoPE on every "
+                                 f"dimension of a head)")
     if "rope_theta" not in raw and "rope_theta" in rope:
         return {**raw, "rope_theta": rope["rope_theta"]}
     return raw
