@@ -108,6 +108,20 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
     assert_weights_equal(load_model(str(tmp_path)), tensors)
 
 
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path):
+    tensors = reference_tensors(HF_CONFIG)
+    names = list(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:7], "model-00002-of-00002.safetensors": names[6:]}
+    for shard, shard_names in shards.items():
+        save_file({name: tensors[name] for name in shard_names}, tmp_path / shard)
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    assert load_error(str(tmp_path)) == (
+        f"{tmp_path / 'model-00002-of-00002.safetensors'}: tensor {names[6]} is also in "
+        f"model-00001-of-00002.safetensors; each tensor must be in exactly one safetensors file")
+
+
 def test_tied_embeddings_share_one_parameter(tmp_path):
     tensors = write_checkpoint(tmp_path, dict(HF_CONFIG, tie_word_embeddings=True))
     assert "lm_head.weight" not in tensors

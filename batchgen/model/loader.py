@@ -206,12 +206,17 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors header names of weig
 
 
 def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in ``files``, read from the headers only; rejects non-float tensors."""
-    shapes = {}
+    """Name -> shape of every tensor in ``files``, read from the headers only; rejects non-float tensors, and a
+    tensor found in two files (which one the model would get is not defined)."""
+    shapes, found_in = {}, {}
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
+                    if name in found_in:
+                        raise ModelLoadError(f"{file}: tensor {name} is also in {found_in[name].name}; each tensor "
+                                             f"must be in exactly one safetensors file")
+                    found_in[name] = file
                     header = reader.get_slice(name)
                     if header.get_dtype() not in FLOAT_DTYPES:
                         raise ModelLoadError(f"{file}: tensor {name} has dtype {header.get_dtype()}; "
