@@ -96,27 +96,27 @@ def test_directory_checkpoint_loads_every_tensor(tmp_path):
     assert_weights_equal(load_model(str(tmp_path)), tensors)
 
 
+def write_two_shards(directory, tensors: dict, first: slice, second: slice) -> None:
+    """config.json, two shards holding the tensors at ``first`` and ``second`` (in order), and their index."""
+    names = list(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[first], "model-00002-of-00002.safetensors": names[second]}
+    for shard, shard_names in shards.items():
+        save_file({name: tensors[name] for name in shard_names}, directory / shard)
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps(HF_CONFIG))
+
+
 def test_sharded_checkpoint_loads_through_its_index(tmp_path):
     tensors = reference_tensors(HF_CONFIG)
-    names = list(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[:7], "model-00002-of-00002.safetensors": names[7:]}
-    for shard, shard_names in shards.items():
-        save_file({name: tensors[name] for name in shard_names}, tmp_path / shard)
-    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    write_two_shards(tmp_path, tensors, slice(None, 7), slice(7, None))
     assert_weights_equal(load_model(str(tmp_path)), tensors)
 
 
 def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path):
     tensors = reference_tensors(HF_CONFIG)
+    write_two_shards(tmp_path, tensors, slice(None, 7), slice(6, None))
     names = list(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[:7], "model-00002-of-00002.safetensors": names[6:]}
-    for shard, shard_names in shards.items():
-        save_file({name: tensors[name] for name in shard_names}, tmp_path / shard)
-    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
     assert load_error(str(tmp_path)) == (
         f"{tmp_path / 'model-00002-of-00002.safetensors'}: tensor {names[6]} is also in "
         f"model-00001-of-00002.safetensors; each tensor must be in exactly one safetensors file")
