@@ -637,6 +637,17 @@ def test_report_md_is_appended_to_the_github_step_summary(logs, capsys, monkeypa
     assert summary.read_text() == "## earlier step\n" + markdown
 
 
+@pytest.mark.parametrize("which, verdict", [(0, 0), (1, 1)], ids=["clean", "buggy"])
+def test_report_whose_step_summary_cannot_be_appended_warns_and_keeps_its_verdict(logs, capsys, monkeypatch,
+                                                                                  tmp_path, which, verdict):
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))  # a directory: cannot be appended to
+    assert main(["report", str(logs[which]), "--format", "md"]) == verdict
+    captured = capsys.readouterr()
+    assert captured.out.startswith("#")  # the report itself, written first
+    assert captured.err.splitlines()[-1] == (f"batchgen: warning: $GITHUB_STEP_SUMMARY={tmp_path}: cannot append "
+                                             f"the report: Is a directory")
+
+
 def test_report_without_step_summary_variable_writes_no_summary(logs, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
     monkeypatch.chdir(tmp_path)

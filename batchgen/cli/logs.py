@@ -36,7 +36,7 @@ def add_report_command(commands) -> None:
                         help="divergence log files, merged in the order given (a file named twice is read once)")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
-                             "when it is set), junit (XML, a test case per workload and op) or json "
+                             "when it is set, with a warning if it cannot be), junit (XML, a test case per workload and op) or json "
                              "(default: %(default)s)")
     parser.add_argument("--out", metavar="FILE", default=None,
                         help="write the report to FILE, replaced atomically, instead of stdout (default: stdout)")
@@ -103,6 +103,8 @@ def _write_out(path: str, text: str) -> None:
 
 
 def _append_step_summary(markdown: str) -> None:
+    """Append ``markdown`` to the file ``$GITHUB_STEP_SUMMARY`` names, if set; a warning when it cannot (the
+    report is written already, and its verdict stays the exit status)."""
     path = os.environ.get(STEP_SUMMARY_ENV)
     if not path:
         return
@@ -110,7 +112,7 @@ def _append_step_summary(markdown: str) -> None:
         with open(path, "a", encoding="utf-8") as summary:
             summary.write(markdown)
     except OSError as error:
-        raise UsageError(f"${STEP_SUMMARY_ENV}={path}: cannot append the report: {error.strerror}") from None
+        _print_warnings([f"${STEP_SUMMARY_ENV}={path}: cannot append the report: {error.strerror or error}"])
 
 
 # ---- replay and minimize -----------------------------------------------------------------------
