@@ -36,8 +36,8 @@ def add_report_command(commands) -> None:
                         help="divergence log files, merged in the order given (a file named twice is read once)")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
-                             "when it is set, with a warning if it cannot be), junit (XML, a test case per workload and op) or json "
-                             "(default: %(default)s)")
+                             "when it is set, with a warning if it cannot be), junit (XML, a test case per workload "
+                             "and op) or json (default: %(default)s)")
     parser.add_argument("--out", metavar="FILE", default=None,
                         help="write the report to FILE, replaced atomically, instead of stdout (default: stdout)")
     parser.set_defaults(handler=_report)

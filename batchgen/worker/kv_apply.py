@@ -402,7 +402,8 @@ def _check_left_out(plan: AllocPlan, request: AllocRequest, needing: set[str]) -
         _check_unique("AllocPlan.grants", [g.uuid for g in plan.grants])  # raises, naming the grants
     for i, grant in enumerate(plan.grants):
         if grant.uuid not in needing:
-            raise PlanRejected(f"AllocPlan.grants[{i}].uuid", f"{grant.uuid!r} is not a scheduled request that needs pages")
+            raise PlanRejected(f"AllocPlan.grants[{i}].uuid",
+                               f"{grant.uuid!r} is not a scheduled request that needs pages")
     left_out = (_uuid_set("AllocPlan.not_fitting[{}].uuid", plan.not_fitting, _UUID) if plan.not_fitting
                 else _NONE_LEFT_OUT)
     if len(left_out) != len(plan.not_fitting):
@@ -434,7 +435,8 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
                                                     f"free GPU pages, the target is at step {state.step} with "
                                                     f"{target.gpu_kv.pages.num_free}")
     needing = set(request.needing.uuids)
-    if plan.not_fitting or len(needing) != len(plan.grants) or tuple(map(_GRANT_UUID, plan.grants)) != request.needing.uuids:
+    if (plan.not_fitting or len(needing) != len(plan.grants)
+            or tuple(map(_GRANT_UUID, plan.grants)) != request.needing.uuids):
         left_out = _check_left_out(plan, request, needing)  # else: each needing request granted, once, in order
     else:
         left_out = _NONE_LEFT_OUT
