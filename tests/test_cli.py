@@ -321,10 +321,12 @@ def test_an_option_beats_the_environment(capsys, monkeypatch, tmp_path):
      "batchgen: error: BATCHGEN_WORKER_KV_COMPARE='yes' is invalid (Input should be 'off', 'log' or 'raise'); "
      "allowed: off, log, raise"),
 ], ids=["unknown-name", "bad-value"])
-def test_a_bad_gate_environment_exits_2_naming_the_variable(capsys, monkeypatch, environment, message):
+@pytest.mark.parametrize("argv", [["run", "--workload", "smoke"], ["validate"]], ids=["run", "validate"])
+def test_a_bad_gate_environment_exits_2_naming_the_variable(capsys, monkeypatch, environment, message, argv):
+    """``validate`` ignores the gates it is given, but a broken environment still stops it (before any model)."""
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    assert main(["run", "--workload", "smoke"]) == 2
+    assert main(argv) == 2
     assert error_line(capsys) == message
 
 

@@ -96,6 +96,21 @@ def test_validate_compares_both_directions_and_the_aa_check_and_finds_no_diverge
     assert report["reports"] == {kind: str(reports / name) for kind, name in REPORT_FILES.items()}
 
 
+def test_validate_names_each_gate_variable_it_ignores_and_runs_its_own_gates(
+        two_pressure_workloads, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_PATH", "legacy")
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE_LOG", str(tmp_path / "mine.jsonl"))
+    assert main(["validate", "--json", "--reports-dir", str(tmp_path / "reports")]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("batchgen: warning:")]
+    assert warnings == [f"batchgen: warning: validate sets its own KV gates and ignores "
+                        f"BATCHGEN_WORKER_KV_PATH=legacy, BATCHGEN_WORKER_KV_COMPARE_LOG={tmp_path / 'mine.jsonl'} "
+                        f"(batchgen run applies them)"]
+    report = one_json_object(captured.out)
+    assert report["directions"] == ["legacy/plan", "plan/legacy", "plan/plan"] and report["ok"]
+    assert not (tmp_path / "mine.jsonl").exists()
+
+
 def test_validate_writes_the_log_and_three_reports_rendered_from_it(two_pressure_workloads, tmp_path, capsys):
     reports = tmp_path / "reports"
     reports.mkdir()
