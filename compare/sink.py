@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 import warnings
 import weakref
@@ -201,10 +202,20 @@ def read_logs(paths: Iterable[str | Path]) -> LogReadResult:
 def write_atomic(path: str | Path, text: str) -> None:
     """Replace `path` with `text` (UTF-8) so readers see the old file or the new, never half.
 
-    Writes a temp file in the same directory, flushes and fsyncs it, then `os.replace`s it.
-    Creates parent directories.
+    Writes a temp file in the same directory, flushes and fsyncs it, then `os.replace`s it; an
+    existing file keeps its permission bits (a new one gets 0644). Creates parent directories.
+    A symlink is followed: its target is replaced, the link stays. Something that is not a regular
+    file (`/dev/null`, `/dev/stdout`, a FIFO) cannot be replaced and is written through instead.
     """
-    path = Path(path)
+    path = Path(os.path.realpath(path))
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = stat.S_IFREG | 0o644
+    if not stat.S_ISREG(mode):
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(text)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -212,7 +223,7 @@ def write_atomic(path: str | Path, text: str) -> None:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())
-        os.chmod(temp, 0o644)
+        os.chmod(temp, stat.S_IMODE(mode))
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)

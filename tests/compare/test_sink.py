@@ -3,9 +3,11 @@ import json
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -317,3 +319,37 @@ def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypa
         write_atomic(path, "new")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["report.md"]
+
+
+def test_write_atomic_keeps_an_existing_files_permissions(tmp_path):
+    path = tmp_path / "report.md"
+    write_atomic(path, "old")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    path.chmod(0o600)
+    write_atomic(path, "new")
+    assert (path.read_text(), stat.S_IMODE(path.stat().st_mode)) == ("new", 0o600)
+
+
+def test_write_atomic_replaces_a_symlinks_target_and_keeps_the_link(tmp_path):
+    target, link = tmp_path / "real.md", tmp_path / "link.md"
+    target.write_text("old")
+    link.symlink_to(target)
+    write_atomic(link, "new")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.md", "real.md"]
+
+
+def test_write_atomic_writes_through_what_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()))
+    reader.start()
+    write_atomic(fifo, "through the pipe")
+    reader.join(timeout=10)
+    assert received == ["through the pipe"]
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)  # still the FIFO, not a regular file put in its place
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
+    write_atomic("/dev/null", "discarded")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
