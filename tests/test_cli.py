@@ -241,6 +241,31 @@ def test_a_closed_stdout_ends_the_command_with_one_line_not_a_traceback(output):
     assert stderr.splitlines()[-1] == "batchgen: stdout was closed before all output was written"
 
 
+@pytest.mark.parametrize("output", [["--json"], []], ids=["json", "table"])
+def test_an_unwritable_stdout_ends_the_command_with_one_line_and_exit_1(output):
+    """``batchgen run > /dev/full``: the result cannot be written (as on a full disk)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
+    with open("/dev/full", "w") as full:
+        child = subprocess.run([sys.executable, "-m", "batchgen", "run", "--workload", "smoke", *output],
+                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+                               env={**env, "OMP_NUM_THREADS": "1"})
+    assert child.returncode == 1
+    assert "Traceback" not in child.stderr and "Exception ignored" not in child.stderr
+    assert child.stderr.splitlines()[-1] == ("batchgen: cannot write to stdout: No space left on device; files "
+                                             "written are whole")
+
+
+def test_stdout_closed_from_the_start_is_refused_before_any_work():
+    """``batchgen run >&-``: the result would vanish and the exit status say 0."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
+    child = subprocess.run([sys.executable, "-m", "batchgen", "run", "--workload", "L2-4096", "--json"],
+                           stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1),
+                           env={**env, "OMP_NUM_THREADS": "1"})
+    assert child.returncode == 2
+    assert child.stderr.splitlines() == ["batchgen: error: stdout is closed; batchgen writes its results there "
+                                         "(redirect it, to /dev/null if they are not wanted)"]
+
+
 @pytest.mark.parametrize("delay_s", [0.3, 2.0], ids=["while-importing", "while-running"])
 def test_ctrl_c_ends_the_command_with_one_line_from_the_first_moment(delay_s):
     """SIGINT while the CLI still imports torch and the engine, and while it runs: exit 130, no traceback."""

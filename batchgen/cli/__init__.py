@@ -12,8 +12,9 @@ A subcommand is a module (``run``, ``validate``, ``logs``) with an
 ``add_<name>_command`` (declares its flags, shares ``common``'s) and a handler
 ``args -> exit code``.
 Exit codes: 0 done (report: no divergence; replay: reproduced), 1 failed
-(validation failed, divergences found, not reproduced, stdout closed early), 2 bad input (one
-``batchgen: error:`` line on stderr naming what was wrong and what is allowed).
+(validation failed, divergences found, not reproduced, stdout closed early or unwritable), 2 bad
+input (one ``batchgen: error:`` line on stderr naming what was wrong and what is allowed; stdout
+closed from the start is one too).
 Progress and warnings go to stderr, results to stdout; ``--json`` prints
 exactly one JSON object.
 """
@@ -59,8 +60,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help (0), or a usage error already printed (2)
         return int(exit_request.code or 0)
+    if sys.stdout is None:  # started with stdout closed (`>&-`): results would vanish and the exit say 0
+        print("batchgen: error: stdout is closed; batchgen writes its results there (redirect it, to /dev/null "
+              "if they are not wanted)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    stdout, sys.stdout = sys.stdout, _CheckedStdout(sys.stdout)
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # a write that fails (a full disk behind a redirect) fails here, not after exit
+        return code
     except INPUT_ERRORS as error:
         print(f"batchgen: error: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -71,6 +79,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
         print("batchgen: stdout was closed before all output was written", file=sys.stderr)
         return EXIT_FAILED
+    except StdoutWriteError as error:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+        print(f"batchgen: cannot write to stdout: {error.strerror or error}; files written are whole",
+              file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        sys.stdout = stdout
+
+
+class StdoutWriteError(OSError):
+    """A write to stdout failed with something other than a closed pipe (a full disk behind a redirect)."""
+
+
+class _CheckedStdout:
+    """``stream`` (stdout), whose failed writes raise :class:`StdoutWriteError`: an OSError from anywhere else
+    stays what it is. A closed pipe stays BrokenPipeError."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise StdoutWriteError(error.errno, error.strerror) from error
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise StdoutWriteError(error.errno, error.strerror) from error
 
 
 def build_parser() -> argparse.ArgumentParser:
