@@ -355,6 +355,23 @@ def test_a_bad_gate_environment_exits_2_naming_the_variable(capsys, monkeypatch,
     assert error_line(capsys) == message
 
 
+def test_a_bad_gate_variable_is_refused_even_where_an_option_overrides_it(capsys, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_PATH", "shadow")
+    assert main(["run", "--workload", "smoke", "--kv-path", "plan"]) == 2
+    assert error_line(capsys) == ("batchgen: error: BATCHGEN_WORKER_KV_PATH='shadow' is invalid (Input should be "
+                                  "'plan' or 'legacy'); allowed: plan, legacy")
+
+
+def test_compare_settings_given_while_compare_is_off_are_named_in_a_warning(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE_OPS", "alloc")
+    assert main(["run", "--workload", "smoke", "--json", "--kv-compare-log", str(tmp_path / "kv.jsonl")]) == 0
+    captured = capsys.readouterr()
+    assert one_json_object(captured.out)["kv_compare"] == "off" and not (tmp_path / "kv.jsonl").exists()
+    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    assert warnings == ["batchgen: warning: compare mode is off, so --kv-compare-log, BATCHGEN_WORKER_KV_COMPARE_OPS "
+                        "are ignored and no divergence log is written (--kv-compare log or raise turns it on)"]
+
+
 def test_compare_mode_reports_steps_compared_per_op_and_divergences(capsys, tmp_path):
     log = tmp_path / "kv.jsonl"
     summary = run_json(capsys, "--kv-path", "legacy", "--kv-compare", "log", "--kv-compare-log", str(log))

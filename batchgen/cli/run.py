@@ -101,8 +101,13 @@ def _fault_grammar() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+COMPARE_SETTINGS = ("compare_sample", "compare_log", "compare_ops")  # read only while compare mode is on
+
+
 def _run(args: argparse.Namespace) -> int:
-    gate = gate_config(os.environ, {field: getattr(args, f"kv_{field}") for field in GATE_FLAGS})
+    cli = {field: getattr(args, f"kv_{field}") for field in GATE_FLAGS}
+    gate = gate_config(os.environ, cli)
+    _warn_unused_compare_settings(gate, cli)
     injector = FaultInjector(FaultSpec.parse(args.faults)) if args.faults is not None else None
     model = model_from_args(args)
     workload = load_workload(args.workload, seed=args.seed, scale=args.scale, vocab_size=model.config.vocab_size)
@@ -163,6 +168,17 @@ def _stopped(args: argparse.Namespace, workload: str, reason: str, message: str)
     if args.json:
         print(json.dumps({"workload": workload, "stopped": reason, "message": message}))
     return EXIT_FAILED
+
+
+def _warn_unused_compare_settings(gate: KvGateConfig, cli: dict[str, object]) -> None:
+    """A warning on stderr naming each compare setting given (option or variable) while compare mode is off."""
+    if gate.compare != "off":
+        return
+    given = [GATE_FLAGS[field][1] if cli[field] is not None else GATE_FLAGS[field][0] for field in COMPARE_SETTINGS
+             if cli[field] is not None or GATE_FLAGS[field][0] in os.environ]
+    if given:
+        print(f"batchgen: warning: compare mode is off, so {', '.join(given)} {'is' if len(given) == 1 else 'are'} "
+              f"ignored and no divergence log is written (--kv-compare log or raise turns it on)", file=sys.stderr)
 
 
 def _engine_config(engine, args: argparse.Namespace):

@@ -12,7 +12,7 @@ BATCHGEN_WORKER_KV_LOAD_FAILURE      recompute, fail       (engine: recompute)  
 ==================================== ===================== ===================== ===========================================
 
 Precedence: default < environment < CLI option. An unknown name in the family
-(a typo) or a bad value raises :class:`GateError` naming the variable, the
+(a typo) or a bad value (in the environment even where an option overrides it) raises :class:`GateError` naming the variable, the
 allowed values and the closest valid name. The legacy path module is imported
 only when a path named "legacy" is built (``kv_path_class``).
 """
@@ -96,11 +96,18 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
     for field, (env, _, _) in GATE_FLAGS.items():
         if env in environ:
             values[field], sources[field] = environ[env], env
+    _validated(values, sources)  # a bad value in the environment is refused even where an option overrides it
     for field, value in (cli or {}).items():
         if field not in GATE_FLAGS:
             raise GateError(f"unknown gate option {field!r}; known: {', '.join(GATE_FLAGS)}")
         if value is not None:
             values[field], sources[field] = value, GATE_FLAGS[field][1]
+    return _validated(values, sources)
+
+
+def _validated(values: Mapping[str, object], sources: Mapping[str, str]) -> KvGateConfig:
+    """``KvGateConfig(**values)``, or GateError naming the first bad value's source (variable or option), the
+    allowed values and the closest one."""
     try:
         return KvGateConfig(**values)
     except ValidationError as exc:
