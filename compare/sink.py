@@ -67,10 +67,16 @@ class JsonlSink:
 
     def open(self) -> None:
         """Open the file now (the first write does otherwise), creating it and its parent directories: an
-        unwritable path fails here, before any work. OSError when it cannot be opened."""
+        unwritable path fails here, before any work. OSError when it cannot be opened; RecordError, the file
+        untouched, when it is not empty and not a log (its first line is no record)."""
         if self._fd is None:
             self._fd = self._open()
             self._closer = weakref.finalize(self, os.close, self._fd)
+            try:
+                self._check_is_a_log()
+            except RecordError:
+                self.close()
+                raise
             self._end_last_line()
 
     def close(self) -> None:
@@ -95,6 +101,27 @@ class JsonlSink:
     def _open(self) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _check_is_a_log(self) -> None:
+        """RecordError unless the file is empty or its first line is a JSON object with a ``schema_version`` (a
+        record, maybe of a newer version), or, alone and without its newline, a first write cut short
+        (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would change it. Pure."""
+        first, offset = b"", 0
+        while b"\n" not in first:
+            block = os.pread(self._fd, 1 << 16, offset)
+            if not block:
+                break
+            first, offset = first + block, offset + len(block)
+        line, newline, _ = first.partition(b"\n")
+        if not line and not newline or not newline and _is_torn(line):
+            return
+        try:
+            data = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            data = None
+        if not (isinstance(data, dict) and "schema_version" in data):
+            raise RecordError(f"{self.path}: not a divergence log (its first line is no record), so nothing is "
+                              f"appended to it; name a new file or an existing log")
 
     def _end_last_line(self) -> None:
         """Make the file end in a newline: a last line without one is cut off with a warning if it is torn

@@ -372,6 +372,16 @@ def test_compare_settings_given_while_compare_is_off_are_named_in_a_warning(caps
                         "are ignored and no divergence log is written (--kv-compare log or raise turns it on)"]
 
 
+def test_a_compare_log_path_naming_a_file_that_is_no_log_exits_2_and_leaves_it(capsys, tmp_path):
+    workload = tmp_path / "smoke.json"
+    workload.write_text(builtin_workload("smoke", scale=0.25).model_dump_json())
+    before = workload.read_bytes()
+    assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log", str(workload)]) == 2
+    assert error_line(capsys) == (f"batchgen: error: {workload}: not a divergence log (its first line is no "
+                                  f"record), so nothing is appended to it; name a new file or an existing log")
+    assert workload.read_bytes() == before
+
+
 def test_compare_mode_reports_steps_compared_per_op_and_divergences(capsys, tmp_path):
     log = tmp_path / "kv.jsonl"
     summary = run_json(capsys, "--kv-path", "legacy", "--kv-compare", "log", "--kv-compare-log", str(log))

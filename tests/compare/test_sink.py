@@ -213,9 +213,10 @@ def test_keeps_a_whole_last_line_without_a_newline_that_is_no_valid_record(tmp_p
 
 def test_keeps_a_last_line_without_a_newline_nesting_too_deeply_to_parse(tmp_path, recwarn):
     path = tmp_path / "log.jsonl"
-    path.write_text("[" * 100_000)
+    first = make_record(0).model_dump_json() + "\n"
+    path.write_text(first + "[" * 100_000)
     write_log(path, [make_record(1)])
-    assert path.read_text() == "[" * 100_000 + "\n" + make_record(1).model_dump_json() + "\n"
+    assert path.read_text() == first + "[" * 100_000 + "\n" + make_record(1).model_dump_json() + "\n"
     assert not [w for w in recwarn if "cut short" in str(w.message)]
 
 
@@ -353,3 +354,26 @@ def test_write_atomic_writes_through_what_is_not_a_regular_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
     write_atomic("/dev/null", "discarded")
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+@pytest.mark.parametrize("content", ['{"name": "smoke", "requests": []}\n', "# notes\nno newline at the end",
+                                     "[" * 100_000 + "\n"], ids=["workload", "text", "deep-json"])
+def test_a_file_that_is_no_log_is_refused_and_left_as_it_was(tmp_path, content):
+    path = tmp_path / "workload.json"
+    path.write_text(content)
+    sink = JsonlSink(path)
+    with pytest.raises(RecordError, match=r"workload.json: not a divergence log \(its first line is no record\), so "
+                                          r"nothing is appended to it; name a new file or an existing log"):
+        sink.write(make_record(0))
+    assert path.read_text() == content
+    with pytest.raises(RecordError):
+        sink.open()
+    assert path.read_text() == content
+
+
+def test_a_log_cut_short_in_its_first_write_is_still_a_log(tmp_path, recwarn):
+    path = tmp_path / "log.jsonl"
+    path.write_text(make_record(0).model_dump_json()[:40])
+    write_log(path, [make_record(1)])
+    assert path.read_text() == make_record(1).model_dump_json() + "\n"
+    assert [w for w in recwarn if "cut short" in str(w.message)]
