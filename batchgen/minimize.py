@@ -23,6 +23,7 @@ that runs it in compare mode ``raise`` and fails until the bug is fixed.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -344,7 +345,26 @@ def write_regression(result: MinimizeResult, workload_path: str | Path, test_pat
     (``test_no_<slug>_divergence``), and runs the tiny model: KV decisions depend
     on the workload alone while the model emits no EOS (the tiny one has none).
     """
-    workload_path, test_path = Path(workload_path), Path(test_path)
+    for path, text in _regression_files(result, Path(workload_path), Path(test_path)).items():
+        write_atomic(path, text)
+
+
+def write_regression_into(out_dir: str | Path, result: MinimizeResult) -> tuple[Path, Path]:
+    """:func:`write_regression` into ``out_dir`` as ``<slug>.json`` and ``test_kv_<slug>.py``, or with ``_2``,
+    ``_3``... when those files hold another regression (one with the same signature from another record or
+    direction): nothing is overwritten but the same files again. Returns the workload and test paths."""
+    out_dir, slug = Path(out_dir), result.signature.slug
+    for number in itertools.count(1):
+        name = slug if number == 1 else f"{slug}_{number}"
+        workload_path, test_path = out_dir / f"{name}.json", out_dir / f"test_kv_{name}.py"
+        files = _regression_files(result, workload_path, test_path)
+        if all(not path.exists() or path.read_text(encoding="utf-8") == text for path, text in files.items()):
+            write_regression(result, workload_path, test_path)
+            return workload_path, test_path
+
+
+def _regression_files(result: MinimizeResult, workload_path: Path, test_path: Path) -> dict[Path, str]:
+    """The text of the workload file and of the test file :func:`write_regression` writes. Pure."""
     relative = Path(os.path.relpath(workload_path.resolve(), test_path.resolve().parent)).as_posix()
     signature = result.signature
     source = _TEST_TEMPLATE.format(
@@ -356,8 +376,7 @@ def write_regression(result: MinimizeResult, workload_path: str | Path, test_pat
         shadow_path_literal=json.dumps(result.shadow_path),  # a JSON string is a Python string literal
         faults_literal=json.dumps(result.faults) if result.faults is not None else "None",
     )
-    write_atomic(workload_path, result.workload.model_dump_json(indent=2) + "\n")
-    write_atomic(test_path, source)
+    return {workload_path: result.workload.model_dump_json(indent=2) + "\n", test_path: source}
 
 
 def _comment(text: str) -> str:

@@ -1,4 +1,5 @@
 import ast
+import dataclasses
 import importlib.util
 import json
 
@@ -9,6 +10,7 @@ from compare import DivergenceError, DivergenceRecord, read_log
 from batchgen.config import TINY_MODELS
 from batchgen.minimize import (
     DivergenceSignature, NotReproduced, minimize_divergence, recorded_workload, write_regression,
+    write_regression_into,
 )
 from batchgen.model.null_model import NullModel
 from batchgen.runner import run_workload
@@ -138,6 +140,21 @@ def test_the_written_regression_test_fails_until_the_bug_is_fixed(tmp_path, monk
         getattr(module, name)(tmp_path)
     monkeypatch.undo()
     getattr(module, name)(tmp_path)
+
+
+def test_a_regression_with_the_same_signature_from_another_direction_gets_its_own_files(tmp_path, monkeypatch):
+    reversed_grants(monkeypatch)
+    result = minimize_divergence(first_divergence(tmp_path), make_worker=null_worker)
+    out_dir, slug = tmp_path / "minimized", result.signature.slug
+    assert write_regression_into(out_dir, result) == (out_dir / f"{slug}.json", out_dir / f"test_kv_{slug}.py")
+    first = {path.name: path.read_text() for path in out_dir.iterdir()}
+    assert write_regression_into(out_dir, result) == (out_dir / f"{slug}.json", out_dir / f"test_kv_{slug}.py")
+    assert {path.name: path.read_text() for path in out_dir.iterdir()} == first  # the same one again: rewritten
+    other = dataclasses.replace(result, kv_path=result.shadow_path, shadow_path=result.kv_path)
+    assert write_regression_into(out_dir, other) == (out_dir / f"{slug}_2.json", out_dir / f"test_kv_{slug}_2.py")
+    assert {path.name: path.read_text() for path in out_dir.iterdir() if path.name in first} == first
+    assert f'"{slug}_2.json"' in (out_dir / f"test_kv_{slug}_2.py").read_text()
+    assert f"KvGateConfig(path={json.dumps(other.kv_path)}," in (out_dir / f"test_kv_{slug}_2.py").read_text()
 
 
 def generated_test(test_path, module_name):

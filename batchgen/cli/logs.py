@@ -11,7 +11,7 @@ from pathlib import Path
 
 from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.report import headline, render_json, render_junit, render_markdown, render_text
-from batchgen.minimize import NotReproduced, minimize_divergence, recorded_run, write_regression
+from batchgen.minimize import NotReproduced, minimize_divergence, recorded_run, write_regression_into
 from batchgen.replay import ReplayOutcome, replay_record
 from batchgen.cli.common import UsageError, make_directory, non_negative_int, positive_int
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
@@ -168,16 +168,17 @@ def _minimize(args: argparse.Namespace) -> int:
     if not replay.get("workload_source"):
         raise UsageError(f"{args.log}: divergence record {args.index} names no workload_source to minimize")
     original, _, _ = recorded_run(record)  # a payload the search cannot use fails before --out-dir is made
+    made_out_dir = not Path(args.out_dir).exists()
     make_directory("--out-dir", args.out_dir)  # before the search, which takes minutes
     print(f"minimizing record {args.index} of {count} in {args.log}: {_record_title(record)}", file=sys.stderr)
     try:
         result = minimize_divergence(record, max_tests=args.max_tests)
     except NotReproduced as error:
+        if made_out_dir:  # nothing was written into it
+            Path(args.out_dir).rmdir()
         print(f"batchgen: not reproduced: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_FAILED
-    slug = result.signature.slug
-    workload_path, test_path = Path(args.out_dir) / f"{slug}.json", Path(args.out_dir) / f"test_kv_{slug}.py"
-    write_regression(result, workload_path, test_path)
+    workload_path, test_path = write_regression_into(args.out_dir, result)
     minimal = result.workload.requests
     print(f"{result.signature.op} {result.signature.kind} divergence ({', '.join(result.signature.field_paths) or '-'})"
           f": requests {len(original.requests)} -> {len(minimal)}, new tokens "
