@@ -1,25 +1,36 @@
 """``python -m batchgen`` and the ``batchgen`` console script.
 
 The CLI (``batchgen.cli``) imports torch and the engine, about a second on a CPU machine;
-Ctrl-C in that second ends the command the way it does later: one line, exit 130.
+Ctrl-C in that second ends the command the way it does later: one line, exit 130. SIGTERM
+raises :class:`Terminated` (a KeyboardInterrupt) from the first moment too: the same cleanup,
+one line, exit 143.
 """
 
+import signal
 import sys
 
-from batchgen.exit_codes import EXIT_INTERRUPTED
+from batchgen.exit_codes import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         from batchgen.cli import main as run_command
+    except Terminated:
+        print("batchgen: terminated", file=sys.stderr)
+        code = EXIT_TERMINATED
     except KeyboardInterrupt:
         print("batchgen: interrupted", file=sys.stderr)
         code = EXIT_INTERRUPTED
     else:
         code = run_command()
-    if code == EXIT_INTERRUPTED:
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
         _forget_caught_interrupt()
     return code
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated("SIGTERM")
 
 
 def _forget_caught_interrupt() -> None:

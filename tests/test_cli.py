@@ -280,6 +280,28 @@ def test_ctrl_c_ends_the_command_with_one_line_from_the_first_moment(delay_s):
     assert stderr.splitlines()[-1] == "batchgen: interrupted"
 
 
+@pytest.mark.parametrize("delay_s", [0.3, 5.0], ids=["while-importing", "while-running"])
+def test_sigterm_ends_the_command_like_ctrl_c_with_exit_143(delay_s, tmp_path):
+    """``timeout`` or a CI runner stops a job with SIGTERM: the same cleanup as Ctrl-C (the log ends with the
+    run's summary), one line, exit 143."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
+    log = tmp_path / "kv.jsonl"
+    child = subprocess.Popen([sys.executable, "-m", "batchgen", "run", "--workload", "L2-4096", "--scale", "3",
+                              "--kv-path", "legacy", "--kv-compare", "log", "--kv-compare-log", str(log)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**env, "OMP_NUM_THREADS": "1"})
+    time.sleep(delay_s)
+    child.send_signal(signal.SIGTERM)
+    stderr = child.stderr.read().decode()
+    assert child.wait(timeout=300) == 143
+    assert "Traceback" not in stderr
+    assert stderr.splitlines()[-1] == "batchgen: terminated"
+    summaries = [record for record in read_log(log).records if isinstance(record, RunSummary)] if log.exists() else []
+    if delay_s > 1:  # the run had started (~2 s of imports and set-up): its summary ends the log
+        assert [summary.stopped_by for summary in summaries] == ["Terminated: SIGTERM"]
+    else:
+        assert summaries == []
+
+
 INTERRUPT_IN_STRING_EXEC = {  # a probe module, run with ``python -m``, that runs ``python -m batchgen run``
     "while-importing": """
 import builtins

@@ -14,7 +14,7 @@ A subcommand is a module (``run``, ``validate``, ``logs``) with an
 Exit codes: 0 done (report: no divergence; replay: reproduced), 1 failed
 (validation failed, divergences found, not reproduced, stdout closed early or unwritable), 2 bad
 input (one ``batchgen: error:`` line on stderr naming what was wrong and what is allowed; stdout
-closed from the start is one too).
+closed from the start is one too), 130 Ctrl-C, 143 SIGTERM (both after the same cleanup).
 Progress and warnings go to stderr, results to stdout; ``--json`` prints
 exactly one JSON object.
 """
@@ -31,7 +31,7 @@ from batchgen.cli.common import UsageError
 from batchgen.cli.logs import RENDERERS, add_minimize_command, add_replay_command, add_report_command
 from batchgen.cli.run import add_run_command
 from batchgen.cli.validate import add_validate_command
-from batchgen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
+from batchgen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
 from batchgen.minimize import MinimizeError
 from batchgen.model.loader import ModelLoadError
 from batchgen.replay import ReplayError
@@ -72,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except INPUT_ERRORS as error:
         print(f"batchgen: error: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Terminated:  # SIGTERM, under the entry point: the same cleanup as Ctrl-C
+        print("batchgen: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:  # what was written is complete: logs end in whole records, reports are atomic
         print("batchgen: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
