@@ -266,35 +266,33 @@ def test_stdout_closed_from_the_start_is_refused_before_any_work():
                                          "(redirect it, to /dev/null if they are not wanted)"]
 
 
+def signalled_run(flags: list[str], signum: int, delay_s: float) -> tuple[int, str]:
+    """``python -m batchgen run FLAGS`` sent ``signum`` after ``delay_s``: its exit code and stderr."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
+    child = subprocess.Popen([sys.executable, "-m", "batchgen", "run", *flags],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**env, "OMP_NUM_THREADS": "1"})
+    time.sleep(delay_s)
+    child.send_signal(signum)
+    stderr = child.stderr.read().decode()
+    code = child.wait(timeout=300)
+    assert "Traceback" not in stderr
+    return code, stderr.splitlines()[-1]
+
+
 @pytest.mark.parametrize("delay_s", [0.3, 2.0], ids=["while-importing", "while-running"])
 def test_ctrl_c_ends_the_command_with_one_line_from_the_first_moment(delay_s):
     """SIGINT while the CLI still imports torch and the engine, and while it runs: exit 130, no traceback."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
-    child = subprocess.Popen([sys.executable, "-m", "batchgen", "run", "--workload", "L2-4096"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**env, "OMP_NUM_THREADS": "1"})
-    time.sleep(delay_s)
-    child.send_signal(signal.SIGINT)
-    stderr = child.stderr.read().decode()
-    assert child.wait(timeout=300) == 130
-    assert "Traceback" not in stderr
-    assert stderr.splitlines()[-1] == "batchgen: interrupted"
+    assert signalled_run(["--workload", "L2-4096"], signal.SIGINT, delay_s) == (130, "batchgen: interrupted")
 
 
 @pytest.mark.parametrize("delay_s", [0.3, 5.0], ids=["while-importing", "while-running"])
 def test_sigterm_ends_the_command_like_ctrl_c_with_exit_143(delay_s, tmp_path):
     """``timeout`` or a CI runner stops a job with SIGTERM: the same cleanup as Ctrl-C (the log ends with the
     run's summary), one line, exit 143."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
     log = tmp_path / "kv.jsonl"
-    child = subprocess.Popen([sys.executable, "-m", "batchgen", "run", "--workload", "L2-4096", "--scale", "3",
-                              "--kv-path", "legacy", "--kv-compare", "log", "--kv-compare-log", str(log)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**env, "OMP_NUM_THREADS": "1"})
-    time.sleep(delay_s)
-    child.send_signal(signal.SIGTERM)
-    stderr = child.stderr.read().decode()
-    assert child.wait(timeout=300) == 143
-    assert "Traceback" not in stderr
-    assert stderr.splitlines()[-1] == "batchgen: terminated"
+    flags = ["--workload", "L2-4096", "--scale", "3", "--kv-path", "legacy", "--kv-compare", "log",
+             "--kv-compare-log", str(log)]
+    assert signalled_run(flags, signal.SIGTERM, delay_s) == (143, "batchgen: terminated")
     summaries = [record for record in read_log(log).records if isinstance(record, RunSummary)] if log.exists() else []
     if delay_s > 1:  # the run had started (~2 s of imports and set-up): its summary ends the log
         assert [summary.stopped_by for summary in summaries] == ["Terminated: SIGTERM"]
