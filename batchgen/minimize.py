@@ -29,7 +29,7 @@ import os
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -63,6 +63,9 @@ class WorkerFactory(Protocol):
 
     def __call__(self, workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str,
                  faults: FaultInjector | None) -> Worker: ...
+
+
+TestCallback = Callable[[int, "int | None"], None]  # (candidates run, fewest requests of one that diverged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +110,12 @@ def tiny_worker_factory() -> WorkerFactory:
 
 
 def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory | None = None,
-                        max_tests: int = 400) -> MinimizeResult:
+                        max_tests: int = 400, on_test: TestCallback | None = None) -> MinimizeResult:
     """Delta-debug the record's workload down to a minimal one with the same divergence.
 
     Runs at most ``max_tests`` candidate workloads (ddmin warns when the budget
-    ends a pass early). Raises NotReproduced when the full workload does not
+    ends a pass early), calling ``on_test(num_tests, smallest)`` after each (``smallest``: the fewest requests
+    of a candidate that diverged so far, None before one has). Raises NotReproduced when the full workload does not
     diverge as recorded, MinimizeError (ReplayError for its KV paths) when the record's payload is not usable.
     Writes only temporary logs, removed before it returns.
     """
@@ -121,7 +125,8 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
     signature = DivergenceSignature.of(record)
     with tempfile.TemporaryDirectory(prefix="batchgen-minimize-") as log_dir:
         search = _Search(signature, make_worker or tiny_worker_factory(), kv_path, shadow_path,
-                         Path(log_dir), replay["workload_source"], scale, faults, min_steps=record.step + 1)
+                         Path(log_dir), replay["workload_source"], scale, faults, min_steps=record.step + 1,
+                         on_test=on_test)
         if not search.fails(workload):
             raise NotReproduced(
                 f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed {record.seed}, "
@@ -211,7 +216,8 @@ class _Search:
     """Runs candidate workloads and remembers each verdict. Mutates only itself and its log dir."""
 
     def __init__(self, signature: DivergenceSignature, make_worker: WorkerFactory, kv_path: str, shadow_path: str,
-                 log_dir: Path, source: str, scale: float, faults: FaultSpec | None, *, min_steps: int = 0):
+                 log_dir: Path, source: str, scale: float, faults: FaultSpec | None, *, min_steps: int = 0,
+                 on_test: TestCallback | None = None):
         self.signature = signature
         self.make_worker = make_worker
         self.kv_path, self.shadow_path = kv_path, shadow_path
@@ -219,6 +225,8 @@ class _Search:
         self.faults = faults
         self.min_steps = min_steps  # steps the recorded run took to diverge: a candidate may take as many
         self.num_tests = 0
+        self.smallest: int | None = None  # the fewest requests of a candidate that diverged
+        self.on_test = on_test
         self._verdicts: dict[str, bool] = {}
 
     def fails(self, workload: Workload) -> bool:
@@ -257,6 +265,10 @@ class _Search:
             worker.kv_compare.sink.close()
         seen = seen or self._logged(log)
         log.unlink(missing_ok=True)
+        if seen and (self.smallest is None or len(workload.requests) < self.smallest):
+            self.smallest = len(workload.requests)
+        if self.on_test is not None:
+            self.on_test(self.num_tests, self.smallest)
         return seen
 
     def _logged(self, log: Path) -> bool:

@@ -105,7 +105,10 @@ class JsonlSink:
     def _check_is_a_log(self) -> None:
         """RecordError unless the file is empty or its first line is a JSON object with a ``schema_version`` (a
         record, maybe of a newer version), or, alone and without its newline, a first write cut short
-        (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would change it. Pure."""
+        (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would change it; what
+        is not a regular file (``/dev/full``, a FIFO) is not read. Pure."""
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            return
         first, offset = b"", 0
         while b"\n" not in first:
             block = os.pread(self._fd, 1 << 16, offset)

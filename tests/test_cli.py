@@ -21,7 +21,7 @@ import torch
 from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
 from batchgen import runner
 from batchgen.cli import main
-from batchgen.cli.logs import UNENDED
+from batchgen.cli.logs import EMPTY, UNENDED
 from batchgen.worker import kv_manager
 from batchgen.worker.kv_gate import ENV_PREFIX
 from batchgen.worker.kv_plans import AllocPlan, PageGrant
@@ -140,8 +140,9 @@ def run_json(capsys, *flags: str) -> dict:
 def test_run_that_cannot_progress_exits_1_naming_the_stall(compare, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(runner, "MAX_IDLE_STEPS", 300)
     log = tmp_path / "log.jsonl"
+    log_flags = ["--kv-compare-log", str(log)] if compare == "log" else []
     assert main(["run", "--workload", "smoke", "--faults", "seed=1,gpu_refuse=1", "--json", "--kv-compare", compare,
-                 "--kv-compare-log", str(log)]) == 1
+                 *log_flags]) == 1
     if compare == "log":  # the stalled run still closes its compare log with a summary
         [summary] = read_log(log).records
         assert isinstance(summary, RunSummary) and summary.workload == "smoke" and summary.divergences == {}
@@ -496,11 +497,11 @@ def error_line(capsys) -> str:
      "batchgen: error: unknown model name 'llama3'; known names: tiny, llama2-7b-geometry; or pass an HF-format "
      "model directory (config.json + *.safetensors)"),
     (["run", "--workload", "smoke", "--scale", "-1"],
-     "batchgen: error: argument --scale: must be a finite number > 0, got '-1' (see 'batchgen run --help')"),
+     "batchgen: error: argument --scale: must be a number in (0, 1000], got '-1' (see 'batchgen run --help')"),
     (["run", "--workload", "smoke", "--scale", "nan"],
-     "batchgen: error: argument --scale: must be a finite number > 0, got 'nan' (see 'batchgen run --help')"),
+     "batchgen: error: argument --scale: must be a number in (0, 1000], got 'nan' (see 'batchgen run --help')"),
     (["validate", "--scale", "0"],
-     "batchgen: error: argument --scale: must be a finite number > 0, got '0' (see 'batchgen validate --help')"),
+     "batchgen: error: argument --scale: must be a number in (0, 1000], got '0' (see 'batchgen validate --help')"),
     (["run", "--workload", "smoke", "--seed", "-3"],
      "batchgen: error: argument --seed: must be an integer >= 0, got '-3' (see 'batchgen run --help')"),
     (["run", "--workload", "smoke", "--dtype", "float64"],
@@ -620,7 +621,7 @@ def test_report_fails_naming_a_log_where_a_run_did_not_end(logs, capsys, tmp_pat
     assert main(["report", str(clean), str(unended), "--format", "json"]) == 1
     captured = capsys.readouterr()
     assert json.loads(captured.out)["num_divergences"] == 0  # the report is still rendered
-    warning = f"batchgen: warning: {unended}: {UNENDED}, so it vouches for nothing compared"
+    warning = f"batchgen: warning: {unended}: {UNENDED if content else EMPTY}, so it vouches for nothing compared"
     assert captured.err.strip().splitlines()[-1] == warning
     assert main(["report", str(buggy), str(unended)]) == 1  # with divergences too
     captured = capsys.readouterr()
@@ -790,6 +791,13 @@ def test_replay_index_out_of_range_exits_2_naming_the_range(logs, capsys):
     assert main(["replay", str(clean), "--index", "0"]) == 2
     assert error_line(capsys) == (f"batchgen: error: {clean}: no divergence record to pick; its 1 records are all run "
                                   f"summaries")
+
+
+def test_report_on_an_empty_log_exits_1_saying_it_holds_no_record(capsys, tmp_path):
+    log = tmp_path / "kv.jsonl"
+    log.write_text("")
+    assert main(["report", str(log)]) == 1
+    assert capsys.readouterr().err == f"batchgen: warning: {log}: {EMPTY}, so it vouches for nothing compared\n"
 
 
 def test_minimize_writes_the_minimal_workload_and_a_regression_test(logs, capsys, monkeypatch, tmp_path):

@@ -142,6 +142,17 @@ def test_the_written_regression_test_fails_until_the_bug_is_fixed(tmp_path, monk
     getattr(module, name)(tmp_path)
 
 
+def test_minimize_reports_each_candidate_and_the_smallest_that_diverged(tmp_path, monkeypatch):
+    reversed_grants(monkeypatch)
+    record = first_divergence(tmp_path)
+    calls = []
+    result = minimize_divergence(record, make_worker=null_worker, on_test=lambda *call: calls.append(call))
+    assert [num_tests for num_tests, _ in calls] == list(range(1, result.num_tests + 1))
+    assert calls[0][1] == len(recorded_workload(record).requests)  # the full workload diverges first
+    smallest = [smallest for _, smallest in calls]
+    assert smallest == sorted(smallest, reverse=True) and smallest[-1] == len(result.workload.requests)
+
+
 def test_a_regression_with_the_same_signature_from_another_direction_gets_its_own_files(tmp_path, monkeypatch):
     reversed_grants(monkeypatch)
     result = minimize_divergence(first_divergence(tmp_path), make_worker=null_worker)

@@ -15,6 +15,7 @@ from rich.table import Table
 from batchgen.config import TINY_MODELS
 from batchgen.model.loader import load_model
 from batchgen.validation import ProgressCallback
+from batchgen.workloads import MAX_SCALE
 
 
 DEVICES = ("cpu", "cuda")
@@ -35,7 +36,9 @@ class UsageError(ValueError):
 
 
 def check_directory(flag: str, path: str) -> None:
-    """UsageError when ``path`` (``flag``'s output directory) or a parent of it is a file. Pure."""
+    """UsageError when ``path`` (``flag``'s output directory) is empty, or it or a parent of it is a file. Pure."""
+    if not path:
+        raise UsageError(f"{flag} is empty; name a directory (. for the current one)")
     directory = Path(path)
     blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
@@ -61,8 +64,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="cpu",
                         help="where the model and the GPU-tier KV pages live (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="dtype of the weights and of the KV pages; it replaces a workload file's cache.dtype "
-                             "(default: %(default)s)")
+                        help="dtype of the weights and of the KV pages (run: it replaces a workload file's "
+                             "cache.dtype) (default: %(default)s)")
     parser.add_argument("--seed", type=seed_int, default=0,
                         help="seeds the built-in model's weights and the built-in workloads' traces "
                              "(default: %(default)s)")
@@ -74,9 +77,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_scale_arg(parser: argparse.ArgumentParser, *, workload_files: bool) -> None:
     """``--scale``; ``workload_files``: whether the command also takes workload files (which it leaves alone)."""
-    parser.add_argument("--scale", type=positive_float, default=1.0,
-                        help="built-in workloads: multiplies the request count (and, above 1, the pools, the arrival "
-                             "waves and max_num_seqs together: more concurrency at the same KV pressure)"
+    parser.add_argument("--scale", type=scale_float, default=1.0, metavar="X",
+                        help=f"built-in workloads: multiplies the request count, in (0, {MAX_SCALE:g}] (and, above 1, "
+                             "the pools, the arrival waves and max_num_seqs together: more concurrency at the same KV "
+                             "pressure)"
                              + ("; ignored for workload files" if workload_files else "") + " (default: %(default)s)")
 
 
@@ -123,13 +127,14 @@ def int_at_least(text: str, minimum: int) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def scale_float(text: str) -> float:
+    """``--scale``: a number in (0, MAX_SCALE], as ``load_workload`` takes it."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+        value = math.nan
+    if not 0 < value <= MAX_SCALE:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number in (0, {MAX_SCALE:g}], got {text!r}")
     return value
 
 

@@ -6,12 +6,16 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.report import headline, render_json, render_junit, render_markdown, render_text
-from batchgen.minimize import NotReproduced, minimize_divergence, recorded_run, write_regression_into
+from batchgen.minimize import NotReproduced, TestCallback, minimize_divergence, recorded_run, write_regression_into
 from batchgen.replay import ReplayOutcome, replay_record
 from batchgen.cli.common import UsageError, make_directory, non_negative_int, positive_int
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
@@ -19,6 +23,7 @@ from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)
 UNENDED = "a run in it did not end (it stopped early, no run summary closes it, or its last line is cut short)"
+EMPTY = "it holds no record (a run that stopped before its summary leaves its log so)"
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -52,7 +57,8 @@ def _report(args: argparse.Namespace) -> int:
     unended = [path for path, result in zip(logs, results) if not _ended(result)]
     report = aggregate(records)
     _print_warnings([warning for result in results for warning in result.warnings])
-    _print_warnings([f"{path}: {UNENDED}, so it vouches for nothing compared" for path in unended])
+    _print_warnings([f"{path}: {UNENDED if result.records else EMPTY}, so it vouches for nothing compared"
+                     for path, result in zip(logs, results) if path in unended])
     text = RENDERERS[args.format](report)
     if args.out is not None:
         _write_out(args.out, text)
@@ -172,7 +178,8 @@ def _minimize(args: argparse.Namespace) -> int:
     make_directory("--out-dir", args.out_dir)  # before the search, which takes minutes
     print(f"minimizing record {args.index} of {count} in {args.log}: {_record_title(record)}", file=sys.stderr)
     try:
-        result = minimize_divergence(record, max_tests=args.max_tests)
+        with _candidate_progress(args.max_tests, len(original.requests)) as on_test:
+            result = minimize_divergence(record, max_tests=args.max_tests, on_test=on_test)
     except NotReproduced as error:
         if made_out_dir:  # nothing was written into it
             Path(args.out_dir).rmdir()
@@ -189,14 +196,31 @@ def _minimize(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@contextmanager
+def _candidate_progress(max_tests: int, num_requests: int) -> Iterator[TestCallback]:
+    """A progress bar on stderr over the candidate workloads minimize runs, naming the smallest that diverged;
+    yields its ``on_test``."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} candidates"),
+                  TimeElapsedColumn(), console=Console(stderr=True)) as progress:
+        task = progress.add_task(f"minimizing {num_requests} requests", total=max_tests)
+
+        def on_test(num_tests: int, smallest: int | None) -> None:
+            shrunk = f"diverges with {smallest} of {num_requests} requests" if smallest is not None else (
+                f"minimizing {num_requests} requests")
+            progress.update(task, completed=num_tests, description=shrunk)
+
+        yield on_test
+
+
 def _divergence_record(log: str, index: int) -> tuple[DivergenceRecord, int]:
     """The ``index``-th divergence record of ``log`` and how many it holds; UsageError when out of range."""
     result = read_log(log)
     _print_warnings(result.warnings)
     records = [record for record in result.records if isinstance(record, DivergenceRecord)]
     if not records:
-        raise UsageError(f"{log}: no divergence record to pick; its {len(result.records)} records are all run "
-                         f"summaries")
+        held = (f"its {len(result.records)} records are all run summaries" if result.records
+                else "it holds no record")
+        raise UsageError(f"{log}: no divergence record to pick; {held}")
     if index >= len(records):
         raise UsageError(f"--index {index} is out of range: {log} holds {len(records)} divergence records, so "
                          f"--index is 0 to {len(records) - 1} (run summaries are not counted)")
