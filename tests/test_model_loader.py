@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from batchgen.config import DTYPE_SIZES, CacheConfig, ModelConfig
 from batchgen.model.llama import LlamaForCausalLM
+from batchgen.model import loader
 from batchgen.model.loader import SUPPORTED_DTYPES, ModelLoadError, load_model
 from batchgen.worker.state import Request, RequestOutput
 from batchgen.worker.worker import Worker
@@ -330,3 +331,46 @@ def test_every_id_of_an_eos_token_id_list_ends_a_request(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(HF_CONFIG, eos_token_id=[other, first])))
     output = generate(load_model(str(tmp_path)))
     assert (output.output_ids, output.finish_reason) == ((first,), "eos")  # the second id ends it too
+
+
+def tiny_weight_bytes(dtype: str) -> int:
+    model = load_model("tiny")
+    return sum(param.numel() for param in model.parameters()) * DTYPE_SIZES[dtype]
+
+
+def test_a_model_larger_than_the_memory_available_is_refused_before_any_weight_is_made(monkeypatch):
+    num_bytes = tiny_weight_bytes("float32")
+    monkeypatch.setattr(loader, "_host_memory_available", lambda: num_bytes - 1)
+    made = []
+    monkeypatch.setattr(loader, "_assign_parameter", lambda *args: made.append(args))
+    with pytest.raises(ModelLoadError) as refused:
+        load_model("tiny")
+    assert str(refused.value) == (
+        f"tiny: not enough memory for its weights ({num_bytes / 2**30:.1f} GiB in float32): "
+        f"{(num_bytes - 1) / 2**30:.1f} GiB is available on cpu; allowed: a smaller model or dtype (--dtype "
+        f"bfloat16 halves float32), or a machine with more memory")
+    assert made == []
+    monkeypatch.undo()
+    half = tiny_weight_bytes("bfloat16")
+    monkeypatch.setattr(loader, "_host_memory_available", lambda: half)
+    assert load_model("tiny", dtype="bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16  # it fits
+
+
+def test_an_allocation_the_cpu_refuses_while_loading_is_a_load_error(monkeypatch):
+    def refused(*args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 4096 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(loader, "_assign_parameter", refused)
+    with pytest.raises(ModelLoadError, match=r"^tiny: not enough memory for its weights \(.* GiB in float32\): "
+                                             r"the CPU allocator refused; allowed: "):
+        load_model("tiny")
+
+
+def test_another_runtime_error_while_loading_is_not_called_a_memory_error(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(loader, "_assign_parameter", broken)
+    with pytest.raises(RuntimeError, match="^something else$"):
+        load_model("tiny")

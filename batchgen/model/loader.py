@@ -51,10 +51,52 @@ def load_model(
         config = _read_config(directory)
         model = _meta_model(config)
         weights = _checkpoint_weights(directory, _expected_shapes(model), config)
-    for name, tensor in weights:
-        _assign_parameter(model, name, tensor.to(device=device, dtype=torch_dtype))
+    num_bytes = sum(math.prod(shape) for shape in _expected_shapes(model).values()) * DTYPE_SIZES[dtype]
+    _check_memory(spec, num_bytes, dtype, torch.device(device))
+    try:
+        for name, tensor in weights:
+            _assign_parameter(model, name, tensor.to(device=device, dtype=torch_dtype))
+    except torch.OutOfMemoryError as error:
+        raise ModelLoadError(_no_memory(spec, num_bytes, dtype, f"the {torch.device(device).type} allocator refused "
+                                                                f"({error})")) from None
+    except RuntimeError as error:
+        if "can't allocate memory" not in str(error):  # the CPU allocator's words for it (a ulimit, say)
+            raise
+        raise ModelLoadError(_no_memory(spec, num_bytes, dtype, "the CPU allocator refused")) from None
     model.tie_weights()
     return model.to(device).requires_grad_(False).eval()
+
+
+def _check_memory(spec: str, num_bytes: int, dtype: str, device: torch.device) -> None:
+    """ModelLoadError when ``device`` has less memory available than the weights take (the OS would kill the
+    process, without a word, part way through). Linux's MemAvailable on the CPU, the free memory on a GPU;
+    no check where neither is known."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        available = torch.cuda.mem_get_info(device)[0]
+    elif device.type == "cpu":
+        available = _host_memory_available()
+    else:
+        return
+    if available is not None and num_bytes > available:
+        raise ModelLoadError(_no_memory(spec, num_bytes, dtype, f"{available / 2**30:.1f} GiB is available on "
+                                                                f"{device.type}"))
+
+
+def _host_memory_available() -> int | None:
+    """Bytes of host memory available (Linux's MemAvailable), or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _no_memory(spec: str, num_bytes: int, dtype: str, why: str) -> str:
+    return (f"{spec}: not enough memory for its weights ({num_bytes / 2**30:.1f} GiB in {dtype}): {why}; "
+            f"allowed: a smaller model or dtype (--dtype bfloat16 halves float32), or a machine with more memory")
 
 
 def _parse_dtype(dtype: str) -> torch.dtype:
