@@ -650,9 +650,10 @@ Every `batchgen` command ends with one of these exit codes:
 | exit | meaning |
 |---|---|
 | 0 | done (`report`: no divergence; `replay`: the divergence reproduced) |
-| 1 | ran, and failed: validation failed, divergences found, a run in a log did not end, a divergence did not reproduce |
+| 1 | ran, and failed: validation failed, divergences found, a run in a log did not end, a divergence did not reproduce, stdout closed early or unwritable |
 | 2 | bad input: nothing ran or was written; stderr is one `batchgen: error:` line saying what was wrong and what is allowed |
 | 130 | interrupted (Ctrl-C): stderr says `batchgen: interrupted`; logs end in whole records, each compare run with its summary |
+| 143 | terminated (SIGTERM: `timeout`, a CI runner cancelling): stderr says `batchgen: terminated`; the same cleanup as Ctrl-C |
 
 The table below lists every bad input the test suite feeds the command and the exact line it prints.
 Paths are relative to the directory the command ran in.
