@@ -5,7 +5,7 @@
 # test reporter.
 #
 # Usage: scripts/ci_divergence_gate.sh [VALIDATE FLAGS...]     e.g. --seed 3, --scale 2
-#   REPORTS_DIR   where the log and reports go (default: reports)
+#   REPORTS_DIR   where the log and reports go (default: reports; --reports-dir is refused: set this)
 #   PYTHON        the interpreter with batchgen installed (default: .venv/bin/python, else python3)
 #
 # Writes REPORTS_DIR/divergences.{jsonl,md,xml,json}. Exits with `batchgen validate`'s status: 0 when
@@ -14,9 +14,15 @@
 # fails the gate too, and a validation that did not finish (its divergences.jsonl.partial left
 # behind) or refused its input renders nothing.
 set -uo pipefail
-case "${1:-}" in
-    -h|--help) sed -n '2,16s/^# \{0,1\}//p' "$0"; exit 0 ;;  # this header; validate's own flags: batchgen validate --help
-esac
+for arg in "$@"; do
+    case "$arg" in
+        -h|--help) sed -n '2,16s/^# \{0,1\}//p' "$0"; exit 0 ;;  # this header; validate's own flags: batchgen validate --help
+        --reports-dir|--reports-dir=*)  # validate would write there while the gate renders REPORTS_DIR's log
+            echo "ci_divergence_gate: set REPORTS_DIR instead of passing --reports-dir (the gate renders the log" \
+                 "it finds there)" >&2
+            exit 2 ;;
+    esac
+done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 REPORTS_DIR=${REPORTS_DIR:-reports}

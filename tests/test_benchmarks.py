@@ -115,6 +115,23 @@ def test_ci_divergence_gate_renders_no_earlier_log_when_validate_refuses_its_fla
     assert done.stdout == "" and not (tmp_path / "divergences.xml").exists()
 
 
+@pytest.mark.parametrize("flags", [["--reports-dir", "elsewhere"], ["--seed", "3", "--reports-dir=elsewhere"]])
+def test_ci_divergence_gate_refuses_reports_dir_which_would_split_what_it_runs_from_what_it_renders(tmp_path, flags):
+    done = subprocess.run([str(SCRIPTS / "ci_divergence_gate.sh"), *flags], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env={**os.environ, "PYTHON": sys.executable,
+                                                         "REPORTS_DIR": str(tmp_path / "reports")})
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == ("ci_divergence_gate: set REPORTS_DIR instead of passing --reports-dir (the gate renders "
+                           "the log it finds there)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ci_divergence_gate_shows_its_help_wherever_the_flag_is():
+    done = subprocess.run([str(SCRIPTS / "ci_divergence_gate.sh"), "--seed", "3", "--help"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHON": "/nonexistent/python"})
+    assert done.returncode == 0 and done.stdout.startswith("CI divergence gate: the back-to-back validation")
+
+
 def test_h20_validate_refuses_a_bad_kv_path_before_anything_runs():
     done = subprocess.run([str(SCRIPTS / "h20_validate.sh"), "--kv-path", "plans"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHON": sys.executable})
