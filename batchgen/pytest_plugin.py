@@ -42,14 +42,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A ``--kv-compare-log`` no worker could write to (a directory, a path under a file) is a usage error, not a
-    GateError in every test that builds a worker."""
+    """A ``--kv-compare-log`` no worker could write to (empty, a directory, a path under a file, a file that is
+    not a divergence log) is a usage error, not an error in every test that builds a worker."""
     option = config.getoption("kv_compare_log")
-    if config.getoption("kv_compare") != "off" and option:
-        try:
-            gate_config({}, {"compare_log": option})
-        except GateError as error:
-            raise pytest.UsageError(str(error)) from None
+    if config.getoption("kv_compare") == "off" or option is None:
+        return
+    if not option:
+        raise pytest.UsageError("--kv-compare-log is empty; name a file (or leave the option out for "
+                                f"{LOG_NAME} in pytest's base temp dir)")
+    from compare import RecordError, check_log_file  # only sessions that log pay for the import
+
+    try:
+        gate_config({}, {"compare_log": option})
+        check_log_file(option)
+    except (GateError, RecordError) as error:
+        raise pytest.UsageError(str(error)) from None
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,7 +9,8 @@ nothing of the code it compares (it never imports `batchgen`).
     observation Observation, Comparison, exception_text  one path's outcome; both compared
     shadow     ShadowExecutor                            run both paths, return the authoritative
     records    DivergenceRecord, RunSummary              the versioned JSON line schema
-    sink       JsonlSink, read_log(s), write_atomic      durable append (LogWriteError), tolerant read
+    sink       JsonlSink, read_log(s), write_atomic      durable append (LogWriteError), tolerant read,
+               check_log_file                            a log or nothing: what JsonlSink appends to
     report     aggregate -> Report, render_*             per op / field path / (workload, op)
     minimize   ddmin                                     shrink a failing input
 
@@ -29,7 +30,8 @@ _MODULES = {
     "compare.shadow": ("DivergenceError", "HarnessWarning", "ShadowExecutor", "ShadowStats"),
     "compare.records": ("SCHEMA_VERSION", "DivergenceRecord", "LogRecord", "RecordError",
                         "RunSummary", "json_schema", "parse_record", "write_json_schema"),
-    "compare.sink": ("JsonlSink", "LogReadResult", "LogWriteError", "read_log", "read_logs", "write_atomic"),
+    "compare.sink": ("JsonlSink", "LogReadResult", "LogWriteError", "check_log_file", "read_log", "read_logs",
+                     "write_atomic"),
     "compare.report": ("Report", "aggregate", "render_json", "render_junit", "render_markdown",
                        "render_text"),
     "compare.minimize": ("ddmin",),

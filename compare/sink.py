@@ -73,7 +73,7 @@ class JsonlSink:
             self._fd = self._open()
             self._closer = weakref.finalize(self, os.close, self._fd)
             try:
-                self._check_is_a_log()
+                _check_is_a_log(self._fd, self.path)
             except RecordError:
                 self.close()
                 raise
@@ -102,30 +102,6 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def _check_is_a_log(self) -> None:
-        """RecordError unless the file is empty or its first line is a JSON object with a ``schema_version`` (a
-        record, maybe of a newer version), or, alone and without its newline, a first write cut short
-        (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would change it; what
-        is not a regular file (``/dev/full``, a FIFO) is not read. Pure."""
-        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
-            return
-        first, offset = b"", 0
-        while b"\n" not in first:
-            block = os.pread(self._fd, 1 << 16, offset)
-            if not block:
-                break
-            first, offset = first + block, offset + len(block)
-        line, newline, _ = first.partition(b"\n")
-        if not line and not newline or not newline and _is_torn(line):
-            return
-        try:
-            data = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            data = None
-        if not (isinstance(data, dict) and "schema_version" in data):
-            raise RecordError(f"{self.path}: not a divergence log (its first line is no record), so nothing is "
-                              f"appended to it; name a new file or an existing log")
-
     def _end_last_line(self) -> None:
         """Make the file end in a newline: a last line without one is cut off with a warning if it is torn
         (a write cut short by a crash, as `read_log` tells), else ended. Mutates the file."""
@@ -138,6 +114,44 @@ class JsonlSink:
             os.ftruncate(self._fd, os.fstat(self._fd).st_size - len(tail))
             return
         os.write(self._fd, b"\n")
+
+
+def check_log_file(path: str | Path) -> None:
+    """RecordError when ``path`` holds something other than a divergence log, which `JsonlSink` would refuse
+    to append to; nothing when it is a log, empty, or absent. Pure."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: a FIFO without a writer must not hang
+    except OSError:
+        return  # absent or unreadable: opening it for appending says what is wrong
+    try:
+        _check_is_a_log(fd, Path(path))
+    finally:
+        os.close(fd)
+
+
+def _check_is_a_log(fd: int, path: Path) -> None:
+    """RecordError unless the file is empty or its first line is a JSON object with a ``schema_version`` (a
+    record, maybe of a newer version), or, alone and without its newline, a first write cut short
+    (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would change it; what
+    is not a regular file (``/dev/full``, a FIFO) is not read. Pure."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return
+    first, offset = b"", 0
+    while b"\n" not in first:
+        block = os.pread(fd, 1 << 16, offset)
+        if not block:
+            break
+        first, offset = first + block, offset + len(block)
+    line, newline, _ = first.partition(b"\n")
+    if not line and not newline or not newline and _is_torn(line):
+        return
+    try:
+        data = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        data = None
+    if not (isinstance(data, dict) and "schema_version" in data):
+        raise RecordError(f"{path}: not a divergence log (its first line is no record), so nothing is "
+                          f"appended to it; name a new file or an existing log")
 
 
 def _is_torn(tail: bytes) -> bool:

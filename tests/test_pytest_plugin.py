@@ -6,7 +6,7 @@ import pytest
 import batchgen.worker.kv_compare  # noqa: F401
 import batchgen.worker.kv_manager  # noqa: F401
 import batchgen.worker.legacy_kv  # noqa: F401
-from compare import DivergenceRecord, read_log
+from compare import DivergenceRecord, RunSummary, read_log
 from batchgen.model.null_model import NullModel  # noqa: F401
 from batchgen.worker.kv_gate import GATE_FLAGS
 from batchgen.worker.worker import Worker  # noqa: F401
@@ -133,9 +133,12 @@ def test_the_summary_counts_this_sessions_divergences_only(buggy, tmp_path):
     assert sum(isinstance(r, DivergenceRecord) for r in read_log(log).records) == 2
 
 
-def test_an_unreadable_log_leaves_the_tests_alone_and_the_summary_says_so(buggy, tmp_path):
+def test_a_log_with_lines_that_are_not_records_leaves_the_tests_alone_and_the_summary_says_so(buggy, tmp_path):
     log = tmp_path / "kv.jsonl"
-    log.write_text('{"not": "a record"}\n')
+    summary = RunSummary(run_id="r", workload="smoke", seed=0, authoritative="plan", shadow="legacy",
+                         steps_compared={"alloc": 1}, divergences={}, harness_errors=0, compare_seconds=0.1,
+                         authoritative_seconds=0.1)
+    log.write_text(summary.model_dump_json() + '\n{"not": "a record"}\n')
     result = buggy.runpytest(*PLUGIN, "--kv-compare=log", f"--kv-compare-log={log}")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([f"kv-compare: divergences go to {log}, which holds lines that are not records*"])
@@ -156,6 +159,23 @@ def test_an_unknown_mode_is_a_usage_error(pytester):
     result = pytester.runpytest(*PLUGIN, "--kv-compare=loud")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--kv-compare: invalid choice: 'loud'*"])
+
+
+@pytest.mark.parametrize("content", ["not a log\n", '{"not": "a record"}\n'], ids=["text", "json"])
+def test_a_compare_log_that_is_no_log_is_a_usage_error_and_left_as_it_was(pytester, tmp_path, content):
+    log = tmp_path / "notes.txt"
+    log.write_text(content)
+    result = pytester.runpytest(*PLUGIN, "--kv-compare=log", f"--kv-compare-log={log}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{log}: not a divergence log (its first line is no record), so nothing is "
+                                 f"appended to it; name a new file or an existing log*"])
+    assert log.read_text() == content
+
+
+def test_an_empty_compare_log_option_is_a_usage_error(pytester):
+    result = pytester.runpytest(*PLUGIN, "--kv-compare=log", "--kv-compare-log=")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-compare-log is empty; name a file*"])
 
 
 @pytest.mark.parametrize("where", ["a directory", "under a file"])
