@@ -97,7 +97,7 @@ from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.legacy_kv import LegacyKvPath
 from batchgen.worker.worker import Worker
 from batchgen.workloads import Workload, WorkloadRequest, builtin_workload
-from output_path import output_path
+from output_path import output_path, write_output
 
 KV_OPS = ("_kv_poll", "_kv_release", "_kv_evict", "_kv_migrate", "_kv_allocate")
 PAGE_SIZE = 16
@@ -140,6 +140,9 @@ def parse_args() -> argparse.Namespace:
         parser.error("--steps must be >= 2, --repeats and --e2e-repeats >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs CUDA, which this machine lacks")
+    if args.json_out and args.md_out and args.json_out.resolve() == args.md_out.resolve():
+        parser.error(f"--json-out and --md-out name the same file ({args.json_out}); the markdown would replace "
+                     f"the JSON")
     return args
 
 
@@ -566,7 +569,7 @@ def profile(size: int, steps: int, seed: int, log: Path) -> None:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)  # the sampler's tiny ops only lose from threads on shared cores
-    console = Console()
+    console = Console(width=160)  # whole tables in a pipe or a CI log too (rich assumes 80 columns there)
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "divergences.jsonl"
         if args.profile is not None:
@@ -603,9 +606,9 @@ def main() -> None:
             "goals": results,
             "per_step": rows,
         }
-        args.json_out.write_text(json.dumps(record, indent=2) + "\n")
+        write_output(args.json_out, json.dumps(record, indent=2) + "\n")
     if args.md_out:
-        args.md_out.write_text("\n".join(to_markdown(table) for table in tables))
+        write_output(args.md_out, "\n".join(to_markdown(table) for table in tables))
 
 
 if __name__ == "__main__":

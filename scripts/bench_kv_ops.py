@@ -47,7 +47,7 @@ from batchgen.model.null_model import NullModel
 from batchgen.worker.kv_gate import KV_OPS, KvGateConfig
 from batchgen.worker.state import Request, WorkerStats
 from batchgen.worker.worker import Worker
-from output_path import output_path
+from output_path import output_path, write_output
 
 PATHS = ("legacy", "plan")
 MIXES = ("decode", "pressure")
@@ -279,7 +279,7 @@ def main() -> None:
     console.print(f"goal plan <= 1.0x legacy at every size: {verdict} "
                   f"(worst {worst['ratio_plan_legacy']:.2f}x: {worst['mix']} x {worst['num_requests']})")
     if args.json_out:
-        args.json_out.write_text(json.dumps({
+        write_output(args.json_out, json.dumps({
             "benchmark": "kv_ops", "machine": machine, "python": platform.python_version(),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "wall_s": round(time.perf_counter() - started, 1), "rows": rows,

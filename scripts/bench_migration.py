@@ -38,7 +38,7 @@ from rich.table import Table
 from batchgen.config import TINY_MODELS
 from batchgen.model.paged_kv import kv_page_shape
 from batchgen.worker.page_copy import copy_pages, new_page_tensor
-from output_path import output_path
+from output_path import output_path, write_output
 
 PAGE_SIZE = 16
 DTYPE = torch.float32
@@ -224,7 +224,7 @@ def main() -> None:
             "seed": args.seed,
             "variants": rows,
         }
-        args.json_out.write_text(json.dumps(record, indent=2) + "\n")
+        write_output(args.json_out, json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

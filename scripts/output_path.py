@@ -1,14 +1,16 @@
-"""``output_path``: the argparse type of the scripts' ``--json-out`` / ``--md-out`` files.
+"""``output_path``: the argparse type of the scripts' ``--json-out`` / ``--md-out`` files, and ``write_output``.
 
 A benchmark writes its figures after a run of minutes; a path it cannot write is
 refused when the arguments are parsed (one ``error:`` line, exit 2), not by a
-traceback at the end.
+traceback at the end; a write that still fails then (a full disk) is one
+``error:`` line and exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 
@@ -24,4 +26,23 @@ def output_path(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"cannot write {text}: no directory {directory}")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: directory {directory} is not writable")
+    existed = path.exists()
+    try:  # os.access says yes to root everywhere, /proc included: try it (a file made for the test is removed)
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {error.strerror or error}") from None
     return path
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (UTF-8); a write that fails ends the script with one ``error:`` line and exit 1
+    (what it measured is in the tables printed above)."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as error:
+        print(f"{Path(sys.argv[0]).name}: error: cannot write {path}: {error.strerror or error} (the figures are "
+              f"in the tables above)", file=sys.stderr)
+        raise SystemExit(1) from None

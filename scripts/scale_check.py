@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from batchgen.worker.kv_gate import KvGateConfig
-from output_path import output_path
+from output_path import output_path, write_output
 from scale_run import KV_PHASES, WORKER_PHASES, ScaleRun, resident_bytes
 from scale_workload import pressure_workload
 
@@ -272,7 +272,7 @@ def main() -> int:
         result = run_mode(args.mode, num_requests=args.requests, num_gpu_pages=args.gpu_pages, num_steps=args.steps,
                           rss_from_step=args.rss_from_step, seed=args.seed, drain_outputs=not args.keep_outputs,
                           profile_top=args.profile)
-        args.json_out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+        write_output(args.json_out, json.dumps(result, indent=1))
         return 0
     results = []
     for mode in args.modes:
@@ -288,7 +288,7 @@ def main() -> int:
                               "cpus": os.cpu_count()},
                   "command": " ".join(["python", "scripts/scale_check.py", *sys.argv[1:]]),
                   "max_rss_ratio": args.max_rss_ratio, "results": results, "failed": failed}
-        args.json_out.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        write_output(args.json_out, json.dumps(report, indent=1))
     print("verdict: " + ("FAIL " + ", ".join(failed) if failed else
                          f"PASS (every RSS ratio <= {args.max_rss_ratio})"))
     return 1 if failed else 0

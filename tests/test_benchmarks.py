@@ -6,6 +6,7 @@ machine does. Both scripts exit non-zero when the paths disagree (``bench_kv_ops
 different counters) or compare mode logs a divergence (``bench_compare``).
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -137,3 +138,30 @@ def test_h20_validate_refuses_a_bad_kv_path_before_anything_runs():
                           timeout=60, env={**os.environ, "PYTHON": sys.executable})
     assert (done.returncode, done.stderr) == (
         2, "h20_validate: --kv-path takes plan or legacy, not 'plans' (see --help)\n")
+
+
+def output_path_module():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import output_path
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return output_path
+
+
+def test_an_output_path_that_cannot_be_created_is_refused_when_parsed_and_nothing_is_left_behind(tmp_path):
+    module = output_path_module()
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^cannot write /proc/figures.json: No such file or "):
+        module.output_path("/proc/figures.json")  # os.access says yes to root here
+    assert module.output_path(str(tmp_path / "figures.json")) == tmp_path / "figures.json"
+    assert list(tmp_path.iterdir()) == []  # the file made to try it is gone
+
+
+def test_a_write_that_fails_at_the_end_is_one_error_line_and_exit_1(capsys, monkeypatch):
+    module = output_path_module()
+    monkeypatch.setattr(sys, "argv", ["bench_kv_ops.py"])
+    with pytest.raises(SystemExit) as ended:
+        module.write_output(Path("/dev/full"), "{}")
+    assert ended.value.code == 1
+    assert capsys.readouterr().err == ("bench_kv_ops.py: error: cannot write /dev/full: No space left on device (the "
+                                       "figures are in the tables above)\n")
