@@ -65,12 +65,15 @@ esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 while read -r name; do unset "$name"; done < <(env | sed -n 's/^\(BATCHGEN_WORKER_KV_[A-Za-z0-9_]*\)=.*/\1/p')
+# The flags as batchgen parses them (its own ranges and messages), before anything runs or is written.
+"$PY" -c 'import sys; from batchgen.cli import build_parser; build_parser().parse_args(sys.argv[1:])' \
+    validate --model "$MODEL" --scale "$SCALE" --seed "$SEED" --reports-dir "$OUT" || exit 2
+mkdir -p "$OUT" 2>/dev/null || { echo "h20_validate: --reports-dir $OUT: cannot create the directory" >&2; exit 2; }
 
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'h20_validate: no CUDA device visible to torch')" \
     || exit 2
 "$PY" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}')"
 echo "model: $MODEL, bfloat16, scale $SCALE, seed $SEED; reports in $OUT/"
-mkdir -p "$OUT"
 common=(--device cuda --model "$MODEL" --dtype bfloat16 --scale "$SCALE" --seed "$SEED")
 start=$(date +%s)
 status=0
@@ -79,7 +82,10 @@ status=0
 validate_status=0
 "$PY" -m batchgen validate "${common[@]}" --reports-dir "$OUT" --json > "$OUT/validate.json" || validate_status=$?
 cat "$OUT/validate.json"
-if [ "$validate_status" -ne 0 ]; then
+if [ "$validate_status" -eq 2 ]; then  # bad input (the model, say): the runs below would refuse it too
+    echo "h20_validate: batchgen validate refused its input (exit 2); nothing else runs" >&2
+    exit 2
+elif [ "$validate_status" -ne 0 ]; then
     echo "h20_validate: batchgen validate exited $validate_status (failures: $OUT/validate.json, $OUT/divergences.md)" >&2
     status=$validate_status
 fi

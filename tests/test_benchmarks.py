@@ -133,6 +133,25 @@ def test_ci_divergence_gate_shows_its_help_wherever_the_flag_is():
     assert done.returncode == 0 and done.stdout.startswith("CI divergence gate: the back-to-back validation")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--scale", "abc"], "batchgen: error: argument --scale: must be a number in (0, 1000], got 'abc' (see 'batchgen "
+                         "validate --help')"),
+    (["--seed", "-1"], "batchgen: error: argument --seed: must be an integer >= 0, got '-1' (see 'batchgen validate "
+                       "--help')"),
+    (["--reports-dir", "{file}/h20"], "h20_validate: --reports-dir {file}/h20: cannot create the directory"),
+], ids=["scale", "seed", "reports-dir-under-a-file"])
+def test_h20_validate_refuses_bad_flags_before_anything_runs_or_is_written(tmp_path, flags, message):
+    (tmp_path / "file").write_text("")
+    reports = tmp_path / "reports"
+    flags = [flag.format(file=tmp_path / "file") for flag in flags]
+    if "--reports-dir" not in flags:
+        flags += ["--reports-dir", str(reports)]
+    done = subprocess.run([str(SCRIPTS / "h20_validate.sh"), *flags], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", message.format(file=tmp_path / "file") + "\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file"]
+
+
 def test_h20_validate_refuses_a_bad_kv_path_before_anything_runs():
     done = subprocess.run([str(SCRIPTS / "h20_validate.sh"), "--kv-path", "plans"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHON": sys.executable})
