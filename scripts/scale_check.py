@@ -241,7 +241,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--keep-outputs", action="store_true",
                         help="leave released outputs in the worker (measures what keeping them costs)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="cProfile the steps; print the top N functions by own time per mode")
+                        help="cProfile the steps; print the top N functions by own time per mode (default 0: no "
+                             "profile)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads in each mode's process (default 1: the null model's tensors "
                              "are tiny, and on busy shared cores a thread pool costs more than it gives)")
@@ -260,8 +261,15 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--profile takes a function count >= 0 (0: no profile), got {args.profile}")
     if args.mode is not None and args.json_out is None:
         parser.error("--mode (internal) needs --json-out")
+    if args.steps < 2:
+        parser.error(f"--steps must be >= 2 (the resident set is compared between two steps), got {args.steps}")
     if not 1 <= args.rss_from_step < args.steps:
         parser.error(f"--rss-from-step must be in [1, --steps), got {args.rss_from_step} with --steps {args.steps}")
+    if args.mode is None:  # once, before the modes' subprocesses start (~2 s at the defaults)
+        try:
+            pressure_workload(args.requests, args.gpu_pages, seed=args.seed)
+        except ValueError as error:
+            parser.error(f"--requests {args.requests} with --gpu-pages {args.gpu_pages}: {error}")
     return args
 
 

@@ -96,6 +96,9 @@ def test_bench_compare_refuses_a_profile_of_no_requests_instead_of_running_the_b
     ("--max-rss-ratio", "0", "--max-rss-ratio must be a positive number, got 0.0"),
     ("--max-rss-ratio", "nan", "--max-rss-ratio must be a positive number, got nan"),
     ("--profile", "-3", "--profile takes a function count >= 0 (0: no profile), got -3"),
+    ("--gpu-pages", "10", "--requests 8 with --gpu-pages 10: 10 GPU pages cannot hold the crowd of 7 requests "
+                          "(17 pages); give more pages or fewer requests"),
+    ("--steps", "1", "--steps must be >= 2 (the resident set is compared between two steps), got 1"),
 ])
 def test_scale_check_refuses_a_size_or_bound_no_run_can_meet(flag, value, error):
     done = subprocess.run([sys.executable, str(SCRIPTS / "scale_check.py"), *TOY_SIZES["scale_check.py"], flag, value],
