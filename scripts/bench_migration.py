@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from batchgen.config import TINY_MODELS
+from batchgen.model.loader import host_memory_available
 from batchgen.model.paged_kv import kv_page_shape
 from batchgen.worker.page_copy import copy_pages, new_page_tensor
 from output_path import output_path, write_output
@@ -71,6 +72,11 @@ def parse_args() -> argparse.Namespace:
         parser.error("--page-kib must be a positive multiple of 4 (one layer of the tiny page is 4 KiB)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs CUDA, which this machine lacks")
+    host_bytes = (4 if args.device == "cpu" else 2) * args.pages * args.page_kib * 1024  # pools of 2 x --pages
+    available = host_memory_available()
+    if available is not None and host_bytes > available:
+        parser.error(f"--pages {args.pages} x --page-kib {args.page_kib} needs {host_bytes / 2**30:.1f} GiB of host "
+                     f"memory for its pools; {available / 2**30:.1f} GiB is available")
     return args
 
 

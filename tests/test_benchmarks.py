@@ -9,6 +9,7 @@ different counters) or compare mode logs a divergence (``bench_compare``).
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,14 @@ def test_bench_migration_refuses_an_empty_batch_or_no_repeats(flag, value):
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (
         2, "bench_migration.py: error: --pages and --repeats must be >= 1"), done.stderr
+
+
+def test_bench_migration_refuses_pools_larger_than_the_memory_available():
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_migration.py"), "--pages", "100000000", "--page-kib",
+                           "4", "--repeats", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert re.fullmatch(r"bench_migration\.py: error: --pages 100000000 x --page-kib 4 needs 1525\.9 GiB of host "
+                        r"memory for its pools; [\d.]+ GiB is available", done.stderr.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("count", ["0", "-2"])

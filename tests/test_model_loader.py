@@ -340,7 +340,7 @@ def tiny_weight_bytes(dtype: str) -> int:
 
 def test_a_model_larger_than_the_memory_available_is_refused_before_any_weight_is_made(monkeypatch):
     num_bytes = tiny_weight_bytes("float32")
-    monkeypatch.setattr(loader, "_host_memory_available", lambda: num_bytes - 1)
+    monkeypatch.setattr(loader, "host_memory_available", lambda: num_bytes - 1)
     made = []
     monkeypatch.setattr(loader, "_assign_parameter", lambda *args: made.append(args))
     with pytest.raises(ModelLoadError) as refused:
@@ -352,7 +352,7 @@ def test_a_model_larger_than_the_memory_available_is_refused_before_any_weight_i
     assert made == []
     monkeypatch.undo()
     half = tiny_weight_bytes("bfloat16")
-    monkeypatch.setattr(loader, "_host_memory_available", lambda: half)
+    monkeypatch.setattr(loader, "host_memory_available", lambda: half)
     assert load_model("tiny", dtype="bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16  # it fits
 
 

@@ -74,7 +74,7 @@ def _check_memory(spec: str, num_bytes: int, dtype: str, device: torch.device) -
     if device.type == "cuda" and torch.cuda.is_available():
         available = torch.cuda.mem_get_info(device)[0]
     elif device.type == "cpu":
-        available = _host_memory_available()
+        available = host_memory_available()
     else:
         return
     if available is not None and num_bytes > available:
@@ -82,7 +82,7 @@ def _check_memory(spec: str, num_bytes: int, dtype: str, device: torch.device) -
                                                                 f"{device.type}"))
 
 
-def _host_memory_available() -> int | None:
+def host_memory_available() -> int | None:
     """Bytes of host memory available (Linux's MemAvailable), or None where /proc/meminfo does not say."""
     try:
         with open("/proc/meminfo") as meminfo:
