@@ -136,6 +136,9 @@ def parse_args() -> argparse.Namespace:
         parser.error("--sizes needs at least one size, each >= 1")
     if args.profile is not None and args.profile < 1:
         parser.error(f"--profile takes a request count >= 1, got {args.profile}")
+    if args.profile is not None and (args.json_out or args.md_out):
+        parser.error("--profile prints a profile and measures nothing else; --json-out and --md-out would stay "
+                     "unwritten: leave them out")
     if args.steps < 2 or args.repeats < 1 or args.e2e_repeats < 1:
         parser.error("--steps must be >= 2, --repeats and --e2e-repeats >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -392,10 +395,13 @@ def summarise_touched(rows: list[dict]) -> list[dict]:
     return out
 
 
-def fit_harness(rows: list[dict]) -> dict:
-    """Least squares: harness per step = a + b * requests alive + c * requests touched (all steps, all N)."""
+def fit_harness(rows: list[dict]) -> dict | None:
+    """Least squares: harness per step = a + b * requests alive + c * requests touched (all steps, all N); None with
+    one size (the requests alive hardly vary: the fixed and per-alive terms cannot be told apart)."""
     import numpy as np
 
+    if len({row["num_requests"] for row in rows}) < 2:
+        return None
     x, y = [], []
     for row in rows:
         for i, touched in enumerate(row["touched"]):
@@ -477,7 +483,7 @@ def verdicts(sizes: list[dict], touched: list[dict], e2e: dict | None) -> dict:
 Rendered = tuple[str, tuple[str, ...], list[tuple[str, ...]]]  # title, columns, rows
 
 
-def report_tables(sizes: list[dict], touched: list[dict], fit: dict, e2e: dict | None, results: dict, steps: int,
+def report_tables(sizes: list[dict], touched: list[dict], fit: dict | None, e2e: dict | None, results: dict, steps: int,
                   repeats: int) -> list[Rendered]:
     tables: list[Rendered] = [(
         f"KV bookkeeping, us per step (mean over {steps} steps of each step's minimum over {repeats} interleaved "
@@ -518,10 +524,11 @@ def report_tables(sizes: list[dict], touched: list[dict], fit: dict, e2e: dict |
                                             "paths' own slow-down on forks)",
              "quiet_floor_growth": "the same for the floor, in-run (diagnostic: the least any compared op costs: "
                                    "fork, both paths, the nothing-written check)"}
+    fitted = ("needs two or more --sizes" if fit is None else
+              f"{fit['fixed_us']:.0f} us + {fit['us_per_alive_request']:.2f} us x alive "
+              f"+ {fit['us_per_touched_request']:.2f} us x touched")
     tables.append((
-        f"Goals (compare harness, least-squares fit over all steps: {fit['fixed_us']:.0f} us"
-        f" + {fit['us_per_alive_request']:.2f} us x alive "
-        f"+ {fit['us_per_touched_request']:.2f} us x touched)",
+        f"Goals (compare harness, least-squares fit over all steps: {fitted})",
         ("goal", "measured", "at", "target", "verdict"),
         [(names[key], f"{v['value']:.2f}x", v["at"], f"<= {v['goal']}x", "met" if v["met"] else "MISSED")
          for key, v in results.items()],

@@ -92,6 +92,23 @@ def test_bench_migration_refuses_pools_larger_than_the_memory_available():
                         r"memory for its pools; [\d.]+ GiB is available", done.stderr.strip().splitlines()[-1])
 
 
+def test_bench_compare_with_one_size_says_the_fit_needs_two(tmp_path):
+    out, md = tmp_path / "compare.json", tmp_path / "compare.md"
+    run_benchmark("bench_compare.py", *TOY_SIZES["bench_compare.py"], "--json-out", str(out), "--md-out", str(md))
+    assert json.loads(out.read_text())["harness_fit"] is None
+    assert "least-squares fit over all steps: needs two or more --sizes" in md.read_text()
+
+
+def test_bench_compare_refuses_profile_with_output_files_it_would_leave_unwritten(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_compare.py"), *TOY_SIZES["bench_compare.py"],
+                           "--profile", "8", "--json-out", str(tmp_path / "figures.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (
+        2, "bench_compare.py: error: --profile prints a profile and measures nothing else; --json-out and --md-out "
+           "would stay unwritten: leave them out")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("count", ["0", "-2"])
 def test_bench_compare_refuses_a_profile_of_no_requests_instead_of_running_the_benchmark(count):
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_compare.py"), *TOY_SIZES["bench_compare.py"],
