@@ -26,6 +26,10 @@ done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 REPORTS_DIR=${REPORTS_DIR:-reports}
+if ! "$PY" -c "import batchgen" 2>/dev/null; then
+    echo "ci_divergence_gate: $PY cannot import batchgen; set PYTHON to the interpreter it is installed in" >&2
+    exit 2
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # tiny models on shared CI cores: one thread is fastest
 
 "$PY" -m batchgen validate --reports-dir "$REPORTS_DIR" "$@"

@@ -156,6 +156,14 @@ def test_ci_divergence_gate_refuses_reports_dir_which_would_split_what_it_runs_f
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ci_divergence_gate_names_an_interpreter_without_batchgen(tmp_path):
+    done = subprocess.run([str(SCRIPTS / "ci_divergence_gate.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHON": "/nonexistent/python", "REPORTS_DIR": str(tmp_path / "r")})
+    assert (done.returncode, done.stderr) == (2, "ci_divergence_gate: /nonexistent/python cannot import batchgen; set "
+                                                 "PYTHON to the interpreter it is installed in\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ci_divergence_gate_shows_its_help_wherever_the_flag_is():
     done = subprocess.run([str(SCRIPTS / "ci_divergence_gate.sh"), "--seed", "3", "--help"], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHON": "/nonexistent/python"})
