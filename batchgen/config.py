@@ -122,9 +122,13 @@ class CacheConfig(_Frozen):
     watermark: float = Field(default=0.02, ge=0.0, lt=1.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
-    def _check_dtype(self) -> "CacheConfig":
+    def _check_dtype_and_watermark(self) -> "CacheConfig":
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        if self.watermark_pages >= self.num_gpu_pages:  # no page left to serve a request
+            raise ValueError(f"watermark {self.watermark} keeps ceil({self.watermark} x {self.num_gpu_pages}) = "
+                             f"{self.watermark_pages} of the {self.num_gpu_pages} GPU pages free, leaving none to use; "
+                             f"lower the watermark or give more GPU pages")
         return self
 
     def pages_for(self, num_tokens: int) -> int:
@@ -140,7 +144,10 @@ class CacheConfig(_Frozen):
 class EngineConfig(_Frozen):
     """Per-step limits of the continuous batcher and the load-failure policy."""
 
-    max_num_batched_tokens: int = Field(default=2048, gt=0, description="token budget per step")
+    max_num_batched_tokens: int = Field(default=2048, gt=0, description=(
+        "token budget per step: decodes count one token each, and a waiting request is admitted only within what "
+        "is left, except the step's first admitted one, which may exceed it (there is no chunked prefill, so a "
+        "prompt longer than the budget must run whole)"))
     max_num_seqs: int = Field(default=64, gt=0, description="requests scheduled per step")
     max_load_retries: int = Field(default=1, ge=0, description="retries of a failed host->GPU load")
     load_timeout_steps: int = Field(default=8, ge=1, description="steps a load may stay incomplete before it fails")

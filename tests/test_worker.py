@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
@@ -227,8 +228,19 @@ def test_aborting_an_unknown_request_is_rejected(model):
     (Request("p3", (1, 2), 4), r"^request 'p3': uuid already used; uuids must be unique per worker$"),
     (Request("fault:gpu-refuse:1", (1, 2), 4), r"^request 'fault:gpu-refuse:1': uuids starting with 'fault:' are "
                                                r"reserved \(fault injection holds pool pages under them\)$"),
+    (Request("float", (1.0, 2.0), 4), r"^request 'float': prompt_ids must be ints; got \[1\.0, 2\.0\]$"),
+    (Request("bool", (True, 2), 4), r"^request 'bool': prompt_ids must be ints; got \[True\]$"),
+    (Request("array", torch.tensor([1, 2]), 4), r"^request 'array': prompt_ids must be a tuple of ints, not Tensor "
+                                                r"\(convert an array or tensor with tuple\(ids\.tolist\(\)\)\)$"),
+    (Request("text", "12", 4), r"^request 'text': prompt_ids must be a tuple of ints, not str"),
+    (Request(5, (1, 2), 4), r"^request uuid 5: must be a str, not int$"),
+    (Request("half", (1, 2), 2.5), r"^request 'half': max_new_tokens must be an int, not float 2\.5$"),
+    (Request("seed", (1, 2), 4, seed="x"), r"^request 'seed': seed must be an int, not str 'x'$"),
+    (Request("warm", (1, 2), 4, temperature="0.5"), r"^request 'warm': temperature must be a number, not str '0\.5'$"),
 ], ids=["longer-than-context", "larger-than-pool", "empty-prompt", "no-new-tokens", "outside-vocab",
-        "negative-temperature", "nan-temperature", "infinite-temperature", "duplicate-uuid", "fault-owner-uuid"])
+        "negative-temperature", "nan-temperature", "infinite-temperature", "duplicate-uuid", "fault-owner-uuid",
+        "float-token", "bool-token", "tensor-prompt", "str-prompt", "int-uuid", "float-max-new-tokens", "str-seed",
+        "str-temperature"])
 def test_bad_request_is_rejected_and_changes_nothing(model, pressured, request_, message):
     worker = worker_with_requests(model, pressure_workload())
     worker.step()

@@ -54,6 +54,30 @@ class PendingAppend:
     kv: torch.Tensor | None  # [num_layers, 2, n, kv_heads, head_dim]; None without KV storage
 
 
+def _check_request_types(request: Request) -> None:
+    """RequestError naming the first field of ``request`` whose type the worker cannot use (a float token id would
+    pass the vocabulary check and then fail every later step in the embedding). Pure."""
+    if not isinstance(request, Request):
+        raise RequestError(f"expected a Request, got {type(request).__name__}")
+    uuid = request.uuid
+    if type(uuid) is not str:
+        raise RequestError(f"request uuid {uuid!r}: must be a str, not {type(uuid).__name__}")
+    where = f"request {uuid!r}"
+    prompt = request.prompt_ids
+    if type(prompt) not in (tuple, list):
+        raise RequestError(f"{where}: prompt_ids must be a tuple of ints, not {type(prompt).__name__} (convert an "
+                           f"array or tensor with tuple(ids.tolist()))")
+    not_int = [token for token in prompt if type(token) is not int]
+    if not_int:
+        raise RequestError(f"{where}: prompt_ids must be ints; got {not_int[:5]!r}")
+    for field, value in (("max_new_tokens", request.max_new_tokens), ("seed", request.seed)):
+        if type(value) is not int:
+            raise RequestError(f"{where}: {field} must be an int, not {type(value).__name__} {value!r}")
+    if type(request.temperature) not in (int, float):
+        raise RequestError(f"{where}: temperature must be a number, not {type(request.temperature).__name__} "
+                           f"{request.temperature!r}")
+
+
 class Worker:
     def __init__(self, model, *, cache_config: CacheConfig, engine_config: EngineConfig | None = None,
                  kv_gate: KvGateConfig | None = None, shadow_path: str | None = None,
@@ -217,7 +241,9 @@ class Worker:
         self._pending_kv_append_tensors.clear()
 
     def _schedule(self) -> list[str]:
-        """RUNNING decodes, then WAITING requests, oldest first, each admitted if it fits. Pure."""
+        """RUNNING decodes, then WAITING requests, oldest first, each admitted if it fits: pages above the
+        watermark, a free sequence slot, and tokens within ``max_num_batched_tokens`` less the decodes, which
+        the step's first admitted request may exceed (no chunked prefill: a long prompt runs whole). Pure."""
         running = self.state.in_phase(Phase.RUNNING)
         batch = [r.uuid for r in running]
         if self.state.in_phase(Phase.SWAPPED):
@@ -269,6 +295,7 @@ class Worker:
 
     def validate_request(self, request: Request) -> None:
         """Raise RequestError if ``request`` cannot be served by this worker. Pure."""
+        _check_request_types(request)
         uuid, prompt = request.uuid, request.prompt_ids
         where = f"request {uuid!r}"
         if uuid in self.state.requests or uuid in self.state.outputs:
