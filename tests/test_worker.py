@@ -1,6 +1,7 @@
 """Worker: pool integrity every step, no leaks, the same tokens under eviction, failed loads, aborts, bad input."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -284,3 +285,21 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(model):
         outputs.append({uuid: out.output_ids for uuid, out in worker.state.outputs.items()})
     assert outputs[1] == outputs[2] == outputs[0]
     assert len(outputs[0]) == 8
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"cache_config": None}, "Worker: cache_config must be a batchgen.config.CacheConfig, not NoneType"),
+    ({"engine_config": {"max_num_seqs": 4}}, "Worker: engine_config must be a batchgen.config.EngineConfig or None, "
+                                             "not dict"),
+    ({"kv_gate": {"path": "plan"}}, "Worker: kv_gate must be a batchgen.worker.kv_gate.KvGateConfig or None, not dict"),
+], ids=["cache", "engine", "gate"])
+def test_a_config_of_another_type_is_a_type_error_naming_the_argument(model, config, message):
+    arguments = {"cache_config": CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0), **config}
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        Worker(model, **arguments)
+
+
+def test_take_outputs_of_something_that_is_no_collection_is_a_type_error(model):
+    worker = Worker(model, cache_config=CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0))
+    with pytest.raises(TypeError, match=r"^take_outputs takes a collection of uuids, not int 5$"):
+        worker.take_outputs(5)

@@ -86,7 +86,13 @@ class Worker:
         ``BATCHGEN_WORKER_KV_*`` environment (GateError if invalid; unset: plan, no compare). ``shadow_path``
         overrides the compared path (the authoritative one itself: the A/A noise check).
         ``faults`` injects a seeded fault schedule. ``kv_storage=False`` keeps the pools
-        bookkeeping-only (null-model runs)."""
+        bookkeeping-only (null-model runs). TypeError naming the argument given a config of another type."""
+        for name, value, expected, optional in (("cache_config", cache_config, CacheConfig, False),
+                                                ("engine_config", engine_config, EngineConfig, True),
+                                                ("kv_gate", kv_gate, KvGateConfig, True)):
+            if not (isinstance(value, expected) or optional and value is None):
+                raise TypeError(f"Worker: {name} must be a {expected.__module__}.{expected.__name__}"
+                                f"{' or None' if optional else ''}, not {type(value).__name__}")
         self.model = model
         self.model_config = model.config
         self.cache_config = cache_config
@@ -165,6 +171,8 @@ class Worker:
         if uuids is None:
             taken, self.state.outputs = outputs, {}
             return taken
+        if not isinstance(uuids, Iterable):
+            raise TypeError(f"take_outputs takes a collection of uuids, not {type(uuids).__name__} {uuids!r}")
         return {uuid: outputs.pop(uuid) for uuid in uuids if uuid in outputs}
 
     def has_unfinished(self) -> bool:
