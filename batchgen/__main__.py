@@ -13,7 +13,10 @@ from batchgen.exit_codes import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
 
 
 def main() -> int:
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    inherited = signal.getsignal(signal.SIGTERM)
+    handled = inherited in (signal.SIG_DFL, signal.default_int_handler)  # an ignored SIGTERM stays ignored
+    if handled:
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         from batchgen.cli import main as run_command
     except Terminated:
@@ -24,6 +27,9 @@ def main() -> int:
         code = EXIT_INTERRUPTED
     else:
         code = run_command()
+    finally:
+        if handled:  # past this point a SIGTERM has nothing left to clean up
+            signal.signal(signal.SIGTERM, inherited)
     if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
         _forget_caught_interrupt()
     return code

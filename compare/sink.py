@@ -130,21 +130,20 @@ def check_log_file(path: str | Path) -> None:
 
 
 def _check_is_a_log(fd: int, path: Path) -> None:
-    """RecordError unless the file is empty or its first line is a JSON object with a ``schema_version`` (a
-    record, maybe of a newer version), or, alone and without its newline, a first write cut short
-    (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would change it; what
+    """RecordError unless the file is empty or blank, or its first line that is not blank is a JSON object with a
+    ``schema_version`` (a record, maybe of a newer version) or, alone and without its newline, the start of one
+    cut short by a crash (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would change it; what
     is not a regular file (``/dev/full``, a FIFO) is not read. Pure."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         return
-    first, offset = b"", 0
-    while b"\n" not in first:
-        block = os.pread(fd, 1 << 16, offset)
-        if not block:
-            break
-        first, offset = first + block, offset + len(block)
-    line, newline, _ = first.partition(b"\n")
-    if not line and not newline or not newline and _is_torn(line):
-        return
+    with os.fdopen(os.dup(fd), "rb") as file:  # its own descriptor: closing it leaves the sink's open
+        file.seek(0)
+        first = next((raw for raw in file if raw.strip()), b"")  # read_log skips blank lines too
+    line, newline = first.strip(), first.endswith(b"\n")
+    if not line:
+        return  # empty, or blank lines only
+    if not newline and line.startswith(b"{") and _is_torn(line):
+        return  # the start of a record's JSON object, cut short: _end_last_line drops it
     try:
         data = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
@@ -251,15 +250,15 @@ def write_atomic(path: str | Path, text: str) -> None:
     A symlink is followed: its target is replaced, the link stays. Something that is not a regular
     file (`/dev/null`, `/dev/stdout`, a FIFO) cannot be replaced and is written through instead.
     """
-    path = Path(os.path.realpath(path))
     try:
-        mode = os.stat(path).st_mode
+        mode = os.stat(path).st_mode  # through any symlink: /dev/stdout on a pipe is that pipe
     except FileNotFoundError:
         mode = stat.S_IFREG | 0o644
     if not stat.S_ISREG(mode):
         with open(path, "w", encoding="utf-8") as file:
             file.write(text)
         return
+    path = Path(os.path.realpath(path))  # a symlink's target is replaced, not the link
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

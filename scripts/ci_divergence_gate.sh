@@ -17,16 +17,19 @@ set -uo pipefail
 for arg in "$@"; do
     case "$arg" in
         -h|--help) sed -n '2,16s/^# \{0,1\}//p' "$0"; exit 0 ;;  # this header; validate's own flags: batchgen validate --help
-        --reports-dir|--reports-dir=*)  # validate would write there while the gate renders REPORTS_DIR's log
-            echo "ci_divergence_gate: set REPORTS_DIR instead of passing --reports-dir (the gate renders the log" \
-                 "it finds there)" >&2
-            exit 2 ;;
     esac
+    name=${arg%%=*}
+    if [ "${#name}" -ge 3 ] && [[ "--reports-dir" == "$name"* ]]; then  # argparse takes a prefix (--rep) too
+        # validate would write there while the gate renders REPORTS_DIR's log
+        echo "ci_divergence_gate: set REPORTS_DIR instead of passing --reports-dir (the gate renders the log" \
+             "it finds there)" >&2
+        exit 2
+    fi
 done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 REPORTS_DIR=${REPORTS_DIR:-reports}
-if ! "$PY" -c "import batchgen" 2>/dev/null; then
+if ! "$PY" -c "import batchgen.cli" 2>/dev/null; then  # .cli: the package alone imports from the checkout
     echo "ci_divergence_gate: $PY cannot import batchgen; set PYTHON to the interpreter it is installed in" >&2
     exit 2
 fi

@@ -26,12 +26,13 @@ def output_path(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"cannot write {text}: no directory {directory}")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: directory {directory} is not writable")
-    existed = path.exists()
+    target = Path(os.path.realpath(path))  # what a write creates (a dangling symlink's target), not the link
+    existed = target.exists()
     try:  # os.access says yes to root everywhere, /proc included: try it (a file made for the test is removed)
-        with open(path, "a"):
+        with open(target, "a"):
             pass
         if not existed:
-            path.unlink()
+            target.unlink()
     except OSError as error:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {error.strerror or error}") from None
     return path

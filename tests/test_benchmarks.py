@@ -145,7 +145,8 @@ def test_ci_divergence_gate_renders_no_earlier_log_when_validate_refuses_its_fla
     assert done.stdout == "" and not (tmp_path / "divergences.xml").exists()
 
 
-@pytest.mark.parametrize("flags", [["--reports-dir", "elsewhere"], ["--seed", "3", "--reports-dir=elsewhere"]])
+@pytest.mark.parametrize("flags", [["--reports-dir", "elsewhere"], ["--seed", "3", "--reports-dir=elsewhere"],
+                                   ["--rep", "elsewhere"]])
 def test_ci_divergence_gate_refuses_reports_dir_which_would_split_what_it_runs_from_what_it_renders(tmp_path, flags):
     done = subprocess.run([str(SCRIPTS / "ci_divergence_gate.sh"), *flags], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path, env={**os.environ, "PYTHON": sys.executable,
@@ -156,12 +157,19 @@ def test_ci_divergence_gate_refuses_reports_dir_which_would_split_what_it_runs_f
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ci_divergence_gate_names_an_interpreter_without_batchgen(tmp_path):
+@pytest.mark.parametrize("interpreter", ["/nonexistent/python", "bare"])
+def test_ci_divergence_gate_names_an_interpreter_without_batchgen(tmp_path, interpreter):
+    """``bare``: a Python that can import the checkout's empty ``batchgen`` package but not its dependencies."""
+    if interpreter == "bare":
+        interpreter = str(tmp_path / "bare-python")
+        Path(interpreter).write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # no site-packages
+        Path(interpreter).chmod(0o755)
+    reports = tmp_path / "r"
     done = subprocess.run([str(SCRIPTS / "ci_divergence_gate.sh")], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHON": "/nonexistent/python", "REPORTS_DIR": str(tmp_path / "r")})
-    assert (done.returncode, done.stderr) == (2, "ci_divergence_gate: /nonexistent/python cannot import batchgen; set "
-                                                 "PYTHON to the interpreter it is installed in\n")
-    assert list(tmp_path.iterdir()) == []
+                          env={**os.environ, "PYTHON": interpreter, "REPORTS_DIR": str(reports)})
+    assert (done.returncode, done.stderr) == (2, f"ci_divergence_gate: {interpreter} cannot import batchgen; set "
+                                                 f"PYTHON to the interpreter it is installed in\n")
+    assert not reports.exists()
 
 
 def test_ci_divergence_gate_shows_its_help_wherever_the_flag_is():
@@ -211,6 +219,9 @@ def test_an_output_path_that_cannot_be_created_is_refused_when_parsed_and_nothin
         module.output_path("/proc/figures.json")  # os.access says yes to root here
     assert module.output_path(str(tmp_path / "figures.json")) == tmp_path / "figures.json"
     assert list(tmp_path.iterdir()) == []  # the file made to try it is gone
+    (tmp_path / "link.json").symlink_to(tmp_path / "target.json")  # dangling: the write will create its target
+    assert module.output_path(str(tmp_path / "link.json")) == tmp_path / "link.json"
+    assert [path.name for path in tmp_path.iterdir()] == ["link.json"] and (tmp_path / "link.json").is_symlink()
 
 
 def test_a_write_that_fails_at_the_end_is_one_error_line_and_exit_1(capsys, monkeypatch):

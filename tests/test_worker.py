@@ -3,6 +3,7 @@
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -303,3 +304,15 @@ def test_take_outputs_of_something_that_is_no_collection_is_a_type_error(model):
     worker = Worker(model, cache_config=CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0))
     with pytest.raises(TypeError, match=r"^take_outputs takes a collection of uuids, not int 5$"):
         worker.take_outputs(5)
+
+
+def test_numpy_scalars_are_accepted_where_ints_and_floats_are(model):
+    outputs = []
+    for request in (Request("r", tuple(np.array([1, 2, 3])), np.int64(3), np.float64(0.5), np.int64(7)),
+                    Request("r", (1, 2, 3), 3, 0.5, 7)):
+        worker = Worker(model, cache_config=CacheConfig(page_size=4, num_gpu_pages=16, num_host_pages=0))
+        worker.add_request(request)
+        while worker.has_unfinished():
+            worker.step()
+        outputs.append(worker.take_outputs()["r"].output_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 3

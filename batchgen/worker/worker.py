@@ -19,6 +19,7 @@ through compare mode (``kv_compare``).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -67,15 +68,20 @@ def _check_request_types(request: Request) -> None:
     if type(prompt) not in (tuple, list):
         raise RequestError(f"{where}: prompt_ids must be a tuple of ints, not {type(prompt).__name__} (convert an "
                            f"array or tensor with tuple(ids.tolist()))")
-    not_int = [token for token in prompt if type(token) is not int]
+    not_int = [token for token in prompt if not _is_integer(token)]
     if not_int:
         raise RequestError(f"{where}: prompt_ids must be ints; got {not_int[:5]!r}")
     for field, value in (("max_new_tokens", request.max_new_tokens), ("seed", request.seed)):
-        if type(value) is not int:
+        if not _is_integer(value):
             raise RequestError(f"{where}: {field} must be an int, not {type(value).__name__} {value!r}")
-    if type(request.temperature) not in (int, float):
+    if not isinstance(request.temperature, numbers.Real) or isinstance(request.temperature, bool):
         raise RequestError(f"{where}: temperature must be a number, not {type(request.temperature).__name__} "
                            f"{request.temperature!r}")
+
+
+def _is_integer(value) -> bool:
+    """An int, or an integer scalar such as numpy's, but not a bool (True is 1 to Python). Pure."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class Worker:

@@ -357,7 +357,8 @@ def test_write_atomic_writes_through_what_is_not_a_regular_file(tmp_path):
 
 
 @pytest.mark.parametrize("content", ['{"name": "smoke", "requests": []}\n', "# notes\nno newline at the end",
-                                     "[" * 100_000 + "\n"], ids=["workload", "text", "deep-json"])
+                                     "[" * 100_000 + "\n", "one line and no newline", "\n\nnot a record\n"],
+                         ids=["workload", "text", "deep-json", "one-line-no-newline", "after-blank-lines"])
 def test_a_file_that_is_no_log_is_refused_and_left_as_it_was(tmp_path, content):
     path = tmp_path / "workload.json"
     path.write_text(content)
@@ -377,3 +378,16 @@ def test_a_log_cut_short_in_its_first_write_is_still_a_log(tmp_path, recwarn):
     write_log(path, [make_record(1)])
     assert path.read_text() == make_record(1).model_dump_json() + "\n"
     assert [w for w in recwarn if "cut short" in str(w.message)]
+
+
+def test_a_file_of_blank_lines_is_an_empty_log_and_appended_to(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n\n")
+    write_log(path, [make_record(1)])
+    assert [type(record).__name__ for record in read_log(path).records] == ["DivergenceRecord"]
+
+
+def test_write_atomic_writes_through_dev_stdout_when_it_is_a_pipe():
+    code = "from compare.sink import write_atomic; write_atomic('/dev/stdout', 'through the pipe')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "through the pipe", "")
