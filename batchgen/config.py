@@ -26,7 +26,7 @@ def validation_summary(error: ValidationError, limit: int = 5, names: dict[str, 
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # Python callers too: no True or "8" for 8
 
 
 class ModelConfig(_Frozen):

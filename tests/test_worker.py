@@ -6,6 +6,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
@@ -316,3 +317,11 @@ def test_numpy_scalars_are_accepted_where_ints_and_floats_are(model):
             worker.step()
         outputs.append(worker.take_outputs()["r"].output_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 3
+
+
+@pytest.mark.parametrize("pages", [True, "8", 8.0], ids=["bool", "str", "float"])
+def test_configs_built_in_python_are_as_strict_as_workload_files(pages):
+    with pytest.raises(ValidationError, match="num_gpu_pages"):
+        CacheConfig(num_gpu_pages=pages, num_host_pages=0)
+    with pytest.raises(ValidationError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=pages)
