@@ -820,7 +820,7 @@ def test_minimize_writes_the_minimal_workload_and_a_regression_test(logs, capsys
 
 
 def test_minimize_exits_1_when_the_divergence_does_not_reproduce(logs, capsys, tmp_path):
-    assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(tmp_path / "new")]) == 1
+    assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(tmp_path / "new" / "tests")]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchgen:")]
     assert errors == ["batchgen: not reproduced: alloc step 0: workload 'smoke' (seed 0, scale 1.0) shows no state "
                       "divergence at pools.gpu[*].page_ids[*], requests[*].gpu_page_ids[*]"]

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from rich.console import Console
@@ -174,15 +174,19 @@ def _minimize(args: argparse.Namespace) -> int:
     if not replay.get("workload_source"):
         raise UsageError(f"{args.log}: divergence record {args.index} names no workload_source to minimize")
     original, _, _ = recorded_run(record)  # a payload the search cannot use fails before --out-dir is made
-    made_out_dir = not Path(args.out_dir).exists()
+    out_dir = Path(args.out_dir).absolute()
+    made = [path for path in (out_dir, *out_dir.parents) if not path.exists()]  # what make_directory creates
     make_directory("--out-dir", args.out_dir)  # before the search, which takes minutes
     print(f"minimizing record {args.index} of {count} in {args.log}: {_record_title(record)}", file=sys.stderr)
     try:
         with _candidate_progress(args.max_tests, len(original.requests)) as on_test:
             result = minimize_divergence(record, max_tests=args.max_tests, on_test=on_test)
-    except NotReproduced as error:
-        if made_out_dir:  # nothing was written into it
-            Path(args.out_dir).rmdir()
+    except BaseException as error:  # not reproduced, a payload it cannot use, Ctrl-C: nothing was written
+        for path in made:  # deepest first, each only if still empty
+            with suppress(OSError):
+                path.rmdir()
+        if not isinstance(error, NotReproduced):
+            raise
         print(f"batchgen: not reproduced: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_FAILED
     workload_path, test_path = write_regression_into(args.out_dir, result)
