@@ -132,8 +132,8 @@ def check_log_file(path: str | Path) -> None:
 def _check_is_a_log(fd: int, path: Path) -> None:
     """RecordError unless the file is empty or blank, or its first line that is not blank is a JSON object with a
     ``schema_version`` (a record, maybe of a newer version) or, alone and without its newline, the start of one
-    cut short by a crash (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would change it; what
-    is not a regular file (``/dev/full``, a FIFO) is not read. Pure."""
+    cut short by a crash (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would
+    change it; what is not a regular file (``/dev/full``, a FIFO) is not read. Pure."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         return
     with os.fdopen(os.dup(fd), "rb") as file:  # its own descriptor: closing it leaves the sink's open

@@ -59,7 +59,7 @@ import torch
 from batchgen.worker.kv_gate import KvGateConfig
 from output_path import output_path, write_output
 from scale_run import KV_PHASES, WORKER_PHASES, ScaleRun, resident_bytes
-from scale_workload import pressure_workload
+from scale_workload import check_fits, pressure_workload
 
 MODES = ("legacy", "plan", "compare")
 RSS_EVERY = 100  # steps between resident-set readings
@@ -265,9 +265,9 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--steps must be >= 2 (the resident set is compared between two steps), got {args.steps}")
     if not 1 <= args.rss_from_step < args.steps:
         parser.error(f"--rss-from-step must be in [1, --steps), got {args.rss_from_step} with --steps {args.steps}")
-    if args.mode is None:  # once, before the modes' subprocesses start (~2 s at the defaults)
+    if args.mode is None:  # once, before the modes' subprocesses start
         try:
-            pressure_workload(args.requests, args.gpu_pages, seed=args.seed)
+            check_fits(args.requests, args.gpu_pages, seed=args.seed)
         except ValueError as error:
             parser.error(f"--requests {args.requests} with --gpu-pages {args.gpu_pages}: {error}")
     return args

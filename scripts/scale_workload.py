@@ -42,17 +42,9 @@ def pressure_workload(num_requests: int, num_gpu_pages: int, *, seed: int = 0, v
     hold the pool and a decode-heavy crowd fights over the rest. The crowd room is
     sized from the crowd's time-averaged page demand. Anchors share one prompt.
     """
-    rng = random.Random(f"scale:{seed}")
-    usable = num_gpu_pages - math.ceil(WATERMARK * num_gpu_pages)
-    n_anchors = num_anchors(num_requests)
-    crowd = [(rng.randint(*PROMPT_TOKENS), rng.randint(*NEW_TOKENS)) for _ in range(num_requests - n_anchors)]
-    # time-averaged pages of a crowd slot: each template weighted by how long it lives
-    slot_pages = (sum(-(-(p + age + 1) // PAGE_SIZE) for p, new in crowd for age in range(new))
-                  / sum(n for _, n in crowd))
-    anchor_pages = (usable - round(len(crowd) * slot_pages / OVERCOMMIT)) // n_anchors
-    if anchor_pages < 1:
-        raise ValueError(f"{num_gpu_pages} GPU pages cannot hold the crowd of {len(crowd)} requests "
-                         f"({len(crowd) * slot_pages:.0f} pages); give more pages or fewer requests")
+    rng, n_anchors, crowd = _crowd(num_requests, seed)
+    usable = _usable_pages(num_gpu_pages)
+    anchor_pages = _anchor_pages(crowd, usable, n_anchors, num_gpu_pages)
     tokens = [rng.randrange(1, vocab_size) for _ in range(anchor_pages * PAGE_SIZE)]
     anchor_new = min(ANCHOR_NEW_TOKENS, (usable - anchor_pages) * PAGE_SIZE)
     requests = [WorkloadRequest(uuid=f"s{i}.g0", prompt_ids=tokens, max_new_tokens=anchor_new)
@@ -67,6 +59,38 @@ def pressure_workload(num_requests: int, num_gpu_pages: int, *, seed: int = 0, v
                           max_num_batched_tokens=sum(len(r.prompt_ids) for r in requests))  # step 0 admits all
     return Workload(name=f"scale-{num_requests}x{num_gpu_pages}", seed=seed, cache=cache, engine=engine,
                     requests=requests)
+
+
+def check_fits(num_requests: int, num_gpu_pages: int, *, seed: int = 0) -> None:
+    """ValueError when :func:`pressure_workload` would refuse these sizes (its anchors get no page), without
+    building the requests. Pure."""
+    _, n_anchors, crowd = _crowd(num_requests, seed)
+    _anchor_pages(crowd, _usable_pages(num_gpu_pages), n_anchors, num_gpu_pages)
+
+
+def _crowd(num_requests: int, seed: int) -> tuple[random.Random, int, list[tuple[int, int]]]:
+    """The workload's seeded generator (as the crowd leaves it), the anchor count, and the crowd's (prompt tokens,
+    new tokens) pairs."""
+    rng = random.Random(f"scale:{seed}")
+    n_anchors = num_anchors(num_requests)
+    return rng, n_anchors, [(rng.randint(*PROMPT_TOKENS), rng.randint(*NEW_TOKENS))
+                            for _ in range(num_requests - n_anchors)]
+
+
+def _usable_pages(num_gpu_pages: int) -> int:
+    return num_gpu_pages - math.ceil(WATERMARK * num_gpu_pages)
+
+
+def _anchor_pages(crowd: list[tuple[int, int]], usable: int, n_anchors: int, num_gpu_pages: int) -> int:
+    """GPU pages each anchor's prompt fills: the usable pages less the crowd's room; ValueError when none is left."""
+    # time-averaged pages of a crowd slot: each template weighted by how long it lives
+    slot_pages = (sum(-(-(p + age + 1) // PAGE_SIZE) for p, new in crowd for age in range(new))
+                  / sum(n for _, n in crowd))
+    anchor_pages = (usable - round(len(crowd) * slot_pages / OVERCOMMIT)) // n_anchors
+    if anchor_pages < 1:
+        raise ValueError(f"{num_gpu_pages} GPU pages cannot hold the crowd of {len(crowd)} requests "
+                         f"({len(crowd) * slot_pages:.0f} pages); give more pages or fewer requests")
+    return anchor_pages
 
 
 def scale_model(workload: Workload, vocab_size: int = 512) -> ModelConfig:

@@ -79,11 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("batchgen: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout's reader went away (`| head`); files written are whole, as above
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        _discard_stdout()
         print("batchgen: stdout was closed before all output was written", file=sys.stderr)
         return EXIT_FAILED
     except StdoutWriteError as error:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+        _discard_stdout()
         print(f"batchgen: cannot write to stdout: {error.strerror or error}; files written are whole",
               file=sys.stderr)
         return EXIT_FAILED
@@ -106,20 +106,26 @@ class _CheckedStdout:
         return getattr(self._stream, name)
 
     def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            raise
-        except OSError as error:
-            raise StdoutWriteError(error.errno, error.strerror) from error
+        return _checked(self._stream.write, text)
 
     def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as error:
-            raise StdoutWriteError(error.errno, error.strerror) from error
+        _checked(self._stream.flush)
+
+
+def _checked(call, *args):
+    """``call(*args)``, its OSError (a closed pipe aside) raised as StdoutWriteError."""
+    try:
+        return call(*args)
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        raise StdoutWriteError(error.errno, error.strerror) from error
+
+
+def _discard_stdout() -> None:
+    """Point stdout's descriptor at /dev/null: what is still buffered goes nowhere, and the flush at exit cannot
+    fail again. Mutates the process's descriptor 1."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,13 +45,15 @@ def load_model(
     if spec in TINY_MODELS:
         config = TINY_MODELS[spec]
         model = _meta_model(config)
-        weights = _seeded_weights(_expected_shapes(model), seed)
+        shapes = _expected_shapes(model)
+        weights = _seeded_weights(shapes, seed)
     else:
         directory = _model_directory(spec)
         config = _read_config(directory)
         model = _meta_model(config)
-        weights = _checkpoint_weights(directory, _expected_shapes(model), config)
-    num_bytes = sum(math.prod(shape) for shape in _expected_shapes(model).values()) * DTYPE_SIZES[dtype]
+        shapes = _expected_shapes(model)
+        weights = _checkpoint_weights(directory, shapes, config)
+    num_bytes = sum(math.prod(shape) for shape in shapes.values()) * DTYPE_SIZES[dtype]
     _check_memory(spec, num_bytes, dtype, torch.device(device))
     try:
         for name, tensor in weights:

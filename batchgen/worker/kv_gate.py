@@ -12,8 +12,9 @@ BATCHGEN_WORKER_KV_LOAD_FAILURE      recompute, fail       (engine: recompute)  
 ==================================== ===================== ===================== ===========================================
 
 Precedence: default < environment < CLI option. An unknown name in the family
-(a typo) or a bad value (in the environment even where an option overrides it) raises :class:`GateError` naming the variable, the
-allowed values and the closest valid name. The legacy path module is imported
+(a typo) or a bad value (in the environment even where an option overrides it)
+raises :class:`GateError` naming the variable, the allowed values and the closest
+valid name. The legacy path module is imported
 only when a path named "legacy" is built (``kv_path_class``).
 """
 
@@ -96,12 +97,15 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
     for field, (env, _, _) in GATE_FLAGS.items():
         if env in environ:
             values[field], sources[field] = environ[env], env
-    _validated(values, sources)  # a bad value in the environment is refused even where an option overrides it
-    for field, value in (cli or {}).items():
-        if field not in GATE_FLAGS:
-            raise GateError(f"unknown gate option {field!r}; known: {', '.join(GATE_FLAGS)}")
-        if value is not None:
-            values[field], sources[field] = value, GATE_FLAGS[field][1]
+    from_environment = _validated(values, sources)  # a bad value there is refused even where an option overrides it
+    overrides = {field: value for field, value in (cli or {}).items() if value is not None}
+    unknown = [field for field in cli or {} if field not in GATE_FLAGS]
+    if unknown:
+        raise GateError(f"unknown gate option {unknown[0]!r}; known: {', '.join(GATE_FLAGS)}")
+    if not overrides:
+        return from_environment
+    values.update(overrides)
+    sources.update({field: GATE_FLAGS[field][1] for field in overrides})
     return _validated(values, sources)
 
 
