@@ -12,6 +12,8 @@ canonical result depends on is synthesised, except where noted)::
     record                                  rebuilt as
     request (the op request, JSON)          the op's input: loads observed, uuids released,
                                             batch allocated; checked against the rebuilt state
+                                            (evict / migrate from a log without decode_demand:
+                                            summed from the recorded RUNNING columns)
     pre_state.snapshot.geometry             model / cache / engine configs (other model
                                             fields: any valid values; the KV ops never read them)
     pre_state.requests (the op's scope,     a RequestState each: phase, page tables, cached
@@ -53,7 +55,9 @@ from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_backends import CompletedHandle, GpuKvPool, HostKvPool
 from batchgen.worker.kv_forms import canonical_kv, classify, exception_kind, fork_target, op_scope
 from batchgen.worker.kv_gate import build_kv_path
-from batchgen.worker.kv_plans import OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, from_json, to_jsonable
+from batchgen.worker.kv_plans import (
+    OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, decode_demand, from_json, to_jsonable,
+)
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_pool import PagePool, PageOwnershipError
 from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, TokenLogprobs, WorkerState
@@ -100,7 +104,22 @@ def op_request(record: DivergenceRecord):
                           f"workload instead")
     if replay.get("request_type") != cls.__name__:
         raise ReplayError(f"op {op!r} needs a {cls.__name__}, the record holds {replay.get('request_type')!r}")
-    return _from_record(cls, replay.get("request"), f"op {op!r}: the recorded request")
+    request = _with_decode_demand(op, replay.get("request"))
+    return _from_record(cls, request, f"op {op!r}: the recorded request")
+
+
+def _with_decode_demand(op: str, request):
+    """``request`` (a recorded op request, as JSON), with the decode demand of its RUNNING columns when it is an
+    evict or migrate request from a log older than that field; anything else as it is (a malformed one is left
+    for validation to name). Pure."""
+    if op not in ("evict", "migrate") or not isinstance(request, dict) or "decode_demand" in request:
+        return request
+    try:
+        running, page_size = request["running"], request["snapshot"]["geometry"]["page_size"]
+        demand = decode_demand(running["num_tokens"], running["gpu_page_ids"], page_size)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return request
+    return {**request, "decode_demand": demand}
 
 
 def recorded_pre_state(record: DivergenceRecord) -> KvPreState:

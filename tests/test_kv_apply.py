@@ -127,9 +127,10 @@ def test_op_requests_hold_the_columns_of_the_requests_each_op_reads():
     path = PlanKvPath(target)
     snapshot = KvSnapshot(7, path.geometry, num_free_gpu_pages=4, num_free_host_pages=3)
     running = PageColumns(("run0", "run1"), (7, 9), ((0, 1), (2, 3)))
-    assert path.eviction_request() == EvictionRequest(snapshot, running)
+    # run1's 9 tokens need a third page of 4; run0's 7 fit its 2: a decode demand of 1
+    assert path.eviction_request() == EvictionRequest(snapshot, running, decode_demand=1)
     assert path.migration_request() == MigrationRequest(
-        snapshot, SwappedColumns(("swap2", "swap6"), ((0, 1), (4,)), (6, 6)), running, num_loading=1)
+        snapshot, SwappedColumns(("swap2", "swap6"), ((0, 1), (4,)), (6, 6)), running, decode_demand=1, num_loading=1)
     # run0's 7 tokens fit its 2 pages of 4: it needs nothing and is left out of the columns
     assert path.alloc_request(["run1", "wait4", "run0"]) == AllocRequest(
         snapshot, PageColumns(("run1", "wait4"), (9, 5), ((2, 3), ())), ("run1", "wait4", "run0"))
@@ -143,6 +144,7 @@ def test_migration_reads_no_running_request_while_nothing_is_swapped():
         target.state.requests[uuid].phase = Phase.WAITING
     request = PlanKvPath(target).migration_request()
     assert request.swapped == SwappedColumns((), (), ()) and request.running == PageColumns((), (), ())
+    assert (request.decode_demand, request.num_loading) == (0, 0)
 
 
 def _count_page_columns(monkeypatch) -> list:
@@ -167,6 +169,7 @@ def test_migrate_right_after_evict_reads_the_running_columns_evict_left(monkeypa
     still_running = (PageColumns(("run0",), (7,), ((0, 1),)) if evicted
                      else PageColumns(("run0", "run1"), (7, 9), ((0, 1), (2, 3))))
     assert request.running == still_running
+    assert request.decode_demand == (0 if evicted else 1)  # run1's missing page leaves with run1
     assert request == PlanKvPath(target).migration_request() and built == [2 - len(evicted)]  # as built afresh
 
 
@@ -198,7 +201,7 @@ def test_running_after_refuses_victims_that_are_not_the_youngest_running_request
     after = dataclasses.replace(request.snapshot, num_free_gpu_pages=request.snapshot.num_free_gpu_pages + 2)
     assert running_after(request, plan, after) is None
     youngest = EvictionPlan((Victim("run1", Destination.RECOMPUTE, (2, 3), ()),))
-    assert running_after(request, youngest, after) == PageColumns(("run0",), (7,), ((0, 1),))
+    assert running_after(request, youngest, after) == (PageColumns(("run0",), (7,), ((0, 1),)), 0)
     assert running_after(request, youngest, request.snapshot) is None  # the pages it frees are not free
 
 

@@ -33,8 +33,8 @@ from batchgen.worker.kv_manager import KVCacheManager, eviction_watermark_pages
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvGeometry, KvPreState,
     KvSnapshot, LoadStart, MigrationPlan, MigrationRequest, PageColumns, PageGrant, PollAction,
-    PollPlan, PollRequest, PollStep, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim, from_json,
-    to_json,
+    PollPlan, PollRequest, PollStep, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
+    decode_demand, from_json, to_json,
 )
 from batchgen.worker.state import Phase, Request
 from batchgen.worker.worker import Worker
@@ -82,15 +82,21 @@ def page_columns(views) -> PageColumns:
                        tuple(v.gpu_page_ids for v in views))
 
 
+def running_columns(snap: KvSnapshot, views) -> tuple[PageColumns, int]:
+    """The RUNNING requests of ``views`` as columns, and their decode demand."""
+    running = page_columns(v for v in views if v.phase == RUNNING)
+    return running, decode_demand(running.num_tokens, running.gpu_page_ids, snap.geometry.page_size)
+
+
 def eviction_request(snap: KvSnapshot, views) -> EvictionRequest:
-    return EvictionRequest(snap, page_columns(v for v in views if v.phase == RUNNING))
+    return EvictionRequest(snap, *running_columns(snap, views))
 
 
 def migration_request(snap: KvSnapshot, views, num_loading: int) -> MigrationRequest:
     swapped = [v for v in views if v.phase == SWAPPED]
     columns = SwappedColumns(tuple(v.uuid for v in swapped), tuple(v.host_page_ids for v in swapped),
                              tuple(v.swapped_step for v in swapped))
-    return MigrationRequest(snap, columns, page_columns(v for v in views if v.phase == RUNNING), num_loading)
+    return MigrationRequest(snap, columns, *running_columns(snap, views), num_loading)
 
 
 def alloc_request(snap: KvSnapshot, views, batch: tuple[str, ...]) -> AllocRequest:
@@ -316,7 +322,8 @@ def _one_of_each():
         snap.geometry, snap, running, swapped, view("a", RUNNING, 0, 5, gpu=(1, 2)),
         KvPreState(snap, (view("a", RUNNING, 0, 5, gpu=(1, 2)),)),
         PollRequest(snap, ("a",), ("boom",), (0,)), ReleaseRequest(snap, ("a",)),
-        EvictionRequest(snap, running), MigrationRequest(snap, swapped, running, 1), AllocRequest(snap, running, ("a",)),
+        EvictionRequest(snap, running, 1), MigrationRequest(snap, swapped, running, 1, 1),
+        AllocRequest(snap, running, ("a",)),
         PollStep("a", PollAction.RETRY), PollPlan((PollStep("a", PollAction.COMPLETE),)), ReleasePlan(("a",), ("a",)),
         Victim("a", Destination.HOST, (1, 2), (0, 1)), EvictionPlan(()), LoadStart("a", (3,), (4,)),
         MigrationPlan(()), PageGrant("a", (5,)), DoesNotFit("a", 3, 1), AllocPlan((), ()),
@@ -741,8 +748,8 @@ op_requests = st.one_of(
     st.builds(lambda snap, rows: PollRequest(snap, *(tuple(column) for column in zip(*rows)))
               if rows else PollRequest(snap, (), (), ()), snapshots, outcomes),
     st.builds(ReleaseRequest, snapshots, uuid_tuples),
-    st.builds(EvictionRequest, snapshots, columns),
-    st.builds(MigrationRequest, snapshots, swapped_columns, columns, counts),
+    st.builds(EvictionRequest, snapshots, columns, counts),
+    st.builds(MigrationRequest, snapshots, swapped_columns, columns, counts, counts),
     st.builds(AllocRequest, snapshots, columns, uuid_tuples),
     st.builds(KvPreState, snapshots, st.lists(views, max_size=4).map(tuple)),
 )

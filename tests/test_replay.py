@@ -5,7 +5,7 @@ import batchgen.worker.kv_manager as kv_manager
 from compare import DivergenceRecord, read_log
 from batchgen.config import TINY_MODELS
 from batchgen.model.null_model import NullModel
-from batchgen.replay import PLACEHOLDER_OWNER, ReplayError, rebuild_target, replay_record
+from batchgen.replay import PLACEHOLDER_OWNER, ReplayError, op_request, rebuild_target, replay_record
 from batchgen.runner import run_workload
 from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_apply import PlanKvPath
@@ -78,6 +78,22 @@ def test_a_logged_divergence_reproduces_from_its_record_alone(tmp_path, monkeypa
         assert outcome.reproduced, (record.step, outcome)
         assert outcome.kind == record.kind
         assert outcome.field_paths == tuple(record.field_paths)
+
+
+@pytest.mark.parametrize("op", ["evict", "migrate"])
+def test_a_record_from_before_decode_demand_replays_with_the_demand_of_its_running_columns(tmp_path, monkeypatch, op):
+    inject(monkeypatch, op)
+    records = divergences(tmp_path)
+    assert records
+    for record in records:
+        demand = record.replay["request"]["decode_demand"]
+        old = record.model_copy(deep=True)
+        del old.replay["request"]["decode_demand"]  # as a log written before the field was
+        assert op_request(old) == op_request(record) and op_request(old).decode_demand == demand
+        assert replay_record(old) == replay_record(record) and replay_record(old).reproduced
+    del old.replay["request"]["running"]  # what cannot be summed is left for validation to name
+    with pytest.raises(ReplayError, match=f"op '{op}': the recorded request is not a valid .*Request: .*running"):
+        op_request(old)
 
 
 FAULTS = "seed=3,load_fail=0.3,load_fail_late=0.2,load_hang=0.1,abort=0.15,host_shrink=0.2,gpu_refuse=0.1"

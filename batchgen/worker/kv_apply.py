@@ -16,7 +16,7 @@ from batchgen.worker.kv_manager import KVCacheManager
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, EvictionPlan, EvictionRequest, KvGeometry, KvSnapshot,
     MigrationPlan, MigrationRequest, PageColumns, PollAction, PollPlan, PollRequest, ReleasePlan,
-    ReleaseRequest, SwappedColumns,
+    ReleaseRequest, SwappedColumns, decode_demand,
 )
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_pool import PAGE_ID_TYPES, Grants, PageOwnershipError
@@ -94,10 +94,12 @@ class PlanKvPath:
 
     def eviction_request(self) -> EvictionRequest:
         requests = self.target.state.requests.values()
-        return EvictionRequest(self.snapshot(), page_columns([r for r in requests if r.phase is RUNNING]))
+        running = page_columns([r for r in requests if r.phase is RUNNING])
+        return EvictionRequest(self.snapshot(), running,
+                               decode_demand(running.num_tokens, running.gpu_page_ids, self.geometry.page_size))
 
     def migration_request(self) -> MigrationRequest:
-        """Columns of the SWAPPED requests, and of the RUNNING ones (their decode demand) when any is SWAPPED:
+        """Columns of the SWAPPED requests, and of the RUNNING ones with their decode demand when any is SWAPPED:
         right after an evict, that eviction's, less its victims, when :func:`running_after` can vouch for
         them. Takes what evict kept (mutates ``_evicted``)."""
         evicted, self._evicted = self._evicted, None
@@ -105,12 +107,13 @@ class PlanKvPath:
         swapped = [r for r in requests if r.phase is SWAPPED]
         snapshot = self.snapshot()
         if not swapped:
-            return MigrationRequest(snapshot, NO_SWAPPED, NO_PAGES, 0)  # nothing to decide: no more to read
+            return MigrationRequest(snapshot, NO_SWAPPED, NO_PAGES, 0, 0)  # nothing to decide: no more to read
         running = running_after(*evicted, snapshot) if evicted is not None else None
         if running is None:
-            running = page_columns([r for r in requests if r.phase is RUNNING])
+            columns = page_columns([r for r in requests if r.phase is RUNNING])
+            running = columns, decode_demand(columns.num_tokens, columns.gpu_page_ids, self.geometry.page_size)
         num_loading = len([r for r in requests if r.phase is LOADING])
-        return MigrationRequest(snapshot, swapped_columns(swapped), running, num_loading)
+        return MigrationRequest(snapshot, swapped_columns(swapped), *running, num_loading)
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
         """Columns of the scheduled requests the op must act on: those whose tokens run past their last
@@ -147,12 +150,12 @@ class PlanKvPath:
         return apply_alloc_plan(self.target, self.manager.plan_allocation(request), request)
 
 
-def running_after(request: EvictionRequest, plan: EvictionPlan, snapshot: KvSnapshot) -> PageColumns | None:
-    """The RUNNING columns once ``plan`` is applied to the state ``request`` was built from: ``request``'s, less the
-    victims, which are their tail (the youngest, last first). None when the victims are not that tail, or when
-    ``snapshot`` (taken since) is not of that step with the free pages the plan leaves: something else changed
-    the pools. Only KV ops change which requests run and what pages they hold, and the worker runs none between
-    its evict and its migrate. Pure."""
+def running_after(request: EvictionRequest, plan: EvictionPlan, snapshot: KvSnapshot) -> tuple[PageColumns, int] | None:
+    """The RUNNING columns and their decode demand once ``plan`` is applied to the state ``request`` was built
+    from: ``request``'s, less the victims, which are their tail (the youngest, last first), and less the victims'
+    share of the demand. None when the victims are not that tail, or when ``snapshot`` (taken since) is not of
+    that step with the free pages the plan leaves: something else changed the pools. Only KV ops change which
+    requests run and what pages they hold, and the worker runs none between its evict and its migrate. Pure."""
     before, running, victims = request.snapshot, request.running, plan.victims
     freed_gpu = taken_host = 0
     for victim in victims:
@@ -162,11 +165,13 @@ def running_after(request: EvictionRequest, plan: EvictionPlan, snapshot: KvSnap
             or snapshot.num_free_host_pages != before.num_free_host_pages - taken_host):
         return None
     if not victims:
-        return running
+        return running, request.decode_demand
     kept = len(running.uuids) - len(victims)
     if kept < 0 or running.uuids[kept:] != tuple([victim.uuid for victim in reversed(victims)]):
         return None
-    return PageColumns(running.uuids[:kept], running.num_tokens[:kept], running.gpu_page_ids[:kept])
+    victims_demand = decode_demand(running.num_tokens[kept:], running.gpu_page_ids[kept:], before.geometry.page_size)
+    return (PageColumns(running.uuids[:kept], running.num_tokens[:kept], running.gpu_page_ids[:kept]),
+            request.decode_demand - victims_demand)
 
 
 # ---- validation helpers ------------------------------------------------------------------

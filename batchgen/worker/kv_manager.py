@@ -18,7 +18,7 @@ import math
 from batchgen.worker.kv_backends import GpuKvBackend, HostKvBackend
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvSnapshot, LoadStart,
-    MigrationPlan, MigrationRequest, PageColumns, PageGrant, PollAction, PollPlan, PollRequest, PollStep,
+    MigrationPlan, MigrationRequest, PageGrant, PollAction, PollPlan, PollRequest, PollStep,
     ReleasePlan, ReleaseRequest, Victim,
 )
 
@@ -39,12 +39,6 @@ def eviction_watermark_pages(snapshot: KvSnapshot) -> int:
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages that hold ``num_tokens`` tokens."""
     return -(-num_tokens // page_size)
-
-
-def total_decode_demand(columns: PageColumns, page_size: int) -> int:
-    """GPU pages the requests need, together, so that all their tokens have a slot. Pure."""
-    pages_needed = sum([(num_tokens + page_size - 1) // page_size for num_tokens in columns.num_tokens])
-    return pages_needed - sum(map(len, columns.gpu_page_ids))
 
 
 def load_failure_reason(error: str) -> str:
@@ -79,7 +73,7 @@ class KVCacheManager:
         page_size = snapshot.geometry.page_size
         if not running.uuids:
             return NO_VICTIMS
-        demand = total_decode_demand(running, page_size)
+        demand = req.decode_demand
         free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
         watermark = eviction_watermark_pages(snapshot)
         chosen: list[tuple[int, Destination]] = []
@@ -112,7 +106,7 @@ class KVCacheManager:
         snapshot, swapped = req.snapshot, req.swapped
         if not swapped.uuids:
             return NO_LOADS
-        demand = total_decode_demand(req.running, snapshot.geometry.page_size)
+        demand = req.decode_demand
         num_active = len(req.running.uuids) + req.num_loading
         free = snapshot.num_free_gpu_pages
         watermark = eviction_watermark_pages(snapshot)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import NamedTuple
 
@@ -157,14 +158,24 @@ class ReleaseRequest:
 class EvictionRequest:
     snapshot: KvSnapshot
     running: PageColumns  # every RUNNING request, in arrival order
+    decode_demand: int  # of ``running`` (:func:`decode_demand`)
 
 
 @record
 class MigrationRequest:
     snapshot: KvSnapshot
     swapped: SwappedColumns  # every SWAPPED request, in arrival order
-    running: PageColumns  # every RUNNING request (their decode demand); empty when nothing is SWAPPED
+    running: PageColumns  # every RUNNING request; empty when nothing is SWAPPED
+    decode_demand: int  # of ``running`` (:func:`decode_demand`)
     num_loading: int  # LOADING requests (counted only when any is SWAPPED: 0 otherwise, and not read)
+
+
+def decode_demand(num_tokens: Sequence[int], gpu_page_ids: Sequence[Sequence[int]], page_size: int) -> int:
+    """GPU pages requests with these token counts and page tables lack, together, for every token to have a slot:
+    the ``decode_demand`` of an eviction or migration request, summed where the request is built. The migrate
+    that follows an evict reads the evict's RUNNING requests less its victims, so their demand is the evict's
+    less the victims' share, not a second sum over every RUNNING request (``kv_apply.running_after``). Pure."""
+    return sum([(n + page_size - 1) // page_size for n in num_tokens]) - sum(map(len, gpu_page_ids))
 
 
 @record
