@@ -10,7 +10,7 @@ message) that say what went wrong:
     allocation off by one page                 alloc            invalid_plan  AllocPlan.grants[i].new_page_ids
     allocation hands out page ids reversed     alloc            state         requests[*].gpu_page_ids[*], pools.gpu
     host pages kept after a completed load     poll             state         requests[*].host_page_ids, free host
-    a failed load is retried forever           poll             invalid_plan  PollPlan.steps[i].action
+    a failed load is retried forever           poll             invalid_plan  PollPlan.actions[i]
     a failed load is never retried             poll             state         phase, recompute counter
     released request keeps its pending append  release          state         outputs[*].has_pending_append
     release plans no pending-append drop       release          invalid_plan  ReleasePlan.drop_pending_append_ids
@@ -251,12 +251,12 @@ BUGS = [
         absent=("requests[*].phase", "pools.num_free_gpu")),
     Bug("poll-keeps-host-pages-after-load",
         applier_mutant("apply_poll_plan",
-                       "            target.host_kv.release_pages(step.uuid)\n            req.host_page_ids = ()\n", ""),
+                       "            target.host_kv.release_pages(uuid)\n            req.host_page_ids = ()\n", ""),
         frozenset({"poll"}), "state", evidence=("requests[*].host_page_ids", "pools.num_free_host")),
     Bug("poll-retries-failed-load-forever",
         method_mutant("plan_poll", "retries < geometry.max_load_retries", "True"),
         frozenset({"poll"}), "invalid_plan",
-        message=r"PollPlan\.steps\[\d+\]\.action: .* has no retries left", failing_loads=True),
+        message=r"PollPlan\.actions\[\d+\]: .* has no retries left", failing_loads=True),
     Bug("poll-never-retries-failed-load",
         method_mutant("plan_poll", "retries < geometry.max_load_retries", "False"),
         frozenset({"poll"}), "state", evidence=("requests[*].phase", "stats.recompute_preemptions"),
@@ -301,8 +301,8 @@ BUGS = [
         frozenset({"evict"}), "state", evidence=("requests[*].arrival_index",)),
     Bug("retry-keeps-the-failed-loads-handle",  # issues the new copy, but the worker would watch the old one
         applier_mutant("apply_poll_plan",
-                       "            req.load_handle = target.host_kv.load_to_gpu_async(step.uuid, list(req.gpu_page_ids))",
-                       "            target.host_kv.load_to_gpu_async(step.uuid, list(req.gpu_page_ids))"),
+                       "            req.load_handle = target.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))",
+                       "            target.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))"),
         frozenset({"poll"}), "state", evidence=("requests[*].load",), failing_loads=True),
     Bug("migrate-tracks-a-handle-of-no-copy", lambda monkeypatch: handle_of_no_copy(monkeypatch),
         frozenset({"migrate"}), "state", evidence=("requests[*].load",)),

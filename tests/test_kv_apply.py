@@ -32,7 +32,7 @@ from batchgen.worker.kv_backends import CompletedHandle, CopyOp, GpuKvPool, Host
 from batchgen.worker.kv_plans import (
     AllocPlan, Destination, DoesNotFit, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan,
     AllocRequest, EvictionRequest, KvSnapshot, MigrationRequest, PageColumns, PollRequest,
-    PollStep, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
+    ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
 )
 from batchgen.worker.kv_forms import views_of
 from batchgen.worker.kv_gate import build_kv_path
@@ -135,6 +135,8 @@ def test_op_requests_hold_the_columns_of_the_requests_each_op_reads():
     assert path.alloc_request(["run1", "wait4", "run0"]) == AllocRequest(
         snapshot, PageColumns(("run1", "wait4"), (9, 5), ((2, 3), ())), ("run1", "wait4", "run0"))
     assert path.poll_request({"load3": "OSError: x"}) == PollRequest(snapshot, ("load3",), ("OSError: x",), (0,))
+    # every load landed: no request is read for its retries
+    assert path.poll_request({"load3": None}) == PollRequest(snapshot, ("load3",), (None,), ())
     assert path.release_request(["done5"]) == ReleaseRequest(snapshot, ("done5",))
 
 
@@ -222,6 +224,12 @@ def poll(plan, observed):
     return lambda target: apply_poll_plan(target, plan, observed)
 
 
+def poll_plan(*steps) -> PollPlan:
+    """A PollPlan from (uuid, action) or (uuid, action, reason) rows, in order."""
+    rows = [(*step, None)[:3] for step in steps]
+    return PollPlan(*(tuple(column) for column in zip(*rows))) if rows else PollPlan((), (), ())
+
+
 def release(plan):
     return lambda target: apply_release_plan(target, plan)
 
@@ -255,28 +263,34 @@ HOST, DROP = Destination.HOST, Destination.RECOMPUTE
 # (case id, setup applied to the fresh target first or None, the application, the field named)
 INVALID = [
     # poll
-    ("poll unknown uuid", None, poll(PollPlan((PollStep("ghost", COMPLETE),)), {"ghost": None}), "PollPlan.steps[0].uuid"),
-    ("poll wrong phase", None, poll(PollPlan((PollStep("load3", COMPLETE), PollStep("run0", COMPLETE))),
-                                    {"load3": None, "run0": None}), "PollPlan.steps[1].uuid"),
-    ("poll completes a failed load", None, poll(PollPlan((PollStep("load3", COMPLETE),)), {"load3": "OSError: x"}),
-     "PollPlan.steps[0].action"),
-    ("poll retries a landed load", None, poll(PollPlan((PollStep("load3", RETRY),)), {"load3": None}),
-     "PollPlan.steps[0].action"),
+    ("poll unknown uuid", None, poll(poll_plan(("ghost", COMPLETE)), {"ghost": None}), "PollPlan.uuids[0]"),
+    ("poll wrong phase", None, poll(poll_plan(("load3", COMPLETE), ("run0", COMPLETE)),
+                                    {"load3": None, "run0": None}), "PollPlan.uuids[1]"),
+    ("poll completes a failed load", None, poll(poll_plan(("load3", COMPLETE)), {"load3": "OSError: x"}),
+     "PollPlan.actions[0]"),
+    ("poll retries a landed load", None, poll(poll_plan(("load3", RETRY)), {"load3": None}),
+     "PollPlan.actions[0]"),
     ("poll retries with no retries left", _set("load3", num_load_retries=1),
-     poll(PollPlan((PollStep("load3", RETRY),)), {"load3": "OSError: x"}), "PollPlan.steps[0].action"),
-    ("poll fails without a reason", None, poll(PollPlan((PollStep("load3", FAIL),)), {"load3": "OSError: x"}),
-     "PollPlan.steps[0].reason"),
+     poll(poll_plan(("load3", RETRY)), {"load3": "OSError: x"}), "PollPlan.actions[0]"),
+    ("poll fails without a reason", None, poll(poll_plan(("load3", FAIL)), {"load3": "OSError: x"}),
+     "PollPlan.reasons[0]"),
     ("poll fails with a reason that is not a str", None,
-     poll(PollPlan((PollStep("load3", FAIL, 123),)), {"load3": "OSError: x"}), "PollPlan.steps[0].reason"),
-    ("poll names a load by an unhashable id", None, poll(PollPlan((PollStep(["load3"], COMPLETE),)), {"load3": None}),
-     "PollPlan.steps[0].uuid"),
-    ("poll misses an observed load", None, poll(PollPlan(()), {"load3": None}), "PollPlan.steps"),
-    ("poll names a load twice", None, poll(PollPlan((PollStep("load3", COMPLETE),) * 2), {"load3": None}),
-     "PollPlan.steps"),
-    ("poll action given as its string value", None, poll(PollPlan((PollStep("load3", "retry"),)), {"load3": "OSError: x"}),
-     "PollPlan.steps[0].action"),
-    ("poll action unknown", None, poll(PollPlan((PollStep("load3", "bogus"),)), {"load3": "OSError: x"}),
-     "PollPlan.steps[0].action"),
+     poll(poll_plan(("load3", FAIL, 123)), {"load3": "OSError: x"}), "PollPlan.reasons[0]"),
+    ("poll names a load by an unhashable id", None, poll(poll_plan((["load3"], COMPLETE)), {"load3": None}),
+     "PollPlan.uuids[0]"),
+    ("poll misses an observed load", None, poll(poll_plan(), {"load3": None}), "PollPlan.uuids"),
+    ("poll names a load twice", None, poll(poll_plan(("load3", COMPLETE), ("load3", COMPLETE)), {"load3": None}),
+     "PollPlan.uuids"),
+    ("poll names its loads in a list", None, poll(PollPlan(["load3"], (COMPLETE,), (None,)), {"load3": None}),
+     "PollPlan.uuids"),
+    ("poll gives fewer actions than loads", None, poll(PollPlan(("load3",), (), (None,)), {"load3": None}),
+     "PollPlan.actions"),
+    ("poll gives fewer reasons than loads", None, poll(PollPlan(("load3",), (COMPLETE,), ()), {"load3": None}),
+     "PollPlan.actions"),
+    ("poll action given as its string value", None, poll(poll_plan(("load3", "retry")), {"load3": "OSError: x"}),
+     "PollPlan.actions[0]"),
+    ("poll action unknown", None, poll(poll_plan(("load3", "bogus")), {"load3": "OSError: x"}),
+     "PollPlan.actions[0]"),
     # release
     ("release unknown uuid", None, release(ReleasePlan(("done5", "ghost"), ("done5",))), "ReleasePlan.released[1]"),
     ("release a running request", None, release(ReleasePlan(("run0",), ())), "ReleasePlan.released[0]"),
@@ -284,7 +298,7 @@ INVALID = [
     ("release a request by an unhashable id", None, release(ReleasePlan((["done5"],), (["done5"],))),
      "ReleasePlan.released[0]"),
     ("complete a landed load by the action's string value", None,
-     poll(PollPlan((PollStep("load3", "complete"),)), {"load3": None}), "PollPlan.steps[0].action"),
+     poll(poll_plan(("load3", "complete")), {"load3": None}), "PollPlan.actions[0]"),
     ("drop the pending append of a request not released", None,
      release(ReleasePlan(("done5",), ("done5", "run1"))), "ReleasePlan.drop_pending_append_ids[1]"),
     ("release a request and keep its pending append", None, release(ReleasePlan(("done5",), ())),
@@ -441,7 +455,7 @@ def test_a_plan_built_before_the_pool_changed_is_rejected_not_half_applied():
 # ---- valid plans ---------------------------------------------------------------------------------------
 def test_poll_complete_makes_the_request_running_and_frees_its_host_pages():
     target = make_target()
-    apply_poll_plan(target, PollPlan((PollStep("load3", COMPLETE),)), {"load3": None})
+    apply_poll_plan(target, poll_plan(("load3", COMPLETE)), {"load3": None})
     req = target.state.requests["load3"]
     assert (req.phase, req.gpu_page_ids, req.host_page_ids, req.load_handle, req.load_started_step) == (
         Phase.RUNNING, (4, 5), (), None, None)
@@ -452,7 +466,7 @@ def test_poll_complete_makes_the_request_running_and_frees_its_host_pages():
 
 def test_poll_retry_restarts_the_load_into_the_same_pages():
     target = make_target()
-    apply_poll_plan(target, PollPlan((PollStep("load3", RETRY),)), {"load3": "OSError: x"})
+    apply_poll_plan(target, poll_plan(("load3", RETRY)), {"load3": "OSError: x"})
     req = target.state.requests["load3"]
     assert (req.phase, req.gpu_page_ids, req.host_page_ids, req.num_load_retries, req.load_started_step) == (
         Phase.LOADING, (4, 5), (2, 3), 1, 7)
@@ -464,7 +478,7 @@ def test_poll_retry_restarts_the_load_into_the_same_pages():
 def test_poll_recompute_drops_both_tiers_and_sends_the_request_back_to_waiting():
     target = make_target()
     target.state.requests["load3"].num_load_retries = 1
-    apply_poll_plan(target, PollPlan((PollStep("load3", RECOMPUTE),)), {"load3": "OSError: x"})
+    apply_poll_plan(target, poll_plan(("load3", RECOMPUTE)), {"load3": "OSError: x"})
     req = target.state.requests["load3"]
     assert (req.phase, req.gpu_page_ids, req.host_page_ids, req.num_cached_tokens, req.num_load_retries) == (
         Phase.WAITING, (), (), 0, 0)
@@ -476,7 +490,7 @@ def test_poll_recompute_drops_both_tiers_and_sends_the_request_back_to_waiting()
 def test_poll_fail_marks_the_request_failed_with_the_plans_reason():
     target = make_target()
     target.state.requests["load3"].num_load_retries = 1
-    apply_poll_plan(target, PollPlan((PollStep("load3", FAIL, "load failed: OSError: x"),)), {"load3": "OSError: x"})
+    apply_poll_plan(target, poll_plan(("load3", FAIL, "load failed: OSError: x")), {"load3": "OSError: x"})
     req = target.state.requests["load3"]
     assert (req.phase, req.finish_reason, req.gpu_page_ids, req.host_page_ids) == (
         Phase.FAILED, "load failed: OSError: x", (), ())

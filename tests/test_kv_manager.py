@@ -33,7 +33,7 @@ from batchgen.worker.kv_manager import KVCacheManager, eviction_watermark_pages
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvGeometry, KvPreState,
     KvSnapshot, LoadStart, MigrationPlan, MigrationRequest, PageColumns, PageGrant, PollAction,
-    PollPlan, PollRequest, PollStep, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
+    PollPlan, PollRequest, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
     decode_demand, from_json, to_json,
 )
 from batchgen.worker.state import Phase, Request
@@ -324,7 +324,7 @@ def _one_of_each():
         PollRequest(snap, ("a",), ("boom",), (0,)), ReleaseRequest(snap, ("a",)),
         EvictionRequest(snap, running, 1), MigrationRequest(snap, swapped, running, 1, 1),
         AllocRequest(snap, running, ("a",)),
-        PollStep("a", PollAction.RETRY), PollPlan((PollStep("a", PollAction.COMPLETE),)), ReleasePlan(("a",), ("a",)),
+        PollPlan(("a",), (PollAction.COMPLETE,), (None,)), ReleasePlan(("a",), ("a",)),
         Victim("a", Destination.HOST, (1, 2), (0, 1)), EvictionPlan(()), LoadStart("a", (3,), (4,)),
         MigrationPlan(()), PageGrant("a", (5,)), DoesNotFit("a", 3, 1), AllocPlan((), ()),
     ]
@@ -692,26 +692,31 @@ def poll_request(outcomes: dict[str, str | None], retries: dict[str, int], **cha
     return PollRequest(snap, tuple(outcomes), tuple(outcomes.values()), tuple(retries[u] for u in outcomes))
 
 
+def test_poll_completes_every_load_when_all_landed_without_reading_retries():
+    snap = KvSnapshot(4, geometry(), 0, 0)
+    gpu, host = pools(8, 4)
+    plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(PollRequest(snap, ("l2", "l1"), (None, None), ()))
+    assert plan == PollPlan(("l2", "l1"), (PollAction.COMPLETE,) * 2, (None, None))
+
+
 def test_poll_completes_landed_loads_retries_failed_ones_then_recomputes_in_observed_order():
     request = poll_request({"l2": "OSError: x", "l1": None, "l3": "OSError: y"}, {"l1": 0, "l2": 1, "l3": 0})
     gpu, host = pools(8, 4)
-    assert KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(request) == PollPlan((
-        PollStep("l2", PollAction.RECOMPUTE), PollStep("l1", PollAction.COMPLETE), PollStep("l3", PollAction.RETRY),
-    ))
+    assert KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(request) == PollPlan(
+        ("l2", "l1", "l3"), (PollAction.RECOMPUTE, PollAction.COMPLETE, PollAction.RETRY), (None, None, None))
 
 
 def test_poll_recomputes_at_once_when_no_retries_are_allowed():
     request = poll_request({"l1": "OSError: x"}, {"l1": 0}, max_load_retries=0)
     gpu, host = pools(8, 4)
-    assert KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(request) == PollPlan((PollStep("l1", PollAction.RECOMPUTE),))
+    assert KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(request) == PollPlan(("l1",), (PollAction.RECOMPUTE,), (None,))
 
 
 def test_poll_fails_the_request_with_the_load_error_when_the_policy_says_fail():
     request = poll_request({"l1": "OSError: x", "l2": "OSError: y"}, {"l1": 1, "l2": 0}, load_failure="fail")
     gpu, host = pools(8, 4)
-    assert KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(request) == PollPlan((
-        PollStep("l1", PollAction.FAIL, "load failed: OSError: x"), PollStep("l2", PollAction.RETRY),
-    ))
+    assert KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(request) == PollPlan(
+        ("l1", "l2"), (PollAction.FAIL, PollAction.RETRY), ("load failed: OSError: x", None))
 
 
 def test_release_releases_and_drops_the_pending_appends_of_exactly_the_done_requests():
@@ -754,8 +759,8 @@ op_requests = st.one_of(
     st.builds(KvPreState, snapshots, st.lists(views, max_size=4).map(tuple)),
 )
 plans = st.one_of(
-    st.builds(PollPlan, st.lists(st.builds(PollStep, uuids, st.sampled_from(PollAction), st.none() | st.text()),
-                                 max_size=4).map(tuple)),
+    st.lists(st.tuples(uuids, st.sampled_from(PollAction), st.none() | st.text()), max_size=4).map(
+        lambda rows: PollPlan(*(tuple(column) for column in zip(*rows))) if rows else PollPlan((), (), ())),
     st.builds(ReleasePlan, uuid_tuples, uuid_tuples),
     st.builds(EvictionPlan, st.lists(st.builds(Victim, uuids, st.sampled_from(Destination), page_ids, page_ids),
                                      max_size=4).map(tuple)),
@@ -784,7 +789,7 @@ def test_any_plan_round_trips_through_json_exactly(plan):
 
 
 def test_round_trips_cover_every_plan_and_request_type():
-    assert {type(plan) for plan in (PollPlan(()), ReleasePlan((), ()), EvictionPlan(()), MigrationPlan(()),
+    assert {type(plan) for plan in (PollPlan((), (), ()), ReleasePlan((), ()), EvictionPlan(()), MigrationPlan(()),
                                     AllocPlan((), ()))} == declared("Plan")
     for obj in _one_of_each():
         assert_round_trips(obj)
@@ -795,7 +800,7 @@ def test_engine_config_is_not_what_the_manager_reads():
     request = poll_request({"l1": "OSError: x"}, {"l1": 0}, max_load_retries=3)
     assert EngineConfig().max_load_retries != 3
     gpu, host = pools(8, 4)
-    assert KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(request).steps == (PollStep("l1", PollAction.RETRY),)
+    assert KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(request).actions == (PollAction.RETRY,)
 
 
 def test_a_request_added_to_the_worker_after_the_snapshot_does_not_change_the_plan():

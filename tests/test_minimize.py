@@ -17,7 +17,7 @@ from batchgen.runner import run_workload
 from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_plans import (
-    Destination, EvictionPlan, PollAction, PollPlan, PollStep, Victim,
+    Destination, EvictionPlan, PollAction, Victim,
 )
 from batchgen.worker.worker import Worker
 from batchgen.workloads import builtin_workload, load_workload
@@ -39,9 +39,8 @@ def inject_evict_bug(monkeypatch):
 def inject_retry_bug(monkeypatch):
     """A failed load with retries left is recomputed instead of retried: needs a load to fail."""
     correct = Manager.plan_poll
-    monkeypatch.setattr(Manager, "plan_poll", lambda self, req: PollPlan(tuple(
-        PollStep(s.uuid, PollAction.RECOMPUTE) if s.action is PollAction.RETRY else s
-        for s in correct(self, req).steps)))
+    monkeypatch.setattr(Manager, "plan_poll", lambda self, req: dataclasses.replace(plan := correct(self, req), actions=tuple(
+        PollAction.RECOMPUTE if action is PollAction.RETRY else action for action in plan.actions)))
 
 
 def null_worker(workload, *, kv_gate, shadow_path, faults=None):

@@ -11,7 +11,7 @@ from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_apply import PlanKvPath
 from batchgen.worker.kv_gate import KvGateConfig
 from batchgen.worker.kv_plans import (
-    AllocPlan, Destination, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan, PollStep,
+    AllocPlan, Destination, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan,
     ReleasePlan, RequestKvView, Victim,
 )
 from batchgen.worker.state import Phase
@@ -38,7 +38,7 @@ def pending_appends_kept(plan):
 
 
 def completed_loads_retried(plan):
-    return PollPlan(tuple(PollStep(s.uuid, PollAction.RETRY) for s in plan.steps))
+    return PollPlan(plan.uuids, (PollAction.RETRY,) * len(plan.uuids), plan.reasons)
 
 
 BUGS = {  # op -> (plan method, how the bug rewrites its plan)

@@ -5,6 +5,7 @@ migration and recompute every few steps) given to the validation as workload fil
 ``BACK_TO_BACK_WORKLOADS``: the nine runs take seconds. ``make run`` runs the L2 traces.
 """
 
+import dataclasses
 import errno
 import json
 import random
@@ -23,7 +24,7 @@ from batchgen.model.loader import load_model
 from batchgen.validation import validate_back_to_back
 from batchgen.validation_report import DIRECTIONS, REPORT_FILES
 from batchgen.worker.kv_backends import GpuKvPool
-from batchgen.worker.kv_plans import PollAction, PollPlan, PollStep
+from batchgen.worker.kv_plans import PollAction
 from batchgen.workloads import Workload, WorkloadRequest
 
 from injected_bugs import reversed_grants
@@ -174,8 +175,8 @@ def test_a_buggy_plan_method_fails_validation_naming_each_diverging_run(two_pres
 
 def test_a_plan_the_applier_rejects_is_a_named_failure_not_a_crash(two_pressure_workloads, model, monkeypatch):
     correct = kv_manager.KVCacheManager.plan_poll
-    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_poll", lambda self, req: PollPlan(
-        tuple(PollStep(s.uuid, PollAction.RETRY) for s in correct(self, req).steps)))
+    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_poll", lambda self, req: dataclasses.replace(
+        plan := correct(self, req), actions=(PollAction.RETRY,) * len(plan.uuids)))
     report = validate_back_to_back(model)
     assert not report.ok
     assert any(re.fullmatch(r"pa legacy/plan: \d+ divergences? of the plan shadow from the authoritative legacy "

@@ -85,9 +85,13 @@ class PlanKvPath:
 
     # Requests (op inputs) are built by these, so compare mode can log and replay them.
     def poll_request(self, observed: Mapping[str, str | None]) -> PollRequest:
-        requests = self.target.state.requests
-        return PollRequest(self.snapshot(), tuple(observed), tuple(observed.values()),
-                           tuple(map(_NUM_LOAD_RETRIES, map(requests.__getitem__, observed))))
+        """The observed loads, and each request's retries when any load failed (no request is read when all
+        landed)."""
+        errors = tuple(observed.values())
+        retries = ()
+        if errors.count(None) != len(errors):
+            retries = tuple(map(_NUM_LOAD_RETRIES, map(self.target.state.requests.__getitem__, observed)))
+        return PollRequest(self.snapshot(), tuple(observed), errors, retries)
 
     def release_request(self, uuids: Sequence[str]) -> ReleaseRequest:
         return ReleaseRequest(self.snapshot(), tuple(uuids))
@@ -232,57 +236,62 @@ def _reject_ids(field: str, page_ids) -> None:
 # ---- appliers: validate everything, then mutate ------------------------------------------
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
     """Mutates phases, page tables, pools (host frees, retried loads), stats."""
-    if tuple(map(_UUID, plan.steps)) != tuple(observed):  # else: each observed load once, in order
-        uuids = _uuid_set("PollPlan.steps[{}].uuid", plan.steps, _UUID)
-        if len(uuids) != len(plan.steps):
-            _check_unique("PollPlan.steps", [s.uuid for s in plan.steps])  # raises, naming the steps
-        if observed.keys() != uuids:
-            raise PlanRejected("PollPlan.steps", f"covers {sorted(uuids)}, observed {sorted(observed)}")
+    uuids, actions, reasons = plan.uuids, plan.actions, plan.reasons
+    if uuids != tuple(observed):  # else: each observed load once, in order
+        if type(uuids) is not tuple:
+            raise PlanRejected("PollPlan.uuids", f"must be a tuple of request ids, not {type(uuids).__name__}")
+        named = _uuid_set("PollPlan.uuids[{}]", uuids)
+        if len(named) != len(uuids):
+            _check_unique("PollPlan.uuids", uuids)  # raises, naming the loads
+        if observed.keys() != named:
+            raise PlanRejected("PollPlan.uuids", f"covers {sorted(named)}, observed {sorted(observed)}")
+    if not len(uuids) == len(actions) == len(reasons):
+        raise PlanRejected("PollPlan.actions", f"{len(actions)} actions and {len(reasons)} reasons for "
+                                               f"{len(uuids)} loads")
     requests = target.state.requests
-    for i, step in enumerate(plan.steps):  # field names are formatted only on the error paths
-        uuid, action = step.uuid, step.action
+    for i, (uuid, action) in enumerate(zip(uuids, actions)):  # field names are formatted only on the error paths
         req = requests.get(uuid)
         if req is None or req.phase is not LOADING:
-            _request(target, f"PollPlan.steps[{i}].uuid", uuid, (LOADING,))  # raises, naming why
+            _request(target, f"PollPlan.uuids[{i}]", uuid, (LOADING,))  # raises, naming why
         if action is COMPLETE:
             if observed[uuid] is not None:
-                raise PlanRejected(f"PollPlan.steps[{i}].action", f"{uuid!r} load failed; cannot complete")
+                raise PlanRejected(f"PollPlan.actions[{i}]", f"{uuid!r} load failed; cannot complete")
             continue
         if type(action) is not PollAction:
-            _reject_member(f"PollPlan.steps[{i}].action", action, PollAction)
+            _reject_member(f"PollPlan.actions[{i}]", action, PollAction)
         if observed[uuid] is None:
-            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{uuid!r} load completed; nothing to {action.value}")
+            raise PlanRejected(f"PollPlan.actions[{i}]", f"{uuid!r} load completed; nothing to {action.value}")
         if action is RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
-            raise PlanRejected(f"PollPlan.steps[{i}].action", f"{uuid!r} has no retries left")
-        if action is FAIL and (type(step.reason) is not str or not step.reason):
-            raise PlanRejected(f"PollPlan.steps[{i}].reason", f"failing {uuid!r} needs a reason (a non-empty str), "
-                                                               f"not {step.reason!r}")
+            raise PlanRejected(f"PollPlan.actions[{i}]", f"{uuid!r} has no retries left")
+        if action is FAIL and (type(reasons[i]) is not str or not reasons[i]):
+            raise PlanRejected(f"PollPlan.reasons[{i}]", f"failing {uuid!r} needs a reason (a non-empty str), "
+                                                         f"not {reasons[i]!r}")
     stats = target.state.stats
-    for step in plan.steps:
-        req = target.state.edit(step.uuid)
-        if step.action is COMPLETE:
+    for uuid, action, reason in zip(uuids, actions, reasons):
+        req = target.state.edit(uuid)
+        if action is COMPLETE:
             req.load_handle = None
             req.load_started_step = None
-            target.host_kv.release_pages(step.uuid)
+            target.host_kv.release_pages(uuid)
             req.host_page_ids = ()
             req.phase = RUNNING
             continue
         stats.load_failures += 1
-        if step.action is RETRY:
+        if action is RETRY:
             req.num_load_retries += 1
-            req.load_handle = target.host_kv.load_to_gpu_async(step.uuid, list(req.gpu_page_ids))
+            req.load_handle = target.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))
             req.load_started_step = target.state.step
             stats.loads += 1
             continue
         req.drain_load()  # a timed-out load's copy may still be writing into the GPU pages freed next
-        target.gpu_kv.release_pages(step.uuid)
-        target.host_kv.release_pages(step.uuid)
+        target.gpu_kv.release_pages(uuid)
+        target.host_kv.release_pages(uuid)
         req.gpu_page_ids, req.host_page_ids = (), ()
         req.num_cached_tokens = 0
         req.num_load_retries = 0
         req.load_started_step = None
-        if step.action is FAIL:
-            req.phase, req.finish_reason = FAILED, step.reason
+        if action is FAIL:
+            req.phase, req.finish_reason = FAILED, reason
         else:
             req.phase = WAITING
             stats.recompute_preemptions += 1

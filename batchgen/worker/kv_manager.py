@@ -18,7 +18,7 @@ import math
 from batchgen.worker.kv_backends import GpuKvBackend, HostKvBackend
 from batchgen.worker.kv_plans import (
     AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvSnapshot, LoadStart,
-    MigrationPlan, MigrationRequest, PageGrant, PollAction, PollPlan, PollRequest, PollStep,
+    MigrationPlan, MigrationRequest, PageGrant, PollAction, PollPlan, PollRequest,
     ReleasePlan, ReleaseRequest, Victim,
 )
 
@@ -52,18 +52,24 @@ class KVCacheManager:
         self._host_kv = host_kv
 
     def plan_poll(self, req: PollRequest) -> PollPlan:
+        uuids, errors = req.uuids, req.errors
+        if errors.count(None) == len(errors):  # every load landed: all complete, no reasons (errors is all None)
+            return PollPlan(uuids, (COMPLETE,) * len(uuids), errors)
         geometry = req.snapshot.geometry
-        steps = []
-        for uuid, error, retries in zip(req.uuids, req.errors, req.num_load_retries):
+        actions, reasons = [], []
+        for error, retries in zip(errors, req.num_load_retries):
+            reason = None
             if error is None:
-                steps.append(PollStep(uuid, COMPLETE))
+                action = COMPLETE
             elif retries < geometry.max_load_retries:
-                steps.append(PollStep(uuid, RETRY))
+                action = RETRY
             elif geometry.load_failure == "fail":
-                steps.append(PollStep(uuid, FAIL, load_failure_reason(error)))
+                action, reason = FAIL, load_failure_reason(error)
             else:
-                steps.append(PollStep(uuid, RECOMPUTE_LOAD))
-        return PollPlan(tuple(steps))
+                action = RECOMPUTE_LOAD
+            actions.append(action)
+            reasons.append(reason)
+        return PollPlan(uuids, tuple(actions), tuple(reasons))
 
     def plan_release(self, req: ReleaseRequest) -> ReleasePlan:
         return ReleasePlan(released=req.uuids, drop_pending_append_ids=req.uuids)

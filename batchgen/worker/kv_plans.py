@@ -145,7 +145,7 @@ class PollRequest:
     snapshot: KvSnapshot
     uuids: tuple[str, ...]  # the requests whose loads were observed this step
     errors: tuple[str | None, ...]  # of each load: None if it completed, else the error
-    num_load_retries: tuple[int, ...]  # of each request
+    num_load_retries: tuple[int, ...]  # of each request when a load failed; () when every load landed (not read)
 
 
 @record
@@ -188,15 +188,13 @@ class AllocRequest:
 
 # ---- plans ------------------------------------------------------------------------------
 @record
-class PollStep:
-    uuid: str
-    action: PollAction
-    reason: str | None = None  # FAIL: the request's failure reason
-
-
-@record
 class PollPlan:
-    steps: tuple[PollStep, ...]  # applied in order (order fixes free-queue order)
+    """What to do with each observed load, as columns (entry i of each is load ``uuids[i]``), applied in order
+    (order fixes free-queue order)."""
+
+    uuids: tuple[str, ...]
+    actions: tuple[PollAction, ...]
+    reasons: tuple[str | None, ...]  # FAIL: the request's failure reason; else None
 
 
 @record
