@@ -12,8 +12,10 @@ canonical result depends on is synthesised, except where noted)::
     record                                  rebuilt as
     request (the op request, JSON)          the op's input: loads observed, uuids released,
                                             batch allocated; checked against the rebuilt state
-                                            (evict / migrate from a log without decode_demand:
-                                            summed from the recorded RUNNING columns)
+                                            (from an older log: evict / migrate without
+                                            decode_demand get it summed from the recorded
+                                            RUNNING columns; a poll whose loads all landed
+                                            drops its retries)
     pre_state.snapshot.geometry             model / cache / engine configs (other model
                                             fields: any valid values; the KV ops never read them)
     pre_state.requests (the op's scope,     a RequestState each: phase, page tables, cached
@@ -104,15 +106,23 @@ def op_request(record: DivergenceRecord):
                           f"workload instead")
     if replay.get("request_type") != cls.__name__:
         raise ReplayError(f"op {op!r} needs a {cls.__name__}, the record holds {replay.get('request_type')!r}")
-    request = _with_decode_demand(op, replay.get("request"))
+    request = _in_current_form(op, replay.get("request"))
     return _from_record(cls, request, f"op {op!r}: the recorded request")
 
 
-def _with_decode_demand(op: str, request):
-    """``request`` (a recorded op request, as JSON), with the decode demand of its RUNNING columns when it is an
-    evict or migrate request from a log older than that field; anything else as it is (a malformed one is left
-    for validation to name). Pure."""
-    if op not in ("evict", "migrate") or not isinstance(request, dict) or "decode_demand" in request:
+def _in_current_form(op: str, request):
+    """``request`` (a recorded op request, as JSON) as this version builds it, when it comes from an older log:
+    an evict or migrate request gets the decode demand of its RUNNING columns, and a poll request whose loads
+    all landed drops its retries (no longer read). Anything else as it is (a malformed one is left for
+    validation to name). Pure."""
+    if not isinstance(request, dict):
+        return request
+    if op == "poll":
+        errors, retries = request.get("errors"), request.get("num_load_retries")
+        if isinstance(errors, list) and retries and all(error is None for error in errors):
+            return {**request, "num_load_retries": []}
+        return request
+    if op not in ("evict", "migrate") or "decode_demand" in request:
         return request
     try:
         running, page_size = request["running"], request["snapshot"]["geometry"]["page_size"]

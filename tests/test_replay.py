@@ -96,6 +96,17 @@ def test_a_record_from_before_decode_demand_replays_with_the_demand_of_its_runni
         op_request(old)
 
 
+def test_a_poll_record_from_before_retries_were_dropped_for_landed_loads_replays(tmp_path, monkeypatch):
+    inject(monkeypatch, "poll")
+    records = [r for r in divergences(tmp_path) if all(e is None for e in r.replay["request"]["errors"])]
+    assert records and all(r.replay["request"]["num_load_retries"] == [] for r in records)
+    for record in records:
+        old = record.model_copy(deep=True)
+        old.replay["request"]["num_load_retries"] = [0] * len(old.replay["request"]["errors"])  # as logged before
+        assert op_request(old) == op_request(record)
+        assert replay_record(old) == replay_record(record) and replay_record(old).reproduced
+
+
 FAULTS = "seed=3,load_fail=0.3,load_fail_late=0.2,load_hang=0.1,abort=0.15,host_shrink=0.2,gpu_refuse=0.1"
 
 
