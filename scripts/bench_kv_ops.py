@@ -22,7 +22,13 @@ default clock is the thread's CPU time (steadier than wall time on shared, busy
 cores; the cost of reading it is measured and subtracted). Garbage collections
 triggered inside a KV op count toward it: allocation churn is part of the cost.
 
+One process's memory layout and string-hash seed shift its small cells by a few
+percent for every repeat alike, so repeats in one process do not average it out:
+``--processes K`` measures every cell in K fresh interpreter processes (each with
+``--repeats``) and reports the median of the K per-process ratios, and their range.
+
     python scripts/bench_kv_ops.py --json-out bench_kv_ops.json
+    python scripts/bench_kv_ops.py --sizes 64 --mixes pressure --processes 9
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ import json
 import platform
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -192,6 +201,50 @@ def summarise(mix: str, num_requests: int, runs: dict[str, list[Run]], steps: in
     }
 
 
+def measure_in_processes(args: argparse.Namespace, console: Console) -> list[dict]:
+    """Every cell measured in ``args.processes`` fresh interpreters, one after another (this script with
+    ``--processes 1``); per cell, the median of the per-process figures. SystemExit with a failing child's
+    status and its last error line."""
+    runs: list[list[dict]] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for k in range(args.processes):
+            out = Path(scratch) / f"process{k}.json"
+            done = subprocess.run([sys.executable, __file__, *child_argv(args), "--json-out", str(out)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise SystemExit(f"process {k + 1} of {args.processes} failed (exit {done.returncode}): {last}")
+            runs.append(json.loads(out.read_text())["rows"])
+            console.log(f"process {k + 1}/{args.processes}: " + ", ".join(
+                f"{row['mix']} x {row['num_requests']} {row['ratio_plan_legacy']:.3f}" for row in runs[-1]))
+    return [merge_processes(cells) for cells in zip(*runs)]
+
+
+def child_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line options of one process of ``--processes``: the same cells, steps and repeats. Pure."""
+    return ["--sizes", ",".join(map(str, args.sizes)), "--mixes", ",".join(args.mixes), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--clock", args.clock,
+            "--seed", str(args.seed), "--processes", "1"]
+
+
+def merge_processes(cells: Sequence[dict]) -> dict:
+    """One cell's rows from several processes as one row: medians of their per-step figures and ratios, every
+    repeat's ratio, and each process's ratio (``process_ratios``). Pure."""
+    first = cells[0]
+    by_op = {path: {op: statistics.median(cell["us_per_step_by_op"][path][op] for cell in cells) for op in KV_OPS}
+             for path in PATHS}
+    return {
+        **first,
+        "legacy_us_per_step": statistics.median(cell["legacy_us_per_step"] for cell in cells),
+        "plan_us_per_step": statistics.median(cell["plan_us_per_step"] for cell in cells),
+        "ratio_plan_legacy": statistics.median(cell["ratio_plan_legacy"] for cell in cells),
+        "process_ratios": [cell["ratio_plan_legacy"] for cell in cells],
+        "ratios": [ratio for cell in cells for ratio in cell["ratios"]],
+        "us_per_step_samples": {path: [x for cell in cells for x in cell["us_per_step_samples"][path]] for path in PATHS},
+        "us_per_step_by_op": by_op,
+    }
+
+
 def render(rows: Sequence[dict], title: str) -> Table:
     table = Table(title=title)
     for column in ("mix", "requests", "legacy us/step", "plan us/step", "plan/legacy", "evictions", "loads",
@@ -239,6 +292,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: this thread's CPU time (steadier on shared, busy cores); wall: elapsed (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request stream (default 0)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="fresh interpreter processes to measure every cell in, one after another; a cell's "
+                             "ratio is the median of theirs (default 1: this process)")
     parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
     args = parser.parse_args()
     try:
@@ -250,8 +306,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--sizes must be positive")
     if not set(args.mixes) <= set(MIXES):
         parser.error(f"--mixes must name {', '.join(MIXES)}, got {args.mixes}")
-    if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
-        parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
+    if args.steps < 1 or args.repeats < 1 or args.processes < 1 or args.warmup < 0:
+        parser.error("--steps, --repeats and --processes must be >= 1, --warmup >= 0")
     return args
 
 
@@ -261,15 +317,22 @@ def main() -> None:
     console = Console(width=132)
     started = time.perf_counter()
     rows = []
-    for mix in args.mixes:
-        for num_requests in args.sizes:
-            rows.append(summarise(mix, num_requests, measure(mix, num_requests, args), args.steps))
-            console.log(f"{mix} x {num_requests}: ratio plan/legacy {rows[-1]['ratio_plan_legacy']:.2f}")
+    if args.processes > 1:
+        rows = measure_in_processes(args, console)
+    else:
+        for mix in args.mixes:
+            for num_requests in args.sizes:
+                rows.append(summarise(mix, num_requests, measure(mix, num_requests, args), args.steps))
+                console.log(f"{mix} x {num_requests}: ratio plan/legacy {rows[-1]['ratio_plan_legacy']:.2f}")
     machine = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch thread"
+    runs = f"median of {args.repeats}" if args.processes == 1 else f"median of {args.processes} processes x {args.repeats}"
     title = (f"KV bookkeeping per step ({args.clock} clock, {args.steps} timed steps after {args.warmup}, "
-             f"median of {args.repeats}, legacy and plan interleaved) on {machine}")
+             f"{runs}, legacy and plan interleaved) on {machine}")
     console.print(render(rows, title))
     console.print(render_ops(rows))
+    for row in rows if args.processes > 1 else ():
+        low, high = min(row["process_ratios"]), max(row["process_ratios"])
+        console.print(f"{row['mix']} x {row['num_requests']}: plan/legacy per process {low:.3f}-{high:.3f}")
     quiet = [row for row in rows if row["mix"] == "pressure"
              and not (row["window_stats"]["evictions"] and row["window_stats"]["loads"])]
     for row in quiet:

@@ -39,6 +39,26 @@ def test_bench_kv_ops_times_both_paths_on_every_mix_and_size(tmp_path):
         assert set(row["window_stats"]) == {"evictions", "loads", "recompute_preemptions", "tokens_generated"}
 
 
+def test_bench_kv_ops_in_several_processes_reports_the_median_of_their_ratios(tmp_path):
+    out = tmp_path / "kv_ops.json"
+    run_benchmark("bench_kv_ops.py", "--sizes", "8", "--mixes", "pressure", "--steps", "3", "--warmup", "1",
+                  "--repeats", "2", "--processes", "3", "--json-out", str(out))
+    figures = json.loads(out.read_text())
+    assert figures["args"]["processes"] == 3
+    [row] = figures["rows"]
+    assert len(row["process_ratios"]) == 3 and len(row["ratios"]) == 6  # every repeat of every process
+    assert row["ratio_plan_legacy"] == sorted(row["process_ratios"])[1]
+    assert all(len(row["us_per_step_samples"][path]) == 6 for path in ("legacy", "plan"))
+
+
+@pytest.mark.parametrize("flag", ["--processes", "--repeats", "--steps"])
+def test_bench_kv_ops_refuses_no_processes_repeats_or_steps(flag):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_kv_ops.py"), *TOY_SIZES["bench_kv_ops.py"], flag, "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (
+        2, "bench_kv_ops.py: error: --steps, --repeats and --processes must be >= 1, --warmup >= 0"), done.stderr
+
+
 def test_bench_compare_reports_the_harness_both_ways_and_every_goal(tmp_path):
     out, md = tmp_path / "compare.json", tmp_path / "compare.md"
     run_benchmark("bench_compare.py", "--sizes", "8,16", "--steps", "6", "--repeats", "1", "--no-e2e",
