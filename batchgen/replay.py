@@ -113,23 +113,30 @@ def op_request(record: DivergenceRecord):
 def _in_current_form(op: str, request):
     """``request`` (a recorded op request, as JSON) as this version builds it, when it comes from an older log:
     an evict or migrate request gets the decode demand of its RUNNING columns, and a poll request whose loads
-    all landed drops its retries (no longer read). Anything else as it is (a malformed one is left for
-    validation to name). Pure."""
+    all landed drops its retries (no longer read). Anything else, a malformed request included, as it is, for
+    validation to name what is wrong. Pure."""
     if not isinstance(request, dict):
         return request
     if op == "poll":
         errors, retries = request.get("errors"), request.get("num_load_retries")
-        if isinstance(errors, list) and retries and all(error is None for error in errors):
+        if (type(errors) is list and type(retries) is list and retries and len(retries) == len(errors)
+                and all(error is None for error in errors)):
             return {**request, "num_load_retries": []}
         return request
     if op not in ("evict", "migrate") or "decode_demand" in request:
         return request
     try:
         running, page_size = request["running"], request["snapshot"]["geometry"]["page_size"]
-        demand = decode_demand(running["num_tokens"], running["gpu_page_ids"], page_size)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        num_tokens, gpu_page_ids = running["num_tokens"], running["gpu_page_ids"]
+    except (KeyError, TypeError):
         return request
-    return {**request, "decode_demand": demand}
+    if type(num_tokens) is not list or type(gpu_page_ids) is not list:
+        return request
+    if not all(type(count) is int for count in (page_size, *num_tokens)) or page_size < 1:
+        return request
+    if not all(type(page_ids) is list for page_ids in gpu_page_ids):
+        return request
+    return {**request, "decode_demand": decode_demand(num_tokens, gpu_page_ids, page_size)}
 
 
 def recorded_pre_state(record: DivergenceRecord) -> KvPreState:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
 import statistics
@@ -203,21 +204,23 @@ def summarise(mix: str, num_requests: int, runs: dict[str, list[Run]], steps: in
 
 def measure_in_processes(args: argparse.Namespace, console: Console) -> list[dict]:
     """Every cell measured in ``args.processes`` fresh interpreters, one after another (this script with
-    ``--processes 1``); per cell, the median of the per-process figures. SystemExit with a failing child's
+    ``--processes 1``, each with its own hash seed: an inherited ``PYTHONHASHSEED`` is not passed on); per
+    cell, the median of the per-process figures. SystemExit (exit 1) naming a failing process, its exit
     status and its last error line."""
     runs: list[list[dict]] = []
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONHASHSEED"}
     with tempfile.TemporaryDirectory() as scratch:
         for k in range(args.processes):
             out = Path(scratch) / f"process{k}.json"
             done = subprocess.run([sys.executable, __file__, *child_argv(args), "--json-out", str(out)],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 raise SystemExit(f"process {k + 1} of {args.processes} failed (exit {done.returncode}): {last}")
             runs.append(json.loads(out.read_text())["rows"])
             console.log(f"process {k + 1}/{args.processes}: " + ", ".join(
                 f"{row['mix']} x {row['num_requests']} {row['ratio_plan_legacy']:.3f}" for row in runs[-1]))
-    return [merge_processes(cells) for cells in zip(*runs)]
+    return [merge_processes(cells) for cells in zip(*runs, strict=True)]
 
 
 def child_argv(args: argparse.Namespace) -> list[str]:
@@ -229,8 +232,12 @@ def child_argv(args: argparse.Namespace) -> list[str]:
 
 def merge_processes(cells: Sequence[dict]) -> dict:
     """One cell's rows from several processes as one row: medians of their per-step figures and ratios, every
-    repeat's ratio, and each process's ratio (``process_ratios``). Pure."""
+    repeat's ratio, and each process's ratio (``process_ratios``). SystemExit when the processes' timed
+    windows differ (the trace is seeded: they must not). Pure otherwise."""
     first = cells[0]
+    if any(cell["window_stats"] != first["window_stats"] for cell in cells):
+        raise SystemExit(f"{first['mix']} x {first['num_requests']}: the processes' timed windows differ: "
+                         f"{[cell['window_stats'] for cell in cells]}")
     by_op = {path: {op: statistics.median(cell["us_per_step_by_op"][path][op] for cell in cells) for op in KV_OPS}
              for path in PATHS}
     return {

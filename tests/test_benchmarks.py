@@ -51,6 +51,32 @@ def test_bench_kv_ops_in_several_processes_reports_the_median_of_their_ratios(tm
     assert all(len(row["us_per_step_samples"][path]) == 6 for path in ("legacy", "plan"))
 
 
+def bench_kv_ops_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_kv_ops
+    return bench_kv_ops
+
+
+def test_bench_kv_ops_hands_every_measuring_option_to_its_processes(monkeypatch):
+    module = bench_kv_ops_module(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["bench_kv_ops.py", "--sizes", "8,16", "--mixes", "pressure", "--steps", "3",
+                                      "--warmup", "1", "--repeats", "2", "--clock", "wall", "--seed", "3",
+                                      "--processes", "4"])
+    args = module.parse_args()
+    monkeypatch.setattr(sys, "argv", ["bench_kv_ops.py", *module.child_argv(args)])
+    assert vars(module.parse_args()) == {**vars(args), "processes": 1}
+
+
+def test_bench_kv_ops_names_a_process_that_failed(monkeypatch):
+    module = bench_kv_ops_module(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["bench_kv_ops.py", "--sizes", "8", "--processes", "3"])
+    args = module.parse_args()
+    failed = subprocess.CompletedProcess([], 3, "", "Traceback ...\nMemoryError: out of memory\n")
+    monkeypatch.setattr(module.subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(SystemExit, match=r"^process 1 of 3 failed \(exit 3\): MemoryError: out of memory$"):
+        module.measure_in_processes(args, module.Console(quiet=True))
+
+
 @pytest.mark.parametrize("flag", ["--processes", "--repeats", "--steps"])
 def test_bench_kv_ops_refuses_no_processes_repeats_or_steps(flag):
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_kv_ops.py"), *TOY_SIZES["bench_kv_ops.py"], flag, "0"],

@@ -706,6 +706,13 @@ def test_poll_completes_landed_loads_retries_failed_ones_then_recomputes_in_obse
         ("l2", "l1", "l3"), (PollAction.RECOMPUTE, PollAction.COMPLETE, PollAction.RETRY), (None, None, None))
 
 
+def test_a_poll_request_whose_retries_do_not_match_its_failed_loads_is_refused():
+    request = poll_request({"l1": "OSError: x", "l2": None}, {"l1": 0, "l2": 0})
+    gpu, host = pools(8, 4)
+    with pytest.raises(ValueError, match="zip"):
+        KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(dataclasses.replace(request, num_load_retries=(0,)))
+
+
 def test_poll_recomputes_at_once_when_no_retries_are_allowed():
     request = poll_request({"l1": "OSError: x"}, {"l1": 0}, max_load_retries=0)
     gpu, host = pools(8, 4)

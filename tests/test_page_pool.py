@@ -88,6 +88,14 @@ def test_take_rejects_a_page_named_twice_and_changes_nothing():
     assert internals(pool) == before
 
 
+def test_take_for_refuses_a_single_grant_that_is_not_an_owner_and_ids_pair_and_changes_nothing():
+    pool = pool_with_history()
+    before = internals(pool)
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        pool.take_pages_for([("c", [5, 6], "extra")])  # the queue head's ids: the fast path would take them
+    assert internals(pool) == before
+
+
 def test_take_rejects_an_out_of_range_page_and_changes_nothing():
     pool = pool_with_history()
     before = internals(pool)

@@ -96,6 +96,28 @@ def test_a_record_from_before_decode_demand_replays_with_the_demand_of_its_runni
         op_request(old)
 
 
+@pytest.mark.parametrize("op, change", [
+    ("evict", lambda request: request.update(snapshot={**request["snapshot"], "geometry": {
+        **request["snapshot"]["geometry"], "page_size": 16.0}})),
+    ("evict", lambda request: (request["running"].update(num_tokens=[10**400, *request["running"]["num_tokens"][1:]]),
+                               request["snapshot"]["geometry"].update(page_size=16.0))),
+    ("evict", lambda request: request["running"].update(num_tokens="many")),
+    ("migrate", lambda request: request["running"].update(gpu_page_ids=[None] * len(request["running"]["uuids"]))),
+    ("migrate", lambda request: request.update(snapshot=None)),
+    ("poll", lambda request: request.update(num_load_retries="garbage")),
+    ("poll", lambda request: request.update(num_load_retries=[0] * (len(request["errors"]) + 1))),
+])
+def test_a_malformed_old_record_is_refused_by_validation_not_by_a_crash(tmp_path, monkeypatch, op, change):
+    inject(monkeypatch, op)
+    record = next(r for r in divergences(tmp_path) if op != "poll" or r.replay["request"]["uuids"])
+    old = record.model_copy(deep=True)
+    old.replay["request"].pop("decode_demand", None)  # as a log written before the field
+    change(old.replay["request"])
+    with pytest.raises(ReplayError, match=f"(op '{op}': the recorded request is not a valid |"
+                                          f"{op} step .*: the rebuilt pre-state gives a different op request)"):
+        replay_record(old)
+
+
 def test_a_poll_record_from_before_retries_were_dropped_for_landed_loads_replays(tmp_path, monkeypatch):
     inject(monkeypatch, "poll")
     records = [r for r in divergences(tmp_path) if all(e is None for e in r.replay["request"]["errors"])]

@@ -111,13 +111,16 @@ class PlanKvPath:
         swapped = [r for r in requests if r.phase is SWAPPED]
         snapshot = self.snapshot()
         if not swapped:
-            return MigrationRequest(snapshot, NO_SWAPPED, NO_PAGES, 0, 0)  # nothing to decide: no more to read
-        running = running_after(*evicted, snapshot) if evicted is not None else None
-        if running is None:
-            columns = page_columns([r for r in requests if r.phase is RUNNING])
-            running = columns, decode_demand(columns.num_tokens, columns.gpu_page_ids, self.geometry.page_size)
+            # nothing to decide: no more to read
+            return MigrationRequest(snapshot, NO_SWAPPED, NO_PAGES, decode_demand=0, num_loading=0)
+        after = running_after(*evicted, snapshot) if evicted is not None else None
+        if after is not None:
+            running, demand = after
+        else:
+            running = page_columns([r for r in requests if r.phase is RUNNING])
+            demand = decode_demand(running.num_tokens, running.gpu_page_ids, self.geometry.page_size)
         num_loading = len([r for r in requests if r.phase is LOADING])
-        return MigrationRequest(snapshot, swapped_columns(swapped), *running, num_loading)
+        return MigrationRequest(snapshot, swapped_columns(swapped), running, demand, num_loading)
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
         """Columns of the scheduled requests the op must act on: those whose tokens run past their last
@@ -245,9 +248,10 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
             _check_unique("PollPlan.uuids", uuids)  # raises, naming the loads
         if observed.keys() != named:
             raise PlanRejected("PollPlan.uuids", f"covers {sorted(named)}, observed {sorted(observed)}")
-    if not len(uuids) == len(actions) == len(reasons):
-        raise PlanRejected("PollPlan.actions", f"{len(actions)} actions and {len(reasons)} reasons for "
-                                               f"{len(uuids)} loads")
+    for field, column in (("actions", actions), ("reasons", reasons)):
+        if type(column) is not tuple or len(column) != len(uuids):
+            raise PlanRejected(f"PollPlan.{field}", f"must be a tuple with one entry per load ({len(uuids)}), not "
+                                                    f"{type(column).__name__} {column!r}")
     requests = target.state.requests
     for i, (uuid, action) in enumerate(zip(uuids, actions)):  # field names are formatted only on the error paths
         req = requests.get(uuid)

@@ -53,11 +53,11 @@ class KVCacheManager:
 
     def plan_poll(self, req: PollRequest) -> PollPlan:
         uuids, errors = req.uuids, req.errors
-        if errors.count(None) == len(errors):  # every load landed: all complete, no reasons (errors is all None)
-            return PollPlan(uuids, (COMPLETE,) * len(uuids), errors)
+        if errors.count(None) == len(errors):  # every load landed: all complete
+            return PollPlan(uuids, (COMPLETE,) * len(uuids), (None,) * len(uuids))
         geometry = req.snapshot.geometry
         actions, reasons = [], []
-        for error, retries in zip(errors, req.num_load_retries):
+        for error, retries in zip(errors, req.num_load_retries, strict=True):
             reason = None
             if error is None:
                 action = COMPLETE

@@ -152,7 +152,11 @@ class PagePool:
         them; on a bad one it raises :class:`PageOwnershipError` and nothing changes. An
         owner given no ids is left as it is.
         """
-        all_ids = list(grants[0][1]) if len(grants) == 1 else [page_id for _, page_ids in grants for page_id in page_ids]
+        if len(grants) == 1:  # the common case: no flattening
+            [(_, page_ids)] = grants
+            all_ids = list(page_ids)
+        else:
+            all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
         if self._queue[self._head:self._head + len(all_ids)] == all_ids and PAGE_ID_TYPES.issuperset(map(type, all_ids)):
             self._head += len(all_ids)  # the queue head (what a plan peeked): in range, free and distinct already
         else:
