@@ -323,10 +323,10 @@ def main() -> None:
     torch.set_num_threads(1)  # the untimed sampler's tiny ops; fewer threads are steadier on shared cores
     console = Console(width=132)
     started = time.perf_counter()
-    rows = []
     if args.processes > 1:
         rows = measure_in_processes(args, console)
     else:
+        rows = []
         for mix in args.mixes:
             for num_requests in args.sizes:
                 rows.append(summarise(mix, num_requests, measure(mix, num_requests, args), args.steps))
@@ -337,9 +337,10 @@ def main() -> None:
              f"{runs}, legacy and plan interleaved) on {machine}")
     console.print(render(rows, title))
     console.print(render_ops(rows))
-    for row in rows if args.processes > 1 else ():
-        low, high = min(row["process_ratios"]), max(row["process_ratios"])
-        console.print(f"{row['mix']} x {row['num_requests']}: plan/legacy per process {low:.3f}-{high:.3f}")
+    if args.processes > 1:
+        for row in rows:
+            low, high = min(row["process_ratios"]), max(row["process_ratios"])
+            console.print(f"{row['mix']} x {row['num_requests']}: plan/legacy per process {low:.3f}-{high:.3f}")
     quiet = [row for row in rows if row["mix"] == "pressure"
              and not (row["window_stats"]["evictions"] and row["window_stats"]["loads"])]
     for row in quiet:
