@@ -270,6 +270,11 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
         if action is FAIL and (type(reasons[i]) is not str or not reasons[i]):
             raise PlanRejected(f"PollPlan.reasons[{i}]", f"failing {uuid!r} needs a reason (a non-empty str), "
                                                          f"not {reasons[i]!r}")
+    if reasons.count(None) != len(reasons) - actions.count(FAIL):  # counted in C; every FAIL row has its reason
+        i = next(i for i, (action, reason) in enumerate(zip(actions, reasons))
+                 if action is not FAIL and reason is not None)
+        raise PlanRejected(f"PollPlan.reasons[{i}]", f"{uuids[i]!r} is to {actions[i].value}, not to fail: "
+                                                     f"its reason must be None, not {reasons[i]!r}")
     stats = target.state.stats
     for uuid, action, reason in zip(uuids, actions, reasons):
         req = target.state.edit(uuid)
