@@ -356,8 +356,31 @@ def test_a_record_builds_like_its_dataclass_and_copies_pickles_and_replaces():
     assert repr(point).endswith("Point(x=1, label='p')")
     with pytest.raises(TypeError):
         Point()
+    assert Point.new(1) == point and Point.new(x=2, label="q") == Point(2, "q") and type(Point.new(1)) is Point
+    for bad in ((), (1, "p", 3)):
+        with pytest.raises(TypeError):
+            Point.new(*bad)
     for obj in _one_of_each():  # the module's records pickle and round-trip by value
         assert pickle.loads(pickle.dumps(obj)) == obj
+
+
+@pytest.mark.parametrize("obj", [obj for obj in _one_of_each() if dataclasses.is_dataclass(obj)],
+                         ids=lambda o: type(o).__name__)
+def test_new_builds_the_record_the_class_call_builds_and_it_is_as_frozen(obj):
+    names = [f.name for f in dataclasses.fields(obj)]
+    values = [getattr(obj, name) for name in names]
+    built = type(obj).new(*values)
+    assert type(built) is type(obj)
+    assert (built, hash(built), repr(built)) == (obj, hash(obj), repr(obj))
+    assert type(obj).new(**dict(zip(names, values))) == obj
+    assert pickle.loads(pickle.dumps(built)) == obj and copy.deepcopy(built) == obj
+    for name in names:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(built, name, getattr(built, name))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            delattr(built, name)
+    with pytest.raises((AttributeError, TypeError)):
+        built.extra_field = 1
 
 
 @pytest.mark.parametrize("declare", [
@@ -365,7 +388,8 @@ def test_a_record_builds_like_its_dataclass_and_copies_pickles_and_replaces():
     lambda: type("NoInit", (), {"__annotations__": {"x": "int"}, "x": dataclasses.field(default=0, init=False)}),
     lambda: type("KwOnly", (), {"__annotations__": {"x": "int"}, "x": dataclasses.field(kw_only=True)}),
     lambda: type("PostInit", (), {"__annotations__": {"x": "int"}, "__post_init__": lambda self: None}),
-], ids=["default_factory", "init=False", "kw_only", "__post_init__"])
+    lambda: type("NamedNew", (), {"__annotations__": {"new": "int"}}),
+], ids=["default_factory", "init=False", "kw_only", "__post_init__", "a field named new"])
 def test_a_record_refuses_what_its_init_would_get_wrong(declare):
     with pytest.raises(TypeError, match=r"need the dataclass's own __init__"):
         kv_plans.record(declare())

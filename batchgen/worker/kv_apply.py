@@ -57,12 +57,12 @@ _NONE_LEFT_OUT: frozenset[str] = frozenset()
 def page_columns(scope: Sequence[RequestState]) -> PageColumns:
     if not scope:
         return NO_PAGES
-    return PageColumns(tuple([r.uuid for r in scope]), tuple([r.num_tokens for r in scope]),
+    return PageColumns.new(tuple([r.uuid for r in scope]), tuple([r.num_tokens for r in scope]),
                        tuple([r.gpu_page_ids for r in scope]))
 
 
 def swapped_columns(scope: Sequence[RequestState]) -> SwappedColumns:
-    return SwappedColumns(tuple([r.uuid for r in scope]), tuple([r.host_page_ids for r in scope]),
+    return SwappedColumns.new(tuple([r.uuid for r in scope]), tuple([r.host_page_ids for r in scope]),
                           tuple([r.swapped_step for r in scope]))
 
 
@@ -81,7 +81,8 @@ class PlanKvPath:
 
     def snapshot(self) -> KvSnapshot:
         target = self.target
-        return KvSnapshot(target.state.step, self.geometry, target.gpu_kv.pages.num_free, target.host_kv.pages.num_free)
+        return KvSnapshot.new(target.state.step, self.geometry, target.gpu_kv.pages.num_free,
+                              target.host_kv.pages.num_free)
 
     # Requests (op inputs) are built by these, so compare mode can log and replay them.
     def poll_request(self, observed: Mapping[str, str | None]) -> PollRequest:
@@ -91,15 +92,15 @@ class PlanKvPath:
         retries = ()
         if errors.count(None) != len(errors):
             retries = tuple(map(_NUM_LOAD_RETRIES, map(self.target.state.requests.__getitem__, observed)))
-        return PollRequest(self.snapshot(), tuple(observed), errors, retries)
+        return PollRequest.new(self.snapshot(), tuple(observed), errors, retries)
 
     def release_request(self, uuids: Sequence[str]) -> ReleaseRequest:
-        return ReleaseRequest(self.snapshot(), tuple(uuids))
+        return ReleaseRequest.new(self.snapshot(), tuple(uuids))
 
     def eviction_request(self) -> EvictionRequest:
         requests = self.target.state.requests.values()
         running = page_columns([r for r in requests if r.phase is RUNNING])
-        return EvictionRequest(self.snapshot(), running,
+        return EvictionRequest.new(self.snapshot(), running,
                                decode_demand(running.num_tokens, running.gpu_page_ids, self.geometry.page_size))
 
     def migration_request(self) -> MigrationRequest:
@@ -112,7 +113,7 @@ class PlanKvPath:
         snapshot = self.snapshot()
         if not swapped:
             # nothing to decide: no more to read
-            return MigrationRequest(snapshot, NO_SWAPPED, NO_PAGES, decode_demand=0, num_loading=0)
+            return MigrationRequest.new(snapshot, NO_SWAPPED, NO_PAGES, decode_demand=0, num_loading=0)
         after = running_after(*evicted, snapshot) if evicted is not None else None
         if after is not None:
             running, demand = after
@@ -120,7 +121,7 @@ class PlanKvPath:
             running = page_columns([r for r in requests if r.phase is RUNNING])
             demand = decode_demand(running.num_tokens, running.gpu_page_ids, self.geometry.page_size)
         num_loading = len([r for r in requests if r.phase is LOADING])
-        return MigrationRequest(snapshot, swapped_columns(swapped), running, demand, num_loading)
+        return MigrationRequest.new(snapshot, swapped_columns(swapped), running, demand, num_loading)
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
         """Columns of the scheduled requests the op must act on: those whose tokens run past their last
@@ -128,7 +129,7 @@ class PlanKvPath:
         requests, page_size = self.target.state.requests, self.target.cache_config.page_size
         scope = [r for r in map(requests.__getitem__, batch)
                  if r.num_tokens > len(r.gpu_page_ids) * page_size or r.phase is not RUNNING]
-        return AllocRequest(self.snapshot(), page_columns(scope), tuple(batch))
+        return AllocRequest.new(self.snapshot(), page_columns(scope), tuple(batch))
 
     # The KvPath interface (same as LegacyKvPath).
     def poll(self, observed: Mapping[str, str | None]) -> None:
@@ -177,7 +178,7 @@ def running_after(request: EvictionRequest, plan: EvictionPlan, snapshot: KvSnap
     if kept < 0 or running.uuids[kept:] != tuple([victim.uuid for victim in reversed(victims)]):
         return None
     victims_demand = decode_demand(running.num_tokens[kept:], running.gpu_page_ids[kept:], before.geometry.page_size)
-    return (PageColumns(running.uuids[:kept], running.num_tokens[:kept], running.gpu_page_ids[:kept]),
+    return (PageColumns.new(running.uuids[:kept], running.num_tokens[:kept], running.gpu_page_ids[:kept]),
             request.decode_demand - victims_demand)
 
 

@@ -54,7 +54,7 @@ class KVCacheManager:
     def plan_poll(self, req: PollRequest) -> PollPlan:
         uuids, errors = req.uuids, req.errors
         if errors.count(None) == len(errors):  # every load landed: all complete
-            return PollPlan(uuids, (COMPLETE,) * len(uuids), (None,) * len(uuids))
+            return PollPlan.new(uuids, (COMPLETE,) * len(uuids), (None,) * len(uuids))
         geometry = req.snapshot.geometry
         actions, reasons = [], []
         for error, retries in zip(errors, req.num_load_retries, strict=True):
@@ -69,10 +69,10 @@ class KVCacheManager:
                 action = RECOMPUTE_LOAD
             actions.append(action)
             reasons.append(reason)
-        return PollPlan(uuids, tuple(actions), tuple(reasons))
+        return PollPlan.new(uuids, tuple(actions), tuple(reasons))
 
     def plan_release(self, req: ReleaseRequest) -> ReleasePlan:
-        return ReleasePlan(released=req.uuids, drop_pending_append_ids=req.uuids)
+        return ReleasePlan.new(released=req.uuids, drop_pending_append_ids=req.uuids)
 
     def plan_eviction(self, req: EvictionRequest) -> EvictionPlan:
         snapshot, running = req.snapshot, req.running
@@ -102,11 +102,11 @@ class KVCacheManager:
             page_ids = running.gpu_page_ids[i]
             if destination is TO_HOST:
                 end = start + len(page_ids)
-                victims.append(Victim(running.uuids[i], TO_HOST, page_ids, tuple(host_ids[start:end])))
+                victims.append(Victim.new(running.uuids[i], TO_HOST, page_ids, tuple(host_ids[start:end])))
                 start = end
             else:
-                victims.append(Victim(running.uuids[i], TO_RECOMPUTE, page_ids, ()))
-        return EvictionPlan(tuple(victims))
+                victims.append(Victim.new(running.uuids[i], TO_RECOMPUTE, page_ids, ()))
+        return EvictionPlan.new(tuple(victims))
 
     def plan_migration(self, req: MigrationRequest) -> MigrationPlan:
         snapshot, swapped = req.snapshot, req.swapped
@@ -133,9 +133,9 @@ class KVCacheManager:
         for i in chosen:
             host_page_ids = swapped.host_page_ids[i]
             end = start + len(host_page_ids)
-            loads.append(LoadStart(swapped.uuids[i], tuple(gpu_ids[start:end]), host_page_ids))
+            loads.append(LoadStart.new(swapped.uuids[i], tuple(gpu_ids[start:end]), host_page_ids))
             start = end
-        return MigrationPlan(tuple(loads))
+        return MigrationPlan.new(tuple(loads))
 
     def plan_allocation(self, req: AllocRequest) -> AllocPlan:
         snapshot, needing = req.snapshot, req.needing
@@ -146,15 +146,15 @@ class KVCacheManager:
         for uuid, num_tokens, page_ids in zip(needing.uuids, needing.num_tokens, needing.gpu_page_ids):  # batch order
             need = max(0, pages_for(num_tokens, page_size) - len(page_ids))  # 0: admitted into the pages it holds
             if need > free:
-                not_fitting.append(DoesNotFit(uuid, need, free))
+                not_fitting.append(DoesNotFit.new(uuid, need, free))
                 continue
             served.append((uuid, need))
             free -= need
         if not served:
-            return AllocPlan((), tuple(not_fitting))
+            return AllocPlan.new((), tuple(not_fitting))
         page_ids = self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)
         grants, start = [], 0
         for uuid, need in served:
             grants.append(PageGrant(uuid, tuple(page_ids[start:start + need])))
             start += need
-        return AllocPlan(tuple(grants), tuple(not_fitting))
+        return AllocPlan.new(tuple(grants), tuple(not_fitting))
