@@ -238,6 +238,29 @@ def _reject_ids(field: str, page_ids) -> None:
 
 
 # ---- appliers: validate everything, then mutate ------------------------------------------
+def _check_poll_row(target: KvTarget, i: int, req: RequestState, action, reason, error: str | None) -> None:
+    """PlanRejected naming row ``i`` of a poll plan unless ``action`` (with ``reason``) is one the load of ``req``,
+    observed with ``error`` (None: it landed), allows: complete a landed load, retry one that failed with retries
+    left, recompute it, or fail it with a reason (a non-empty str); a reason goes with FAIL only. Pure."""
+    uuid = req.uuid
+    if type(action) is not PollAction:
+        _reject_member(f"PollPlan.actions[{i}]", action, PollAction)
+    if action is COMPLETE:
+        if error is not None:
+            raise PlanRejected(f"PollPlan.actions[{i}]", f"{uuid!r} load failed; cannot complete")
+    elif error is None:
+        raise PlanRejected(f"PollPlan.actions[{i}]", f"{uuid!r} load completed; nothing to {action.value}")
+    if action is RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
+        raise PlanRejected(f"PollPlan.actions[{i}]", f"{uuid!r} has no retries left")
+    if action is FAIL:
+        if type(reason) is not str or not reason:
+            raise PlanRejected(f"PollPlan.reasons[{i}]", f"failing {uuid!r} needs a reason (a non-empty str), "
+                                                         f"not {reason!r}")
+    elif reason is not None:
+        raise PlanRejected(f"PollPlan.reasons[{i}]", f"{uuid!r} is to {action.value}, not to fail: its reason must "
+                                                     f"be None, not {reason!r}")
+
+
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
     """Mutates phases, page tables, pools (host frees, retried loads), stats."""
     uuids, actions, reasons = plan.uuids, plan.actions, plan.reasons
@@ -249,33 +272,18 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
             _check_unique("PollPlan.uuids", uuids)  # raises, naming the loads
         if observed.keys() != named:
             raise PlanRejected("PollPlan.uuids", f"covers {sorted(named)}, observed {sorted(observed)}")
-    for field, column in (("actions", actions), ("reasons", reasons)):
-        if type(column) is not tuple or len(column) != len(uuids):
-            raise PlanRejected(f"PollPlan.{field}", f"must be a tuple with one entry per load ({len(uuids)}), not "
-                                                    f"{type(column).__name__} {column!r}")
+    if not (type(actions) is tuple and type(reasons) is tuple and len(actions) == len(reasons) == len(uuids)):
+        for field, column in (("actions", actions), ("reasons", reasons)):  # names the bad column
+            if type(column) is not tuple or len(column) != len(uuids):
+                raise PlanRejected(f"PollPlan.{field}", f"must be a tuple with one entry per load ({len(uuids)}), "
+                                                        f"not {type(column).__name__} {column!r}")
     requests = target.state.requests
-    for i, (uuid, action) in enumerate(zip(uuids, actions)):  # field names are formatted only on the error paths
+    for uuid, action, reason in zip(uuids, actions, reasons):  # the ids are unique here: uuids.index names a row
         req = requests.get(uuid)
         if req is None or req.phase is not LOADING:
-            _request(target, f"PollPlan.uuids[{i}]", uuid, (LOADING,))  # raises, naming why
-        if action is COMPLETE:
-            if observed[uuid] is not None:
-                raise PlanRejected(f"PollPlan.actions[{i}]", f"{uuid!r} load failed; cannot complete")
-            continue
-        if type(action) is not PollAction:
-            _reject_member(f"PollPlan.actions[{i}]", action, PollAction)
-        if observed[uuid] is None:
-            raise PlanRejected(f"PollPlan.actions[{i}]", f"{uuid!r} load completed; nothing to {action.value}")
-        if action is RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
-            raise PlanRejected(f"PollPlan.actions[{i}]", f"{uuid!r} has no retries left")
-        if action is FAIL and (type(reasons[i]) is not str or not reasons[i]):
-            raise PlanRejected(f"PollPlan.reasons[{i}]", f"failing {uuid!r} needs a reason (a non-empty str), "
-                                                         f"not {reasons[i]!r}")
-    if reasons.count(None) != len(reasons) - actions.count(FAIL):  # counted in C; every FAIL row has its reason
-        i = next(i for i, (action, reason) in enumerate(zip(actions, reasons))
-                 if action is not FAIL and reason is not None)
-        raise PlanRejected(f"PollPlan.reasons[{i}]", f"{uuids[i]!r} is to {actions[i].value}, not to fail: "
-                                                     f"its reason must be None, not {reasons[i]!r}")
+            _request(target, f"PollPlan.uuids[{uuids.index(uuid)}]", uuid, (LOADING,))  # raises, naming why
+        if action is not COMPLETE or reason is not None or observed[uuid] is not None:
+            _check_poll_row(target, uuids.index(uuid), req, action, reason, observed[uuid])
     stats = target.state.stats
     for uuid, action, reason in zip(uuids, actions, reasons):
         req = target.state.edit(uuid)
