@@ -388,10 +388,18 @@ def test_new_builds_the_record_the_class_call_builds_and_it_is_as_frozen(obj):
     lambda: type("NoInit", (), {"__annotations__": {"x": "int"}, "x": dataclasses.field(default=0, init=False)}),
     lambda: type("KwOnly", (), {"__annotations__": {"x": "int"}, "x": dataclasses.field(kw_only=True)}),
     lambda: type("PostInit", (), {"__annotations__": {"x": "int"}, "__post_init__": lambda self: None}),
-    lambda: type("NamedNew", (), {"__annotations__": {"new": "int"}}),
-], ids=["default_factory", "init=False", "kw_only", "__post_init__", "a field named new"])
+], ids=["default_factory", "init=False", "kw_only", "__post_init__"])
 def test_a_record_refuses_what_its_init_would_get_wrong(declare):
     with pytest.raises(TypeError, match=r"need the dataclass's own __init__"):
+        kv_plans.record(declare())
+
+
+@pytest.mark.parametrize("declare", [
+    lambda: type("FieldNew", (), {"__annotations__": {"new": "int"}}),
+    lambda: type("MethodNew", (), {"__annotations__": {"x": "int"}, "new": lambda: None}),
+], ids=["a field", "a method"])
+def test_a_record_refuses_a_class_with_its_own_new(declare):
+    with pytest.raises(TypeError, match=r"has its own 'new'"):
         kv_plans.record(declare())
 
 
