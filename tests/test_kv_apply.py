@@ -279,6 +279,8 @@ INVALID = [
     ("poll names a load by an unhashable id", None, poll(poll_plan((["load3"], COMPLETE)), {"load3": None}),
      "PollPlan.uuids[0]"),
     ("poll misses an observed load", None, poll(poll_plan(), {"load3": None}), "PollPlan.uuids"),
+    ("poll names an id of another type beside the load", None,
+     poll(PollPlan((3, "load3"), (COMPLETE, COMPLETE), (None, None)), {"load3": None}), "PollPlan.uuids"),
     ("poll names a load twice", None, poll(poll_plan(("load3", COMPLETE), ("load3", COMPLETE)), {"load3": None}),
      "PollPlan.uuids"),
     ("poll names its loads in a list", None, poll(PollPlan(["load3"], (COMPLETE,), (None,)), {"load3": None}),

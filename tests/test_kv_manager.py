@@ -403,6 +403,21 @@ def test_a_record_refuses_a_class_with_its_own_new(declare):
         kv_plans.record(declare())
 
 
+@pytest.mark.parametrize("name", ["self", "_unfrozen", "_cls"])
+def test_a_record_refuses_a_field_named_as_new_s_own_names(name):
+    with pytest.raises(TypeError, match=rf"fields \['{name}'\] are names new uses itself"):
+        kv_plans.record(type("Clash", (), {"__annotations__": {name: "int"}}))
+
+
+def test_a_record_refuses_a_base_class():
+    @kv_plans.record
+    class Base:
+        x: int
+
+    with pytest.raises(TypeError, match=r"derives from \['Base'\]"):
+        kv_plans.record(type("Derived", (Base,), {"__annotations__": {"y": "int"}}))
+
+
 def declared(suffix: str) -> set[type]:
     """The classes ``kv_plans`` declares whose names end in ``suffix`` (``Plan``, ``Request``)."""
     return {cls for cls in vars(kv_plans).values()

@@ -271,7 +271,7 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
         if len(named) != len(uuids):
             _check_unique("PollPlan.uuids", uuids)  # raises, naming the loads
         if observed.keys() != named:
-            raise PlanRejected("PollPlan.uuids", f"covers {sorted(named)}, observed {sorted(observed)}")
+            raise PlanRejected("PollPlan.uuids", f"covers {sorted(named, key=repr)}, observed {sorted(observed)}")
     if not (type(actions) is tuple and type(reasons) is tuple and len(actions) == len(reasons) == len(uuids)):
         for field, column in (("actions", actions), ("reasons", reasons)):  # names the bad column
             if type(column) is not tuple or len(column) != len(uuids):

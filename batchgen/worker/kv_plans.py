@@ -36,8 +36,8 @@ def record(cls):
     specialised call; on an instance it would get the instance as its first argument). The plan path builds its
     snapshots, op requests and plans with it, about 15 per step. Everything else is the dataclass's: equality,
     hash, repr, pickling, and writes that raise. Fields may have plain defaults; what ``new`` would get wrong
-    (a default factory, ``init=False``, ``kw_only``, ``__post_init__``) is refused, as is a class with its own
-    ``new``.
+    (a default factory, ``init=False``, ``kw_only``, ``__post_init__``, a field named ``self``, ``_unfrozen`` or
+    ``_cls``) is refused, as is a class with its own ``new`` or a base class.
     """
     cls = dataclass(frozen=True, slots=True)(cls)
     unsupported = [f.name for f in fields(cls) if f.default_factory is not MISSING or not f.init or f.kw_only]
@@ -47,6 +47,12 @@ def record(cls):
     if "new" in vars(cls):
         raise TypeError(f"record {cls.__name__}: has its own 'new' (a field or an attribute); record adds the "
                         f"constructor of that name: rename it")
+    if cls.__bases__ != (object,):  # new's twin class holds only this class's own slots
+        raise TypeError(f"record {cls.__name__}: derives from {[base.__name__ for base in cls.__bases__]}; a record "
+                        f"derives from nothing (declare every field in it)")
+    reserved = sorted({f.name for f in fields(cls)} & {"self", "_unfrozen", "_cls"})  # names new's body uses
+    if reserved:
+        raise TypeError(f"record {cls.__name__}: fields {reserved} are names new uses itself: rename them")
     names = [f.name for f in fields(cls)]
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     params = ", ".join(f"{name}=_default_{name}" if name in defaults else name for name in names)
