@@ -7,7 +7,8 @@ loads to start, pages to free), never the manager's internals. Everything
 round-trips through JSON exactly (:func:`to_json` / :func:`from_json`), which
 the divergence log and ``replay`` rely on.
 
-Hot-path objects are frozen slotted dataclasses; per-request data comes as
+Hot-path objects are frozen slotted dataclasses (:func:`record`), built there with
+``Cls.new(...)``, the same record without a class call; per-request data comes as
 columns (:class:`PageColumns`), never as one object per request. The full
 per-request view (:class:`RequestKvView`) is built only to log a divergence.
 """
