@@ -58,12 +58,12 @@ def page_columns(scope: Sequence[RequestState]) -> PageColumns:
     if not scope:
         return NO_PAGES
     return PageColumns.new(tuple([r.uuid for r in scope]), tuple([r.num_tokens for r in scope]),
-                       tuple([r.gpu_page_ids for r in scope]))
+                           tuple([r.gpu_page_ids for r in scope]))
 
 
 def swapped_columns(scope: Sequence[RequestState]) -> SwappedColumns:
     return SwappedColumns.new(tuple([r.uuid for r in scope]), tuple([r.host_page_ids for r in scope]),
-                          tuple([r.swapped_step for r in scope]))
+                              tuple([r.swapped_step for r in scope]))
 
 
 class PlanKvPath:
@@ -101,7 +101,7 @@ class PlanKvPath:
         requests = self.target.state.requests.values()
         running = page_columns([r for r in requests if r.phase is RUNNING])
         return EvictionRequest.new(self.snapshot(), running,
-                               decode_demand(running.num_tokens, running.gpu_page_ids, self.geometry.page_size))
+                                   decode_demand(running.num_tokens, running.gpu_page_ids, self.geometry.page_size))
 
     def migration_request(self) -> MigrationRequest:
         """Columns of the SWAPPED requests, and of the RUNNING ones with their decode demand when any is SWAPPED:

@@ -51,10 +51,10 @@ def record(cls):
     if cls.__bases__ != (object,):  # new's twin class holds only this class's own slots
         raise TypeError(f"record {cls.__name__}: derives from {[base.__name__ for base in cls.__bases__]}; a record "
                         f"derives from nothing (declare every field in it)")
-    reserved = sorted({f.name for f in fields(cls)} & {"self", "_unfrozen", "_cls"})  # names new's body uses
+    names = [f.name for f in fields(cls)]
+    reserved = sorted(set(names) & {"self", "_unfrozen", "_cls"})  # names new's body uses
     if reserved:
         raise TypeError(f"record {cls.__name__}: fields {reserved} are names new uses itself: rename them")
-    names = [f.name for f in fields(cls)]
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     params = ", ".join(f"{name}=_default_{name}" if name in defaults else name for name in names)
     stores = "".join(f"    self.{name} = {name}\n" for name in names)
@@ -64,7 +64,7 @@ def record(cls):
     exec(f"def new({params}):\n    self = _unfrozen()\n{stores}    self.__class__ = _cls\n    return self\n", namespace)
     new = namespace["new"]
     new.__qualname__, new.__module__ = f"{cls.__qualname__}.new", cls.__module__
-    new.__doc__ = f"A {cls.__name__}, as ``{cls.__name__}(...)`` builds it, in half the time (see ``record``)."
+    new.__doc__ = f"A {cls.__name__}, as ``{cls.__name__}(...)`` builds it, without the class call (see ``record``)."
     cls.new = new
     return cls
 
