@@ -146,6 +146,16 @@ def test_take_for_several_owners_takes_them_in_order_and_skips_an_owner_given_no
     pool.check_integrity()
 
 
+
+@pytest.mark.parametrize("grants", [[], [("c", [])], [("c", []), ("d", ())]])
+def test_take_for_granting_no_page_changes_nothing_and_keeps_forks_valid(grants):
+    pool = pool_with_history()
+    fork = pool.fork()
+    before = internals(pool)
+    pool.take_pages_for(grants)
+    assert internals(pool) == before
+    assert fork.allocate_pages("c", 1) == [5]  # a fork refuses every access once its base changed
+
 # ---- errors ----------------------------------------------------------------------------------
 def test_allocating_more_than_free_raises_out_of_pages_and_changes_nothing():
     pool = pool_with_history()

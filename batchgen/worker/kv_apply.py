@@ -483,7 +483,8 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
         if len(grant.new_page_ids) != (need if need > 0 else 0):
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
                                f"{len(grant.new_page_ids)} pages granted, {max(0, need)} needed")
-    _take_pages(target.gpu_kv, plan.grants, "AllocPlan.grants[{}].new_page_ids")  # grants are (uuid, ids) pairs
+    if plan.grants:
+        _take_pages(target.gpu_kv, plan.grants, "AllocPlan.grants[{}].new_page_ids")  # grants are (uuid, ids) pairs
     for grant in plan.grants:
         req = target.state.edit(grant.uuid)
         req.gpu_page_ids += grant.new_page_ids

@@ -144,7 +144,9 @@ class KVCacheManager:
         served: list[tuple[str, int]] = []
         not_fitting = []
         for uuid, num_tokens, page_ids in zip(needing.uuids, needing.num_tokens, needing.gpu_page_ids):  # batch order
-            need = max(0, pages_for(num_tokens, page_size) - len(page_ids))  # 0: admitted into the pages it holds
+            need = -(-num_tokens // page_size) - len(page_ids)  # pages_for, inlined: it runs per request
+            if need < 0:
+                need = 0  # admitted into the pages it holds
             if need > free:
                 not_fitting.append(DoesNotFit.new(uuid, need, free))
                 continue

@@ -165,8 +165,7 @@ class PagePool:
             self._queue = [p for p in self._queue[self._head:] if p not in taken]
             self._head = 0
         self._compact()
-        for uuid, page_ids in grants:
-            self._assign(uuid, page_ids)
+        self._assign_all(grants, all_ids)
 
     def release_pages(self, uuid: str) -> list[int]:
         """Return every page of ``uuid`` to the queue tail, in page-table order.
@@ -205,7 +204,26 @@ class PagePool:
             assert not dead, f"{self.name}: pages owned by requests no longer live: {dead}"
 
     # ---- internals ---------------------------------------------------------------
+    def _assign_all(self, grants: Grants, all_ids: Sequence[int]) -> None:
+        """Mark ``all_ids`` (every id of ``grants``, already off the free queue) owned by each grant's owner: what
+        :meth:`_assign` does per grant, in one pass over the flags (a plan's grants come in bulk). An owner given no
+        ids gets no entry; when none is given any, nothing changes and forks stay valid. Mutates the pool."""
+        if not all_ids:
+            return
+        self._version += 1
+        flags = self._free_flags
+        for page_id in all_ids:
+            flags[page_id] = 0
+        owned, journal = self._owned, self.journal
+        for uuid, page_ids in grants:
+            if page_ids:
+                owned.setdefault(uuid, []).extend(page_ids)
+                if journal is not None:
+                    journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
+
     def _assign(self, uuid: str, page_ids: Sequence[int]) -> None:
+        """Mark ``page_ids`` (already off the free queue) owned by ``uuid``: one owner, as :meth:`allocate_pages`
+        takes them. Mutates the pool."""
         if not page_ids:  # nothing changes: forks stay valid, no empty owner entry
             return
         self._version += 1
