@@ -150,13 +150,16 @@ class PagePool:
 
         Validates every grant first: each id in range, free, and named once across all of
         them; on a bad one it raises :class:`PageOwnershipError` and nothing changes. An
-        owner given no ids is left as it is.
+        owner given no ids is left as it is; when no owner is given any, nothing changes
+        and forks stay valid. Marks the ids owned in one pass (a plan's grants come in bulk).
         """
         if len(grants) == 1:  # the common case: no flattening
             [(_, page_ids)] = grants
             all_ids = list(page_ids)
         else:
             all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
+        if not all_ids:
+            return
         if self._queue[self._head:self._head + len(all_ids)] == all_ids and PAGE_ID_TYPES.issuperset(map(type, all_ids)):
             self._head += len(all_ids)  # the queue head (what a plan peeked): in range, free and distinct already
         else:
@@ -165,7 +168,16 @@ class PagePool:
             self._queue = [p for p in self._queue[self._head:] if p not in taken]
             self._head = 0
         self._compact()
-        self._assign_all(grants, all_ids)
+        self._version += 1
+        flags = self._free_flags
+        for page_id in all_ids:
+            flags[page_id] = 0
+        owned, journal = self._owned, self.journal
+        for uuid, page_ids in grants:
+            if page_ids:
+                owned.setdefault(uuid, []).extend(page_ids)
+                if journal is not None:
+                    journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
 
     def release_pages(self, uuid: str) -> list[int]:
         """Return every page of ``uuid`` to the queue tail, in page-table order.
@@ -204,26 +216,9 @@ class PagePool:
             assert not dead, f"{self.name}: pages owned by requests no longer live: {dead}"
 
     # ---- internals ---------------------------------------------------------------
-    def _assign_all(self, grants: Grants, all_ids: Sequence[int]) -> None:
-        """Mark ``all_ids`` (every id of ``grants``, already off the free queue) owned by each grant's owner: what
-        :meth:`_assign` does per grant, in one pass over the flags (a plan's grants come in bulk). An owner given no
-        ids gets no entry; when none is given any, nothing changes and forks stay valid. Mutates the pool."""
-        if not all_ids:
-            return
-        self._version += 1
-        flags = self._free_flags
-        for page_id in all_ids:
-            flags[page_id] = 0
-        owned, journal = self._owned, self.journal
-        for uuid, page_ids in grants:
-            if page_ids:
-                owned.setdefault(uuid, []).extend(page_ids)
-                if journal is not None:
-                    journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
-
     def _assign(self, uuid: str, page_ids: Sequence[int]) -> None:
-        """Mark ``page_ids`` (already off the free queue) owned by ``uuid``: one owner, as :meth:`allocate_pages`
-        takes them. Mutates the pool."""
+        """Mark ``page_ids`` (already off the free queue) owned by ``uuid``; :meth:`take_pages_for` does the same
+        for all its grants in one pass. Mutates the pool."""
         if not page_ids:  # nothing changes: forks stay valid, no empty owner entry
             return
         self._version += 1
