@@ -240,8 +240,8 @@ class Bug:
 
 BUGS = [
     Bug("alloc-off-by-one-page",
-        method_mutant("plan_allocation", "need = max(0, pages_for(num_tokens, page_size) - len(page_ids))",
-                      "need = max(0, num_tokens // page_size + 1 - len(page_ids))"),
+        method_mutant("plan_allocation", "need = -(-num_tokens // page_size) - len(page_ids)",
+                      "need = num_tokens // page_size + 1 - len(page_ids)"),
         frozenset({"alloc"}), "invalid_plan",
         message=r"AllocPlan\.grants\[\d+\]\.new_page_ids: \d+ pages granted, \d+ needed"),
     Bug("alloc-page-ids-reversed",
