@@ -6,7 +6,10 @@ replaced at once by a new one) for ``--warmup`` untimed then ``--steps`` timed
 steps. Only the KV ops are timed: the worker's path object is wrapped so each
 of poll, release, evict, migrate and alloc is timed around the call. Legacy and
 plan run interleaved in one process (the order alternates every repeat) on the
-same seeded trace, and must end with identical counters.
+same seeded trace, and must end with identical counters. The default window, 200
+timed steps after 24, holds the steady finish-and-replace: requests start
+finishing only after ~30 steps, and at 64 requests 30-step windows taken at
+different points of one trace differ by up to 10% in their ratio.
 
     decode    GPU pool holds every request's full context: steady decode, a page
               appended every page_size tokens, a finish-and-replace now and then
@@ -292,9 +295,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", default="64,512,4096",
                         help="comma list of concurrent request counts (default 64,512,4096)")
     parser.add_argument("--mixes", default=",".join(MIXES), help="comma list of decode, pressure (default both)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per run (default 30)")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="timed steps per run (default 200: at 64 requests a shorter window holds too few "
+                             "finishes, evictions and loads; 30-step windows of one run differ by up to 10%%)")
     parser.add_argument("--warmup", type=int, default=24,
-                        help="untimed steps before timing, to reach the steady mix (default 24)")
+                        help="untimed steps before timing, past the first admissions (default 24)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per path; the median is shown (default 3)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: this thread's CPU time (steadier on shared, busy cores); wall: elapsed (default cpu)")
