@@ -82,20 +82,21 @@ class KVCacheManager:
         demand = req.decode_demand
         free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
         watermark = eviction_watermark_pages(snapshot)
+        if free_gpu - demand >= watermark:
+            return NO_VICTIMS  # the watermark holds
+        num_tokens, gpu_page_ids = running.num_tokens, running.gpu_page_ids
         chosen: list[tuple[int, Destination]] = []
         for i in reversed(range(len(running.uuids))):  # youngest first: the columns keep arrival order
-            if free_gpu - demand >= watermark:
-                break
-            num_pages = len(running.gpu_page_ids[i])
-            demand -= pages_for(running.num_tokens[i], page_size) - num_pages
+            num_pages = len(gpu_page_ids[i])
+            demand -= pages_for(num_tokens[i], page_size) - num_pages
             free_gpu += num_pages
             if free_host >= num_pages:
                 free_host -= num_pages
                 chosen.append((i, TO_HOST))
             else:
                 chosen.append((i, TO_RECOMPUTE))
-        if not chosen:
-            return NO_VICTIMS
+            if free_gpu - demand >= watermark:
+                break
         host_ids = self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)
         victims, start = [], 0
         for i, destination in chosen:
