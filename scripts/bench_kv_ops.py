@@ -209,14 +209,18 @@ def measure_in_processes(args: argparse.Namespace, console: Console) -> list[dic
     """Every cell measured in ``args.processes`` fresh interpreters, one after another (this script with
     ``--processes 1``, each with its own hash seed: an inherited ``PYTHONHASHSEED`` is not passed on); per
     cell, the median of the per-process figures. SystemExit (exit 1) naming a failing process, its exit
-    status and its last error line."""
+    status and its last error line, or one that ran past ``--process-timeout`` seconds (it is killed)."""
     runs: list[list[dict]] = []
     env = {name: value for name, value in os.environ.items() if name != "PYTHONHASHSEED"}
     with tempfile.TemporaryDirectory() as scratch:
         for k in range(args.processes):
             out = Path(scratch) / f"process{k}.json"
-            done = subprocess.run([sys.executable, __file__, *child_argv(args), "--json-out", str(out)],
-                                  capture_output=True, text=True, env=env)
+            try:
+                done = subprocess.run([sys.executable, __file__, *child_argv(args), "--json-out", str(out)],
+                                      capture_output=True, text=True, env=env, timeout=args.process_timeout)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"process {k + 1} of {args.processes} ran past --process-timeout "
+                                 f"{args.process_timeout:g} s and was stopped") from None
             if done.returncode != 0:
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 raise SystemExit(f"process {k + 1} of {args.processes} failed (exit {done.returncode}): {last}")
@@ -307,6 +311,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--processes", type=int, default=1,
                         help="fresh interpreter processes to measure every cell in, one after another; a cell's "
                              "ratio is the median of theirs (default 1: this process)")
+    parser.add_argument("--process-timeout", type=float, metavar="SECONDS",
+                        help="with --processes: stop (and fail) a process still running after this many seconds "
+                             "(default: no limit)")
     parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
     args = parser.parse_args()
     try:
@@ -320,6 +327,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--mixes must name {', '.join(MIXES)}, got {args.mixes}")
     if args.steps < 1 or args.repeats < 1 or args.processes < 1 or args.warmup < 0:
         parser.error("--steps, --repeats and --processes must be >= 1, --warmup >= 0")
+    if args.process_timeout is not None and not args.process_timeout > 0:
+        parser.error(f"--process-timeout must be a number of seconds > 0, got {args.process_timeout:g}")
     return args
 
 

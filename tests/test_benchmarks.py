@@ -77,6 +77,30 @@ def test_bench_kv_ops_names_a_process_that_failed(monkeypatch):
         module.measure_in_processes(args, module.Console(quiet=True))
 
 
+def test_bench_kv_ops_stops_a_process_that_runs_past_its_timeout(monkeypatch):
+    module = bench_kv_ops_module(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["bench_kv_ops.py", "--sizes", "8", "--processes", "3", "--process-timeout", "2.5"])
+    args = module.parse_args()
+    given = {}
+
+    def hangs(*call, **options):
+        given.update(options)
+        raise subprocess.TimeoutExpired(call[0], options["timeout"])
+    monkeypatch.setattr(module.subprocess, "run", hangs)
+    with pytest.raises(SystemExit, match=r"^process 1 of 3 ran past --process-timeout 2\.5 s and was stopped$"):
+        module.measure_in_processes(args, module.Console(quiet=True))
+    assert given["timeout"] == 2.5
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_bench_kv_ops_refuses_a_process_timeout_that_is_not_positive(value):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_kv_ops.py"), *TOY_SIZES["bench_kv_ops.py"],
+                           "--process-timeout", value], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith("--process-timeout must be a number of seconds > 0, got "
+                                        f"{float(value):g}"), done.stderr
+
+
 @pytest.mark.parametrize("flag", ["--processes", "--repeats", "--steps"])
 def test_bench_kv_ops_refuses_no_processes_repeats_or_steps(flag):
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_kv_ops.py"), *TOY_SIZES["bench_kv_ops.py"], flag, "0"],
