@@ -84,7 +84,7 @@ class KVCacheManager:
         watermark = eviction_watermark_pages(snapshot)
         if free_gpu - demand >= watermark:
             return NO_VICTIMS  # the watermark holds
-        num_tokens, gpu_page_ids = running.num_tokens, running.gpu_page_ids
+        uuids, num_tokens, gpu_page_ids = running.uuids, running.num_tokens, running.gpu_page_ids
         chosen: list[tuple[int, Destination]] = []
         for i in reversed(range(len(running.uuids))):  # youngest first: the columns keep arrival order
             num_pages = len(gpu_page_ids[i])
@@ -100,13 +100,13 @@ class KVCacheManager:
         host_ids = self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)
         victims, start = [], 0
         for i, destination in chosen:
-            page_ids = running.gpu_page_ids[i]
+            page_ids = gpu_page_ids[i]
             if destination is TO_HOST:
                 end = start + len(page_ids)
-                victims.append(Victim.new(running.uuids[i], TO_HOST, page_ids, tuple(host_ids[start:end])))
+                victims.append(Victim.new(uuids[i], TO_HOST, page_ids, tuple(host_ids[start:end])))
                 start = end
             else:
-                victims.append(Victim.new(running.uuids[i], TO_RECOMPUTE, page_ids, ()))
+                victims.append(Victim.new(uuids[i], TO_RECOMPUTE, page_ids, ()))
         return EvictionPlan.new(tuple(victims))
 
     def plan_migration(self, req: MigrationRequest) -> MigrationPlan:
