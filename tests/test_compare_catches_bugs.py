@@ -240,7 +240,7 @@ class Bug:
 
 BUGS = [
     Bug("alloc-off-by-one-page",
-        method_mutant("plan_allocation", "need = -(-num_tokens // page_size) - len(page_ids)",
+        method_mutant("plan_allocation", "need = (num_tokens + up) // page_size - len(page_ids)",
                       "need = num_tokens // page_size + 1 - len(page_ids)"),
         frozenset({"alloc"}), "invalid_plan",
         message=r"AllocPlan\.grants\[\d+\]\.new_page_ids: \d+ pages granted, \d+ needed"),

@@ -75,14 +75,14 @@ class PlanKvPath:
     def __init__(self, target: KvTarget, geometry: KvGeometry | None = None):
         """``geometry``: the target's (``geometry_of``), when the caller has it already."""
         self.target = target
+        # What a snapshot reads, held as the legacy path holds them: a target's state and pools are set once.
+        self._state, self._gpu_pages, self._host_pages = target.state, target.gpu_kv.pages, target.host_kv.pages
         self.manager = KVCacheManager(gpu_kv=target.gpu_kv, host_kv=target.host_kv)
         self.geometry = geometry or geometry_of(target)
         self._evicted: tuple[EvictionRequest, EvictionPlan] | None = None  # the last op, when it was evict
 
     def snapshot(self) -> KvSnapshot:
-        target = self.target
-        return KvSnapshot.new(target.state.step, self.geometry, target.gpu_kv.pages.num_free,
-                              target.host_kv.pages.num_free)
+        return KvSnapshot.new(self._state.step, self.geometry, self._gpu_pages.num_free, self._host_pages.num_free)
 
     # Requests (op inputs) are built by these, so compare mode can log and replay them.
     def poll_request(self, observed: Mapping[str, str | None]) -> PollRequest:
@@ -126,7 +126,7 @@ class PlanKvPath:
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
         """Columns of the scheduled requests the op must act on: those whose tokens run past their last
         page, or not RUNNING yet (admitted by their grant). The rest are served as they are."""
-        requests, page_size = self.target.state.requests, self.target.cache_config.page_size
+        requests, page_size = self._state.requests, self.geometry.page_size
         scope = [r for r in map(requests.__getitem__, batch)
                  if r.num_tokens > len(r.gpu_page_ids) * page_size or r.phase is not RUNNING]
         return AllocRequest.new(self.snapshot(), page_columns(scope), tuple(batch))
@@ -473,21 +473,22 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
     else:
         left_out = _NONE_LEFT_OUT
     page_size, admissible = target.cache_config.page_size, _ADMISSIBLE
-    for i, grant in enumerate(plan.grants):  # field names are formatted only on the error paths (hot loop)
-        req = requests.get(grant.uuid)
+    up = page_size - 1
+    for i, (uuid, new_page_ids) in enumerate(plan.grants):  # field names are formatted only on the error paths
+        req = requests.get(uuid)
         if req is None or req.phase not in admissible:
-            _request(target, f"AllocPlan.grants[{i}].uuid", grant.uuid, admissible)  # raises, naming the problem
-        need = -(-req.num_tokens // page_size) - len(req.gpu_page_ids)  # as the manager counts it (pages_for)
-        if type(grant.new_page_ids) is not tuple:
-            _reject_ids(f"AllocPlan.grants[{i}].new_page_ids", grant.new_page_ids)
-        if len(grant.new_page_ids) != (need if need > 0 else 0):
+            _request(target, f"AllocPlan.grants[{i}].uuid", uuid, admissible)  # raises, naming the problem
+        need = (req.num_tokens + up) // page_size - len(req.gpu_page_ids)  # as the manager counts
+        if type(new_page_ids) is not tuple:
+            _reject_ids(f"AllocPlan.grants[{i}].new_page_ids", new_page_ids)
+        if len(new_page_ids) != (need if need > 0 else 0):
             raise PlanRejected(f"AllocPlan.grants[{i}].new_page_ids",
-                               f"{len(grant.new_page_ids)} pages granted, {max(0, need)} needed")
+                               f"{len(new_page_ids)} pages granted, {max(0, need)} needed")
     if plan.grants:
         _take_pages(target.gpu_kv, plan.grants, "AllocPlan.grants[{}].new_page_ids")  # grants are (uuid, ids) pairs
-    for grant in plan.grants:
-        req = target.state.edit(grant.uuid)
-        req.gpu_page_ids += grant.new_page_ids
+    for uuid, new_page_ids in plan.grants:
+        req = state.edit(uuid)
+        req.gpu_page_ids += new_page_ids
         req.phase = RUNNING
     batch = request.batch
     return [uuid for uuid in batch if uuid not in left_out] if left_out else list(batch)

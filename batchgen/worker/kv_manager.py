@@ -36,11 +36,6 @@ def eviction_watermark_pages(snapshot: KvSnapshot) -> int:
     return math.ceil(geometry.watermark * geometry.num_gpu_pages)
 
 
-def pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages that hold ``num_tokens`` tokens."""
-    return -(-num_tokens // page_size)
-
-
 def load_failure_reason(error: str) -> str:
     """The finish reason of a request failed by its load."""
     return f"load failed: {error}"
@@ -85,10 +80,11 @@ class KVCacheManager:
         if free_gpu - demand >= watermark:
             return NO_VICTIMS  # the watermark holds
         uuids, num_tokens, gpu_page_ids = running.uuids, running.num_tokens, running.gpu_page_ids
+        up = page_size - 1
         chosen: list[tuple[int, Destination]] = []
         for i in reversed(range(len(running.uuids))):  # youngest first: the columns keep arrival order
             num_pages = len(gpu_page_ids[i])
-            demand -= pages_for(num_tokens[i], page_size) - num_pages
+            demand -= (num_tokens[i] + up) // page_size - num_pages  # the victim's share of the demand
             free_gpu += num_pages
             if free_host >= num_pages:
                 free_host -= num_pages
@@ -97,13 +93,13 @@ class KVCacheManager:
                 chosen.append((i, TO_RECOMPUTE))
             if free_gpu - demand >= watermark:
                 break
-        host_ids = self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)
+        host_ids = tuple(self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host))  # sliced per victim
         victims, start = [], 0
         for i, destination in chosen:
             page_ids = gpu_page_ids[i]
             if destination is TO_HOST:
                 end = start + len(page_ids)
-                victims.append(Victim.new(uuids[i], TO_HOST, page_ids, tuple(host_ids[start:end])))
+                victims.append(Victim.new(uuids[i], TO_HOST, page_ids, host_ids[start:end]))
                 start = end
             else:
                 victims.append(Victim.new(uuids[i], TO_RECOMPUTE, page_ids, ()))
@@ -129,23 +125,24 @@ class KVCacheManager:
             free -= num_pages
         if not chosen:
             return NO_LOADS
-        gpu_ids = self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)
+        gpu_ids = tuple(self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free))  # sliced per load
         loads, start = [], 0
         for i in chosen:
             host_page_ids = swapped.host_page_ids[i]
             end = start + len(host_page_ids)
-            loads.append(LoadStart.new(swapped.uuids[i], tuple(gpu_ids[start:end]), host_page_ids))
+            loads.append(LoadStart.new(swapped.uuids[i], gpu_ids[start:end], host_page_ids))
             start = end
         return MigrationPlan.new(tuple(loads))
 
     def plan_allocation(self, req: AllocRequest) -> AllocPlan:
         snapshot, needing = req.snapshot, req.needing
         page_size = snapshot.geometry.page_size
+        up = page_size - 1
         free = snapshot.num_free_gpu_pages
         served: list[tuple[str, int]] = []
         not_fitting = []
         for uuid, num_tokens, page_ids in zip(needing.uuids, needing.num_tokens, needing.gpu_page_ids):  # batch order
-            need = -(-num_tokens // page_size) - len(page_ids)  # pages_for, inlined: it runs per request
+            need = (num_tokens + up) // page_size - len(page_ids)  # pages its tokens lack
             if need < 0:
                 need = 0  # admitted into the pages it holds
             if need > free:
@@ -155,9 +152,9 @@ class KVCacheManager:
             free -= need
         if not served:
             return AllocPlan.new((), tuple(not_fitting))
-        page_ids = self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)
+        page_ids = tuple(self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free))  # sliced per grant
         grants, start = [], 0
         for uuid, need in served:
-            grants.append(PageGrant(uuid, tuple(page_ids[start:start + need])))
+            grants.append(PageGrant(uuid, page_ids[start:start + need]))
             start += need
         return AllocPlan.new(tuple(grants), tuple(not_fitting))
