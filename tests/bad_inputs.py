@@ -158,6 +158,7 @@ def case(case_id: str, category: str, description: str, argv: str | list[str], e
 
 CLI, GATE, WORKLOAD, CHECKPOINT, LOG, FAULTS = CATEGORIES
 RUN = "run --workload smoke"
+LONG_NAME = "x" * 256  # one byte past the longest file name Linux file systems take
 
 CASES: tuple[BadInput, ...] = (
     # ---- CLI arguments ----
@@ -235,6 +236,15 @@ CASES: tuple[BadInput, ...] = (
     case("report-out-is-its-log", CLI, "report --out names the log being read",
          "report div.jsonl --out div.jsonl", ("--out div.jsonl", "one of the logs being read"),
          build=divergence_log(GOOD_LOG)),
+    case("workload-name-too-long", CLI, "--workload naming a file whose name is longer than the system allows",
+         f"{RUN.split()[0]} --workload {LONG_NAME}", ("--workload", "File name too long", "(256 characters)",
+                                                     "at most 255 bytes")),
+    case("validate-reports-dir-name-too-long", CLI, "validate --reports-dir whose name is longer than the system allows",
+         f"validate --reports-dir {LONG_NAME}", ("--reports-dir", "File name too long", "at most 255 bytes")),
+    case("minimize-out-dir-name-too-long", CLI, "minimize --out-dir whose name is longer than the system allows",
+         f"minimize div.jsonl --index 0 --out-dir out/{LONG_NAME}", ("--out-dir", "cannot create the directory",
+                                                                    "File name too long"),
+         build=divergence_log(SMOKE_LOG), outputs=["out"]),
     case("validate-scale-zero", CLI, "validate --scale 0", "validate --scale 0 --reports-dir reports",
          ("--scale", "must be a number in (0, 1000]", "'0'"), outputs=["reports"]),
 
@@ -654,8 +664,8 @@ Every `batchgen` command ends with one of these exit codes:
 | exit | meaning |
 |---|---|
 | 0 | done (`report`: no divergence; `replay`: the divergence reproduced) |
-| 1 | ran, and failed: validation failed, divergences found, a run in a log did not end, a divergence did not reproduce, stdout closed early or unwritable |
-| 2 | bad input: nothing ran or was written; stderr is one `batchgen: error:` line saying what was wrong and what is allowed |
+| 1 | ran, and failed: validation failed, divergences found, a run in a log did not end, a divergence did not reproduce, stdout closed early or unwritable, a file write the system refused for want of space or an I/O error |
+| 2 | bad input: nothing ran or was written; stderr is one `batchgen: error:` line saying what was wrong and what is allowed (a path the system refuses, too long or not permitted, included: the line names the option that gave it) |
 | 130 | interrupted (Ctrl-C): stderr says `batchgen: interrupted`; logs end in whole records, each compare run with its summary |
 | 143 | terminated (SIGTERM: `timeout`, a CI runner cancelling): stderr says `batchgen: terminated`; the same cleanup as Ctrl-C |
 

@@ -4,6 +4,7 @@
 """
 
 import ast
+import errno
 import json
 import os
 import re
@@ -190,6 +191,25 @@ def test_an_unwritable_compare_log_stops_the_run_before_it_starts(capsys, monkey
     assert error_line(capsys) == f"batchgen: error: divergence log {log}: cannot open it for writing: Permission denied"
 
 
+def test_an_os_error_ends_the_command_with_one_line_naming_its_path(capsys, monkeypatch, tmp_path):
+    """A path the system refuses is bad input (exit 2), named with the option that gave it; any other OSError
+    (a full disk) is a failed run (exit 1). Neither is a traceback."""
+    def full_disk(self):
+        raise OSError(errno.ENOSPC, "No space left on device", "reports/out.json")
+
+    monkeypatch.setattr(Worker, "step", full_disk)
+    assert main(["run", "--workload", "smoke"]) == 1
+    assert error_line(capsys) == "batchgen: error: No space left on device: 'reports/out.json'"
+
+    def refused(self):
+        raise PermissionError(errno.EACCES, "Permission denied", "ckpt")
+
+    monkeypatch.setattr(Worker, "step", refused)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log=ckpt"]) == 2
+    assert error_line(capsys) == "batchgen: error: --kv-compare-log: Permission denied: 'ckpt'"
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux), a file every write to fails")
 def test_a_compare_log_that_stops_taking_writes_mid_run_stops_it_with_exit_1(capsys):
     """/dev/full opens, as the run's start checks, and refuses every write: the run summary's, at the end."""
@@ -201,13 +221,14 @@ def test_a_compare_log_that_stops_taking_writes_mid_run_stops_it_with_exit_1(cap
     assert captured.err.strip().splitlines()[-1] == f"batchgen: compare log unwritable: {stopped['message']}"
 
 
-def test_an_error_that_is_not_the_compare_logs_is_not_blamed_on_it(monkeypatch, tmp_path):
+def test_an_error_that_is_not_the_compare_logs_is_not_blamed_on_it(capsys, monkeypatch, tmp_path):
     def unreadable(self):
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(Worker, "step", unreadable)
-    with pytest.raises(OSError, match="Input/output error"):
-        main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log", str(tmp_path / "kv.jsonl")])
+    assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log",
+                 str(tmp_path / "kv.jsonl")]) == 1
+    assert error_line(capsys) == "batchgen: error: Input/output error"
 
 
 def test_run_says_which_kv_path_ran(capsys):

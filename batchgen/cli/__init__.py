@@ -12,9 +12,10 @@ A subcommand is a module (``run``, ``validate``, ``logs``) with an
 ``add_<name>_command`` (declares its flags, shares ``common``'s) and a handler
 ``args -> exit code``.
 Exit codes: 0 done (report: no divergence; replay: reproduced), 1 failed
-(validation failed, divergences found, not reproduced, stdout closed early or unwritable), 2 bad
-input (one ``batchgen: error:`` line on stderr naming what was wrong and what is allowed; stdout
-closed from the start is one too), 130 Ctrl-C, 143 SIGTERM (both after the same cleanup).
+(validation failed, divergences found, not reproduced, stdout closed early or unwritable, a full
+disk), 2 bad input (one ``batchgen: error:`` line on stderr naming what was wrong and what is
+allowed; stdout closed from the start and a path the system refuses are too), 130 Ctrl-C, 143
+SIGTERM (both after the same cleanup). No OSError ends a command with a traceback.
 Progress and warnings go to stderr, results to stdout; ``--json`` prints
 exactly one JSON object.
 """
@@ -22,9 +23,10 @@ exactly one JSON object.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from compare import RecordError
 from batchgen.cli.common import UsageError
@@ -87,8 +89,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"batchgen: cannot write to stdout: {error.strerror or error}; files written are whole",
               file=sys.stderr)
         return EXIT_FAILED
+    except OSError as error:  # a path the system refuses (too long, not permitted, ...), or a full disk
+        print(f"batchgen: error: {os_error_line(error, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        return EXIT_BAD_INPUT if error.errno in PATH_ERRNOS else EXIT_FAILED
     finally:
         sys.stdout = stdout
+
+
+# Errors that say a path given cannot be used as it is named: bad input. Any other OSError (a full disk, an I/O
+# error) is a failure of the run.
+PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
+                         errno.ELOOP, errno.EROFS, errno.EEXIST, errno.EINVAL})
+_SHOWN_PATH_CHARS = 60
+
+
+def os_error_line(error: OSError, argv: Sequence[str]) -> str:
+    """One line for ``error``: the option of ``argv`` that gave the path (when one did), what the system said,
+    the path(s) it named (a long one cut short), and the limit a too-long name broke. Pure."""
+    names = [name for name in (error.filename, error.filename2) if name is not None]
+    line = error.strerror or str(error)
+    if names:
+        line = f"{line}: {' -> '.join(map(_shown_path, names))}"
+    flag = next((flag for flag, value in _option_values(argv) if value in map(str, names)), None)
+    if flag is not None:
+        line = f"{flag}: {line}"
+    if error.errno == errno.ENAMETOOLONG:
+        line += f"; a file or directory name holds at most {_name_max()} bytes"
+    return line
+
+
+def _option_values(argv: Sequence[str]) -> Iterator[tuple[str, str]]:
+    """(option, value) for each ``--option value`` and ``--option=value`` of ``argv``."""
+    for i, token in enumerate(argv):
+        if token.startswith("--") and "=" in token:
+            yield tuple(token.split("=", 1))
+        elif token.startswith("--") and i + 1 < len(argv):
+            yield token, argv[i + 1]
+
+
+def _name_max() -> int:
+    try:
+        return os.pathconf(".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _shown_path(name) -> str:
+    text = os.fsdecode(name) if isinstance(name, (str, bytes)) else str(name)
+    if len(text) <= _SHOWN_PATH_CHARS:
+        return repr(text)
+    return f"{text[:_SHOWN_PATH_CHARS]!r}... ({len(text)} characters)"
 
 
 class StdoutWriteError(OSError):

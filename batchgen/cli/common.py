@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -46,13 +48,17 @@ def check_directory(flag: str, path: str) -> None:
 
 
 def make_directory(flag: str, path: str) -> None:
-    """Create ``path`` and its parents for ``flag``'s output; UsageError naming what is in the way. Mutates the
-    file system."""
+    """Create ``path`` and its parents for ``flag``'s output; UsageError naming what is in the way, with the
+    parents it made removed again. Mutates the file system."""
     check_directory(flag, path)
-    directory = Path(path)
+    directory = Path(path).absolute()
+    missing = [p for p in (directory, *directory.parents) if not os.path.lexists(p)]  # deepest first
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
+        for made in missing:  # those created before the failure, each only if still empty
+            with suppress(OSError):
+                made.rmdir()
         raise UsageError(f"{flag} {path}: cannot create the directory: {error.strerror or error}") from None
 
 
