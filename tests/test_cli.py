@@ -22,7 +22,7 @@ import torch
 from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
 from batchgen import runner
 from batchgen.cli import main
-from batchgen.cli.logs import EMPTY, UNENDED
+from batchgen.cli.logs import EMPTY, NOTHING_COMPARED, UNENDED
 from batchgen.worker import kv_manager
 from batchgen.worker.kv_gate import ENV_PREFIX
 from batchgen.worker.kv_plans import AllocPlan, PageGrant
@@ -698,6 +698,19 @@ def test_report_reads_a_log_named_twice_once_with_a_warning(logs, capsys, monkey
     assert (json.loads(captured.out)["num_runs"], json.loads(captured.out)["num_divergences"]) == (
         2, num_divergences(buggy))
     assert captured.err == "batchgen: warning: ./buggy.jsonl: the same file as buggy.jsonl, given again; read once\n"
+
+
+def test_report_fails_a_log_whose_runs_compared_nothing(capsys, tmp_path):
+    log = tmp_path / "sampled-nothing.jsonl"
+    assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-sample", "1e-9",
+                 "--kv-compare-log", str(log)]) == 0
+    capsys.readouterr()
+    [summary] = read_log(log).records
+    assert isinstance(summary, RunSummary) and summary.stopped_by is None and not any(summary.steps_compared.values())
+    assert main(["report", str(log)]) == 1  # a CI gate over it would pass on nothing
+    captured = capsys.readouterr()
+    assert captured.out.startswith("0 divergences in 0 compared steps\n")
+    assert captured.err.strip() == f"batchgen: warning: {log}: {NOTHING_COMPARED}, so it vouches for nothing"
 
 
 def test_report_out_writes_the_file_instead_of_stdout(logs, capsys, tmp_path):

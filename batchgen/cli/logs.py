@@ -24,6 +24,8 @@ RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)
 UNENDED = "a run in it did not end (it stopped early, no run summary closes it, or its last line is cut short)"
 EMPTY = "it holds no record (a run that stopped before its summary leaves its log so)"
+NOTHING_COMPARED = ("every run ended having compared no op (a --kv-compare-sample too small for the run, or "
+                    "--kv-compare-ops naming ops that never ran)")
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -35,8 +37,9 @@ def add_report_command(commands) -> None:
                     "when every run in the logs ended and none diverged or hit a harness error (a failure "
                     "inside compare mode, which leaves the op it hit uncompared); 1 when one did, or when a "
                     "run did not end (it stopped early, no run summary closes it, or its last line is cut "
-                    "short: such a log vouches for nothing, and a warning says which); 2 when an input is "
-                    "unreadable.")
+                    "short: such a log vouches for nothing, and a warning says which), or when the runs "
+                    "compared nothing (compare mode sampled no op: the logs vouch for nothing either); 2 when an "
+                    "input is unreadable.")
     parser.add_argument("logs", nargs="+", metavar="LOG",
                         help="divergence log files, merged in the order given (a file named twice is read once)")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
@@ -59,6 +62,10 @@ def _report(args: argparse.Namespace) -> int:
     _print_warnings([warning for result in results for warning in result.warnings])
     _print_warnings([f"{path}: {UNENDED if result.records else EMPTY}, so it vouches for nothing compared"
                      for path, result in zip(logs, results) if path in unended])
+    compared_nothing = not unended and not report.num_compared
+    if compared_nothing:
+        _print_warnings([f"{', '.join(logs)}: {NOTHING_COMPARED}, so {'they vouch' if len(logs) > 1 else 'it vouches'} "
+                         f"for nothing"])
     text = RENDERERS[args.format](report)
     if args.out is not None:
         _write_out(args.out, text)
@@ -67,7 +74,8 @@ def _report(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     if args.format == "md":
         _append_step_summary(text)
-    return EXIT_FAILED if report.num_divergences or report.num_harness_errors or unended else EXIT_OK
+    failed = report.num_divergences or report.num_harness_errors or unended or compared_nothing
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _distinct(logs: Sequence[str]) -> list[str]:
