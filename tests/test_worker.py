@@ -13,7 +13,8 @@ from batchgen.model.loader import load_model
 from batchgen.output_check import compare_exact, compare_outputs
 from batchgen.runner import RunResult, run_workload
 from batchgen.worker.state import Phase, Request
-from batchgen.worker.worker import RequestError, Worker
+from batchgen.worker import worker as worker_module
+from batchgen.worker.worker import PoolAllocationError, RequestError, Worker
 from batchgen.workloads import Workload, WorkloadRequest, builtin_workload
 
 
@@ -299,6 +300,25 @@ def test_a_config_of_another_type_is_a_type_error_naming_the_argument(model, con
     arguments = {"cache_config": CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0), **config}
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
         Worker(model, **arguments)
+
+
+def test_pools_past_the_memory_available_are_refused_before_any_is_allocated(model, monkeypatch):
+    """Both tiers live in host memory on a CPU run; the page tensors are zero-filled, so a pool past what is
+    available would have the OS kill the process part way through."""
+    allocated = []
+    monkeypatch.setattr(worker_module, "new_page_tensor", lambda *args, **kwargs: allocated.append(args))
+    page_bytes = model.config.num_layers * 2 * 4 * model.config.num_kv_heads * model.config.head_dim * 4  # float32
+    cache = CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=2)
+    monkeypatch.setattr(worker_module, "host_memory_available", lambda: 10 * page_bytes - 1)
+    with pytest.raises(PoolAllocationError, match=re.escape(
+            f"the KV pools need 0.0 GiB on cpu (8 GPU-tier + 2 host-tier pages of {page_bytes} bytes), 0.0 GiB is "
+            f"available; lower num_gpu_pages/num_host_pages (or page_size)")):
+        Worker(model, cache_config=cache)
+    assert allocated == []
+    for available in (10 * page_bytes, None):  # exactly enough; or a system that does not say
+        monkeypatch.setattr(worker_module, "host_memory_available", lambda: available)
+        Worker(model, cache_config=cache)
+    assert len(allocated) == 4
 
 
 def test_take_outputs_of_something_that_is_no_collection_is_a_type_error(model):

@@ -28,7 +28,7 @@ import torch
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.llama import SeqInput
-from batchgen.model.loader import SUPPORTED_DTYPES
+from batchgen.model.loader import SUPPORTED_DTYPES, host_memory_available
 from batchgen.model.paged_kv import kv_page_shape, write_kv
 from batchgen.worker.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX, FaultInjector
 from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
@@ -45,6 +45,29 @@ class RequestError(ValueError):
 
 class PoolAllocationError(ValueError):
     """The KV page pools do not fit in memory."""
+
+
+LOWER_POOLS = "lower num_gpu_pages/num_host_pages (or page_size)"
+
+
+def _check_pool_memory(tiers: dict[str, tuple[int, torch.device]], page_bytes: int) -> None:
+    """PoolAllocationError when the tiers' pages (tier name -> page count, device) need more than a device has
+    available: Linux's MemAvailable for the CPU (both tiers there on a CPU run), the free memory of a GPU; no
+    check where neither is known."""
+    for device in dict.fromkeys(device for _, device in tiers.values()):
+        if device.type == "cuda" and torch.cuda.is_available():
+            available = torch.cuda.mem_get_info(device)[0]
+        elif device.type == "cpu":
+            available = host_memory_available()
+        else:
+            continue
+        on_device = {name: num_pages for name, (num_pages, tier_device) in tiers.items() if tier_device == device}
+        num_bytes = sum(on_device.values()) * page_bytes
+        if available is not None and num_bytes > available:
+            pages = " + ".join(f"{num_pages} {name}" for name, num_pages in on_device.items())
+            raise PoolAllocationError(
+                f"the KV pools need {num_bytes / 2**30:.1f} GiB on {device} ({pages} pages of {page_bytes} bytes), "
+                f"{available / 2**30:.1f} GiB is available; {LOWER_POOLS}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,21 +150,23 @@ class Worker:
             self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
 
     def _page_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both tiers' page tensors; PoolAllocationError (sizes named) when memory refuses."""
+        """Both tiers' page tensors; PoolAllocationError (sizes named) when memory refuses, or would: the tiers
+        are zero-filled, so a pool past the memory available would have the OS kill the process part way."""
         cache = self.cache_config
         dtype = SUPPORTED_DTYPES[cache.dtype]
         shape = kv_page_shape(self.model_config, cache.page_size, cache.num_gpu_pages)
         host_shape = (cache.num_host_pages, *shape[1:])
         tiers = ((shape, self.device, False), (host_shape, torch.device("cpu"), self.device.type == "cuda"))
+        page_bytes = math.prod(shape[1:]) * torch.finfo(dtype).bits // 8
+        _check_pool_memory({"GPU-tier": (shape[0], self.device), "host-tier": (host_shape[0], tiers[1][1])}, page_bytes)
         tensors = []
         for tier_shape, device, pinned in tiers:
             try:
                 tensors.append(new_page_tensor(tier_shape, dtype=dtype, device=device, pin_memory=pinned))
             except (RuntimeError, MemoryError) as error:
-                gib = math.prod(tier_shape) * torch.finfo(dtype).bits / 8 / 2**30
                 raise PoolAllocationError(
-                    f"cannot allocate {tier_shape[0]} KV pages ({gib:.1f} GiB) on {device}: "
-                    f"{str(error).splitlines()[0]}; lower num_gpu_pages/num_host_pages") from None
+                    f"cannot allocate {tier_shape[0]} KV pages ({tier_shape[0] * page_bytes / 2**30:.1f} GiB) on "
+                    f"{device}: {str(error).splitlines()[0]}; {LOWER_POOLS}") from None
         return tensors[0], tensors[1]
 
     def kv_target(self) -> KvTarget:
