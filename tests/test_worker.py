@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from batchgen.config import CacheConfig, EngineConfig
+from batchgen.model import loader
 from batchgen.model.loader import load_model
 from batchgen.output_check import compare_exact, compare_outputs
 from batchgen.runner import RunResult, run_workload
@@ -309,14 +310,14 @@ def test_pools_past_the_memory_available_are_refused_before_any_is_allocated(mod
     monkeypatch.setattr(worker_module, "new_page_tensor", lambda *args, **kwargs: allocated.append(args))
     page_bytes = model.config.num_layers * 2 * 4 * model.config.num_kv_heads * model.config.head_dim * 4  # float32
     cache = CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=2)
-    monkeypatch.setattr(worker_module, "host_memory_available", lambda: 10 * page_bytes - 1)
+    monkeypatch.setattr(loader, "host_memory_available", lambda: 10 * page_bytes - 1)
     with pytest.raises(PoolAllocationError, match=re.escape(
             f"the KV pools need 0.0 GiB on cpu (8 GPU-tier + 2 host-tier pages of {page_bytes} bytes), 0.0 GiB is "
             f"available; lower num_gpu_pages/num_host_pages (or page_size)")):
         Worker(model, cache_config=cache)
     assert allocated == []
     for available in (10 * page_bytes, None):  # exactly enough; or a system that does not say
-        monkeypatch.setattr(worker_module, "host_memory_available", lambda: available)
+        monkeypatch.setattr(loader, "host_memory_available", lambda: available)
         Worker(model, cache_config=cache)
     assert len(allocated) == 4
 

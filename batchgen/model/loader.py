@@ -73,15 +73,18 @@ def _check_memory(spec: str, num_bytes: int, dtype: str, device: torch.device) -
     """ModelLoadError when ``device`` has less memory available than the weights take (the OS would kill the
     process, without a word, part way through). Linux's MemAvailable on the CPU, the free memory on a GPU;
     no check where neither is known."""
-    if device.type == "cuda" and torch.cuda.is_available():
-        available = torch.cuda.mem_get_info(device)[0]
-    elif device.type == "cpu":
-        available = host_memory_available()
-    else:
-        return
+    available = device_memory_available(device)
     if available is not None and num_bytes > available:
         raise ModelLoadError(_no_memory(spec, num_bytes, dtype, f"{available / 2**30:.1f} GiB is available on "
                                                                 f"{device.type}"))
+
+
+def device_memory_available(device: torch.device) -> int | None:
+    """Bytes ``device`` has available: Linux's MemAvailable for the CPU, the free memory of a GPU; None where
+    neither is known."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info(device)[0]
+    return host_memory_available() if device.type == "cpu" else None
 
 
 def host_memory_available() -> int | None:

@@ -28,7 +28,7 @@ import torch
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.llama import SeqInput
-from batchgen.model.loader import SUPPORTED_DTYPES, host_memory_available
+from batchgen.model.loader import SUPPORTED_DTYPES, device_memory_available
 from batchgen.model.paged_kv import kv_page_shape, write_kv
 from batchgen.worker.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX, FaultInjector
 from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
@@ -55,12 +55,7 @@ def _check_pool_memory(tiers: dict[str, tuple[int, torch.device]], page_bytes: i
     available: Linux's MemAvailable for the CPU (both tiers there on a CPU run), the free memory of a GPU; no
     check where neither is known."""
     for device in dict.fromkeys(device for _, device in tiers.values()):
-        if device.type == "cuda" and torch.cuda.is_available():
-            available = torch.cuda.mem_get_info(device)[0]
-        elif device.type == "cpu":
-            available = host_memory_available()
-        else:
-            continue
+        available = device_memory_available(device)
         on_device = {name: num_pages for name, (num_pages, tier_device) in tiers.items() if tier_device == device}
         num_bytes = sum(on_device.values()) * page_bytes
         if available is not None and num_bytes > available:
