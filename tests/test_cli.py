@@ -5,6 +5,7 @@
 
 import ast
 import errno
+import importlib.metadata
 import json
 import os
 import re
@@ -229,6 +230,11 @@ def test_an_error_that_is_not_the_compare_logs_is_not_blamed_on_it(capsys, monke
     assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log",
                  str(tmp_path / "kv.jsonl")]) == 1
     assert error_line(capsys) == "batchgen: error: Input/output error"
+
+
+def test_version_names_batchgen_and_torch(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"batchgen {importlib.metadata.version('batchgen')} (torch {torch.__version__})\n"
 
 
 def test_run_says_which_kv_path_ran(capsys):

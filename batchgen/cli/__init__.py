@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.metadata
 import os
 import sys
 from collections.abc import Iterator, Sequence
+
+import torch
 
 from compare import RecordError
 from batchgen.cli.common import UsageError
@@ -141,6 +144,15 @@ def _shown_path(name) -> str:
     return f"{text[:_SHOWN_PATH_CHARS]!r}... ({len(text)} characters)"
 
 
+def _version() -> str:
+    """The installed batchgen's version, and torch's (the project runs on a range of them)."""
+    try:
+        version = importlib.metadata.version("batchgen")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        version = "(not installed)"
+    return f"{version} (torch {torch.__version__})"
+
+
 class StdoutWriteError(OSError):
     """A write to stdout failed with something other than a closed pipe (a full disk behind a redirect)."""
 
@@ -181,6 +193,8 @@ def _discard_stdout() -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="batchgen", description="Batch-generation LLM worker with a paged two-tier (GPU + host) KV cache.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print batchgen's version and torch's, and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_run_command(commands)
     add_validate_command(commands)
