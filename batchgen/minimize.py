@@ -16,6 +16,11 @@ logs a divergence with the record's :class:`DivergenceSignature`: same op, same
 kind, same set of wildcarded field paths. A candidate's run stops at its first such divergence;
 one that crashes or stalls counts by what it logged before.
 
+The result is the smallest candidate that diverged: fewest requests, then fewest
+step units. A finished search makes it 1-minimal. A search that runs out of
+``max_tests``, or that Ctrl-C or SIGTERM interrupts (``on_interrupt``), ends with the
+smallest found so far, which may not be minimal (``MinimizeResult.stopped_by``).
+
 :func:`write_regression` writes the minimal workload (JSON) and a pytest file
 that runs it in compare mode ``raise`` and fails until the bug is fixed.
 """
@@ -27,6 +32,7 @@ import itertools
 import json
 import os
 import re
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -66,6 +72,7 @@ class WorkerFactory(Protocol):
 
 
 TestCallback = Callable[[int, "int | None"], None]  # (candidates run, fewest requests of one that diverged)
+InterruptCallback = Callable[["MinimizeResult"], None]  # the smallest diverging workload when an interrupt ends the search
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,8 @@ class MinimizeResult:
     kv_path: str  # the authoritative path the divergence needs
     shadow_path: str
     faults: str | None = None  # the fault SPEC the divergence needs (None: none)
+    stopped_by: str | None = None  # "max_tests" or "interrupted": the search ended early, the workload may not be
+    #                                minimal (None: it finished, the workload is 1-minimal)
 
 
 def tiny_worker_factory() -> WorkerFactory:
@@ -110,37 +119,46 @@ def tiny_worker_factory() -> WorkerFactory:
 
 
 def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory | None = None,
-                        max_tests: int = 400, on_test: TestCallback | None = None) -> MinimizeResult:
+                        max_tests: int = 400, on_test: TestCallback | None = None,
+                        on_interrupt: InterruptCallback | None = None) -> MinimizeResult:
     """Delta-debug the record's workload down to a minimal one with the same divergence.
 
-    Runs at most ``max_tests`` candidate workloads (ddmin warns when the budget
-    ends a pass early), calling ``on_test(num_tests, smallest)`` after each (``smallest``: the fewest requests
-    of a candidate that diverged so far, None before one has). Raises NotReproduced when the full workload does not
-    diverge as recorded, MinimizeError (ReplayError for its KV paths) when the record's payload is not usable.
-    Writes only temporary logs, removed before it returns.
+    Runs at most ``max_tests`` candidate workloads, calling ``on_test(num_tests, smallest)`` after each
+    (``smallest``: the fewest requests of a candidate that diverged so far, None before one has). When the budget
+    runs out first, returns the smallest diverging candidate so far with ``stopped_by="max_tests"``. When a
+    KeyboardInterrupt (Ctrl-C, or SIGTERM's ``Terminated``) ends the search after a candidate diverged, calls
+    ``on_interrupt`` with that smallest candidate (``stopped_by="interrupted"``), then lets the interrupt
+    propagate. Raises NotReproduced when the full workload does not diverge as recorded, MinimizeError
+    (ReplayError for its KV paths) when the record's payload is not usable. Writes only temporary logs, removed
+    before it returns.
     """
+    if max_tests < 1:
+        raise ValueError(f"max_tests must be >= 1 (the full workload is run first), not {max_tests}")
     replay = record.replay
     scale = replay.get("scale", 1.0)
     workload, faults, (kv_path, shadow_path) = recorded_run(record)
     signature = DivergenceSignature.of(record)
+    name = f"{workload.name}-min"
     with tempfile.TemporaryDirectory(prefix="batchgen-minimize-") as log_dir:
         search = _Search(signature, make_worker or tiny_worker_factory(), kv_path, shadow_path,
                          Path(log_dir), replay["workload_source"], scale, faults, min_steps=record.step + 1,
-                         on_test=on_test)
-        if not search.fails(workload):
-            raise NotReproduced(
-                f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed {record.seed}, "
-                f"scale {scale}{', faults ' + faults.to_spec() if faults else ''}) shows no {signature.kind} "
-                f"divergence at "
-                f"{', '.join(signature.field_paths) or 'no field path'}")
-        requests = ddmin(workload.requests, lambda subset: search.fails(_with_requests(workload, subset)),
-                         max_tests=max(1, max_tests - search.num_tests))
-        smallest = _with_requests(workload, requests)
-        if search.num_tests < max_tests:
-            smallest = _shrink_steps(search, workload, requests, max_tests)
-    minimal = smallest.model_copy(update={"name": f"{workload.name}-min"})
-    return MinimizeResult(minimal, signature, search.num_tests, kv_path, shadow_path,
-                          faults.to_spec() if faults else None)
+                         max_tests=max_tests, on_test=on_test)
+        try:
+            if not search.fails(workload):
+                raise NotReproduced(
+                    f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed {record.seed}, "
+                    f"scale {scale}{', faults ' + faults.to_spec() if faults else ''}) shows no {signature.kind} "
+                    f"divergence at "
+                    f"{', '.join(signature.field_paths) or 'no field path'}")
+            try:
+                _shrink_steps(search, workload, _shrink_requests(search, workload))
+            except _OutOfTests:
+                return search.result(name, stopped_by="max_tests")
+        except KeyboardInterrupt:
+            if on_interrupt is not None and search.smallest is not None:
+                on_interrupt(search.result(name, stopped_by="interrupted"))
+            raise
+    return search.result(name)
 
 
 def recorded_run(record: DivergenceRecord) -> tuple[Workload, FaultSpec | None, tuple[str, str]]:
@@ -200,42 +218,62 @@ def _fault_spec(replay: dict) -> FaultSpec | None:
         raise MinimizeError(f"the recorded fault SPEC is not valid: {error}") from None
 
 
-def _shrink_steps(search: _Search, workload: Workload, requests: list[WorkloadRequest], max_tests: int) -> Workload:
-    """The step pass: every step field at its floor if that still fails, else ddmin over the units."""
-    floor = _with_steps(workload, requests, [])
-    if search.fails(floor):
-        return floor
-    if search.num_tests >= max_tests:
-        return _with_requests(workload, requests)
-    units = ddmin(_step_units(requests), lambda kept: search.fails(_with_steps(workload, requests, kept)),
-                  max_tests=max_tests - search.num_tests, interchangeable=True)  # a unit is a count: any one will do
-    return _with_steps(workload, requests, units)
+# ddmin's own budget: never reached, the search counts the candidates (ddmin's count includes cached verdicts)
+_UNBOUNDED = sys.maxsize
+
+
+def _shrink_requests(search: _Search, workload: Workload) -> list[WorkloadRequest]:
+    """The request pass: ddmin over the workload's requests. Returns the 1-minimal requests it finds (the search
+    holds them as its smallest)."""
+    return ddmin(workload.requests, lambda subset: search.fails(_with_requests(workload, subset)),
+                 max_tests=_UNBOUNDED)
+
+
+def _shrink_steps(search: _Search, workload: Workload, requests: list[WorkloadRequest]) -> None:
+    """The step pass: every step field of ``requests`` at its floor if that still fails, else ddmin over the units.
+    The search keeps the smallest candidate that diverged."""
+    if search.fails(_with_steps(workload, requests, [])):
+        return
+    ddmin(_step_units(requests), lambda kept: search.fails(_with_steps(workload, requests, kept)),
+          max_tests=_UNBOUNDED, interchangeable=True)  # a unit is a count: any one will do
 
 
 class _Search:
-    """Runs candidate workloads and remembers each verdict. Mutates only itself and its log dir."""
+    """Runs candidate workloads, at most ``max_tests``, remembers each verdict and the smallest candidate that
+    diverged. Mutates only itself and its log dir."""
 
     def __init__(self, signature: DivergenceSignature, make_worker: WorkerFactory, kv_path: str, shadow_path: str,
                  log_dir: Path, source: str, scale: float, faults: FaultSpec | None, *, min_steps: int = 0,
-                 on_test: TestCallback | None = None):
+                 max_tests: int, on_test: TestCallback | None = None):
         self.signature = signature
         self.make_worker = make_worker
         self.kv_path, self.shadow_path = kv_path, shadow_path
         self.log_dir, self.source, self.scale = log_dir, source, scale
         self.faults = faults
         self.min_steps = min_steps  # steps the recorded run took to diverge: a candidate may take as many
+        self.max_tests = max_tests
         self.num_tests = 0
-        self.smallest: int | None = None  # the fewest requests of a candidate that diverged
+        self.smallest: Workload | None = None  # the candidate that diverged with the smallest _size
         self.on_test = on_test
         self._verdicts: dict[str, bool] = {}
 
     def fails(self, workload: Workload) -> bool:
+        """Whether ``workload`` diverges with the signature: its verdict, run once. _OutOfTests when it would be
+        the candidate after ``max_tests``."""
         if not workload.requests:  # nothing runs, nothing diverges
             return False
         key = workload.model_dump_json()
         if key not in self._verdicts:
+            if self.num_tests >= self.max_tests:
+                raise _OutOfTests
             self._verdicts[key] = self._run(workload)
         return self._verdicts[key]
+
+    def result(self, name: str, *, stopped_by: str | None = None) -> MinimizeResult:
+        """The smallest candidate that diverged, renamed ``name``, as a MinimizeResult. Needs one to have."""
+        return MinimizeResult(self.smallest.model_copy(update={"name": name}), self.signature, self.num_tests,
+                              self.kv_path, self.shadow_path, self.faults.to_spec() if self.faults else None,
+                              stopped_by)
 
     def _run(self, workload: Workload) -> bool:
         self.num_tests += 1
@@ -265,10 +303,10 @@ class _Search:
             worker.kv_compare.sink.close()
         seen = seen or self._logged(log)
         log.unlink(missing_ok=True)
-        if seen and (self.smallest is None or len(workload.requests) < self.smallest):
-            self.smallest = len(workload.requests)
+        if seen and (self.smallest is None or _size(workload) < _size(self.smallest)):
+            self.smallest = workload
         if self.on_test is not None:
-            self.on_test(self.num_tests, self.smallest)
+            self.on_test(self.num_tests, len(self.smallest.requests) if self.smallest is not None else None)
         return seen
 
     def _logged(self, log: Path) -> bool:
@@ -280,6 +318,15 @@ class _Search:
 
 class _Seen(Exception):
     """Ends a candidate's run at its first divergence with the signature."""
+
+
+class _OutOfTests(Exception):
+    """Ends the search when a candidate would run past ``max_tests``."""
+
+
+def _size(workload: Workload) -> tuple[int, int]:
+    """What "smaller" compares among diverging candidates: requests, then step units. Pure."""
+    return len(workload.requests), len(_step_units(workload.requests))
 
 
 def _step_limit(workload: Workload) -> int:

@@ -2,6 +2,7 @@ import ast
 import dataclasses
 import importlib.util
 import json
+import warnings
 
 import pytest
 
@@ -75,7 +76,7 @@ def test_minimising_keeps_the_signature_with_fewer_requests_and_steps(tmp_path, 
                for r in minimal)
     assert sum(r.max_new_tokens for r in minimal) < sum(smoke[r.uuid].max_new_tokens for r in minimal)
     assert (result.workload.name, result.kv_path, result.shadow_path) == ("smoke-min", "legacy", "plan")
-    assert result.num_tests == 65
+    assert (result.num_tests, result.stopped_by) == (65, None)
     again = divergences(result.workload, tmp_path / "again.jsonl")
     assert result.signature in {DivergenceSignature.of(r) for r in again}
 
@@ -198,13 +199,16 @@ def test_a_record_that_does_not_reproduce_is_refused(tmp_path, monkeypatch):
         minimize_divergence(record, make_worker=null_worker)
 
 
-def test_minimising_stops_at_the_test_budget(tmp_path, monkeypatch):
+def test_minimising_stops_at_the_test_budget_with_the_smallest_diverging_workload_so_far(tmp_path, monkeypatch):
     inject_evict_bug(monkeypatch)
     record = first_divergence(tmp_path)
-    with pytest.warns(UserWarning, match="ddmin stopped after"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no raw UserWarning (ddmin's own budget) reaches the command's user
         result = minimize_divergence(record, make_worker=null_worker, max_tests=3)
-    assert result.num_tests <= 3
+    assert (result.num_tests, result.stopped_by) == (3, "max_tests")
     assert result.signature == DivergenceSignature.of(record)
+    assert result.workload.name == "smoke-min"
+    assert [r.uuid for r in result.workload.requests] == [f"smoke-r{i}" for i in range(4)]  # the first half
 
 
 def test_a_workload_file_is_reloaded_from_its_path(tmp_path, monkeypatch):

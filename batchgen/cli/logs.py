@@ -15,7 +15,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.report import headline, render_json, render_junit, render_markdown, render_text
-from batchgen.minimize import NotReproduced, TestCallback, minimize_divergence, recorded_run, write_regression_into
+from batchgen.minimize import (
+    MinimizeResult, NotReproduced, TestCallback, minimize_divergence, recorded_run, write_regression_into,
+)
+from batchgen.workloads import Workload
 from batchgen.replay import ReplayOutcome, replay_record
 from batchgen.cli.common import UsageError, make_directory, non_negative_int, positive_int
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
@@ -26,6 +29,7 @@ UNENDED = "a run in it did not end (it stopped early, no run summary closes it, 
 EMPTY = "it holds no record (a run that stopped before its summary leaves its log so)"
 NOTHING_COMPARED = ("every run ended having compared no op (a --kv-compare-sample too small for the run, or "
                     "--kv-compare-ops naming ops that never ran)")
+MINIMIZED_DIR = "reports/minimized"  # minimize's default --out-dir: git-ignored, and `make clean` deletes reports/
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -145,14 +149,20 @@ def add_minimize_command(commands) -> None:
         "minimize", help="shrink a logged divergence to a minimal workload and a regression test",
         description="Delta-debug the workload of one logged divergence (requests, then their steps) down to a "
                     "minimal one that still diverges the same way on the tiny model, and write it with a pytest "
-                    "regression test that fails until the bug is fixed. Exit 0 when it wrote them, 1 when the "
-                    "divergence does not reproduce on its workload, 2 on bad input (an unreadable log, an --index "
-                    "out of range, a record minimize cannot use).")
+                    "regression test that fails until the bug is fixed. When --max-tests runs out first, it writes "
+                    "the smallest diverging workload found so far and warns that it may not be minimal (exit 0). "
+                    "Ctrl-C or SIGTERM during the search writes that smallest workload and its test the same way, "
+                    "says so, and exits 130 or 143; if no candidate has diverged yet, nothing is written. Exit 0 "
+                    "when it wrote them, 1 when the divergence does not reproduce on its workload, 2 on bad input "
+                    "(an unreadable log, an --index out of range, a record minimize cannot use).")
     _add_record_args(parser)
-    parser.add_argument("--out-dir", default="reports/minimized", metavar="DIR",
-                        help="where the workload JSON and the test go (default: %(default)s)")
+    parser.add_argument("--out-dir", default=MINIMIZED_DIR, metavar="DIR",
+                        help="where the workload JSON and the test go; reports/ is git-ignored and `make clean` "
+                             "deletes it, and `make test` runs tests/ only: move both files into tests/ to keep "
+                             "the test (default: %(default)s)")
     parser.add_argument("--max-tests", type=positive_int, default=400, metavar="N",
-                        help="candidate workloads run at most (default: %(default)s)")
+                        help="candidate workloads run at most; the result may not be minimal when they run out "
+                             "(default: %(default)s)")
     parser.set_defaults(handler=_minimize)
 
 
@@ -186,17 +196,29 @@ def _minimize(args: argparse.Namespace) -> int:
     made = [path for path in (out_dir, *out_dir.parents) if not path.exists()]  # what make_directory creates
     make_directory("--out-dir", args.out_dir)  # before the search, which takes minutes
     print(f"minimizing record {args.index} of {count} in {args.log}: {_record_title(record)}", file=sys.stderr)
+    interrupted: list[MinimizeResult] = []  # the smallest diverging workload when Ctrl-C or SIGTERM ends the search
     try:
         with _candidate_progress(args.max_tests, len(original.requests)) as on_test:
-            result = minimize_divergence(record, max_tests=args.max_tests, on_test=on_test)
-    except BaseException as error:  # not reproduced, a payload it cannot use, Ctrl-C: nothing was written
-        for path in made:  # deepest first, each only if still empty
+            result = minimize_divergence(record, max_tests=args.max_tests, on_test=on_test,
+                                         on_interrupt=interrupted.append)
+    except BaseException as error:  # not reproduced, a payload it cannot use, Ctrl-C or SIGTERM
+        if interrupted:  # a candidate diverged before the interrupt: keep the smallest, then exit 130 or 143
+            _write_minimized(args, original, interrupted[0])
+            raise
+        for path in made:  # nothing was written: deepest first, each only if still empty
             with suppress(OSError):
                 path.rmdir()
         if not isinstance(error, NotReproduced):
             raise
         print(f"batchgen: not reproduced: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_FAILED
+    _write_minimized(args, original, result)
+    return EXIT_OK
+
+
+def _write_minimized(args: argparse.Namespace, original: Workload, result: MinimizeResult) -> None:
+    """Write ``result``'s workload and regression test into ``--out-dir``, print what shrank and the two paths on
+    stdout, and on stderr why the search stopped early (it may not be minimal) and where to keep the test."""
     workload_path, test_path = write_regression_into(args.out_dir, result)
     minimal = result.workload.requests
     print(f"{result.signature.op} {result.signature.kind} divergence ({', '.join(result.signature.field_paths) or '-'})"
@@ -205,7 +227,18 @@ def _minimize(args: argparse.Namespace) -> int:
           f"{result.num_tests} tests run" + (f", under faults {result.faults}" if result.faults else ""))
     print(f"workload: {workload_path}")
     print(f"test:     {test_path}")
-    return EXIT_OK
+    sys.stdout.flush()  # before the lines on stderr, which a terminal shows at once
+    if result.stopped_by == "interrupted":
+        print(f"batchgen: minimize was interrupted after {result.num_tests} tests: the workload written is the "
+              f"smallest that diverged so far ({len(minimal)} of {len(original.requests)} requests) and may not be "
+              f"minimal; delete its two files and run minimize again to search to the end", file=sys.stderr)
+    elif result.stopped_by == "max_tests":
+        _print_warnings([f"the --max-tests budget ({args.max_tests}) ran out before the search finished: the "
+                         f"workload may not be minimal; rerun with a larger --max-tests"])
+    if args.out_dir == MINIMIZED_DIR:
+        print(f"batchgen: {MINIMIZED_DIR} is git-ignored and `make clean` deletes it: to keep the regression test, "
+              f"move both files into tests/, where `make test` runs it (it fails until the bug is fixed)",
+              file=sys.stderr)
 
 
 @contextmanager
