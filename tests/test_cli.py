@@ -23,7 +23,9 @@ import torch
 from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
 from batchgen import runner
 from batchgen.cli import main
+from batchgen.cli import logs as logs_command
 from batchgen.cli.logs import EMPTY, NOTHING_COMPARED, UNENDED
+from batchgen.exit_codes import Terminated
 from batchgen.worker import kv_manager
 from batchgen.worker.kv_gate import ENV_PREFIX
 from batchgen.worker.kv_plans import AllocPlan, PageGrant
@@ -130,6 +132,15 @@ def test_help_of_the_log_commands_gives_each_default(command, flag, default, cap
     text = " ".join(capsys.readouterr().out.split())
     assert re.search(f"{flag} .*?\\(default: {re.escape(default)}\\)", text), flag
 
+
+
+def test_minimize_help_says_what_an_interrupt_or_a_spent_budget_writes_and_where_to_keep_the_test(capsys):
+    assert main(["minimize", "--help"]) == 0
+    text = re.sub(r"(?<=\w-) ", "", " ".join(capsys.readouterr().out.split()))  # a line may break after a hyphen
+    assert ("Ctrl-C or SIGTERM during the search writes that smallest workload and its test the same way, says so, "
+            "and exits 130 or 143; if no candidate has diverged yet, nothing is written") in text
+    assert "When --max-tests runs out first, it writes the smallest diverging workload found so far" in text
+    assert "move both files into tests/ to keep the test" in text
 
 # ---- run: KV path flags, compare mode, faults ----------------------------------------------------
 def run_json(capsys, *flags: str) -> dict:
@@ -865,3 +876,73 @@ def test_minimize_exits_1_when_the_divergence_does_not_reproduce(logs, capsys, t
     assert errors == ["batchgen: not reproduced: alloc step 0: workload 'smoke' (seed 0, scale 1.0) shows no state "
                       "divergence at pools.gpu[*].page_ids[*], requests[*].gpu_page_ids[*]"]
     assert list(tmp_path.iterdir()) == []
+
+
+def interrupting_minimize(monkeypatch, num_tests, interrupt):
+    """Make ``batchgen minimize``'s search raise ``interrupt`` once its ``num_tests``-th candidate has run, as
+    Ctrl-C or SIGTERM would."""
+    search = logs_command.minimize_divergence
+
+    def minimize(record, *, on_test, **kwargs):
+        def test_then_interrupt(done, smallest):
+            on_test(done, smallest)
+            if done == num_tests:
+                raise interrupt
+        return search(record, on_test=test_then_interrupt, **kwargs)
+
+    monkeypatch.setattr(logs_command, "minimize_divergence", minimize)
+
+
+@pytest.mark.parametrize("interrupt, code, last_line", [(KeyboardInterrupt(), 130, "batchgen: interrupted"),
+                                                        (Terminated(), 143, "batchgen: terminated")],
+                         ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_minimize_writes_the_smallest_diverging_workload_so_far(logs, capsys, monkeypatch, tmp_path,
+                                                                               interrupt, code, last_line):
+    reversed_grants(monkeypatch)
+    interrupting_minimize(monkeypatch, 2, interrupt)
+    out_dir = tmp_path / "new" / "minimized"
+    assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(out_dir)]) == code
+    captured = capsys.readouterr()
+    [workload_path] = out_dir.glob("*.json")
+    [test_path] = out_dir.glob("test_kv_*.py")
+    assert captured.out.splitlines()[1:] == [f"workload: {workload_path}", f"test:     {test_path}"]
+    assert re.fullmatch(r"alloc state divergence \(.*\): requests 8 -> 4, new tokens \d+ -> \d+, 2 tests run",
+                        captured.out.splitlines()[0])
+    assert [r.uuid for r in load_workload(str(workload_path)).requests] == [f"smoke-r{i}" for i in range(4)]
+    errors = [line for line in captured.err.splitlines() if line.startswith("batchgen:")]
+    assert errors == ["batchgen: minimize was interrupted after 2 tests: the workload written is the smallest that "
+                      "diverged so far (4 of 8 requests) and may not be minimal; delete its two files and run "
+                      "minimize again to search to the end", last_line]
+
+
+def test_minimize_interrupted_before_any_candidate_diverged_writes_nothing(logs, capsys, monkeypatch, tmp_path):
+    interrupting_minimize(monkeypatch, 1, KeyboardInterrupt())  # the bug is fixed: the first candidate agrees
+    assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(tmp_path / "new" / "minimized")]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines()[-1] == "batchgen: interrupted"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_minimize_warns_when_the_max_tests_budget_runs_out(logs, capsys, monkeypatch, tmp_path):
+    reversed_grants(monkeypatch)
+    out_dir = tmp_path / "minimized"
+    assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(out_dir), "--max-tests", "3"]) == 0
+    captured = capsys.readouterr()
+    assert re.fullmatch(r"alloc state divergence \(.*\): requests 8 -> 2, new tokens \d+ -> \d+, 3 tests run",
+                        captured.out.splitlines()[0])
+    assert len(list(out_dir.iterdir())) == 2
+    errors = [line for line in captured.err.splitlines() if line.startswith(("batchgen:", "/"))]
+    assert errors == ["batchgen: warning: the --max-tests budget (3) ran out before the search finished: the workload "
+                      "may not be minimal; rerun with a larger --max-tests"]
+
+
+def test_minimize_into_the_default_out_dir_says_how_to_keep_the_test(logs, capsys, monkeypatch, tmp_path):
+    reversed_grants(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main(["minimize", str(logs[1]), "--index", "0"]) == 0
+    captured = capsys.readouterr()
+    [test_path] = (tmp_path / "reports" / "minimized").glob("test_kv_*.py")
+    assert captured.out.splitlines()[-1] == f"test:     {test_path.relative_to(tmp_path)}"
+    assert captured.err.splitlines()[-1] == (
+        "batchgen: reports/minimized is git-ignored and `make clean` deletes it: to keep the regression test, move "
+        "both files into tests/, where `make test` runs it (it fails until the bug is fixed)")

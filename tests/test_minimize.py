@@ -9,6 +9,7 @@ import pytest
 import batchgen.worker.kv_manager as kv_manager
 from compare import DivergenceError, DivergenceRecord, read_log
 from batchgen.config import TINY_MODELS
+from batchgen.exit_codes import Terminated
 from batchgen.minimize import (
     DivergenceSignature, NotReproduced, minimize_divergence, recorded_workload, write_regression,
     write_regression_into,
@@ -275,3 +276,67 @@ def test_the_signature_wildcards_ids_and_indexes():
     signature = DivergenceSignature.of(record)
     assert signature.field_paths == ("pools.gpu[*].page_ids[*]", "requests[*].gpu_page_ids[*]")
     assert signature.slug.startswith("alloc_state_") and signature.slug.isidentifier()
+
+
+def interrupt_at(num_tests, interrupt):
+    """An ``on_test`` that raises ``interrupt`` (Ctrl-C's KeyboardInterrupt, SIGTERM's Terminated) once the
+    ``num_tests``-th candidate has run."""
+    def on_test(done, smallest):
+        if done == num_tests:
+            raise interrupt
+    return on_test
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), Terminated()], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_hands_over_the_smallest_diverging_workload_so_far_then_propagates(tmp_path, monkeypatch,
+                                                                                         interrupt):
+    inject_evict_bug(monkeypatch)
+    record = first_divergence(tmp_path)
+    handed = []
+    with pytest.raises(type(interrupt)) as raised:
+        minimize_divergence(record, make_worker=null_worker, on_test=interrupt_at(20, interrupt),
+                            on_interrupt=handed.append)
+    assert raised.value is interrupt
+    [result] = handed
+    assert (result.num_tests, result.stopped_by, result.workload.name) == (20, "interrupted", "smoke-min")
+    assert result.signature == DivergenceSignature.of(record)
+    # the step pass had begun on the three requests the finished search keeps (6, 4 and 3 new tokens)
+    assert [(r.uuid, r.max_new_tokens, r.arrival_step) for r in result.workload.requests] == [
+        ("smoke-r0", 10, 0), ("smoke-r2", 10, 2), ("smoke-r3", 4, 3)]
+
+
+def test_the_smallest_diverging_workload_has_the_fewest_requests_then_the_fewest_step_units(tmp_path, monkeypatch):
+    inject_evict_bug(monkeypatch)
+    record = first_divergence(tmp_path)
+    handed = []
+    for num_tests in (1, 2, 16, 20, 65):
+        with pytest.raises(KeyboardInterrupt):
+            minimize_divergence(record, make_worker=null_worker, on_test=interrupt_at(num_tests, KeyboardInterrupt()),
+                                on_interrupt=handed.append)
+    sizes = [(len(r.workload.requests), sum(r.max_new_tokens - 1 + r.arrival_step for r in r.workload.requests))
+             for r in handed]
+    assert sizes == [(8, 124), (4, 49), (3, 35), (3, 26), (3, 15)]  # step units: new tokens above 1, arrival steps
+    finished = minimize_divergence(record, make_worker=null_worker)
+    assert handed[-1] == dataclasses.replace(finished, stopped_by="interrupted")  # its last candidate: the result
+
+
+def test_an_interrupt_before_any_candidate_diverged_hands_over_nothing(tmp_path, monkeypatch):
+    inject_evict_bug(monkeypatch)
+    record = first_divergence(tmp_path)
+
+    def interrupted_worker(workload, **kwargs):
+        raise KeyboardInterrupt
+
+    handed = []
+    with pytest.raises(KeyboardInterrupt):
+        minimize_divergence(record, make_worker=interrupted_worker, on_interrupt=handed.append)
+    assert handed == []
+
+
+def test_a_budget_the_search_needs_exactly_lets_it_finish(tmp_path, monkeypatch):
+    inject_evict_bug(monkeypatch)
+    record = first_divergence(tmp_path)
+    finished = minimize_divergence(record, make_worker=null_worker)
+    assert minimize_divergence(record, make_worker=null_worker, max_tests=finished.num_tests) == finished
+    short = minimize_divergence(record, make_worker=null_worker, max_tests=finished.num_tests - 1)
+    assert (short.num_tests, short.stopped_by) == (finished.num_tests - 1, "max_tests")
