@@ -72,7 +72,7 @@ class WorkerFactory(Protocol):
 
 
 TestCallback = Callable[[int, "int | None"], None]  # (candidates run, fewest requests of one that diverged)
-InterruptCallback = Callable[["MinimizeResult"], None]  # the smallest diverging workload when an interrupt ends the search
+InterruptCallback = Callable[["MinimizeResult"], None]  # the smallest diverging workload, when interrupted
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +102,7 @@ class MinimizeResult:
     kv_path: str  # the authoritative path the divergence needs
     shadow_path: str
     faults: str | None = None  # the fault SPEC the divergence needs (None: none)
-    stopped_by: str | None = None  # "max_tests" or "interrupted": the search ended early, the workload may not be
-    #                                minimal (None: it finished, the workload is 1-minimal)
+    stopped_by: str | None = None  # "max_tests", "interrupted": ended early, maybe not minimal (None: 1-minimal)
 
 
 def tiny_worker_factory() -> WorkerFactory:

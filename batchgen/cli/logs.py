@@ -18,10 +18,10 @@ from compare.report import headline, render_json, render_junit, render_markdown,
 from batchgen.minimize import (
     MinimizeResult, NotReproduced, TestCallback, minimize_divergence, recorded_run, write_regression_into,
 )
-from batchgen.workloads import Workload
 from batchgen.replay import ReplayOutcome, replay_record
 from batchgen.cli.common import UsageError, make_directory, non_negative_int, positive_int
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
+from batchgen.workloads import Workload
 
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)
@@ -227,7 +227,7 @@ def _write_minimized(args: argparse.Namespace, original: Workload, result: Minim
           f"{result.num_tests} tests run" + (f", under faults {result.faults}" if result.faults else ""))
     print(f"workload: {workload_path}")
     print(f"test:     {test_path}")
-    sys.stdout.flush()  # before the lines on stderr, which a terminal shows at once
+    sys.stdout.flush()  # stdout and stderr sent to one file keep this order
     if result.stopped_by == "interrupted":
         print(f"batchgen: minimize was interrupted after {result.num_tests} tests: the workload written is the "
               f"smallest that diverged so far ({len(minimal)} of {len(original.requests)} requests) and may not be "
