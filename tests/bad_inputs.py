@@ -667,7 +667,7 @@ Every `batchgen` command ends with one of these exit codes:
 | 0 | done (`report`: no divergence; `replay`: the divergence reproduced) |
 | 1 | ran, and failed: validation failed, divergences found, a run in a log did not end, a divergence did not reproduce, stdout closed early or unwritable, a file write the system refused for want of space or an I/O error |
 | 2 | bad input: nothing ran or was written; stderr is one `batchgen: error:` line saying what was wrong and what is allowed (a path the system refuses, too long or not permitted, included: the line names the option that gave it) |
-| 130 | interrupted (Ctrl-C): stderr says `batchgen: interrupted`; logs end in whole records, each compare run with its summary |
+| 130 | interrupted (Ctrl-C): stderr says `batchgen: interrupted`; logs end in whole records, each compare run with its summary; `minimize` writes the smallest diverging workload found so far, if any, and says it may not be minimal |
 | 143 | terminated (SIGTERM: `timeout`, a CI runner cancelling): stderr says `batchgen: terminated`; the same cleanup as Ctrl-C |
 
 The table below lists every bad input the test suite feeds the command and the exact line it prints.

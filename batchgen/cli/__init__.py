@@ -6,7 +6,7 @@
     batchgen validate [model flags] [--scale X] [--reports-dir DIR] [--json]             back-to-back, compare mode
     batchgen report LOG [LOG...] [--format text|md|junit|json] [--out FILE]              divergence logs -> report
     batchgen replay LOG --index N                                                        re-run one logged op
-    batchgen minimize LOG --index N [--out-dir DIR]                                      shrink it, write a test
+    batchgen minimize LOG --index N [--out-dir DIR] [--max-tests N]                      shrink it, write a test
 
 A subcommand is a module (``run``, ``validate``, ``logs``) with an
 ``add_<name>_command`` (declares its flags, shares ``common``'s) and a handler
