@@ -7,6 +7,7 @@ worker can run several workloads back to back.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -78,12 +79,27 @@ def _stalled_message(worker: Worker, workload: Workload, idle_steps: int) -> str
             f"can do this)")
 
 
+def _report_releases(worker: Worker, uuids: set[str], num_new: int,
+                     on_release: Callable[[RequestOutput], None]) -> None:
+    """``on_release`` for each of ``uuids`` among the ``num_new`` outputs the last step added (the newest, at the
+    end of ``state.outputs``: released requests are appended in release order), oldest first."""
+    outputs = worker.state.outputs
+    newest = list(itertools.islice(reversed(outputs), num_new))
+    for uuid in reversed(newest):
+        if uuid in uuids:
+            on_release(outputs[uuid])
+
+
 def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = False,
                  on_step: Callable[[int, int], None] | None = None, max_steps: int | None = None,
-                 source: str | None = None, scale: float = 1.0) -> RunResult:
+                 source: str | None = None, scale: float = 1.0,
+                 on_release: Callable[[RequestOutput], None] | None = None) -> RunResult:
     """Submit ``workload`` at its arrival steps and step until every request is released.
 
-    Mutates the worker. ``on_step(num_released, num_requests)`` reports progress.
+    Mutates the worker. ``on_step(num_released, num_requests)`` reports progress;
+    ``on_release(output)`` gets each of the workload's requests once, after the step
+    that released it, in release order (so a run that stops early has reported every
+    request released before it stopped).
     In compare mode the run is one compare run: its divergences carry the
     workload's name, seed and ``source`` (name or file, for replay/minimize), and a
     summary record closes it, however the run ends. Raises :class:`RunStalled` past
@@ -120,7 +136,10 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
                 if uuid in worker.state.requests:
                     worker.abort(uuid)
                 next_abort += 1
+            num_outputs = len(worker.state.outputs)
             worker.step()
+            if on_release is not None:
+                _report_releases(worker, uuids, len(worker.state.outputs) - num_outputs, on_release)
             progress, before_step = _progress(worker), progress
             idle_steps = idle_steps + 1 if progress == before_step and worker.state.requests else 0
             if check_integrity:

@@ -25,6 +25,7 @@ from batchgen import runner
 from batchgen.cli import main
 from batchgen.cli import logs as logs_command
 from batchgen.cli.logs import EMPTY, NOTHING_COMPARED, UNENDED
+from batchgen.cli.outputs import OutputsFile
 from batchgen.exit_codes import Terminated
 from batchgen.worker import kv_manager
 from batchgen.worker.kv_gate import ENV_PREFIX
@@ -518,6 +519,111 @@ def test_faults_and_load_options_reach_the_worker(capsys):
     assert 0 < retried["load_failures"] == 3 * retried["failed_requests"]
     aborted = run_json(capsys, "--faults", "seed=3,abort=0.3")
     assert aborted["fault_aborts"] > 0 and aborted["failed_requests"] == 0
+
+
+# ---- run: --outputs ----------------------------------------------------------------------------
+TWO_REQUESTS = {"name": "two", "cache": {"page_size": 4, "num_gpu_pages": 16, "num_host_pages": 4},
+                "requests": [{"uuid": "a", "prompt_ids": [1, 2, 3], "max_new_tokens": 5},
+                             {"uuid": "b", "prompt_ids": [4, 5], "max_new_tokens": 9, "arrival_step": 1,
+                              "abort_step": 3}]}
+
+
+def test_run_outputs_writes_each_released_request_as_one_json_line_in_release_order(capsys, tmp_path):
+    workload = tmp_path / "two.json"
+    workload.write_text(json.dumps(TWO_REQUESTS))
+    outputs = tmp_path / "out" / "outputs.jsonl"  # its directory is created
+    assert main(["run", "--workload", str(workload), "--outputs", str(outputs), "--json"]) == 0
+    assert one_json_object(capsys.readouterr().out)["requests"] == 2
+    assert outputs.read_text() == (
+        '{"uuid": "b", "phase": "finished", "finish_reason": "abort", "output_ids": [48, 356, 48]}\n'
+        '{"uuid": "a", "phase": "finished", "finish_reason": "length", "output_ids": [142, 382, 416, 138, 269]}\n')
+
+
+def test_run_outputs_replaces_an_existing_file(capsys, tmp_path):
+    outputs = tmp_path / "outputs.jsonl"
+    outputs.write_text("an older run's outputs, longer than this run's\n" * 100)
+    assert main(["run", "--workload", "smoke", "--outputs", str(outputs)]) == 0
+    lines = [json.loads(line) for line in outputs.read_text().splitlines()]
+    assert sorted(line["uuid"] for line in lines) == [f"smoke-r{i}" for i in range(8)]
+
+
+def test_run_outputs_of_failed_requests_name_the_failure(capsys, tmp_path):
+    outputs = tmp_path / "outputs.jsonl"
+    assert main(["run", "--workload", "smoke", "--faults", "load_fail=1", "--kv-load-failure", "fail",
+                 "--outputs", str(outputs)]) == 0
+    failed = [line for line in map(json.loads, outputs.read_text().splitlines()) if line["phase"] == "failed"]
+    assert failed == [{"uuid": "smoke-r4", "phase": "failed", "finish_reason": "load failed: LoadFault: injected load "
+                       "fail", "output_ids": [20]},
+                      {"uuid": "smoke-r2", "phase": "failed", "finish_reason": "load failed: LoadFault: injected load "
+                       "fail", "output_ids": [427, 54, 446, 241, 475, 203]}]
+
+
+def test_an_interrupted_run_leaves_a_whole_line_for_each_request_released_before_it(capsys, monkeypatch, tmp_path):
+    complete, interrupted = tmp_path / "complete.jsonl", tmp_path / "interrupted.jsonl"
+    assert main(["run", "--workload", "smoke", "--outputs", str(complete)]) == 0
+    steps = []
+
+    def step(self):
+        steps.append(1)
+        if len(steps) == 30:
+            raise KeyboardInterrupt
+        worker_step(self)
+
+    worker_step = Worker.step
+    monkeypatch.setattr(Worker, "step", step)
+    assert main(["run", "--workload", "smoke", "--outputs", str(interrupted)]) == 130
+    assert capsys.readouterr().err.strip().endswith("batchgen: interrupted")
+    lines, all_lines = interrupted.read_text().splitlines(keepends=True), complete.read_text().splitlines(keepends=True)
+    assert 0 < len(lines) < len(all_lines) == 8
+    assert lines == all_lines[:len(lines)]
+
+
+@pytest.mark.parametrize("path, reason", [
+    ("", "--outputs is empty; name a file"),
+    (".", "--outputs .: cannot write the outputs: Is a directory"),
+    ("new/", "--outputs new/: cannot write the outputs: Is a directory"),
+    ("two.json/outputs.jsonl", "--outputs two.json/outputs.jsonl: cannot write the outputs: two.json is not a "
+                               "directory"),
+    ("two.json", "--outputs two.json: it is the workload file (two.json); name another file for the outputs"),
+    ("./kv.jsonl", "--outputs ./kv.jsonl: it is the divergence log (kv.jsonl); name another file for the outputs"),
+], ids=["empty", "directory", "trailing-slash", "under-a-file", "workload-file", "divergence-log"])
+def test_run_outputs_that_cannot_be_written_exits_2_before_the_model_loads(capsys, monkeypatch, tmp_path, path,
+                                                                             reason):
+    monkeypatch.chdir(tmp_path)
+    Path("two.json").write_text(json.dumps(TWO_REQUESTS))
+    monkeypatch.setattr("batchgen.cli.run.model_from_args", lambda args: pytest.fail("the model loaded"))
+    assert main(["run", "--workload", "two.json", "--kv-compare", "log", "--kv-compare-log", "kv.jsonl",
+                 "--outputs", path]) == 2
+    assert error_line(capsys) == f"batchgen: error: {reason}"
+    assert json.loads(Path("two.json").read_text()) == TWO_REQUESTS and not Path("kv.jsonl").exists()
+
+
+def test_run_outputs_in_a_directory_that_is_not_writable_exits_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as for a user other than root
+    assert main(["run", "--workload", "smoke", "--outputs", str(tmp_path / "outputs.jsonl")]) == 2
+    assert error_line(capsys) == (f"batchgen: error: --outputs {tmp_path / 'outputs.jsonl'}: cannot write the "
+                                  f"outputs: {tmp_path} is not writable")
+
+
+def test_run_outputs_that_cannot_be_opened_stops_the_run_before_it_starts(capsys, monkeypatch, tmp_path):
+    def refused(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(OutputsFile, "open", refused)
+    monkeypatch.setattr(Worker, "step", lambda self: pytest.fail("the run started"))
+    outputs = tmp_path / "outputs.jsonl"
+    assert main(["run", "--workload", "smoke", "--outputs", str(outputs)]) == 2
+    assert error_line(capsys) == f"batchgen: error: --outputs {outputs}: cannot open it for writing: Permission denied"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux), a file every write to fails")
+def test_run_outputs_that_stop_taking_writes_mid_run_stop_it_with_exit_1(capsys):
+    assert main(["run", "--workload", "smoke", "--json", "--outputs", "/dev/full"]) == 1
+    captured = capsys.readouterr()
+    stopped = one_json_object(captured.out)
+    assert (stopped["stopped"], stopped["message"]) == (
+        "outputs file unwritable", "outputs file /dev/full: a write failed: No space left on device")
+    assert captured.err.strip().splitlines()[-1] == f"batchgen: outputs file unwritable: {stopped['message']}"
 
 
 # ---- bad input -------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 ::
 
-    batchgen run --workload NAME|FILE [model flags] [KV flags] [--faults SPEC] [--json]   one workload, fresh worker
+    batchgen run --workload NAME|FILE [model flags] [KV flags] [--faults SPEC] [--outputs FILE] [--json]
+                                                                                         one workload, fresh worker
     batchgen validate [model flags] [--scale X] [--reports-dir DIR] [--json]             back-to-back, compare mode
     batchgen report LOG [LOG...] [--format text|md|junit|json] [--out FILE]              divergence logs -> report
     batchgen replay LOG --index N                                                        re-run one logged op

@@ -47,6 +47,18 @@ def check_directory(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: {blocker} is not a directory")
 
 
+def check_output_file(flag: str, path: str, what: str) -> None:
+    """UsageError when ``path`` (``flag``'s output file, holding ``what``) is empty, a directory, or under a file.
+    Pure."""
+    if not path:
+        raise UsageError(f"{flag} is empty; name a file")
+    blocker = next((parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None)
+    if blocker is not None:
+        raise UsageError(f"{flag} {path}: cannot write {what}: {blocker} is not a directory")
+    if path.endswith(os.sep) or Path(path).is_dir():  # Path drops a trailing slash
+        raise UsageError(f"{flag} {path}: cannot write {what}: Is a directory")
+
+
 def make_directory(flag: str, path: str) -> None:
     """Create ``path`` and its parents for ``flag``'s output; UsageError naming what is in the way, with the
     parents it made removed again. Mutates the file system."""

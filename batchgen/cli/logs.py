@@ -19,7 +19,7 @@ from batchgen.minimize import (
     MinimizeResult, NotReproduced, TestCallback, minimize_divergence, recorded_run, write_regression_into,
 )
 from batchgen.replay import ReplayOutcome, replay_record
-from batchgen.cli.common import UsageError, make_directory, non_negative_int, positive_int
+from batchgen.cli.common import UsageError, check_output_file, make_directory, non_negative_int, positive_int
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.workloads import Workload
 
@@ -109,11 +109,7 @@ def _ended(log: LogReadResult) -> bool:
 
 def _write_out(path: str, text: str) -> None:
     """``write_atomic`` for ``--out``; UsageError naming what is in the way when it cannot be written."""
-    blocker = next((parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None)
-    if blocker is not None:
-        raise UsageError(f"--out {path}: cannot write the report: {blocker} is not a directory")
-    if path.endswith(os.sep) or Path(path).is_dir():  # os.replace calls "." or "/" busy; Path drops a trailing slash
-        raise UsageError(f"--out {path}: cannot write the report: Is a directory")
+    check_output_file("--out", path, "the report")  # os.replace would call "." or "/" busy
     try:
         write_atomic(path, text)
     except OSError as error:

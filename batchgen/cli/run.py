@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
 
@@ -20,6 +20,7 @@ from batchgen.worker.kv_gate import GATE_FLAGS, KvGateConfig, gate_config
 from batchgen.worker.state import Phase
 from batchgen.worker.worker import Worker
 from batchgen.workloads import BUILTIN_WORKLOADS, load_workload
+from batchgen.cli.outputs import OutputsFile, OutputsWriteError, check_outputs_path
 from batchgen.cli.common import (
     StdoutConsole, UsageError, add_model_args, add_output_args, add_scale_arg, context, key_value_table,
     model_from_args, non_negative_int, positive_int, progress_bar, progress_callback,
@@ -54,6 +55,9 @@ def add_run_command(commands) -> None:
     parser.add_argument("--faults", metavar="SPEC", default=None,
                         help="inject a seeded fault schedule, e.g. 'seed=1,load_fail=0.2,abort=0.05'; SPEC grammar "
                              "below (default: no faults)")
+    parser.add_argument("--outputs", metavar="FILE", default=None,
+                        help="write each request as it is released, one JSON line: uuid, phase, finish_reason, "
+                             "output_ids (format below); the file is replaced (default: not written)")
     add_output_args(parser)
     parser.set_defaults(handler=_run)
 
@@ -85,9 +89,16 @@ def _run_epilog() -> str:
             f"fault SPEC (--faults): comma-separated KEY=VALUE\n{_fault_grammar()}\n"
             "Probabilities are in [0, 1], and load_fail + load_fail_late + load_hang <= 1; the same SPEC\n"
             "replays the same faults.\n\n"
+            "outputs FILE (--outputs): one JSON line per released request, in release order, e.g.\n"
+            '  {"uuid": "smoke-r0", "phase": "finished", "finish_reason": "length", "output_ids": [413, 431, 16]}\n'
+            "phase is finished (finish_reason length, eos or abort) or failed (finish_reason: the failure, e.g.\n"
+            "'load failed: ...'); output_ids are the generated tokens, prompt excluded. The file is created or\n"
+            "truncated when the run starts, and each line is written as its request is released: a run stopped\n"
+            "early leaves a whole line for every request released before it stopped.\n\n"
             "Exit status: 0 when the run finished; 1 on a divergence (--kv-compare raise), a plan the plan path\n"
-            f"rejected, or a run that stalls (requests live and nothing progressing for {MAX_IDLE_STEPS} steps, or\n"
-            "twice the load timeout if longer; e.g. under gpu_refuse=1); 2 on bad input; 130 on Ctrl-C.")
+            "rejected, a divergence log or --outputs file that stops taking writes (a full disk), or a run that\n"
+            f"stalls (requests live and nothing progressing for {MAX_IDLE_STEPS} steps, or twice the load timeout if\n"
+            "longer; e.g. under gpu_refuse=1); 2 on bad input; 130 on Ctrl-C.")
 
 
 def _fault_grammar() -> str:
@@ -109,6 +120,8 @@ def _run(args: argparse.Namespace) -> int:
     gate = gate_config(os.environ, cli)
     _warn_unused_compare_settings(gate, cli)
     injector = FaultInjector(FaultSpec.parse(args.faults)) if args.faults is not None else None
+    if args.outputs is not None:  # before the model loads, which can take a minute
+        check_outputs_path(args.outputs, _other_files(args, gate))
     model = model_from_args(args)
     workload = load_workload(args.workload, seed=args.seed, scale=args.scale, vocab_size=model.config.vocab_size)
     workload = workload.with_cache(dtype=args.dtype)
@@ -122,12 +135,14 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as error:
             raise UsageError(f"divergence log {gate.compare_log}: cannot open it for writing: "
                              f"{error.strerror or error}") from None
+    outputs = _open_outputs(args.outputs) if args.outputs is not None else None
     source = args.workload if args.workload in BUILTIN_WORKLOADS else str(Path(args.workload).resolve())
     try:
-        with _closing_compare_log(worker), progress_bar() as progress:
+        with _closing_compare_log(worker), outputs or nullcontext(), progress_bar() as progress:
             on_progress = progress_callback(progress)
             result = run_workload(worker, workload, source=source, scale=args.scale,
-                                  on_step=lambda done, total: on_progress(workload.name, done, total))
+                                  on_step=lambda done, total: on_progress(workload.name, done, total),
+                                  on_release=outputs.write if outputs is not None else None)
     except DivergenceError as error:  # --kv-compare raise
         return _stopped(args, workload.name, "divergence",
                         f"{'; '.join(str(error).splitlines())} (compare log: {gate.compare_log})")
@@ -138,12 +153,34 @@ def _run(args: argparse.Namespace) -> int:
         return _stopped(args, workload.name, "plan rejected", f"{error}{log}")
     except LogWriteError as error:  # the divergence log stopped taking writes mid-run (a full disk)
         return _stopped(args, workload.name, "compare log unwritable", f"divergence log {error.strerror}")
+    except OutputsWriteError as error:  # the outputs file stopped taking writes mid-run (a full disk)
+        return _stopped(args, workload.name, "outputs file unwritable", f"outputs file {error.strerror}")
     summary = _run_summary(result, worker, args)
     if args.json:
         print(json.dumps(summary))
     else:
         StdoutConsole().print(key_value_table(f"batchgen run: {workload.name}", summary))
     return EXIT_OK
+
+
+def _other_files(args: argparse.Namespace, gate: KvGateConfig) -> dict[str, str]:
+    """The files of the run that ``--outputs`` must not name (what each is -> its path): the workload file, and
+    the divergence log when compare mode writes one. Pure."""
+    files = {} if args.workload in BUILTIN_WORKLOADS else {"the workload file": args.workload}
+    if gate.compare != "off":
+        files["the divergence log"] = gate.compare_log
+    return files
+
+
+def _open_outputs(path: str) -> OutputsFile:
+    """The ``--outputs`` file, opened (created or truncated): UsageError when it cannot be. Mutates the file
+    system."""
+    outputs = OutputsFile(path)
+    try:
+        outputs.open()
+    except OSError as error:
+        raise UsageError(f"--outputs {path}: cannot open it for writing: {error.strerror or error}") from None
+    return outputs
 
 
 @contextmanager

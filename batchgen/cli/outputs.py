@@ -1,0 +1,119 @@
+"""``batchgen run --outputs FILE``: what each request produced, one JSON line per request, written as it is released.
+
+One line per released request, in release order, keys in this order::
+
+    {"uuid": "smoke-r0", "phase": "finished", "finish_reason": "length", "output_ids": [413, 431, 16]}
+
+    uuid           the request's uuid
+    phase          "finished" or "failed"
+    finish_reason  "length", "eos" or "abort" (phase finished); the failure, e.g. "load failed: ..." (phase failed)
+    output_ids     the generated token ids, prompt excluded (those generated before a failure or an abort too)
+
+The file is replaced: created, or truncated, when the run starts. Each line reaches the
+OS in one ``os.write`` before the next step runs, so a run that stops early (a stall,
+Ctrl-C, SIGTERM, SIGKILL) leaves a whole line for every request released so far; a
+write that fails part way (a full disk) is cut off before its error propagates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from types import TracebackType
+
+from batchgen.cli.common import UsageError, check_output_file
+from batchgen.worker.state import RequestOutput
+
+
+class OutputsWriteError(OSError):
+    """A line, or the flush at close, did not reach the outputs file (a full disk, say); the file still ends in
+    whole lines. ``str()`` names the file and the OS's reason."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(error.errno, f"{path}: a write failed: {error.strerror or error}")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def check_outputs_path(path: str, others: dict[str, str]) -> None:
+    """UsageError when ``path`` (``--outputs``) cannot be written: empty, a directory, under a file, in a directory
+    that is not writable, a file that is not writable, or the same file as one of ``others`` (what it is -> its
+    path: the workload file, the divergence log), which truncating it would destroy. Pure."""
+    check_output_file("--outputs", path, "the outputs")
+    target = Path(path).resolve()
+    for what, other in others.items():
+        if Path(other).resolve() == target:
+            raise UsageError(f"--outputs {path}: it is {what} ({other}); name another file for the outputs")
+    nearest = next(p for p in (Path(path).absolute(), *Path(path).absolute().parents) if p.exists())
+    if not os.access(nearest, os.W_OK | (os.X_OK if nearest.is_dir() else 0)):
+        raise UsageError(f"--outputs {path}: cannot write the outputs: {nearest} is not writable")
+
+
+def output_line(output: RequestOutput) -> str:
+    """``output`` as one line of the outputs file, newline included. Pure."""
+    return json.dumps({"uuid": output.uuid, "phase": output.phase.value, "finish_reason": output.finish_reason,
+                       "output_ids": list(output.output_ids)}) + "\n"
+
+
+class OutputsFile:
+    """The outputs file: opened (created or truncated) by :meth:`open`, one line per :meth:`write`.
+
+    Mutates the file and its own descriptor. One writer per file.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+        self._is_regular = False  # a regular file can be cut back to its last whole line; a FIFO cannot
+
+    def open(self) -> None:
+        """Create or truncate the file, and its parent directories. OSError when it cannot be opened."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._is_regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+
+    def write(self, output: RequestOutput) -> None:
+        """Write ``output``'s line. A write that fails part way is cut off again (on a regular file) before the
+        error propagates (OutputsWriteError), so the file ends in whole lines."""
+        data = output_line(output).encode()
+        start = os.lseek(self._fd, 0, os.SEEK_CUR) if self._is_regular else 0
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except BaseException as error:
+            if self._is_regular and os.lseek(self._fd, 0, os.SEEK_CUR) not in (start, start + len(data)):
+                os.ftruncate(self._fd, start)  # part of the line made it (a full disk, or a signal between writes)
+                os.lseek(self._fd, start, os.SEEK_SET)
+            if isinstance(error, OSError):
+                raise OutputsWriteError(self.path, error) from error
+            raise
+
+    def close(self) -> None:
+        """Flush a regular file to disk and close it (OutputsWriteError when the flush fails)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                if self._is_regular:
+                    os.fsync(fd)
+            except OSError as error:
+                raise OutputsWriteError(self.path, error) from error
+            finally:
+                os.close(fd)
+
+    def __enter__(self) -> OutputsFile:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        """Close the file; when the block raised, its error is the one reported, not a failed flush."""
+        if error is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except OutputsWriteError:
+            pass
