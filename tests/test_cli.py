@@ -45,7 +45,7 @@ def no_gate_environment(monkeypatch):
 
 
 
-RUN_KEYS = {"requests", "tokens_generated", "tokens_per_s", "evictions", "loads", "recompute_preemptions",
+RUN_KEYS = {"requests", "finished_requests", "aborted_requests", "failed_requests", "tokens_generated", "tokens_per_s", "evictions", "loads", "recompute_preemptions",
             "peak_gpu_pages", "peak_host_pages", "leaked_gpu_pages", "leaked_host_pages", "model", "device", "seed"}
 
 
@@ -252,7 +252,8 @@ def test_version_names_batchgen_and_torch(capsys):
 def test_run_says_which_kv_path_ran(capsys):
     summary = run_json(capsys)
     assert (summary["kv_path"], summary["kv_compare"], summary["load_failure"]) == ("plan", "off", "recompute")
-    assert not {"steps_compared", "divergences", "compare_log", "faults", "failed_requests"} & summary.keys()
+    assert (summary["finished_requests"], summary["aborted_requests"], summary["failed_requests"]) == (8, 0, 0)
+    assert not {"steps_compared", "divergences", "compare_log", "faults", "fault_aborts"} & summary.keys()
     assert run_json(capsys, "--kv-path", "legacy")["kv_path"] == "legacy"
 
 
@@ -519,6 +520,40 @@ def test_faults_and_load_options_reach_the_worker(capsys):
     assert 0 < retried["load_failures"] == 3 * retried["failed_requests"]
     aborted = run_json(capsys, "--faults", "seed=3,abort=0.3")
     assert aborted["fault_aborts"] > 0 and aborted["failed_requests"] == 0
+    assert aborted["aborted_requests"] == aborted["fault_aborts"]
+    assert aborted["finished_requests"] == 8 - aborted["fault_aborts"]
+
+
+def test_run_counts_its_requests_as_finished_aborted_and_failed(capsys, tmp_path):
+    workload = tmp_path / "two.json"
+    workload.write_text(json.dumps(TWO_REQUESTS))  # "b" is aborted at its abort_step
+    assert main(["run", "--workload", str(workload), "--json"]) == 0
+    summary = one_json_object(capsys.readouterr().out)
+    assert list(summary)[:5] == ["workload", "requests", "finished_requests", "aborted_requests", "failed_requests"]
+    assert [summary[key] for key in list(summary)[1:5]] == [2, 1, 1, 0]
+    assert main(["run", "--workload", str(workload)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"│ finished_requests +│ +1 │", out) and re.search(r"│ aborted_requests +│ +1 │", out)
+    assert re.search(r"│ failed_requests +│ +0 │", out)
+
+
+@pytest.mark.parametrize("output", [["--json"], []], ids=["json", "table"])
+def test_a_run_where_requests_failed_warns_how_many_and_why_and_exits_0(output, capsys):
+    assert main(["run", "--workload", "smoke", "--faults", "load_fail=1", "--kv-load-failure", "fail", *output]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    assert warnings == ["batchgen: warning: 2 of 8 requests failed: load failed: LoadFault: injected load fail (2); "
+                        "the run still exits 0 (failed_requests counts them, --outputs names each)"]
+    if output:
+        summary = one_json_object(captured.out)
+        assert (summary["finished_requests"], summary["aborted_requests"], summary["failed_requests"]) == (6, 0, 2)
+    else:
+        assert re.search(r"│ failed_requests +│ +2 │", captured.out)
+
+
+def test_a_run_without_failed_requests_warns_nothing(capsys):
+    assert main(["run", "--workload", "smoke", "--json", "--faults", "seed=3,abort=0.3"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 # ---- run: --outputs ----------------------------------------------------------------------------

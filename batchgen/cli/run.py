@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
@@ -17,7 +18,7 @@ from batchgen.worker import faults as faults_module
 from batchgen.worker.faults import FaultInjector, FaultSpec
 from batchgen.worker.kv_apply import PlanRejected
 from batchgen.worker.kv_gate import GATE_FLAGS, KvGateConfig, gate_config
-from batchgen.worker.state import Phase
+from batchgen.worker.state import ABORT_REASON, Phase
 from batchgen.worker.worker import Worker
 from batchgen.workloads import BUILTIN_WORKLOADS, load_workload
 from batchgen.cli.outputs import OutputsFile, OutputsWriteError, check_outputs_path
@@ -95,7 +96,8 @@ def _run_epilog() -> str:
             "'load failed: ...'); output_ids are the generated tokens, prompt excluded. The file is created or\n"
             "truncated when the run starts, and each line is written as its request is released: a run stopped\n"
             "early leaves a whole line for every request released before it stopped.\n\n"
-            "Exit status: 0 when the run finished; 1 on a divergence (--kv-compare raise), a plan the plan path\n"
+            "Exit status: 0 when the run finished, even where requests failed (a warning says how many and why;\n"
+            "failed_requests counts them); 1 on a divergence (--kv-compare raise), a plan the plan path\n"
             "rejected, a divergence log or --outputs file that stops taking writes (a full disk), or a run that\n"
             f"stalls (requests live and nothing progressing for {MAX_IDLE_STEPS} steps, or twice the load timeout if\n"
             "longer; e.g. under gpu_refuse=1); 2 on bad input; 130 on Ctrl-C.")
@@ -155,6 +157,7 @@ def _run(args: argparse.Namespace) -> int:
         return _stopped(args, workload.name, "compare log unwritable", f"divergence log {error.strerror}")
     except OutputsWriteError as error:  # the outputs file stopped taking writes mid-run (a full disk)
         return _stopped(args, workload.name, "outputs file unwritable", f"outputs file {error.strerror}")
+    _warn_failed_requests(result)
     summary = _run_summary(result, worker, args)
     if args.json:
         print(json.dumps(summary))
@@ -223,10 +226,32 @@ def _engine_config(engine, args: argparse.Namespace):
     return engine.model_copy(update={name: value for name, value in overrides.items() if value is not None})
 
 
+def _warn_failed_requests(result: RunResult) -> None:
+    """A warning on stderr when requests failed: how many, and each failure with its count."""
+    reasons = Counter(output.finish_reason for output in result.outputs.values() if output.phase is Phase.FAILED)
+    if reasons:
+        num_failed, why = sum(reasons.values()), ", ".join(f"{reason} ({n})" for reason, n in reasons.most_common())
+        print(f"batchgen: warning: {num_failed} of {len(result.outputs)} requests failed: {why}; the run still "
+              f"exits 0 (failed_requests counts them, --outputs names each)", file=sys.stderr)
+
+
+def _request_outcomes(result: RunResult) -> dict[str, int]:
+    """How the workload's requests ended: finished (length or eos), aborted (finished by an abort), failed. Pure."""
+    outputs = result.outputs.values()
+    num_failed = sum(output.phase is Phase.FAILED for output in outputs)
+    num_aborted = sum(output.phase is Phase.FINISHED and output.finish_reason == ABORT_REASON for output in outputs)
+    return {"finished_requests": len(outputs) - num_failed - num_aborted, "aborted_requests": num_aborted,
+            "failed_requests": num_failed}
+
+
 def _run_summary(result: RunResult, worker: Worker, args: argparse.Namespace) -> dict:
-    """The run's counters, what it ran on, its KV path, compare counts (compare mode) and fault counters."""
+    """The run's counters (requests by outcome after their total), what it ran on, its KV path, compare counts
+    (compare mode) and fault counters."""
     gate, engine = worker.kv_gate, worker.engine_config
-    summary = {**result.summary(), "live_requests": result.live_requests, **context(args),
+    counters = result.summary()
+    requests = {"requests": counters.pop("requests"), **_request_outcomes(result)}
+    summary = {"workload": counters.pop("workload"), **requests, **counters,
+               "live_requests": result.live_requests, **context(args),
                "kv_path": gate.path, "kv_compare": gate.compare, "max_load_retries": engine.max_load_retries,
                "load_timeout_steps": engine.load_timeout_steps, "load_failure": engine.load_failure}
     compared = result.compare_summary
@@ -237,11 +262,8 @@ def _run_summary(result: RunResult, worker: Worker, args: argparse.Namespace) ->
                     "divergences": sum(compared.divergences.values()),
                     "divergences_by_op": dict(compared.divergences),
                     "harness_errors": compared.harness_errors, "compare_log": gate.compare_log}
-    num_failed = sum(output.phase is Phase.FAILED for output in result.outputs.values())
     if worker.faults is not None:
         summary |= {"faults": args.faults, "fault_aborts": worker.faults.num_aborts}
-    if worker.faults is not None or num_failed:
-        summary["failed_requests"] = num_failed
     return summary
 
 

@@ -32,6 +32,7 @@ class Phase(enum.Enum):
 
 
 DONE_PHASES = (Phase.FINISHED, Phase.FAILED)
+ABORT_REASON = "abort"  # finish_reason of a request FINISHED by an abort (the workload's abort_step, or a fault)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, gate_config
 from batchgen.worker.kv_target import KvTarget
 from batchgen.worker.page_copy import new_page_tensor
 from batchgen.worker.sampler import sample
-from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestOutput, RequestState, WorkerState
+from batchgen.worker.state import ABORT_REASON, DONE_PHASES, Phase, Request, RequestOutput, RequestState, WorkerState
 
 
 class RequestError(ValueError):
@@ -182,7 +182,7 @@ class Worker:
         if req is None:
             raise RequestError(f"abort: no live request {uuid!r}")
         if req.phase not in DONE_PHASES:
-            req.phase, req.finish_reason = Phase.FINISHED, "abort"
+            req.phase, req.finish_reason = Phase.FINISHED, ABORT_REASON
 
     def take_outputs(self, uuids: Iterable[str] | None = None) -> dict[str, RequestOutput]:
         """Remove and return released outputs (all, or those of ``uuids`` that are released).
