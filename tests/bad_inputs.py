@@ -185,7 +185,7 @@ CASES: tuple[BadInput, ...] = (
     case("unknown-device", CLI, "a device batchgen cannot run on", f"{RUN} --device tpu",
          ("--device", "invalid choice: 'tpu'", "cpu", "cuda")),
     case("unknown-dtype", CLI, "a weight/KV dtype that is not supported", f"{RUN} --dtype float64",
-         ("--dtype", "invalid choice: 'float64'", "float32", "bfloat16")),
+         ("--dtype", "invalid choice: 'float64'", "float32", "bfloat16", "float16")),
     case("kv-path-typo", CLI, "--kv-path misspelt", f"{RUN} --kv-path lgacy",
          ("--kv-path='lgacy'", "allowed: plan, legacy", "did you mean 'legacy'?")),
     case("faults-key-twice", CLI, "a --faults KEY given twice", f"{RUN} --faults seed=1,seed=2",

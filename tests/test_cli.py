@@ -24,6 +24,7 @@ from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
 from batchgen import runner
 from batchgen.cli import main
 from batchgen.cli import logs as logs_command
+from batchgen.cli import run as run_module
 from batchgen.cli.logs import EMPTY, NOTHING_COMPARED, UNENDED
 from batchgen.cli.outputs import OutputsFile
 from batchgen.exit_codes import Terminated
@@ -45,8 +46,9 @@ def no_gate_environment(monkeypatch):
 
 
 
-RUN_KEYS = {"requests", "finished_requests", "aborted_requests", "failed_requests", "tokens_generated", "tokens_per_s", "evictions", "loads", "recompute_preemptions",
-            "peak_gpu_pages", "peak_host_pages", "leaked_gpu_pages", "leaked_host_pages", "model", "device", "seed"}
+RUN_KEYS = {"requests", "finished_requests", "aborted_requests", "failed_requests", "tokens_generated",
+            "tokens_per_s", "evictions", "loads", "recompute_preemptions", "peak_gpu_pages", "peak_host_pages",
+            "leaked_gpu_pages", "leaked_host_pages", "model", "device", "seed"}
 
 
 def one_json_object(stdout: str) -> dict:
@@ -99,13 +101,47 @@ def test_run_prints_names_and_paths_with_brackets_as_written(tmp_path, capsys):
     assert log.exists()
 
 
-@pytest.mark.parametrize("command", ["run", "validate"])
-def test_help_explains_every_flag_with_its_default(command, capsys):
+@pytest.mark.parametrize("command, dtype", [
+    ("run", "the workload's cache.dtype: a file's, float32 for the built-in workloads"), ("validate", "float32")])
+def test_help_explains_every_flag_with_its_default(command, dtype, capsys):
     assert main([command, "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for flag, default in [("--model", "tiny"), ("--device", "cpu"), ("--dtype", "float32"), ("--seed", "0"),
+    for flag, default in [("--model", "tiny"), ("--device", "cpu"), ("--dtype", dtype), ("--seed", "0"),
                           ("--scale", "1.0"), ("--json", "off")]:
         assert re.search(f"{flag} .*?\\(default: {re.escape(default)}\\)", text), flag
+    assert "--dtype {float32,bfloat16,float16}" in text
+
+
+@pytest.mark.parametrize("file_dtype, flags, dtype", [
+    ("bfloat16", [], "bfloat16"), ("float16", [], "float16"), ("bfloat16", ["--dtype", "float32"], "float32"),
+    ("float32", ["--dtype", "float16"], "float16")], ids=["file-bfloat16", "file-float16", "flag-over-file",
+                                                          "flag-float16"])
+def test_run_takes_a_workload_files_cache_dtype_unless_dtype_is_given(capsys, monkeypatch, tmp_path, file_dtype,
+                                                                       flags, dtype):
+    workload = tmp_path / "two.json"
+    workload.write_text(json.dumps({**TWO_REQUESTS, "cache": {**TWO_REQUESTS["cache"], "dtype": file_dtype}}))
+    weights = spy_on_model_dtype(monkeypatch)
+    assert main(["run", "--workload", str(workload), "--json", *flags]) == 0
+    assert (one_json_object(capsys.readouterr().out)["dtype"], weights) == (dtype, [getattr(torch, dtype)])
+
+
+@pytest.mark.parametrize("flags, dtype", [([], "float32"), (["--dtype", "bfloat16"], "bfloat16")])
+def test_run_of_a_builtin_workload_is_float32_unless_dtype_is_given(capsys, monkeypatch, flags, dtype):
+    weights = spy_on_model_dtype(monkeypatch)
+    assert (run_json(capsys, *flags)["dtype"], weights) == (dtype, [getattr(torch, dtype)])
+
+
+def spy_on_model_dtype(monkeypatch) -> list:
+    """The dtype of each model ``batchgen run`` loads, appended as it loads."""
+    weights, load = [], run_module.model_from_args
+
+    def spied(*args):
+        model = load(*args)
+        weights.append(model.model.embed_tokens.weight.dtype)
+        return model
+
+    monkeypatch.setattr(run_module, "model_from_args", spied)
+    return weights
 
 
 def test_run_help_names_each_kv_variable_and_shows_the_fault_grammar(capsys):
@@ -626,7 +662,7 @@ def test_run_outputs_that_cannot_be_written_exits_2_before_the_model_loads(capsy
                                                                              reason):
     monkeypatch.chdir(tmp_path)
     Path("two.json").write_text(json.dumps(TWO_REQUESTS))
-    monkeypatch.setattr("batchgen.cli.run.model_from_args", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("batchgen.cli.run.model_from_args", lambda *args: pytest.fail("the model loaded"))
     assert main(["run", "--workload", "two.json", "--kv-compare", "log", "--kv-compare-log", "kv.jsonl",
                  "--outputs", path]) == 2
     assert error_line(capsys) == f"batchgen: error: {reason}"

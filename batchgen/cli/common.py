@@ -21,7 +21,7 @@ from batchgen.workloads import MAX_SCALE
 
 
 DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")  # every dtype a workload's cache.dtype may name (config.DTYPE_SIZES)
 
 
 class StdoutConsole(Console):
@@ -75,15 +75,19 @@ def make_directory(flag: str, path: str) -> None:
 
 
 # ---- shared flags ------------------------------------------------------------------------------
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> None:
+    """The model flags; ``workload_dtype``: whether ``--dtype`` defaults to the workload's cache.dtype (``None``,
+    resolved by the command) instead of float32."""
     parser.add_argument("--model", default="tiny", metavar="NAME|DIR",
                         help=f"a built-in model ({', '.join(TINY_MODELS)}; random weights drawn from --seed) "
                              f"or an HF-format model directory (default: %(default)s)")
     parser.add_argument("--device", choices=DEVICES, default="cpu",
                         help="where the model and the GPU-tier KV pages live (default: %(default)s)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="dtype of the weights and of the KV pages (run: it replaces a workload file's "
-                             "cache.dtype) (default: %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None if workload_dtype else "float32",
+                        help="dtype of the weights and of the KV pages"
+                             + ("; given, it replaces a workload file's cache.dtype (default: the workload's "
+                                "cache.dtype: a file's, float32 for the built-in workloads)" if workload_dtype
+                                else " (default: %(default)s)"))
     parser.add_argument("--seed", type=seed_int, default=0,
                         help="seeds the built-in model's weights and the built-in workloads' traces "
                              "(default: %(default)s)")
@@ -165,18 +169,20 @@ def cpu_threads(args: argparse.Namespace) -> int:
     return 1 if args.model == "tiny" and args.device == "cpu" else torch.get_num_threads()
 
 
-def model_from_args(args: argparse.Namespace):
-    """The model ``--model`` names, on ``--device``; sets torch's CPU thread count (``cpu_threads``) first."""
+def model_from_args(args: argparse.Namespace, dtype: str | None = None):
+    """The model ``--model`` names, on ``--device``, in ``dtype`` (default: ``--dtype``); sets torch's CPU thread
+    count (``cpu_threads``) first."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine; allowed here: --device cpu")
     torch.set_num_threads(cpu_threads(args))
-    return load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    return load_model(args.model, device=args.device, dtype=dtype or args.dtype, seed=args.seed)
 
 
-def context(args: argparse.Namespace) -> dict:
-    """The flags a result depends on, recorded next to it."""
+def context(args: argparse.Namespace, **applied) -> dict:
+    """The flags a result depends on, recorded next to it; ``applied`` gives the value a run used where it is not
+    the flag's (``dtype``, ``scale``)."""
     return {"model": args.model, "device": args.device, "dtype": args.dtype, "seed": args.seed, "scale": args.scale,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), **applied}
 
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 
 from compare import DivergenceError, LogWriteError
+from batchgen.config import CacheConfig
+from batchgen.model.llama import LlamaForCausalLM
 from batchgen.runner import MAX_IDLE_STEPS, RunResult, RunStalled, run_workload
 from batchgen.worker import faults as faults_module
 from batchgen.worker.faults import FaultInjector, FaultSpec
@@ -20,7 +22,7 @@ from batchgen.worker.kv_apply import PlanRejected
 from batchgen.worker.kv_gate import GATE_FLAGS, KvGateConfig, gate_config
 from batchgen.worker.state import ABORT_REASON, Phase
 from batchgen.worker.worker import Worker
-from batchgen.workloads import BUILTIN_WORKLOADS, load_workload
+from batchgen.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.cli.outputs import OutputsFile, OutputsWriteError, check_outputs_path
 from batchgen.cli.common import (
     StdoutConsole, UsageError, add_model_args, add_output_args, add_scale_arg, context, key_value_table,
@@ -50,7 +52,7 @@ def add_run_command(commands) -> None:
         epilog=_run_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", required=True, metavar="NAME|FILE",
                         help=f"a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) or a workload JSON file")
-    add_model_args(parser)
+    add_model_args(parser, workload_dtype=True)
     add_scale_arg(parser, workload_files=True)
     _add_kv_args(parser)
     parser.add_argument("--faults", metavar="SPEC", default=None,
@@ -124,9 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     injector = FaultInjector(FaultSpec.parse(args.faults)) if args.faults is not None else None
     if args.outputs is not None:  # before the model loads, which can take a minute
         check_outputs_path(args.outputs, _other_files(args, gate))
-    model = model_from_args(args)
-    workload = load_workload(args.workload, seed=args.seed, scale=args.scale, vocab_size=model.config.vocab_size)
-    workload = workload.with_cache(dtype=args.dtype)
+    workload, model = _workload_and_model(args)
     worker = Worker(model, cache_config=workload.cache, engine_config=_engine_config(workload.engine, args),
                     kv_gate=gate, faults=injector, device=args.device)
     for request in workload.requests:  # reject a bad request before the progress bar opens
@@ -164,6 +164,19 @@ def _run(args: argparse.Namespace) -> int:
     else:
         StdoutConsole().print(key_value_table(f"batchgen run: {workload.name}", summary))
     return EXIT_OK
+
+
+def _workload_and_model(args: argparse.Namespace) -> tuple[Workload, LlamaForCausalLM]:
+    """The workload and the model, in one dtype for the weights and the KV pages: ``--dtype`` when given, else the
+    workload's cache.dtype. A workload file is read first (its dtype is the model's); a built-in trace is drawn after
+    the model loads (its token ids come from the model's vocabulary), in CacheConfig's default dtype."""
+    if args.workload in BUILTIN_WORKLOADS:
+        model = model_from_args(args, args.dtype or CacheConfig.model_fields["dtype"].default)
+        workload = load_workload(args.workload, seed=args.seed, scale=args.scale, vocab_size=model.config.vocab_size)
+    else:
+        workload = load_workload(args.workload)
+        model = model_from_args(args, args.dtype or workload.cache.dtype)
+    return workload.with_cache(dtype=args.dtype or workload.cache.dtype), model
 
 
 def _other_files(args: argparse.Namespace, gate: KvGateConfig) -> dict[str, str]:
@@ -251,7 +264,7 @@ def _run_summary(result: RunResult, worker: Worker, args: argparse.Namespace) ->
     counters = result.summary()
     requests = {"requests": counters.pop("requests"), **_request_outcomes(result)}
     summary = {"workload": counters.pop("workload"), **requests, **counters,
-               "live_requests": result.live_requests, **context(args),
+               "live_requests": result.live_requests, **context(args, dtype=worker.cache_config.dtype),
                "kv_path": gate.path, "kv_compare": gate.compare, "max_load_retries": engine.max_load_retries,
                "load_timeout_steps": engine.load_timeout_steps, "load_failure": engine.load_failure}
     compared = result.compare_summary
