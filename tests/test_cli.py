@@ -131,6 +131,31 @@ def test_run_of_a_builtin_workload_is_float32_unless_dtype_is_given(capsys, monk
     assert (run_json(capsys, *flags)["dtype"], weights) == (dtype, [getattr(torch, dtype)])
 
 
+def test_scale_given_with_a_workload_file_is_named_in_a_warning_and_not_reported_as_applied(capsys, tmp_path):
+    workload = tmp_path / "two.json"
+    workload.write_text(json.dumps(TWO_REQUESTS))
+    assert main(["run", "--workload", str(workload), "--scale", "5", "--json"]) == 0
+    captured = capsys.readouterr()
+    summary = one_json_object(captured.out)
+    assert (summary["requests"], summary["scale"]) == (2, 1.0)
+    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    assert warnings == ["batchgen: warning: --workload is a file, so --scale 5 is ignored and the file runs as "
+                        "written (--scale applies to the built-in workloads only)"]
+
+
+@pytest.mark.parametrize("workload, flags, requests, scale", [
+    ("smoke", ["--scale", "0.5"], 4, 0.5), ("two.json", ["--scale", "1"], 2, 1.0)], ids=["builtin", "file-scale-1"])
+def test_scale_that_applies_or_changes_nothing_warns_nothing(capsys, monkeypatch, tmp_path, workload, flags,
+                                                             requests, scale):
+    monkeypatch.chdir(tmp_path)
+    Path("two.json").write_text(json.dumps(TWO_REQUESTS))
+    assert main(["run", "--workload", workload, "--json", *flags]) == 0
+    captured = capsys.readouterr()
+    summary = one_json_object(captured.out)
+    assert (summary["requests"], summary["scale"]) == (requests, scale)
+    assert "warning" not in captured.err
+
+
 def spy_on_model_dtype(monkeypatch) -> list:
     """The dtype of each model ``batchgen run`` loads, appended as it loads."""
     weights, load = [], run_module.model_from_args

@@ -98,12 +98,13 @@ def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> 
 
 
 def add_scale_arg(parser: argparse.ArgumentParser, *, workload_files: bool) -> None:
-    """``--scale``; ``workload_files``: whether the command also takes workload files (which it leaves alone)."""
+    """``--scale``; ``workload_files``: whether the command also takes workload files (which it does not scale)."""
     parser.add_argument("--scale", type=scale_float, default=1.0, metavar="X",
                         help=f"built-in workloads: multiplies the request count, in (0, {MAX_SCALE:g}] (and, above 1, "
                              "the pools, the arrival waves and max_num_seqs together: more concurrency at the same KV "
                              "pressure)"
-                             + ("; ignored for workload files" if workload_files else "") + " (default: %(default)s)")
+                             + ("; a workload file runs as written (a warning says --scale is ignored)"
+                                if workload_files else "") + " (default: %(default)s)")
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:

@@ -127,6 +127,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.outputs is not None:  # before the model loads, which can take a minute
         check_outputs_path(args.outputs, _other_files(args, gate))
     workload, model = _workload_and_model(args)
+    _warn_scale_ignored(args)
     worker = Worker(model, cache_config=workload.cache, engine_config=_engine_config(workload.engine, args),
                     kv_gate=gate, faults=injector, device=args.device)
     for request in workload.requests:  # reject a bad request before the progress bar opens
@@ -142,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with _closing_compare_log(worker), outputs or nullcontext(), progress_bar() as progress:
             on_progress = progress_callback(progress)
-            result = run_workload(worker, workload, source=source, scale=args.scale,
+            result = run_workload(worker, workload, source=source, scale=_applied_scale(args),
                                   on_step=lambda done, total: on_progress(workload.name, done, total),
                                   on_release=outputs.write if outputs is not None else None)
     except DivergenceError as error:  # --kv-compare raise
@@ -164,6 +165,18 @@ def _run(args: argparse.Namespace) -> int:
     else:
         StdoutConsole().print(key_value_table(f"batchgen run: {workload.name}", summary))
     return EXIT_OK
+
+
+def _applied_scale(args: argparse.Namespace) -> float:
+    """``--scale`` for a built-in workload; 1.0 for a workload file, which runs as written. Pure."""
+    return args.scale if args.workload in BUILTIN_WORKLOADS else 1.0
+
+
+def _warn_scale_ignored(args: argparse.Namespace) -> None:
+    """A warning on stderr when ``--scale`` is given (other than 1) with a workload file, which it does not scale."""
+    if _applied_scale(args) != args.scale:
+        print(f"batchgen: warning: --workload is a file, so --scale {args.scale:g} is ignored and the file runs as "
+              f"written (--scale applies to the built-in workloads only)", file=sys.stderr)
 
 
 def _workload_and_model(args: argparse.Namespace) -> tuple[Workload, LlamaForCausalLM]:
@@ -264,7 +277,7 @@ def _run_summary(result: RunResult, worker: Worker, args: argparse.Namespace) ->
     counters = result.summary()
     requests = {"requests": counters.pop("requests"), **_request_outcomes(result)}
     summary = {"workload": counters.pop("workload"), **requests, **counters,
-               "live_requests": result.live_requests, **context(args, dtype=worker.cache_config.dtype),
+               "live_requests": result.live_requests, **context(args, dtype=worker.cache_config.dtype, scale=_applied_scale(args)),
                "kv_path": gate.path, "kv_compare": gate.compare, "max_load_retries": engine.max_load_retries,
                "load_timeout_steps": engine.load_timeout_steps, "load_failure": engine.load_failure}
     compared = result.compare_summary
