@@ -102,3 +102,26 @@ def test_missing_workload_file_is_named(tmp_path):
     path = tmp_path / "absent.json"
     with pytest.raises(WorkloadError, match=f"^workload file '{re.escape(str(path))}' does not exist$"):
         load_workload(str(path))
+
+
+def test_run_workload_reports_each_released_request_once_in_release_order():
+    smoke = builtin_workload("smoke", scale=0.5)
+    workload = smoke.model_copy(update={"requests": [*smoke.requests[:3],
+                                                     smoke.requests[3].model_copy(update={"abort_step": 2})]})
+    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache, engine_config=workload.engine,
+                    kv_gate=KvGateConfig(path="plan"), kv_storage=False)
+    released = []
+    result = run_workload(worker, workload, on_release=released.append)
+    assert [(o.uuid, o.phase.value, o.finish_reason, o.output_ids) for o in released] == [
+        ("smoke-r3", "finished", "abort", ()),
+        ("smoke-r1", "finished", "length", (273, 184, 92, 311, 375, 294, 226, 5, 285, 340, 168, 147, 3, 322)),
+        ("smoke-r0", "finished", "length", (450, 131, 501, 442, 312, 33, 11, 312, 238, 127, 97, 374, 228, 413, 247,
+                                            116, 282, 379, 461)),
+        ("smoke-r2", "finished", "length", (256, 446, 103, 401, 126, 372, 197, 487, 188, 362))]
+    assert released == [result.outputs[o.uuid] for o in released]
+    second = builtin_workload("smoke", seed=1, scale=0.25)
+    second = second.model_copy(update={"requests": [r.model_copy(update={"uuid": f"second-{r.uuid}"})
+                                                    for r in second.requests]})
+    released.clear()  # the same worker, whose outputs still hold the first run's: only the second's are reported
+    result = run_workload(worker, second, on_release=released.append)
+    assert sorted(o.uuid for o in released) == sorted(result.outputs) == ["second-smoke-r0", "second-smoke-r1"]
