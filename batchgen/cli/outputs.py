@@ -9,6 +9,9 @@ One line per released request, in release order, keys in this order::
     finish_reason  "length", "eos" or "abort" (phase finished); the failure, e.g. "load failed: ..." (phase failed)
     output_ids     the generated token ids, prompt excluded (those generated before a failure or an abort too)
 
+Log-probabilities are left out: the worker keeps only the top two per position, for the
+near-tie output check, which compares runs in-process.
+
 The file is replaced: created, or truncated, when the run starts. Each line reaches the
 OS in one ``os.write`` before the next step runs, so a run that stops early (a stall,
 Ctrl-C, SIGTERM, SIGKILL) leaves a whole line for every request released so far; a
