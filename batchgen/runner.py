@@ -70,13 +70,12 @@ def _progress(worker: Worker) -> tuple[int, ...]:
             stats.recompute_preemptions)
 
 
-def _stalled_message(worker: Worker, workload: Workload, idle_steps: int) -> str:
+def _stalled_message(worker: Worker, workload: Workload, why: str, hint: str) -> str:
+    """Why the run stopped, then what is live: requests by phase, free GPU pages, and ``hint``. Pure."""
     phases = Counter(req.phase.value for req in worker.state.requests.values())
     live = ", ".join(f"{count} {phase}" for phase, count in sorted(phases.items()))
-    return (f"{workload.name}: no progress in {idle_steps} steps (no token, release, eviction, load or preemption) "
-            f"with {len(worker.state.requests)} requests live ({live}), {worker.gpu_kv.free_pages()} of "
-            f"{worker.gpu_kv.num_pages} GPU pages free (an injected fault holding the pools, such as gpu_refuse=1, "
-            f"can do this)")
+    return (f"{workload.name}: {why} with {len(worker.state.requests)} requests live ({live}), "
+            f"{worker.gpu_kv.free_pages()} of {worker.gpu_kv.num_pages} GPU pages free ({hint})")
 
 
 def _report_releases(worker: Worker, uuids: set[str], num_new: int,
@@ -126,8 +125,15 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
         while next_arrival < len(arrivals) or worker.has_unfinished():
             rel = worker.state.step - start_step
             if rel >= max_steps or idle_steps >= max_idle_steps:
-                raise RunStalled(_stalled_message(worker, workload, idle_steps) if idle_steps >= max_idle_steps
-                                 else f"{workload.name}: not done after {max_steps} steps")
+                if idle_steps >= max_idle_steps:
+                    raise RunStalled(_stalled_message(
+                        worker, workload, f"no progress in {idle_steps} steps (no token, release, eviction, load or "
+                                          f"preemption)",
+                        "an injected fault holding the pools, such as gpu_refuse=1, can do this"))
+                raise RunStalled(_stalled_message(
+                    worker, workload, f"not done after {max_steps} steps (the limit: its last arrival step + "
+                                      f"{MAX_STEPS})",
+                    "a load that never lands under a long --kv-load-timeout-steps can do this"))
             while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= rel:
                 worker.add_request(arrivals[next_arrival].to_request())
                 next_arrival += 1

@@ -233,6 +233,19 @@ def test_run_that_cannot_progress_exits_1_naming_the_stall(compare, capsys, monk
                     "the pools, such as gpu_refuse=1, can do this)")
 
 
+def test_run_past_its_step_limit_exits_1_naming_what_is_live(capsys, monkeypatch):
+    """Loads that hang under a timeout longer than the run may take: the step limit stops it, and says what is
+    live (LOADING requests) and what can cause it."""
+    monkeypatch.setattr(runner, "MAX_STEPS", 200)
+    assert main(["run", "--workload", "smoke", "--kv-load-retries", "0", "--faults", "load_hang=1",
+                 "--kv-load-timeout-steps", "100000"]) == 1
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchgen:")]
+    assert re.fullmatch(r"batchgen: stalled: smoke: not done after 20\d steps \(the limit: its last arrival step \+ "
+                        r"200\) with \d+ requests live \((\d+ [a-z]+, )*\d+ loading(, \d+ [a-z]+)*\), \d+ of 24 GPU "
+                        r"pages free \(a load that never lands under a long --kv-load-timeout-steps can do this\)",
+                        line), line
+
+
 def test_an_interrupted_run_still_ends_its_compare_log_and_exits_130(capsys, monkeypatch, tmp_path):
     log = tmp_path / "log.jsonl"
     steps = []
