@@ -162,9 +162,10 @@ def _most_common(counts: Counter[str]) -> tuple[tuple[str, int], ...]:
 
 
 def headline(report: Report) -> str:
-    """"N divergences in M compared steps", and the harness errors if any."""
+    """"N divergences in M compared ops" (an op compared at one step counts once), and the harness errors if
+    any."""
     line = (f"{_plural(report.num_divergences, 'divergence')} in "
-            f"{_plural(report.num_compared, 'compared step')}")
+            f"{_plural(report.num_compared, 'compared op')}")
     if report.num_harness_errors:
         line += f", {_plural(report.num_harness_errors, 'harness error')}"
     return line

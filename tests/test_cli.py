@@ -864,7 +864,7 @@ def test_report_exits_1_when_the_harness_failed_though_nothing_diverged(tmp_path
                                     steps_compared={"alloc": 9}, divergences={}, harness_errors=3,
                                     compare_seconds=0.1, authoritative_seconds=0.2))
     assert main(["report", str(log)]) == 1
-    assert capsys.readouterr().out.startswith("0 divergences in 9 compared steps, 3 harness errors")
+    assert capsys.readouterr().out.startswith("0 divergences in 9 compared ops, 3 harness errors")
 
 
 @pytest.mark.parametrize("content", ["", "TORN"], ids=["no-summary", "torn-last-line"])
@@ -942,7 +942,7 @@ def test_report_fails_a_log_whose_runs_compared_nothing(capsys, tmp_path):
     assert isinstance(summary, RunSummary) and summary.stopped_by is None and not any(summary.steps_compared.values())
     assert main(["report", str(log)]) == 1  # a CI gate over it would pass on nothing
     captured = capsys.readouterr()
-    assert captured.out.startswith("0 divergences in 0 compared steps\n")
+    assert captured.out.startswith("0 divergences in 0 compared ops\n")
     assert captured.err.strip() == f"batchgen: warning: {log}: {NOTHING_COMPARED}, so it vouches for nothing"
 
 
@@ -953,7 +953,7 @@ def test_report_out_writes_the_file_instead_of_stdout(logs, capsys, tmp_path):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert re.fullmatch(rf"batchgen: wrote {re.escape(str(out))}: {num_divergences(buggy)} divergences in "
-                        r"\d+ compared steps", captured.err.strip())
+                        r"\d+ compared ops", captured.err.strip())
     assert ET.parse(out).getroot().tag == "testsuites"
 
 

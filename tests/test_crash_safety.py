@@ -104,7 +104,7 @@ def test_report_on_a_log_torn_mid_record_warns_and_counts_the_complete_ones(kill
     num_complete = complete.count(b"\n")
     assert main(["report", str(torn)]) == 1
     captured = capsys.readouterr()
-    assert captured.out.startswith(f"{num_complete} divergences in 0 compared steps")
+    assert captured.out.startswith(f"{num_complete} divergences in 0 compared ops")
     assert captured.err.startswith(f"batchgen: warning: {torn}:{num_complete + 1}: not JSON")
 
 

@@ -88,7 +88,7 @@ def test_counts_compared_and_diverged_steps_per_workload_and_op():
 
 def test_renders_text_tables_with_the_headline_ops_and_field_paths():
     text = render_text(aggregate(RECORDS))
-    assert text.startswith("4 divergences in 380 compared steps, 2 harness errors\n")
+    assert text.startswith("4 divergences in 380 compared ops, 2 harness errors\n")
     assert "2 runs, 2 harness errors; compare overhead 2 s on 8 s authoritative (0.25x)" in text
     assert "requests[*].gpu_pages[*]" in text
     assert "requests[r17].gpu_pages[3]" in text and "(L2-2048 step 5)" in text
@@ -101,7 +101,7 @@ def test_renders_text_tables_with_the_headline_ops_and_field_paths():
 def test_renders_markdown_with_the_headline_and_a_table_per_op_and_per_field_path():
     markdown = render_markdown(aggregate(RECORDS))
     lines = markdown.splitlines()
-    assert lines[0] == "### 4 divergences in 380 compared steps, 2 harness errors"
+    assert lines[0] == "### 4 divergences in 380 compared ops, 2 harness errors"
     assert "| alloc | 300 | 3 | 1.00% |" in lines
     assert ("| alloc | `requests[*].gpu_pages[*]` | 3 | 2-9 | L2-2048, L2-4096 | state | "
             "`requests[r17].gpu_pages[3]` (L2-2048 step 5) |") in lines
@@ -125,7 +125,7 @@ def test_limits_the_markdown_field_path_table_and_says_how_many_were_left_out():
 
 def test_renders_a_clean_report_without_a_field_path_table():
     report = aggregate([summary("smoke", "run-c", {"alloc": 1})])
-    assert render_markdown(report).splitlines()[0] == "### 0 divergences in 1 compared step"
+    assert render_markdown(report).splitlines()[0] == "### 0 divergences in 1 compared op"
     assert "field path" not in render_markdown(report)
     assert "By field path" not in render_text(report)
 
@@ -149,7 +149,7 @@ def test_junit_and_headline_name_no_harness_case_when_the_harness_never_failed()
     report = aggregate([summary("smoke", "run-c", {"alloc": 1})])
     [suite] = ET.fromstring(render_junit(report)).findall("testsuite")
     assert (suite.get("tests"), suite.get("failures")) == ("1", "0")
-    assert headline(report) == "0 divergences in 1 compared step"
+    assert headline(report) == "0 divergences in 1 compared op"
     assert headline(aggregate(RECORDS)).endswith(", 2 harness errors")
 
 
