@@ -276,9 +276,9 @@ def _run_summary(result: RunResult, worker: Worker, args: argparse.Namespace) ->
     gate, engine = worker.kv_gate, worker.engine_config
     counters = result.summary()
     requests = {"requests": counters.pop("requests"), **_request_outcomes(result)}
-    summary = {"workload": counters.pop("workload"), **requests, **counters,
-               "live_requests": result.live_requests, **context(args, dtype=worker.cache_config.dtype, scale=_applied_scale(args)),
-               "kv_path": gate.path, "kv_compare": gate.compare, "max_load_retries": engine.max_load_retries,
+    applied = context(args, dtype=worker.cache_config.dtype, scale=_applied_scale(args))
+    summary = {"workload": counters.pop("workload"), **requests, **counters, "live_requests": result.live_requests,
+               **applied, "kv_path": gate.path, "kv_compare": gate.compare, "max_load_retries": engine.max_load_retries,
                "load_timeout_steps": engine.load_timeout_steps, "load_failure": engine.load_failure}
     compared = result.compare_summary
     if compared is not None:
