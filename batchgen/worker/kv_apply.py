@@ -127,8 +127,8 @@ class PlanKvPath:
         """Columns of the scheduled requests the op must act on: those whose tokens run past their last
         page, or not RUNNING yet (admitted by their grant). The rest are served as they are."""
         requests, page_size = self._state.requests, self.geometry.page_size
-        scope = [r for r in map(requests.__getitem__, batch)
-                 if r.num_tokens > len(r.gpu_page_ids) * page_size or r.phase is not RUNNING]
+        scope = [r for uuid in batch  # a subscript in the comprehension: cheaper than map(requests.__getitem__)
+                 if (r := requests[uuid]).num_tokens > len(r.gpu_page_ids) * page_size or r.phase is not RUNNING]
         return AllocRequest.new(self.snapshot(), page_columns(scope), tuple(batch))
 
     # The KvPath interface (same as LegacyKvPath).

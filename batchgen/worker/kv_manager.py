@@ -48,8 +48,8 @@ class KVCacheManager:
 
     def plan_poll(self, req: PollRequest) -> PollPlan:
         uuids, errors = req.uuids, req.errors
-        if errors.count(None) == len(errors):  # every load landed: all complete
-            return PollPlan.new(uuids, (COMPLETE,) * len(uuids), (None,) * len(uuids))
+        if errors.count(None) == len(errors):  # every load landed: all complete, no reasons (errors is all None)
+            return PollPlan.new(uuids, (COMPLETE,) * len(uuids), errors)
         geometry = req.snapshot.geometry
         actions, reasons = [], []
         for error, retries in zip(errors, req.num_load_retries, strict=True):
