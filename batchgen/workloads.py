@@ -161,11 +161,14 @@ def load_workload(spec: str, *, seed: int = 0, scale: float = 1.0, vocab_size: i
     ``true``, ``"16"`` or ``16.0`` where an integer belongs)."""
     if spec in BUILTIN_WORKLOADS:
         return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)
+    if not spec:
+        raise WorkloadError(f"no workload named (an empty string); name a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) "
+                            f"or a workload JSON file")
     path = Path(spec)
     if not path.suffix and not path.exists():
         return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)  # raises: unknown name
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is not content
     except FileNotFoundError:
         raise WorkloadError(f"workload file {spec!r} does not exist") from None
     except UnicodeDecodeError as exc:

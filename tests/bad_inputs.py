@@ -304,6 +304,8 @@ CASES: tuple[BadInput, ...] = (
          ("unknown workload 'L2-8192'", "smoke, L2-2048, L2-4096", "workload JSON file")),
     case("workload-directory", WORKLOAD, "the workload path is a directory", "run --workload traces.json",
          ("workload file 'traces.json' cannot be read", "Is a directory"), build=write("traces.json/keep.txt", "")),
+    case("workload-empty-name", WORKLOAD, "--workload given as an empty string", ["run", "--workload", ""],
+         ("no workload named (an empty string)", "smoke, L2-2048, L2-4096", "a workload JSON file")),
     case("workload-not-json", WORKLOAD, "a file that is not JSON", "run --workload workload.json",
          ("workload file 'workload.json' is not valid JSON", "line 1, column 10"),
          build=write("workload.json", '{"name": ')),

@@ -69,6 +69,13 @@ def test_workload_json_round_trips(tmp_path):
     assert load_workload(str(path)) == workload
 
 
+def test_a_workload_file_with_a_byte_order_mark_reads_as_without_one(tmp_path):
+    workload = builtin_workload("smoke", seed=5)
+    path = tmp_path / "smoke.json"
+    path.write_bytes(b"\xef\xbb\xbf" + workload.model_dump_json().encode())  # what some editors save
+    assert load_workload(str(path)) == workload
+
+
 REQUEST = '{"uuid": "a", "prompt_ids": [1, 2], "max_new_tokens": 3}'
 CACHE = '{"num_gpu_pages": 4, "num_host_pages": 1}'
 

@@ -92,7 +92,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> 
                         help="seeds the built-in model's weights and the built-in workloads' traces "
                              "(default: %(default)s)")
     parser.add_argument("--threads", type=threads_int, default=None, metavar="N",
-                        help="torch CPU threads (default: 1 for --model tiny on --device cpu, whose small matmuls "
+                        help=f"torch CPU threads, 1 to {MAX_THREADS} (default: 1 for --model tiny on --device cpu, "
+                             "whose small matmuls "
                              "gain nothing from more and, on busy cores, stall in spin-waits; otherwise torch's "
                              "default, one per core)")
 

@@ -102,7 +102,7 @@ def _run_epilog() -> str:
             "failed_requests counts them); 1 on a divergence (--kv-compare raise), a plan the plan path\n"
             "rejected, a divergence log or --outputs file that stops taking writes (a full disk), or a run that\n"
             f"stalls (requests live and nothing progressing for {MAX_IDLE_STEPS} steps, or twice the load timeout if\n"
-            "longer; e.g. under gpu_refuse=1); 2 on bad input; 130 on Ctrl-C.")
+            "longer; e.g. under gpu_refuse=1); 2 on bad input; 130 on Ctrl-C; 143 on SIGTERM.")
 
 
 def _fault_grammar() -> str:

@@ -31,7 +31,7 @@ def add_validate_command(commands) -> None:
                     "matches a fresh plan-path worker exactly. The BATCHGEN_WORKER_KV_* environment does not "
                     "apply (each variable set is named in a warning; an unknown name or a bad value still exits 2). "
                     "Writes the divergence log and its reports into --reports-dir. Exit 0 when every "
-                    "check passes, 1 when one fails, 2 on bad input, 130 on Ctrl-C.")
+                    "check passes, 1 when one fails, 2 on bad input, 130 on Ctrl-C, 143 on SIGTERM.")
     add_model_args(parser, workload_dtype=False)
     add_scale_arg(parser, workload_files=False)
     parser.add_argument("--reports-dir", default="reports", metavar="DIR",

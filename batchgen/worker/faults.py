@@ -7,7 +7,7 @@ A fault schedule is parsed from a SPEC string (``batchgen run --faults SPEC``)::
     load_fail_late=P       a load fails 1-3 steps after it was issued
     load_hang=P            a load never completes (the worker times it out)
     slow_store=P           a GPU->host store is delayed by store_delay_ms
-    store_delay_ms=X       the delay of a slow store (default 2)
+    store_delay_ms=X       the delay of a slow store, in [0, 10000] (default 2)
     host_shrink=P          per step: the host pool loses up to 1/4 of its free pages for 1-8 steps
     gpu_refuse=P           per step: the GPU pool refuses to hand out its free pages for one step
     abort=P                per step: abort one live request in a phase of abort_phases
