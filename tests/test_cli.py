@@ -946,6 +946,16 @@ def test_report_fails_a_log_whose_runs_compared_nothing(capsys, tmp_path):
     assert captured.err.strip() == f"batchgen: warning: {log}: {NOTHING_COMPARED}, so it vouches for nothing"
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/stdin"), reason="needs /dev/stdin")
+def test_report_reads_a_log_piped_to_dev_stdin(logs):
+    clean, buggy = logs
+    for log, code, headline in ((clean, 0, "0 divergences in "), (buggy, 1, f"{num_divergences(buggy)} divergences in ")):
+        child = subprocess.run([sys.executable, "-m", "batchgen", "report", "/dev/stdin"], input=log.read_bytes(),
+                               capture_output=True, timeout=120)
+        assert (child.returncode, child.stderr) == (code, b"")
+        assert child.stdout.decode().startswith(headline)
+
+
 def test_report_out_writes_the_file_instead_of_stdout(logs, capsys, tmp_path):
     _, buggy = logs
     out = tmp_path / "ci" / "divergences.xml"

@@ -45,7 +45,8 @@ def add_report_command(commands) -> None:
                     "compared nothing (compare mode sampled no op: the logs vouch for nothing either); 2 when an "
                     "input is unreadable.")
     parser.add_argument("logs", nargs="+", metavar="LOG",
-                        help="divergence log files, merged in the order given (a file named twice is read once)")
+                        help="divergence log files, merged in the order given (a file named twice is read once; "
+                             "/dev/stdin reads one from a pipe)")
     parser.add_argument("--format", choices=tuple(RENDERERS), default="text",
                         help="text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
                              "when it is set, with a warning if it cannot be), junit (XML, a test case per workload "
