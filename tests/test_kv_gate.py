@@ -202,6 +202,14 @@ def test_a_typo_in_the_family_prefix_is_caught_with_the_closest_name(name):
         gate_config({name: "plan"})
 
 
+@pytest.mark.parametrize("name", ["batchgen_worker_kv_path", "Batchgen_Worker_Kv_Path"])
+def test_a_family_name_not_in_upper_case_is_refused_naming_the_upper_case_one(name):
+    """Environment names are case-sensitive: read as given, it would be ignored and the default path run."""
+    with pytest.raises(GateError, match=rf"^unknown variable {name} \(did you mean BATCHGEN_WORKER_KV_PATH\? names "
+                                        r"are upper-case\); valid names: "):
+        gate_config({name: "legacy"})
+
+
 def test_an_unrelated_batchgen_variable_is_left_alone():
     assert gate_config({"BATCHGEN_HOME": "/tmp"}) == KvGateConfig()
 

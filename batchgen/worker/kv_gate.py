@@ -85,12 +85,13 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
     """Parse the gate family from ``environ``, then apply CLI values (not None) on top."""
     known = {env for env, _, _ in GATE_FLAGS.values()}
     for name in environ:
-        if name in known or not name.startswith("BATCHGEN_"):
+        upper = name.upper()  # names are case-sensitive: batchgen_worker_kv_path would be ignored, unnoticed
+        if name in known or not upper.startswith("BATCHGEN_"):
             continue
         # In the family, or a typo of its prefix (BATCHGEN_WORKERS_KV_PATH) close to a valid name.
-        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6 if name.startswith(ENV_PREFIX) else 0.85)
-        if name.startswith(ENV_PREFIX) or close:
-            hint = f" (did you mean {close[0]}?)" if close else ""
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.6 if upper.startswith(ENV_PREFIX) else 0.85)
+        if upper.startswith(ENV_PREFIX) or close:
+            hint = f" (did you mean {close[0]}?{' names are upper-case' if upper != name else ''})" if close else ""
             raise GateError(f"unknown variable {name}{hint}; valid names: {', '.join(sorted(known))}")
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
