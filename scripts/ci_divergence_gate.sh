@@ -5,8 +5,10 @@
 # test reporter.
 #
 # Usage: scripts/ci_divergence_gate.sh [VALIDATE FLAGS...]     e.g. --seed 3, --scale 2
-#   REPORTS_DIR   where the log and reports go (default: reports; --reports-dir is refused: set this)
-#   PYTHON        the interpreter with batchgen installed (default: .venv/bin/python, else python3)
+#   REPORTS_DIR   where the log and reports go (default: the checkout's reports/; --reports-dir is refused: set
+#                 this); a relative path is taken from the directory the gate is run in
+#   PYTHON        the interpreter with batchgen installed (default: the checkout's .venv/bin/python, else
+#                 python3); a relative path with a slash is taken from the directory the gate is run in
 #
 # Writes REPORTS_DIR/divergences.{jsonl,md,xml,json}. Exits with `batchgen validate`'s status: 0 when
 # every check passed, 1 on any divergence or failed check, 2 on bad input, 130 when interrupted; a log
@@ -16,7 +18,7 @@
 set -uo pipefail
 for arg in "$@"; do
     case "$arg" in
-        -h|--help) sed -n '2,16s/^# \{0,1\}//p' "$0"; exit 0 ;;  # this header; validate's own flags: batchgen validate --help
+        -h|--help) sed -n '2,18s/^# \{0,1\}//p' "$0"; exit 0 ;;  # this header; validate's own flags: batchgen validate --help
     esac
     name=${arg%%=*}
     if [ "${#name}" -ge 3 ] && [[ "--reports-dir" == "$name"* ]]; then  # argparse takes a prefix (--rep) too
@@ -26,6 +28,12 @@ for arg in "$@"; do
         exit 2
     fi
 done
+caller=$PWD
+from_caller() {  # a relative path as the caller meant it: from the directory the gate was run in
+    case "$1" in /*) echo "$1" ;; *) echo "$caller/$1" ;; esac
+}
+[ -n "${REPORTS_DIR:-}" ] && REPORTS_DIR=$(from_caller "$REPORTS_DIR")
+[[ "${PYTHON:-}" == */* ]] && PYTHON=$(from_caller "$PYTHON")  # a bare name (python3) is looked up on PATH
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 REPORTS_DIR=${REPORTS_DIR:-reports}

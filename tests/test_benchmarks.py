@@ -215,6 +215,16 @@ def test_ci_divergence_gate_renders_no_earlier_log_when_validate_refuses_its_fla
     assert done.stdout == "" and not (tmp_path / "divergences.xml").exists()
 
 
+def test_ci_divergence_gate_takes_relative_paths_from_the_directory_it_is_run_in(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")  # PYTHON, relative
+    (tmp_path / "bin" / "python").chmod(0o755)
+    done = subprocess.run([str(SCRIPTS / "ci_divergence_gate.sh"), "--no-such-flag"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, "PYTHON": "bin/python", "REPORTS_DIR": "out"})
+    assert done.returncode == 2, done.stderr  # bin/python imported batchgen: validate ran, and refused the flag
+    assert done.stderr.splitlines()[-1] == f"ci_divergence_gate: exit 2; reports in {tmp_path}/out/"
+
+
 @pytest.mark.parametrize("flags", [["--reports-dir", "elsewhere"], ["--seed", "3", "--reports-dir=elsewhere"],
                                    ["--rep", "elsewhere"]])
 def test_ci_divergence_gate_refuses_reports_dir_which_would_split_what_it_runs_from_what_it_renders(tmp_path, flags):
