@@ -297,6 +297,13 @@ def test_an_os_error_ends_the_command_with_one_line_naming_its_path(capsys, monk
     assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log=ckpt"]) == 2
     assert error_line(capsys) == "batchgen: error: --kv-compare-log: Permission denied: 'ckpt'"
 
+    def invalid(self):  # EINVAL from inside a library, naming no path: not the input's fault
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(Worker, "step", invalid)
+    assert main(["run", "--workload", "smoke"]) == 1
+    assert error_line(capsys) == "batchgen: error: Invalid argument"
+
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux), a file every write to fails")
 def test_a_compare_log_that_stops_taking_writes_mid_run_stops_it_with_exit_1(capsys):

@@ -95,13 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except OSError as error:  # a path the system refuses (too long, not permitted, ...), or a full disk
         print(f"batchgen: error: {os_error_line(error, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
-        return EXIT_BAD_INPUT if error.errno in PATH_ERRNOS else EXIT_FAILED
+        return EXIT_BAD_INPUT if error.errno in PATH_ERRNOS and error.filename is not None else EXIT_FAILED
     finally:
         sys.stdout = stdout
 
 
-# Errors that say a path given cannot be used as it is named: bad input. Any other OSError (a full disk, an I/O
-# error) is a failure of the run.
+# Errors that say a path given cannot be used as it is named: bad input, when the error names the path. Any other
+# OSError (a full disk, an I/O error, an EINVAL from inside a library) is a failure of the run.
 PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
                          errno.ELOOP, errno.EROFS, errno.EEXIST, errno.EINVAL})
 _SHOWN_PATH_CHARS = 60
