@@ -105,7 +105,8 @@ def add_scale_arg(parser: argparse.ArgumentParser, *, workload_files: bool) -> N
                              "the pools, the arrival waves and max_num_seqs together: more concurrency at the same KV "
                              "pressure)"
                              + ("; a workload file runs as written (a warning says --scale is ignored)"
-                                if workload_files else "") + " (default: %(default)s)")
+                                if workload_files else "; validate fails a run that never evicts to host, which "
+                                "a small scale can make too light") + " (default: %(default)s)")
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
