@@ -143,9 +143,11 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
                     worker.abort(uuid)
                 next_abort += 1
             num_outputs = len(worker.state.outputs)
-            worker.step()
-            if on_release is not None:
-                _report_releases(worker, uuids, len(worker.state.outputs) - num_outputs, on_release)
+            try:
+                worker.step()
+            finally:  # a step that raises (a divergence in raise mode, Ctrl-C) may have released requests already
+                if on_release is not None:
+                    _report_releases(worker, uuids, len(worker.state.outputs) - num_outputs, on_release)
             progress, before_step = _progress(worker), progress
             idle_steps = idle_steps + 1 if progress == before_step and worker.state.requests else 0
             if check_integrity:

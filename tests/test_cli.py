@@ -297,6 +297,13 @@ def test_an_os_error_ends_the_command_with_one_line_naming_its_path(capsys, monk
     assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log=ckpt"]) == 2
     assert error_line(capsys) == "batchgen: error: --kv-compare-log: Permission denied: 'ckpt'"
 
+    def own_file(self):  # a path batchgen chose itself, not one the command line gave
+        raise PermissionError(errno.EACCES, "Permission denied", "/tmp/batchgen-scratch")
+
+    monkeypatch.setattr(Worker, "step", own_file)
+    assert main(["run", "--workload", "smoke"]) == 1
+    assert error_line(capsys) == "batchgen: error: Permission denied: '/tmp/batchgen-scratch'"
+
     def invalid(self):  # EINVAL from inside a library, naming no path: not the input's fault
         raise OSError(errno.EINVAL, "Invalid argument")
 
@@ -733,6 +740,39 @@ def test_run_outputs_that_cannot_be_opened_stops_the_run_before_it_starts(capsys
     assert error_line(capsys) == f"batchgen: error: --outputs {outputs}: cannot open it for writing: Permission denied"
 
 
+def test_run_outputs_naming_standard_output_exits_2(capsys, monkeypatch, tmp_path):
+    """The summary (and with --json its one object) goes to standard output: the outputs would be written over."""
+    monkeypatch.setattr(Worker, "step", lambda self: pytest.fail("the run started"))
+    stdout_file = tmp_path / "stdout.txt"
+    monkeypatch.setattr(os, "fstat", lambda fd, fstat=os.fstat: fstat(fd) if fd != 1 else os.stat(stdout_file))
+    stdout_file.write_text("")
+    assert main(["run", "--workload", "smoke", "--json", "--outputs", str(stdout_file)]) == 2
+    assert error_line(capsys) == (f"batchgen: error: --outputs {stdout_file}: it is standard output, where results "
+                                  f"go; name a file for the outputs")
+
+
+def test_run_outputs_that_cannot_be_opened_leave_nothing_behind(capsys, tmp_path):
+    outputs, log = tmp_path / "new" / "sub" / ("a" * 300), tmp_path / "kv.jsonl"
+    assert main(["run", "--workload", "smoke", "--outputs", str(outputs), "--kv-compare", "log", "--kv-compare-log",
+                 str(log)]) == 2
+    assert "cannot open it for writing: File name too long" in error_line(capsys)
+    assert list(tmp_path.iterdir()) == []  # neither the new directories nor the divergence log
+
+
+def test_an_unwritable_compare_log_leaves_an_earlier_outputs_file_whole(capsys, monkeypatch, tmp_path):
+    def refused(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(JsonlSink, "_open", refused)
+    earlier, created = tmp_path / "earlier.jsonl", tmp_path / "new" / "outputs.jsonl"
+    earlier.write_text('{"uuid": "kept"}\n')
+    for outputs in (earlier, created):
+        assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log", str(tmp_path / "kv.jsonl"),
+                     "--outputs", str(outputs)]) == 2
+        capsys.readouterr()
+    assert earlier.read_text() == '{"uuid": "kept"}\n' and not (tmp_path / "new").exists()
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux), a file every write to fails")
 def test_run_outputs_that_stop_taking_writes_mid_run_stop_it_with_exit_1(capsys):
     assert main(["run", "--workload", "smoke", "--json", "--outputs", "/dev/full"]) == 1
@@ -1148,6 +1188,19 @@ def test_an_interrupted_minimize_writes_the_smallest_diverging_workload_so_far(l
                       "minimize again to search to the end", last_line]
 
 
+def test_an_interrupted_minimize_that_cannot_write_still_exits_as_interrupted(logs, capsys, monkeypatch, tmp_path):
+    def full_disk(out_dir, result):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    reversed_grants(monkeypatch)
+    interrupting_minimize(monkeypatch, 2, KeyboardInterrupt())
+    monkeypatch.setattr(logs_command, "write_regression_into", full_disk)
+    assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(tmp_path / "minimized")]) == 130
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchgen:")]
+    assert errors == ["batchgen: warning: cannot write the smallest diverging workload found: No space left on "
+                      "device", "batchgen: interrupted"]
+
+
 def test_minimize_interrupted_before_any_candidate_diverged_writes_nothing(logs, capsys, monkeypatch, tmp_path):
     interrupting_minimize(monkeypatch, 1, KeyboardInterrupt())  # the bug is fixed: the first candidate agrees
     assert main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(tmp_path / "new" / "minimized")]) == 130
@@ -1166,7 +1219,7 @@ def test_minimize_warns_when_the_max_tests_budget_runs_out(logs, capsys, monkeyp
     assert len(list(out_dir.iterdir())) == 2
     errors = [line for line in captured.err.splitlines() if line.startswith(("batchgen:", "/"))]
     assert errors == ["batchgen: warning: the --max-tests budget (3) ran out before the search finished: the workload "
-                      "may not be minimal; rerun with a larger --max-tests"]
+                      "may not be minimal; delete its two files and rerun with a larger --max-tests"]
 
 
 def test_minimize_into_the_default_out_dir_says_how_to_keep_the_test(logs, capsys, monkeypatch, tmp_path):

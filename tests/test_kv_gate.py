@@ -210,6 +210,12 @@ def test_a_family_name_not_in_upper_case_is_refused_naming_the_upper_case_one(na
         gate_config({name: "legacy"})
 
 
+def test_a_misspelt_family_name_in_lower_case_gets_no_upper_case_hint():
+    with pytest.raises(GateError, match=r"^unknown variable batchgen_worker_kv_pth \(did you mean "
+                                        r"BATCHGEN_WORKER_KV_PATH\?\); valid names: "):
+        gate_config({"batchgen_worker_kv_pth": "legacy"})
+
+
 def test_an_unrelated_batchgen_variable_is_left_alone():
     assert gate_config({"BATCHGEN_HOME": "/tmp"}) == KvGateConfig()
 

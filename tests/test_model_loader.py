@@ -374,3 +374,13 @@ def test_another_runtime_error_while_loading_is_not_called_a_memory_error(monkey
     monkeypatch.setattr(loader, "_assign_parameter", broken)
     with pytest.raises(RuntimeError, match="^something else$"):
         load_model("tiny")
+
+
+def test_a_gpu_counts_the_memory_torch_caches_unused_as_available(monkeypatch):
+    """Pools a finished worker freed stay reserved by torch's caching allocator, which the next worker reuses:
+    the driver's free figure alone would refuse it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * 2**30)
+    assert loader.device_memory_available(torch.device("cuda", 0)) == (3 + 10 - 4) * 2**30

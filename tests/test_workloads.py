@@ -111,6 +111,26 @@ def test_missing_workload_file_is_named(tmp_path):
         load_workload(str(path))
 
 
+def test_run_workload_reports_the_releases_of_a_step_that_raises():
+    """A step can release requests and then raise (a divergence in raise mode, Ctrl-C): those are reported too."""
+    workload = builtin_workload("smoke", scale=0.5)
+    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache, engine_config=workload.engine,
+                    kv_gate=KvGateConfig(path="plan"), kv_storage=False)
+    step = worker.step
+
+    def step_then_raise():
+        num_outputs = len(worker.state.outputs)
+        step()
+        if len(worker.state.outputs) > num_outputs:  # the first step that released a request
+            raise KeyboardInterrupt
+
+    worker.step = step_then_raise
+    released = []
+    with pytest.raises(KeyboardInterrupt):
+        run_workload(worker, workload, on_release=released.append)
+    assert released and [o.uuid for o in released] == list(worker.state.outputs)
+
+
 def test_run_workload_reports_each_released_request_once_in_release_order():
     smoke = builtin_workload("smoke", scale=0.5)
     workload = smoke.model_copy(update={"requests": [*smoke.requests[:3],

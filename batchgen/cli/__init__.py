@@ -94,17 +94,26 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     except OSError as error:  # a path the system refuses (too long, not permitted, ...), or a full disk
-        print(f"batchgen: error: {os_error_line(error, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
-        return EXIT_BAD_INPUT if error.errno in PATH_ERRNOS and error.filename is not None else EXIT_FAILED
+        given = sys.argv[1:] if argv is None else argv
+        print(f"batchgen: error: {os_error_line(error, given)}", file=sys.stderr)
+        return EXIT_BAD_INPUT if refuses_a_given_path(error, given) else EXIT_FAILED
     finally:
         sys.stdout = stdout
 
 
-# Errors that say a path given cannot be used as it is named: bad input, when the error names the path. Any other
-# OSError (a full disk, an I/O error, an EINVAL from inside a library) is a failure of the run.
+# Errors that say a path cannot be used as it is named: bad input when the path is one the command line gave. Any
+# other OSError (a full disk, an I/O error, an EINVAL from inside a library, a path of batchgen's own) is a
+# failure of the run.
 PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
                          errno.ELOOP, errno.EROFS, errno.EEXIST, errno.EINVAL})
 _SHOWN_PATH_CHARS = 60
+
+
+def refuses_a_given_path(error: OSError, argv: Sequence[str]) -> bool:
+    """Whether ``error`` is the system refusing a path ``argv`` gave (an argument, or an option's value). Pure."""
+    given = {*argv, *(value for _, value in _option_values(argv))}
+    names = (error.filename, error.filename2)
+    return error.errno in PATH_ERRNOS and any(name is not None and str(name) in given for name in names)
 
 
 def os_error_line(error: OSError, argv: Sequence[str]) -> str:

@@ -59,19 +59,32 @@ def check_output_file(flag: str, path: str, what: str) -> None:
         raise UsageError(f"{flag} {path}: cannot write {what}: Is a directory")
 
 
-def make_directory(flag: str, path: str) -> None:
-    """Create ``path`` and its parents for ``flag``'s output; UsageError naming what is in the way, with the
-    parents it made removed again. Mutates the file system."""
-    check_directory(flag, path)
+def missing_directories(path: str | Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first: what ``mkdir(parents=True)`` would
+    create. Pure."""
     directory = Path(path).absolute()
-    missing = [p for p in (directory, *directory.parents) if not os.path.lexists(p)]  # deepest first
+    return [p for p in (directory, *directory.parents) if not os.path.lexists(p)]
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """Remove each of ``directories`` (deepest first) that is still empty: what a failed step created. Mutates the
+    file system."""
+    for directory in directories:
+        with suppress(OSError):
+            directory.rmdir()
+
+
+def make_directory(flag: str, path: str) -> list[Path]:
+    """Create ``path`` and its parents for ``flag``'s output, and return those it created (deepest first);
+    UsageError naming what is in the way, with the parents it made removed again. Mutates the file system."""
+    check_directory(flag, path)
+    missing = missing_directories(path)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        for made in missing:  # those created before the failure, each only if still empty
-            with suppress(OSError):
-                made.rmdir()
+        remove_empty(missing)  # those created before the failure
         raise UsageError(f"{flag} {path}: cannot create the directory: {error.strerror or error}") from None
+    return missing
 
 
 # ---- shared flags ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -19,7 +19,9 @@ from batchgen.minimize import (
     MinimizeResult, NotReproduced, TestCallback, minimize_divergence, recorded_run, write_regression_into,
 )
 from batchgen.replay import ReplayOutcome, replay_record
-from batchgen.cli.common import UsageError, check_output_file, make_directory, non_negative_int, positive_int
+from batchgen.cli.common import (
+    UsageError, check_output_file, make_directory, non_negative_int, positive_int, remove_empty,
+)
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.workloads import Workload
 
@@ -189,9 +191,7 @@ def _minimize(args: argparse.Namespace) -> int:
     if not replay.get("workload_source"):
         raise UsageError(f"{args.log}: divergence record {args.index} names no workload_source to minimize")
     original, _, _ = recorded_run(record)  # a payload the search cannot use fails before --out-dir is made
-    out_dir = Path(args.out_dir).absolute()
-    made = [path for path in (out_dir, *out_dir.parents) if not path.exists()]  # what make_directory creates
-    make_directory("--out-dir", args.out_dir)  # before the search, which takes minutes
+    made = make_directory("--out-dir", args.out_dir)  # before the search, which takes minutes
     print(f"minimizing record {args.index} of {count} in {args.log}: {_record_title(record)}", file=sys.stderr)
     interrupted: list[MinimizeResult] = []  # the smallest diverging workload when Ctrl-C or SIGTERM ends the search
     try:
@@ -200,11 +200,13 @@ def _minimize(args: argparse.Namespace) -> int:
                                          on_interrupt=interrupted.append)
     except BaseException as error:  # not reproduced, a payload it cannot use, Ctrl-C or SIGTERM
         if interrupted:  # a candidate diverged before the interrupt: keep the smallest, then exit 130 or 143
-            _write_minimized(args, original, interrupted[0])
+            try:
+                _write_minimized(args, original, interrupted[0])
+            except OSError as failed:  # the interrupt stays what ends the command
+                print(f"batchgen: warning: cannot write the smallest diverging workload found: "
+                      f"{failed.strerror or failed}", file=sys.stderr)
             raise
-        for path in made:  # nothing was written: deepest first, each only if still empty
-            with suppress(OSError):
-                path.rmdir()
+        remove_empty(made)  # nothing was written
         if not isinstance(error, NotReproduced):
             raise
         print(f"batchgen: not reproduced: {' '.join(str(error).split())}", file=sys.stderr)
@@ -231,8 +233,8 @@ def _write_minimized(args: argparse.Namespace, original: Workload, result: Minim
               f"minimal; delete its two files and run minimize again to search to the end", file=sys.stderr)
     elif result.stopped_by == "max_tests":
         _print_warnings([f"the --max-tests budget ({args.max_tests}) ran out before the search finished: the "
-                         f"workload may not be minimal; rerun with a larger --max-tests"])
-    if args.out_dir == MINIMIZED_DIR:
+                         f"workload may not be minimal; delete its two files and rerun with a larger --max-tests"])
+    if Path(args.out_dir).resolve() == Path(MINIMIZED_DIR).resolve():
         print(f"batchgen: {MINIMIZED_DIR} is git-ignored and `make clean` deletes it: to keep the regression test, "
               f"move both files into tests/, where `make test` runs it (it fails until the bug is fixed)",
               file=sys.stderr)

@@ -12,8 +12,8 @@ One line per released request, in release order, keys in this order::
 Log-probabilities are left out: the worker keeps only the top two per position, for the
 near-tie output check, which compares runs in-process.
 
-The file is replaced: created, or truncated, when the run starts. Each line reaches the
-OS in one ``os.write`` before the next step runs, so a run that stops early (a stall,
+The file is replaced: created, or truncated, when the run starts. Each line is handed to
+the OS (``os.write``, repeated for what a partial write left) before the next step runs, so a run that stops early (a stall,
 Ctrl-C, SIGTERM, SIGKILL) leaves a whole line for every request released so far; a
 write that fails part way (a full disk) is cut off before its error propagates.
 """
@@ -23,10 +23,11 @@ from __future__ import annotations
 import json
 import os
 import stat
+from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
 
-from batchgen.cli.common import UsageError, check_output_file
+from batchgen.cli.common import UsageError, check_output_file, missing_directories, remove_empty
 from batchgen.worker.state import RequestOutput
 
 
@@ -41,18 +42,40 @@ class OutputsWriteError(OSError):
         return self.strerror
 
 
+_STANDARD_STREAMS = ((1, "standard output, where results go"), (2, "standard error, where progress and warnings go"))
+
+
 def check_outputs_path(path: str, others: dict[str, str]) -> None:
     """UsageError when ``path`` (``--outputs``) cannot be written: empty, a directory, under a file, in a directory
-    that is not writable, a file that is not writable, or the same file as one of ``others`` (what it is -> its
-    path: the workload file, the divergence log), which truncating it would destroy. Pure."""
+    that is not writable, a file that is not writable, the same file as one of ``others`` (what it is -> its
+    path: the workload file, the divergence log), which truncating it would destroy, or the file standard output
+    or standard error go to (``/dev/stdout``), which the summary or the progress bar would write over. Pure."""
     check_output_file("--outputs", path, "the outputs")
     target = Path(path).resolve()
     for what, other in others.items():
         if Path(other).resolve() == target:
             raise UsageError(f"--outputs {path}: it is {what} ({other}); name another file for the outputs")
+    _check_not_a_standard_stream(path)
     nearest = next(p for p in (Path(path).absolute(), *Path(path).absolute().parents) if p.exists())
     if not os.access(nearest, os.W_OK | (os.X_OK if nearest.is_dir() else 0)):
         raise UsageError(f"--outputs {path}: cannot write the outputs: {nearest} is not writable")
+
+
+def _check_not_a_standard_stream(path: str) -> None:
+    """UsageError when ``path`` is the file behind standard output or standard error (/dev/null aside). Pure."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return  # not there yet: no stream goes to it
+    if os.path.exists(os.devnull) and os.path.samefile(path, os.devnull):
+        return
+    for fd, what in _STANDARD_STREAMS:
+        try:
+            stream = os.fstat(fd)
+        except OSError:
+            continue
+        if (stream.st_dev, stream.st_ino) == (target.st_dev, target.st_ino):
+            raise UsageError(f"--outputs {path}: it is {what}; name a file for the outputs")
 
 
 def output_line(output: RequestOutput) -> str:
@@ -71,12 +94,37 @@ class OutputsFile:
         self.path = Path(path)
         self._fd: int | None = None
         self._is_regular = False  # a regular file can be cut back to its last whole line; a FIFO cannot
+        self._made: list[Path] = []  # the parent directories open created
+        self._created = False  # whether open created the file
 
     def open(self) -> None:
-        """Create or truncate the file, and its parent directories. OSError when it cannot be opened."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        """Open the file, creating it and its parent directories, as it is: :meth:`start` truncates it, so that a
+        run that fails to start (its divergence log unwritable) leaves an earlier file whole (:meth:`discard`).
+        OSError, with the directories it made removed again, when it cannot be opened."""
+        self._made = missing_directories(self.path.parent)
+        self._created = not os.path.lexists(self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        except OSError:
+            remove_empty(self._made)
+            raise
         self._is_regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+
+    def start(self) -> None:
+        """Truncate a regular file: the run starts writing. Mutates the file."""
+        if self._is_regular:
+            os.ftruncate(self._fd, 0)
+
+    def discard(self) -> None:
+        """Close the file unwritten, and remove what :meth:`open` created: the file and its new directories."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._created:
+            with suppress(OSError):
+                self.path.unlink()
+        remove_empty(self._made)
 
     def write(self, output: RequestOutput) -> None:
         """Write ``output``'s line. A write that fails part way is cut off again (on a regular file) before the

@@ -132,13 +132,17 @@ def _run(args: argparse.Namespace) -> int:
                     kv_gate=gate, faults=injector, device=args.device)
     for request in workload.requests:  # reject a bad request before the progress bar opens
         worker.validate_request(request.to_request())
+    outputs = _open_outputs(args.outputs) if args.outputs is not None else None
     if worker.kv_compare is not None:  # an unwritable log fails now, not after the run
         try:
             worker.kv_compare.sink.open()
         except OSError as error:
+            if outputs is not None:
+                outputs.discard()  # an earlier outputs file stays whole; a new one goes
             raise UsageError(f"divergence log {gate.compare_log}: cannot open it for writing: "
                              f"{error.strerror or error}") from None
-    outputs = _open_outputs(args.outputs) if args.outputs is not None else None
+    if outputs is not None:
+        outputs.start()
     source = args.workload if args.workload in BUILTIN_WORKLOADS else str(Path(args.workload).resolve())
     try:
         with _closing_compare_log(worker), outputs or nullcontext(), progress_bar() as progress:
@@ -202,8 +206,8 @@ def _other_files(args: argparse.Namespace, gate: KvGateConfig) -> dict[str, str]
 
 
 def _open_outputs(path: str) -> OutputsFile:
-    """The ``--outputs`` file, opened (created or truncated): UsageError when it cannot be. Mutates the file
-    system."""
+    """The ``--outputs`` file, opened (created if new; truncated by ``start``): UsageError, with nothing left
+    behind, when it cannot be. Mutates the file system."""
     outputs = OutputsFile(path)
     try:
         outputs.open()

@@ -80,10 +80,12 @@ def _check_memory(spec: str, num_bytes: int, dtype: str, device: torch.device) -
 
 
 def device_memory_available(device: torch.device) -> int | None:
-    """Bytes ``device`` has available: Linux's MemAvailable for the CPU, the free memory of a GPU; None where
+    """Bytes ``device`` has available: Linux's MemAvailable for the CPU; for a GPU its free memory plus what torch's
+    caching allocator holds unused (a previous worker's freed pools, which the next allocation reuses); None where
     neither is known."""
     if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     return host_memory_available() if device.type == "cpu" else None
 
 
