@@ -162,8 +162,8 @@ def load_workload(spec: str, *, seed: int = 0, scale: float = 1.0, vocab_size: i
     if spec in BUILTIN_WORKLOADS:
         return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)
     if not spec:
-        raise WorkloadError(f"no workload named (an empty string); name a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) "
-                            f"or a workload JSON file")
+        raise WorkloadError(f"no workload named (an empty string); name a built-in workload "
+                            f"({', '.join(BUILTIN_WORKLOADS)}) or a workload JSON file")
     path = Path(spec)
     if not path.suffix and not path.exists():
         return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)  # raises: unknown name

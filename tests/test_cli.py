@@ -246,18 +246,22 @@ def test_run_past_its_step_limit_exits_1_naming_what_is_live(capsys, monkeypatch
                         line), line
 
 
-def test_an_interrupted_run_still_ends_its_compare_log_and_exits_130(capsys, monkeypatch, tmp_path):
-    log = tmp_path / "log.jsonl"
-    steps = []
+def interrupt_at_step(monkeypatch, num_steps: int) -> None:
+    """Make the worker's ``num_steps``-th step raise KeyboardInterrupt before it runs, as Ctrl-C would."""
+    worker_step, steps = Worker.step, []
 
     def step(self):
         steps.append(1)
-        if len(steps) == 5:
+        if len(steps) == num_steps:
             raise KeyboardInterrupt
         worker_step(self)
 
-    worker_step = Worker.step
     monkeypatch.setattr(Worker, "step", step)
+
+
+def test_an_interrupted_run_still_ends_its_compare_log_and_exits_130(capsys, monkeypatch, tmp_path):
+    log = tmp_path / "log.jsonl"
+    interrupt_at_step(monkeypatch, 5)
     assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log", str(log)]) == 130
     assert capsys.readouterr().err.strip().endswith("batchgen: interrupted")
     [summary] = read_log(log).records
@@ -685,16 +689,7 @@ def test_run_outputs_of_failed_requests_name_the_failure(capsys, tmp_path):
 def test_an_interrupted_run_leaves_a_whole_line_for_each_request_released_before_it(capsys, monkeypatch, tmp_path):
     complete, interrupted = tmp_path / "complete.jsonl", tmp_path / "interrupted.jsonl"
     assert main(["run", "--workload", "smoke", "--outputs", str(complete)]) == 0
-    steps = []
-
-    def step(self):
-        steps.append(1)
-        if len(steps) == 30:
-            raise KeyboardInterrupt
-        worker_step(self)
-
-    worker_step = Worker.step
-    monkeypatch.setattr(Worker, "step", step)
+    interrupt_at_step(monkeypatch, 30)
     assert main(["run", "--workload", "smoke", "--outputs", str(interrupted)]) == 130
     assert capsys.readouterr().err.strip().endswith("batchgen: interrupted")
     lines, all_lines = interrupted.read_text().splitlines(keepends=True), complete.read_text().splitlines(keepends=True)

@@ -71,8 +71,8 @@ def _report(args: argparse.Namespace) -> int:
                      for path, result in zip(logs, results) if path in unended])
     compared_nothing = not unended and not report.num_compared
     if compared_nothing:
-        _print_warnings([f"{', '.join(logs)}: {NOTHING_COMPARED}, so {'they vouch' if len(logs) > 1 else 'it vouches'} "
-                         f"for nothing"])
+        vouch = "they vouch" if len(logs) > 1 else "it vouches"
+        _print_warnings([f"{', '.join(logs)}: {NOTHING_COMPARED}, so {vouch} for nothing"])
     text = RENDERERS[args.format](report)
     if args.out is not None:
         _write_out(args.out, text)

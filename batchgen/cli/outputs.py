@@ -13,9 +13,10 @@ Log-probabilities are left out: the worker keeps only the top two per position, 
 near-tie output check, which compares runs in-process.
 
 The file is replaced: created, or truncated, when the run starts. Each line is handed to
-the OS (``os.write``, repeated for what a partial write left) before the next step runs, so a run that stops early (a stall,
-Ctrl-C, SIGTERM, SIGKILL) leaves a whole line for every request released so far; a
-write that fails part way (a full disk) is cut off before its error propagates.
+the OS (``os.write``, repeated for what a partial write left) before the next step runs,
+so a run that stops early (a stall, Ctrl-C, SIGTERM, SIGKILL) leaves a whole line for
+every request released so far; a write that fails part way (a full disk) is cut off
+before its error propagates.
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
         if name in known or not upper.startswith("BATCHGEN_"):
             continue
         # In the family, or a typo of its prefix (BATCHGEN_WORKERS_KV_PATH) close to a valid name.
-        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.6 if upper.startswith(ENV_PREFIX) else 0.85)
+        cutoff = 0.6 if upper.startswith(ENV_PREFIX) else 0.85
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=cutoff)
         if upper.startswith(ENV_PREFIX) or close:
             case_only = upper != name and upper in known  # the right name, in the wrong case
             hint = f" (did you mean {close[0]}?{' names are upper-case' if case_only else ''})" if close else ""

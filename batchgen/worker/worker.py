@@ -151,9 +151,10 @@ class Worker:
         dtype = SUPPORTED_DTYPES[cache.dtype]
         shape = kv_page_shape(self.model_config, cache.page_size, cache.num_gpu_pages)
         host_shape = (cache.num_host_pages, *shape[1:])
-        tiers = ((shape, self.device, False), (host_shape, torch.device("cpu"), self.device.type == "cuda"))
+        host = torch.device("cpu")
+        tiers = ((shape, self.device, False), (host_shape, host, self.device.type == "cuda"))
         page_bytes = math.prod(shape[1:]) * torch.finfo(dtype).bits // 8
-        _check_pool_memory({"GPU-tier": (shape[0], self.device), "host-tier": (host_shape[0], tiers[1][1])}, page_bytes)
+        _check_pool_memory({"GPU-tier": (shape[0], self.device), "host-tier": (host_shape[0], host)}, page_bytes)
         tensors = []
         for tier_shape, device, pinned in tiers:
             try:
