@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -400,70 +399,86 @@ def test_stdout_closed_from_the_start_is_refused_before_any_work():
                                          "(redirect it, to /dev/null if they are not wanted)"]
 
 
-def signalled_run(flags: list[str], signum: int, delay_s: float) -> tuple[int, str]:
-    """``python -m batchgen run FLAGS`` sent ``signum`` after ``delay_s``: its exit code and stderr."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
-    child = subprocess.Popen([sys.executable, "-m", "batchgen", "run", *flags],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**env, "OMP_NUM_THREADS": "1"})
-    time.sleep(delay_s)
-    child.send_signal(signum)
-    stderr = child.stderr.read().decode()
-    code = child.wait(timeout=300)
-    assert "Traceback" not in stderr
-    return code, stderr.splitlines()[-1]
-
-
-@pytest.mark.parametrize("delay_s", [0.3, 2.0], ids=["while-importing", "while-running"])
-def test_ctrl_c_ends_the_command_with_one_line_from_the_first_moment(delay_s):
-    """SIGINT while the CLI still imports torch and the engine, and while it runs: exit 130, no traceback."""
-    assert signalled_run(["--workload", "L2-4096"], signal.SIGINT, delay_s) == (130, "batchgen: interrupted")
-
-
-@pytest.mark.parametrize("delay_s", [0.3, 5.0], ids=["while-importing", "while-running"])
-def test_sigterm_ends_the_command_like_ctrl_c_with_exit_143(delay_s, tmp_path):
-    """``timeout`` or a CI runner stops a job with SIGTERM: the same cleanup as Ctrl-C (the log ends with the
-    run's summary), one line, exit 143."""
-    log = tmp_path / "kv.jsonl"
-    flags = ["--workload", "L2-4096", "--scale", "3", "--kv-path", "legacy", "--kv-compare", "log",
-             "--kv-compare-log", str(log)]
-    assert signalled_run(flags, signal.SIGTERM, delay_s) == (143, "batchgen: terminated")
-    summaries = [record for record in read_log(log).records if isinstance(record, RunSummary)] if log.exists() else []
-    if delay_s > 1:  # the run had started (~2 s of imports and set-up): its summary ends the log
-        assert [summary.stopped_by for summary in summaries] == ["Terminated: SIGTERM"]
-    else:
-        assert summaries == []
-
-
-INTERRUPT_IN_STRING_EXEC = {  # a probe module, run with ``python -m``, that runs ``python -m batchgen run``
+SIGNAL_PROBES = {  # the start of a probe module that sends the process SIGNUM at one point of a run, once
     "while-importing": """
 import builtins
 real_import = builtins.__import__
-def interrupting_import(name, *args, **kwargs):
-    if name == "batchgen.cli":
-        exec("raise KeyboardInterrupt")
+def signalling_import(name, *args, **kwargs):
+    if name == "numpy":  # inside torch's import, where a raised interrupt would be swallowed
+        send()
     return real_import(name, *args, **kwargs)
-builtins.__import__ = interrupting_import
+builtins.__import__ = signalling_import
 """,
     "while-running": """
 from batchgen.worker.worker import Worker
-Worker.step = lambda self: exec("raise KeyboardInterrupt")
+real_step = Worker.step
+def signalling_step(self):
+    if self.state.step == 3:
+        send()
+    real_step(self)
+Worker.step = signalling_step
 """,
 }
+SEND_ONCE = """
+import os, signal
+sent = []
+def send():
+    if not sent:
+        sent.append(SIGNUM)
+        os.kill(os.getpid(), SIGNUM)
+"""
 
 
-@pytest.mark.parametrize("when", sorted(INTERRUPT_IN_STRING_EXEC))
-def test_ctrl_c_ending_a_string_exec_still_exits_130_under_python_m(tmp_path, when):
-    """CPython marks a KeyboardInterrupt that ends a string ``exec`` (dataclass creation runs them) as unhandled even
-    once caught, and under ``-m`` would then end the process by SIGINT (-2) instead of with exit code 130."""
-    (tmp_path / "probe.py").write_text(INTERRUPT_IN_STRING_EXEC[when] + (
+def run_probe(tmp_path: Path, probe: str, flags: list[str]) -> tuple[int, str]:
+    """Run ``probe`` as a module, then ``python -m batchgen run FLAGS`` in the same process: exit code, stderr."""
+    (tmp_path / "probe.py").write_text(probe + (
         "import runpy, sys\n"
-        "sys.argv = ['batchgen', 'run', '--workload', 'smoke']\n"
+        f"sys.argv = ['batchgen', 'run', *{flags!r}]\n"
         "runpy.run_module('batchgen', run_name='__main__')\n"))
     env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
     root = Path(__file__).resolve().parents[1]
     child = subprocess.run([sys.executable, "-m", "probe"], cwd=tmp_path, capture_output=True, text=True,
                            timeout=300, env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"})
-    assert (child.returncode, child.stderr.splitlines()[-1]) == (130, "batchgen: interrupted"), child.stderr
+    assert "Traceback" not in child.stderr, child.stderr
+    return child.returncode, child.stderr
+
+
+@pytest.mark.parametrize("when", sorted(SIGNAL_PROBES))
+@pytest.mark.parametrize("signum, code, line, stopped_by", [
+    (signal.SIGINT, 130, "batchgen: interrupted", "KeyboardInterrupt: "),
+    (signal.SIGTERM, 143, "batchgen: terminated", "Terminated: SIGTERM"),
+], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_and_sigterm_end_the_command_with_one_line_from_the_first_moment(tmp_path, when, signum, code, line,
+                                                                                stopped_by):
+    """While torch imports, the process ends at once (nothing is written yet); once the run has started, the
+    same cleanup runs first: the compare log ends with the run's summary. SIGTERM is how ``timeout`` or a CI
+    runner stops a job."""
+    log = tmp_path / "kv.jsonl"
+    probe = SEND_ONCE.replace("SIGNUM", f"signal.{signum.name}") + SIGNAL_PROBES[when]
+    exit_code, stderr = run_probe(tmp_path, probe, ["--workload", "smoke", "--kv-compare", "log",
+                                                    "--kv-compare-log", str(log)])
+    assert (exit_code, stderr.splitlines()[-1]) == (code, line), stderr
+    if when == "while-running":
+        assert [record.stopped_by for record in read_log(log).records if isinstance(record, RunSummary)] == [stopped_by]
+    else:
+        assert not log.exists()
+
+
+def test_a_sigterm_the_process_was_started_ignoring_stays_ignored(tmp_path):
+    """``nohup``-style: a job started with SIGTERM ignored runs to the end."""
+    probe = ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             + SEND_ONCE.replace("SIGNUM", "signal.SIGTERM") + SIGNAL_PROBES["while-running"])
+    exit_code, stderr = run_probe(tmp_path, probe, ["--workload", "smoke"])
+    assert exit_code == 0, stderr
+
+
+def test_ctrl_c_ending_a_string_exec_still_exits_130_under_python_m(tmp_path):
+    """CPython marks a KeyboardInterrupt that ends a string ``exec`` (dataclass creation runs them) as unhandled even
+    once caught, and under ``-m`` would then end the process by SIGINT (-2) instead of with exit code 130."""
+    probe = ("from batchgen.worker.worker import Worker\n"
+             "Worker.step = lambda self: exec('raise KeyboardInterrupt')\n")
+    exit_code, stderr = run_probe(tmp_path, probe, ["--workload", "smoke"])
+    assert (exit_code, stderr.splitlines()[-1]) == (130, "batchgen: interrupted"), stderr
 
 
 def test_the_console_script_is_the_entry_point_that_handles_ctrl_c_while_importing():
