@@ -75,10 +75,11 @@ def compare_observations(op: str, step: int, authoritative: Observation, shadow:
 
 
 def exception_text(error: BaseException) -> str:
-    """``Type: message``; the message is ``<unprintable>`` when the exception's own ``__str__`` raises (a
-    record or a warning about a failure must not fail in turn)."""
+    """``Type: message``, or ``Type`` alone when the message is empty (Ctrl-C's ``KeyboardInterrupt``); the
+    message is ``<unprintable>`` when the exception's own ``__str__`` raises (a record or a warning about a
+    failure must not fail in turn)."""
     try:
         message = str(error)
     except Exception:
         message = "<unprintable>"
-    return f"{type(error).__qualname__}: {message}"
+    return f"{type(error).__qualname__}: {message}" if message else type(error).__qualname__

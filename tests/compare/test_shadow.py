@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from compare.observation import Comparison, Observation
+from compare.observation import Comparison, Observation, exception_text
 from compare.shadow import UNCLASSIFIED, DivergenceError, HarnessWarning, ShadowExecutor
 
 shadow_module = importlib.import_module("compare.shadow")
@@ -184,6 +184,15 @@ def test_an_unprintable_shadow_exception_still_raises_divergence_error_in_raise_
     executor, _ = make("raise")
     with pytest.raises(DivergenceError, match="legacy raised Unprintable: <unprintable>"):
         run(executor, shadow=Unprintable())
+
+
+@pytest.mark.parametrize("error, text", [
+    (KeyError("r17"), "KeyError: 'r17'"),
+    (KeyboardInterrupt(), "KeyboardInterrupt"),  # Ctrl-C: no message, no dangling colon
+    (Unprintable(), "Unprintable: <unprintable>"),
+])
+def test_an_exception_is_named_by_its_type_and_message(error, text):
+    assert exception_text(error) == text
 
 
 def test_canonicalize_sees_the_exception_of_a_side_that_raised_and_its_form_is_ignored():
