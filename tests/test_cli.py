@@ -421,6 +421,8 @@ Worker.step = signalling_step
 }
 SEND_ONCE = """
 import os, signal
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as started from a terminal: pytest may run with
+signal.signal(signal.SIGTERM, signal.SIG_DFL)  # either ignored (a background job ignores SIGINT)
 sent = []
 def send():
     if not sent:
@@ -464,10 +466,11 @@ def test_ctrl_c_and_sigterm_end_the_command_with_one_line_from_the_first_moment(
         assert not log.exists()
 
 
-def test_a_sigterm_the_process_was_started_ignoring_stays_ignored(tmp_path):
-    """``nohup``-style: a job started with SIGTERM ignored runs to the end."""
-    probe = ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-             + SEND_ONCE.replace("SIGNUM", "signal.SIGTERM") + SIGNAL_PROBES["while-running"])
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_the_process_was_started_ignoring_stays_ignored(tmp_path, name):
+    """``nohup`` ignores SIGTERM, a shell's background job SIGINT: such a job runs to the end."""
+    probe = (SEND_ONCE.replace("SIGNUM", f"signal.{name}") + f"signal.signal(signal.{name}, signal.SIG_IGN)\n"
+             + SIGNAL_PROBES["while-running"])
     exit_code, stderr = run_probe(tmp_path, probe, ["--workload", "smoke"])
     assert exit_code == 0, stderr
 
