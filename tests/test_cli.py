@@ -271,15 +271,20 @@ def test_an_interrupted_run_still_ends_its_compare_log_and_exits_130(capsys, mon
     assert warning == f"batchgen: warning: {log}: {UNENDED}, so it vouches for nothing compared"
 
 
-def test_an_unwritable_compare_log_stops_the_run_before_it_starts(capsys, monkeypatch, tmp_path):
+@pytest.mark.parametrize("opener, flags, named", [
+    ((JsonlSink, "_open"), ["--kv-compare", "log", "--kv-compare-log"], "divergence log"),
+    ((OutputsFile, "open"), ["--outputs"], "--outputs"),
+], ids=["compare-log", "outputs"])
+def test_a_file_that_cannot_be_opened_stops_the_run_before_it_starts(capsys, monkeypatch, tmp_path, opener, flags,
+                                                                      named):
     def refused(self):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(JsonlSink, "_open", refused)
+    monkeypatch.setattr(*opener, refused)
     monkeypatch.setattr(Worker, "step", lambda self: pytest.fail("the run started"))
-    log = tmp_path / "kv.jsonl"
-    assert main(["run", "--workload", "smoke", "--kv-compare", "log", "--kv-compare-log", str(log)]) == 2
-    assert error_line(capsys) == f"batchgen: error: divergence log {log}: cannot open it for writing: Permission denied"
+    path = tmp_path / "out.jsonl"
+    assert main(["run", "--workload", "smoke", *flags, str(path)]) == 2
+    assert error_line(capsys) == f"batchgen: error: {named} {path}: cannot open it for writing: Permission denied"
 
 
 def test_an_os_error_ends_the_command_with_one_line_naming_its_path(capsys, monkeypatch, tmp_path):
@@ -740,17 +745,6 @@ def test_run_outputs_in_a_directory_that_is_not_writable_exits_2(capsys, monkeyp
     assert main(["run", "--workload", "smoke", "--outputs", str(tmp_path / "outputs.jsonl")]) == 2
     assert error_line(capsys) == (f"batchgen: error: --outputs {tmp_path / 'outputs.jsonl'}: cannot write the "
                                   f"outputs: {tmp_path} is not writable")
-
-
-def test_run_outputs_that_cannot_be_opened_stops_the_run_before_it_starts(capsys, monkeypatch, tmp_path):
-    def refused(self):
-        raise PermissionError(13, "Permission denied")
-
-    monkeypatch.setattr(OutputsFile, "open", refused)
-    monkeypatch.setattr(Worker, "step", lambda self: pytest.fail("the run started"))
-    outputs = tmp_path / "outputs.jsonl"
-    assert main(["run", "--workload", "smoke", "--outputs", str(outputs)]) == 2
-    assert error_line(capsys) == f"batchgen: error: --outputs {outputs}: cannot open it for writing: Permission denied"
 
 
 def test_run_outputs_naming_standard_output_exits_2(capsys, monkeypatch, tmp_path):
