@@ -89,14 +89,14 @@ from compare import DivergenceRecord, read_log
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
-from batchgen.runner import run_workload
-from batchgen.worker.kv_apply import PlanKvPath
-from batchgen.worker.kv_compare import KvCompare, wrote_nothing
-from batchgen.worker.kv_forms import fork_target
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.legacy_kv import LegacyKvPath
-from batchgen.worker.worker import Worker
-from batchgen.workloads import Workload, WorkloadRequest, builtin_workload
+from batchgen.engine.runner import run_workload
+from batchgen.kv.plan_path import PlanKvPath
+from batchgen.shadow.kv_compare import KvCompare, wrote_nothing
+from batchgen.shadow.forms import fork_target
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.legacy import LegacyKvPath
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import Workload, WorkloadRequest, builtin_workload
 from output_path import output_path, write_output
 
 KV_OPS = ("_kv_poll", "_kv_release", "_kv_evict", "_kv_migrate", "_kv_allocate")

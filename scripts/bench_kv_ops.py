@@ -57,9 +57,9 @@ from rich.table import Table
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.model.null_model import NullModel
-from batchgen.worker.kv_gate import KV_OPS, KvGateConfig
-from batchgen.worker.state import Request, WorkerStats
-from batchgen.worker.worker import Worker
+from batchgen.kv.gate import KV_OPS, KvGateConfig
+from batchgen.engine.state import Request, WorkerStats
+from batchgen.engine.worker import Worker
 from output_path import output_path, write_output
 
 PATHS = ("legacy", "plan")

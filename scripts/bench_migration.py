@@ -38,7 +38,7 @@ from rich.table import Table
 from batchgen.config import TINY_MODELS
 from batchgen.model.loader import host_memory_available
 from batchgen.model.paged_kv import kv_page_shape
-from batchgen.worker.page_copy import copy_pages, new_page_tensor
+from batchgen.kv.page_copy import copy_pages, new_page_tensor
 from output_path import output_path, write_output
 
 PAGE_SIZE = 16

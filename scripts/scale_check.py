@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.kv.gate import KvGateConfig
 from output_path import output_path, write_output
 from scale_run import KV_PHASES, WORKER_PHASES, ScaleRun, resident_bytes
 from scale_workload import check_fits, pressure_workload

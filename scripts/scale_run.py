@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 from batchgen.model.null_model import NullModel
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.worker import Worker
-from batchgen.workloads import Workload
+from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import Workload
 from scale_workload import num_anchors, scale_model
 
 

@@ -11,7 +11,7 @@ import math
 import random
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig, ModelConfig
-from batchgen.workloads import Workload, WorkloadRequest
+from batchgen.engine.workloads import Workload, WorkloadRequest
 
 PAGE_SIZE = 16
 WATERMARK = 0.02

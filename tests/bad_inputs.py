@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 from batchgen.cli import main
 from batchgen.config import ModelConfig
 from batchgen.model.llama import LlamaForCausalLM
-from batchgen.worker.kv_gate import ENV_PREFIX
-from batchgen.worker.kv_plans import KvGeometry, KvPreState, KvSnapshot, ReleaseRequest, RequestKvView, to_jsonable
+from batchgen.kv.gate import ENV_PREFIX
+from batchgen.kv.plans import KvGeometry, KvPreState, KvSnapshot, ReleaseRequest, RequestKvView, to_jsonable
 from compare import DivergenceRecord, RunSummary
 
 CATEGORIES = ("CLI argument", "gate variable", "workload file", "checkpoint directory", "divergence log",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.worker import kv_manager
-from batchgen.worker.kv_plans import AllocPlan, PageGrant
+from batchgen.kv import manager as kv_manager
+from batchgen.kv.plans import AllocPlan, PageGrant
 
 
 def reversed_grants(monkeypatch: pytest.MonkeyPatch) -> None:

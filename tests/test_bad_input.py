@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bad_inputs import CASES, CATEGORIES, ISOLATED_ENV, NOISE, REGEN_COMMAND, invoke, render_doc, run_case
-from batchgen.worker.kv_gate import ENV_PREFIX
+from batchgen.kv.gate import ENV_PREFIX
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
 

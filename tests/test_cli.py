@@ -20,18 +20,18 @@ import pytest
 import torch
 
 from compare import DivergenceRecord, JsonlSink, RunSummary, read_log
-from batchgen import runner
+from batchgen.engine import runner
 from batchgen.cli import main
 from batchgen.cli import logs as logs_command
 from batchgen.cli import run as run_module
 from batchgen.cli.logs import EMPTY, NOTHING_COMPARED, UNENDED
 from batchgen.cli.outputs import OutputsFile
 from batchgen.exit_codes import Terminated
-from batchgen.worker import kv_manager
-from batchgen.worker.kv_gate import ENV_PREFIX
-from batchgen.worker.kv_plans import AllocPlan, PageGrant
-from batchgen.worker.worker import Worker
-from batchgen.workloads import builtin_workload, load_workload
+from batchgen.kv import manager as kv_manager
+from batchgen.kv.gate import ENV_PREFIX
+from batchgen.kv.plans import AllocPlan, PageGrant
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import builtin_workload, load_workload
 
 from injected_bugs import reversed_grants
 
@@ -357,7 +357,7 @@ def test_run_says_which_kv_path_ran(capsys):
 def test_a_plan_run_without_compare_never_imports_the_legacy_path():
     code = ("import sys, torch; torch.set_num_threads(1); from batchgen.cli import main; "
             "code = main(['run', '--workload', 'smoke', '--json']); "
-            "print('legacy imported' if 'batchgen.worker.legacy_kv' in sys.modules else 'legacy not imported'); "
+            "print('legacy imported' if 'batchgen.kv.legacy' in sys.modules else 'legacy not imported'); "
             "sys.exit(code)")
     env = {name: value for name, value in os.environ.items() if not name.startswith(ENV_PREFIX)}
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -415,7 +415,7 @@ def signalling_import(name, *args, **kwargs):
 builtins.__import__ = signalling_import
 """,
     "while-running": """
-from batchgen.worker.worker import Worker
+from batchgen.engine.worker import Worker
 real_step = Worker.step
 def signalling_step(self):
     if self.state.step == 3:
@@ -483,7 +483,7 @@ def test_a_signal_the_process_was_started_ignoring_stays_ignored(tmp_path, name)
 def test_ctrl_c_ending_a_string_exec_still_exits_130_under_python_m(tmp_path):
     """CPython marks a KeyboardInterrupt that ends a string ``exec`` (dataclass creation runs them) as unhandled even
     once caught, and under ``-m`` would then end the process by SIGINT (-2) instead of with exit code 130."""
-    probe = ("from batchgen.worker.worker import Worker\n"
+    probe = ("from batchgen.engine.worker import Worker\n"
              "Worker.step = lambda self: exec('raise KeyboardInterrupt')\n")
     exit_code, stderr = run_probe(tmp_path, probe, ["--workload", "smoke"])
     assert (exit_code, stderr.splitlines()[-1]) == (130, "batchgen: interrupted"), stderr

@@ -52,19 +52,21 @@ from compare import DivergenceError, DivergenceRecord, HarnessWarning, Keyed, Ru
 from batchgen.config import TINY_MODELS, CacheConfig
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
-from batchgen.runner import RunResult, run_workload
-from batchgen.worker import kv_apply, kv_compare, kv_manager
-from batchgen.worker.kv_apply import PlanRejected
-from batchgen.worker.kv_backends import CompletedHandle, HostKvPool
-from batchgen.worker.kv_forms import add_requests, canonical_result, detach_fork, differing_requests, fork_target
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.kv_manager import KVCacheManager
-from batchgen.worker.kv_plans import to_jsonable
-from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.page_copy import CopyError
-from batchgen.worker.state import Phase, Request, RequestState, WorkerState
-from batchgen.worker.worker import Worker
-from batchgen.workloads import Workload, builtin_workload
+from batchgen.engine.runner import RunResult, run_workload
+from batchgen.kv import plan_path as kv_apply
+from batchgen.shadow import kv_compare
+from batchgen.kv import manager as kv_manager
+from batchgen.kv.plan_path import PlanRejected
+from batchgen.kv.backends import CompletedHandle, HostKvPool
+from batchgen.shadow.forms import add_requests, canonical_result, detach_fork, differing_requests, fork_target
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.manager import KVCacheManager
+from batchgen.kv.plans import to_jsonable
+from batchgen.kv.target import KvTarget
+from batchgen.kv.page_copy import CopyError
+from batchgen.engine.state import Phase, Request, RequestState, WorkerState
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import Workload, builtin_workload
 
 OTHER_PATH = {"legacy": "plan", "plan": "legacy"}
 REQUEST_TYPES = {"poll": "PollRequest", "release": "ReleaseRequest", "evict": "EvictionRequest",
@@ -635,7 +637,7 @@ def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state
 def test_a_logged_load_divergence_names_each_sides_handle_as_replay_does(tiny, tmp_path, monkeypatch):
     """The fork's record of the requests before it wrote them holds the worker's objects, which the authoritative
     path then changes: the shadow's load must still be named against the state before the op."""
-    from batchgen.replay import replay_record
+    from batchgen.shadow.replay import replay_record
 
     bug = bug_named("retry-keeps-the-failed-loads-handle")
     bug.inject(monkeypatch)

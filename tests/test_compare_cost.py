@@ -22,12 +22,12 @@ import pytest
 from compare.canonical import flatten
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.model.null_model import NullModel
-from batchgen.worker.kv_apply import PlanKvPath
-from batchgen.worker.kv_compare import KvCompare
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.legacy_kv import LegacyKvPath
-from batchgen.worker.state import Phase, Request
-from batchgen.worker.worker import Worker
+from batchgen.kv.plan_path import PlanKvPath
+from batchgen.shadow.kv_compare import KvCompare
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.legacy import LegacyKvPath
+from batchgen.engine.state import Phase, Request
+from batchgen.engine.worker import Worker
 
 PATH_OPS = {getattr(cls, op).__code__ for cls in (PlanKvPath, LegacyKvPath)
             for op in ("poll", "release", "evict", "migrate", "allocate")}
@@ -170,7 +170,7 @@ def _copying(quiet_form):
 @pytest.mark.parametrize("bug, grows", [(_scanning, "bytecodes"), (_copying, "form_leaves")],
                          ids=["python scan", "C copy"])
 def test_the_measure_sees_harness_work_that_grows_with_the_live_requests(bug, grows, tmp_path, monkeypatch):
-    from batchgen.worker import kv_compare
+    from batchgen.shadow import kv_compare
 
     monkeypatch.setattr(kv_compare, "_quiet_form", bug(kv_compare._quiet_form))
     small, large = (harness_work(worker, "evict", worker._kv.evict)

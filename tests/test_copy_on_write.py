@@ -19,14 +19,15 @@ import pytest
 
 from compare import Keyed
 from batchgen.model.loader import load_model
-from batchgen.runner import run_workload
-from batchgen.worker import kv_apply, legacy_kv
-from batchgen.worker.faults import FaultInjector, FaultSpec
-from batchgen.worker.kv_forms import KV_FIELDS, add_requests, fork_target
-from batchgen.worker.kv_gate import KvGateConfig, build_kv_path
-from batchgen.worker.state import Phase, Request, RequestState
-from batchgen.worker.worker import Worker
-from batchgen.workloads import builtin_workload
+from batchgen.engine.runner import run_workload
+from batchgen.kv import plan_path as kv_apply
+from batchgen.kv import legacy as legacy_kv
+from batchgen.engine.faults import FaultInjector, FaultSpec
+from batchgen.shadow.forms import KV_FIELDS, add_requests, fork_target
+from batchgen.kv.gate import KvGateConfig, build_kv_path
+from batchgen.engine.state import Phase, Request, RequestState
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import builtin_workload
 
 WRITE_ENTRIES = ("edit", "remove")
 

@@ -32,8 +32,8 @@ DEADLINE_S = 240  # for the child to log them (its imports and the model load co
 BUGGY_RUN = textwrap.dedent("""
     import sys
     import torch
-    import batchgen.worker.kv_manager as kv_manager
-    from batchgen.worker.kv_plans import AllocPlan, PageGrant
+    import batchgen.kv.manager as kv_manager
+    from batchgen.kv.plans import AllocPlan, PageGrant
 
     torch.set_num_threads(1)
     correct = kv_manager.KVCacheManager.plan_allocation

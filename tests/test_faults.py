@@ -5,13 +5,13 @@ from hypothesis import given, strategies as st
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
-from batchgen.output_check import compare_outputs
-from batchgen.runner import run_workload
-from batchgen.worker.faults import ABORT_PHASES, FaultInjector, FaultSpec, FaultSpecError
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.state import Phase
-from batchgen.worker.worker import Worker
-from batchgen.workloads import Workload, WorkloadRequest
+from batchgen.shadow.output_check import compare_outputs
+from batchgen.engine.runner import run_workload
+from batchgen.engine.faults import ABORT_PHASES, FaultInjector, FaultSpec, FaultSpecError
+from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.state import Phase
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import Workload, WorkloadRequest
 
 MODEL = load_model("tiny")
 

@@ -9,7 +9,7 @@ import transformers
 from batchgen.model.llama import SeqInput
 from batchgen.model.loader import load_model
 from batchgen.model.paged_kv import kv_page_shape, write_kv
-from batchgen.validation import validate_back_to_back
+from batchgen.shadow.validation import validate_back_to_back
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -23,22 +23,22 @@ import dataclasses
 import pytest
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
-from batchgen.worker import kv_apply
-from batchgen.worker.kv_apply import (
+from batchgen.kv import plan_path as kv_apply
+from batchgen.kv.plan_path import (
     PlanKvPath, PlanRejected, apply_alloc_plan, apply_eviction_plan, apply_migration_plan, apply_poll_plan,
     apply_release_plan, running_after,
 )
-from batchgen.worker.kv_backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
-from batchgen.worker.kv_plans import (
+from batchgen.kv.backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
+from batchgen.kv.plans import (
     AllocPlan, Destination, DoesNotFit, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan,
     AllocRequest, EvictionRequest, KvSnapshot, MigrationRequest, PageColumns, PollRequest,
     ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
 )
-from batchgen.worker.kv_forms import views_of
-from batchgen.worker.kv_gate import build_kv_path
-from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.state import Phase, Request, RequestOutput, RequestState, TokenLogprobs, WorkerState
-from batchgen.worker.worker import PendingAppend
+from batchgen.shadow.forms import views_of
+from batchgen.kv.gate import build_kv_path
+from batchgen.kv.target import KvTarget
+from batchgen.engine.state import Phase, Request, RequestOutput, RequestState, TokenLogprobs, WorkerState
+from batchgen.engine.worker import PendingAppend
 
 CACHE = CacheConfig(page_size=4, num_gpu_pages=12, num_host_pages=8, watermark=0.0)
 ENGINE = EngineConfig(max_num_seqs=8, max_load_retries=1)

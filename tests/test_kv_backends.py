@@ -7,8 +7,8 @@ import torch
 
 from batchgen.config import ModelConfig
 from batchgen.model.paged_kv import kv_page_shape
-from batchgen.worker.kv_backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
-from batchgen.worker.page_copy import AsyncCopyQueue
+from batchgen.kv.backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
+from batchgen.kv.page_copy import AsyncCopyQueue
 
 CONFIG = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=2,
                      num_heads=2, num_kv_heads=2, head_dim=4, max_context=64)

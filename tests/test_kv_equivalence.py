@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.state import RequestState
-from batchgen.worker.worker import Worker
-from batchgen.workloads import WorkloadRequest, builtin_workload
+from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.state import RequestState
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import WorkloadRequest, builtin_workload
 
 PATHS = ("legacy", "plan")
 TINY = TINY_MODELS["tiny"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.worker.kv_gate import GATE_FLAGS, KV_OPS, GateError, KvGateConfig, build_kv_path, gate_config
+from batchgen.kv.gate import GATE_FLAGS, KV_OPS, GateError, KvGateConfig, build_kv_path, gate_config
 
 ENV = {field: env for field, (env, _, _) in GATE_FLAGS.items()}
 CLI = {field: option for field, (_, option, _) in GATE_FLAGS.items()}
@@ -165,16 +165,16 @@ def test_building_an_unknown_path_is_a_gate_error():
 PROBE = """
 import json, os, sys
 from batchgen.model.loader import load_model
-from batchgen.runner import run_workload
-from batchgen.worker.kv_gate import gate_config
-from batchgen.worker.worker import Worker
-from batchgen.workloads import builtin_workload
+from batchgen.engine.runner import run_workload
+from batchgen.kv.gate import gate_config
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import builtin_workload
 
 gate = gate_config(os.environ)
 workload = builtin_workload("smoke")
 worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate)
 result = run_workload(worker, workload)
-print(json.dumps({"legacy_loaded": "batchgen.worker.legacy_kv" in sys.modules, "kv": type(worker._kv).__name__,
+print(json.dumps({"legacy_loaded": "batchgen.kv.legacy" in sys.modules, "kv": type(worker._kv).__name__,
                   "released": len(result.outputs), "leaked": result.leaked_gpu_pages + result.leaked_host_pages}))
 """
 

@@ -26,19 +26,21 @@ from hypothesis import strategies as st
 
 from batchgen.config import TINY_MODELS, EngineConfig
 from batchgen.model.null_model import NullModel
-from batchgen.worker import kv_backends, kv_manager, kv_plans
-from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.kv_manager import KVCacheManager, eviction_watermark_pages
-from batchgen.worker.kv_plans import (
+from batchgen.kv import backends as kv_backends
+from batchgen.kv import manager as kv_manager
+from batchgen.kv import plans as kv_plans
+from batchgen.kv.backends import GpuKvPool, HostKvPool
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.manager import KVCacheManager, eviction_watermark_pages
+from batchgen.kv.plans import (
     AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvGeometry, KvPreState,
     KvSnapshot, LoadStart, MigrationPlan, MigrationRequest, PageColumns, PageGrant, PollAction,
     PollPlan, PollRequest, ReleasePlan, ReleaseRequest, RequestKvView, SwappedColumns, Victim,
     decode_demand, from_json, to_json,
 )
-from batchgen.worker.state import Phase, Request
-from batchgen.worker.worker import Worker
-from batchgen.workloads import builtin_workload
+from batchgen.engine.state import Phase, Request
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import builtin_workload
 
 RUNNING, SWAPPED, LOADING, WAITING = "running", "swapped", "loading", "waiting"
 MANAGER_TREE = ast.parse(Path(inspect.getfile(kv_manager)).read_text(encoding="utf-8"))
@@ -232,14 +234,14 @@ def worker_accesses(tree: ast.AST) -> list[str]:
     return offences
 
 
-FORBIDDEN_MODULES = ("batchgen.worker.state", "batchgen.worker.worker", "batchgen.worker.legacy_kv",
-                     "batchgen.worker.kv_target", "batchgen.worker.kv_apply", "batchgen.config", "compare", "importlib")
-ALLOWED_BATCHGEN_MODULES = {"batchgen.worker.kv_plans", "batchgen.worker.kv_backends"}
+FORBIDDEN_MODULES = ("batchgen.engine.state", "batchgen.engine.worker", "batchgen.kv.legacy",
+                     "batchgen.kv.target", "batchgen.kv.plan_path", "batchgen.config", "compare", "importlib")
+ALLOWED_BATCHGEN_MODULES = {"batchgen.kv.plans", "batchgen.kv.backends"}
 
 
 def bad_imports(tree: ast.AST) -> list[str]:
     """Imports of anything in batchgen but the plans and the backend Protocols."""
-    from batchgen.worker import kv_backends
+    from batchgen.kv import backends as kv_backends
 
     offences = []
     for node in ast.walk(tree):
@@ -255,7 +257,7 @@ def bad_imports(tree: ast.AST) -> list[str]:
             if module.startswith(FORBIDDEN_MODULES) or (
                     module.startswith("batchgen") and module not in ALLOWED_BATCHGEN_MODULES):
                 offences.append(f"line {node.lineno}: {module}")
-            elif module == "batchgen.worker.kv_backends" and not getattr(getattr(kv_backends, name, None), "_is_protocol", False):
+            elif module == "batchgen.kv.backends" and not getattr(getattr(kv_backends, name, None), "_is_protocol", False):
                 offences.append(f"line {node.lineno}: {name} is not a Protocol")
     return offences
 
@@ -275,7 +277,7 @@ def test_manager_source_never_reaches_into_worker_attributes_or_live_configs():
 def test_manager_source_imports_only_plans_and_backend_protocols():
     assert bad_imports(MANAGER_TREE) == []
     imported = {node.module for node in ast.walk(MANAGER_TREE) if isinstance(node, ast.ImportFrom)}
-    assert "batchgen.worker.kv_backends" in imported  # the backends are typed with the Protocols
+    assert "batchgen.kv.backends" in imported  # the backends are typed with the Protocols
 
 
 PLANTED = [
@@ -288,9 +290,9 @@ PLANTED = [
     (worker_accesses, "def plan_x(self, req, target):\n    return target.cache_config.watermark\n"),
     (worker_accesses, "def plan_x(self, req):\n    return self._host_kv._pending_kv_append_tensors\n"),
     (bad_imports, "from batchgen.config import CacheConfig\n"),
-    (bad_imports, "from batchgen.worker.state import Phase\n"),
-    (bad_imports, "import batchgen.worker.legacy_kv\n"),
-    (bad_imports, "from batchgen.worker.kv_backends import GpuKvPool\n"),
+    (bad_imports, "from batchgen.engine.state import Phase\n"),
+    (bad_imports, "import batchgen.kv.legacy\n"),
+    (bad_imports, "from batchgen.kv.backends import GpuKvPool\n"),
 ]
 
 

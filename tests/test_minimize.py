@@ -6,23 +6,23 @@ import warnings
 
 import pytest
 
-import batchgen.worker.kv_manager as kv_manager
+import batchgen.kv.manager as kv_manager
 from compare import DivergenceError, DivergenceRecord, read_log
 from batchgen.config import TINY_MODELS
 from batchgen.exit_codes import Terminated
-from batchgen.minimize import (
+from batchgen.shadow.minimize import (
     DivergenceSignature, NotReproduced, minimize_divergence, recorded_workload, write_regression,
     write_regression_into,
 )
 from batchgen.model.null_model import NullModel
-from batchgen.runner import run_workload
-from batchgen.worker.faults import FaultInjector, FaultSpec
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.kv_plans import (
+from batchgen.engine.runner import run_workload
+from batchgen.engine.faults import FaultInjector, FaultSpec
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.plans import (
     Destination, EvictionPlan, PollAction, Victim,
 )
-from batchgen.worker.worker import Worker
-from batchgen.workloads import builtin_workload, load_workload
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import builtin_workload, load_workload
 
 from injected_bugs import reversed_grants
 

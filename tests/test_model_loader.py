@@ -10,8 +10,8 @@ from batchgen.config import DTYPE_SIZES, CacheConfig, ModelConfig
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model import loader
 from batchgen.model.loader import SUPPORTED_DTYPES, ModelLoadError, load_model
-from batchgen.worker.state import Request, RequestOutput
-from batchgen.worker.worker import Worker
+from batchgen.engine.state import Request, RequestOutput
+from batchgen.engine.worker import Worker
 
 HF_CONFIG = dict(
     model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from batchgen.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
-from batchgen.worker.state import Phase, RequestOutput, TokenLogprobs
+from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
+from batchgen.engine.state import Phase, RequestOutput, TokenLogprobs
 
 FLAT = TokenLogprobs(top_ids=(1, 2), top_logprobs=(-1.0, -3.0))  # a clear winner: no tie
 

@@ -1,4 +1,4 @@
-"""Behaviour of batchgen.worker.page_copy: exact bytes, untouched neighbours, clear errors."""
+"""Behaviour of batchgen.kv.page_copy: exact bytes, untouched neighbours, clear errors."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from batchgen.worker import page_copy
-from batchgen.worker.page_copy import AsyncCopyQueue, CopyError, copy_pages, new_page_tensor
+from batchgen.kv import page_copy
+from batchgen.kv.page_copy import AsyncCopyQueue, CopyError, copy_pages, new_page_tensor
 
 PAGE_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, page_size, num_kv_heads, head_dim
 NUM_PAGES = 32

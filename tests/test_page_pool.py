@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.worker.page_pool import OutOfPages, PageOwnershipError, PagePool, PoolEvent
+from batchgen.kv.page_pool import OutOfPages, PageOwnershipError, PagePool, PoolEvent
 
 
 def pool_with_history() -> PagePool:

@@ -3,26 +3,26 @@ import os
 import pytest
 
 # Imported here so the in-process pytester runs reuse these modules instead of re-importing them.
-import batchgen.worker.kv_compare  # noqa: F401
-import batchgen.worker.kv_manager  # noqa: F401
-import batchgen.worker.legacy_kv  # noqa: F401
+import batchgen.shadow.kv_compare  # noqa: F401
+import batchgen.kv.manager  # noqa: F401
+import batchgen.kv.legacy  # noqa: F401
 from compare import DivergenceRecord, RunSummary, read_log
 from batchgen.model.null_model import NullModel  # noqa: F401
-from batchgen.worker.kv_gate import GATE_FLAGS
-from batchgen.worker.worker import Worker  # noqa: F401
+from batchgen.kv.gate import GATE_FLAGS
+from batchgen.engine.worker import Worker  # noqa: F401
 
 pytest_plugins = ["pytester"]
 
-PLUGIN = ("-p", "batchgen.pytest_plugin")
+PLUGIN = ("-p", "batchgen.shadow.pytest_plugin")
 
 BUGGY_WORKER_TEST = """
-import batchgen.worker.kv_manager as kv_manager
+import batchgen.kv.manager as kv_manager
 from batchgen.config import TINY_MODELS, CacheConfig
 from batchgen.model.null_model import NullModel
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.kv_plans import AllocPlan, PageGrant
-from batchgen.worker.state import Request
-from batchgen.worker.worker import Worker
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.plans import AllocPlan, PageGrant
+from batchgen.engine.state import Request
+from batchgen.engine.worker import Worker
 
 
 def reversed_grants(monkeypatch):

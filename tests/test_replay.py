@@ -1,22 +1,22 @@
 import pytest
 
-import batchgen.worker.kv_apply as kv_apply
-import batchgen.worker.kv_manager as kv_manager
+import batchgen.kv.plan_path as kv_apply
+import batchgen.kv.manager as kv_manager
 from compare import DivergenceRecord, read_log
 from batchgen.config import TINY_MODELS
 from batchgen.model.null_model import NullModel
-from batchgen.replay import PLACEHOLDER_OWNER, ReplayError, op_request, rebuild_target, replay_record
-from batchgen.runner import run_workload
-from batchgen.worker.faults import FaultInjector, FaultSpec
-from batchgen.worker.kv_apply import PlanKvPath
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.kv_plans import (
+from batchgen.shadow.replay import PLACEHOLDER_OWNER, ReplayError, op_request, rebuild_target, replay_record
+from batchgen.engine.runner import run_workload
+from batchgen.engine.faults import FaultInjector, FaultSpec
+from batchgen.kv.plan_path import PlanKvPath
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.plans import (
     AllocPlan, Destination, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan,
     ReleasePlan, RequestKvView, Victim,
 )
-from batchgen.worker.state import Phase
-from batchgen.worker.worker import Worker
-from batchgen.workloads import builtin_workload
+from batchgen.engine.state import Phase
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import builtin_workload
 
 Manager = kv_manager.KVCacheManager
 

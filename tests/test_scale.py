@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.worker.kv_gate import KvGateConfig
+from batchgen.kv.gate import KvGateConfig
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SCRIPT = SCRIPTS / "scale_check.py"

@@ -14,18 +14,18 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-import batchgen.validation
-import batchgen.validation_report
-import batchgen.worker.kv_manager as kv_manager
+import batchgen.shadow.validation
+import batchgen.shadow.validation_report
+import batchgen.kv.manager as kv_manager
 from compare import DivergenceRecord, JsonlSink, LogWriteError, RunSummary, read_log, write_atomic
 from batchgen.cli import main
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.loader import load_model
-from batchgen.validation import validate_back_to_back
-from batchgen.validation_report import DIRECTIONS, REPORT_FILES
-from batchgen.worker.kv_backends import GpuKvPool
-from batchgen.worker.kv_plans import PollAction
-from batchgen.workloads import Workload, WorkloadRequest
+from batchgen.shadow.validation import validate_back_to_back
+from batchgen.shadow.validation_report import DIRECTIONS, REPORT_FILES
+from batchgen.kv.backends import GpuKvPool
+from batchgen.kv.plans import PollAction
+from batchgen.engine.workloads import Workload, WorkloadRequest
 
 from injected_bugs import reversed_grants
 
@@ -56,7 +56,7 @@ def use_workloads(monkeypatch, tmp_path, *workloads: Workload) -> list[str]:
         path = tmp_path / f"{workload.name}.json"
         path.write_text(workload.model_dump_json())
         paths.append(str(path))
-    monkeypatch.setattr(batchgen.validation, "BACK_TO_BACK_WORKLOADS", tuple(paths))
+    monkeypatch.setattr(batchgen.shadow.validation, "BACK_TO_BACK_WORKLOADS", tuple(paths))
     return [workload.name for workload in workloads]
 
 
@@ -212,8 +212,8 @@ def test_an_interrupted_validation_leaves_the_last_log_and_reports_and_its_own_p
             raise KeyboardInterrupt
         return session_run(self, *args, **kwargs)
 
-    session_run = batchgen.validation._Session.run
-    monkeypatch.setattr(batchgen.validation._Session, "run", interrupted_on_the_third_run)
+    session_run = batchgen.shadow.validation._Session.run
+    monkeypatch.setattr(batchgen.shadow.validation._Session, "run", interrupted_on_the_third_run)
     assert main(["validate", "--reports-dir", str(reports)]) == 130
     assert capsys.readouterr().err.strip().endswith("batchgen: interrupted")
     after = {path.name: path.read_bytes() for path in reports.iterdir()}
@@ -246,7 +246,7 @@ def test_reports_a_full_disk_cannot_take_are_a_named_failure_and_the_summary_sti
             raise OSError(errno.ENOSPC, "No space left on device")
         write_atomic(path, text)
 
-    monkeypatch.setattr(batchgen.validation_report, "write_atomic", disk_full)
+    monkeypatch.setattr(batchgen.shadow.validation_report, "write_atomic", disk_full)
     reports = tmp_path / "reports"
     assert main(["validate", "--json", "--reports-dir", str(reports)]) == 1
     report = one_json_object(capsys.readouterr().out)

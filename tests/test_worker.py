@@ -11,12 +11,12 @@ from pydantic import ValidationError
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model import loader
 from batchgen.model.loader import load_model
-from batchgen.output_check import compare_exact, compare_outputs
-from batchgen.runner import RunResult, run_workload
-from batchgen.worker.state import Phase, Request
-from batchgen.worker import worker as worker_module
-from batchgen.worker.worker import PoolAllocationError, RequestError, Worker
-from batchgen.workloads import Workload, WorkloadRequest, builtin_workload
+from batchgen.shadow.output_check import compare_exact, compare_outputs
+from batchgen.engine.runner import RunResult, run_workload
+from batchgen.engine.state import Phase, Request
+from batchgen.engine import worker as worker_module
+from batchgen.engine.worker import PoolAllocationError, RequestError, Worker
+from batchgen.engine.workloads import Workload, WorkloadRequest, builtin_workload
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +295,7 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(model):
     ({"cache_config": None}, "Worker: cache_config must be a batchgen.config.CacheConfig, not NoneType"),
     ({"engine_config": {"max_num_seqs": 4}}, "Worker: engine_config must be a batchgen.config.EngineConfig or None, "
                                              "not dict"),
-    ({"kv_gate": {"path": "plan"}}, "Worker: kv_gate must be a batchgen.worker.kv_gate.KvGateConfig or None, not dict"),
+    ({"kv_gate": {"path": "plan"}}, "Worker: kv_gate must be a batchgen.kv.gate.KvGateConfig or None, not dict"),
 ], ids=["cache", "engine", "gate"])
 def test_a_config_of_another_type_is_a_type_error_naming_the_argument(model, config, message):
     arguments = {"cache_config": CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0), **config}

@@ -6,10 +6,10 @@ import pytest
 
 from batchgen.config import TINY_MODELS
 from batchgen.model.null_model import NullModel
-from batchgen.runner import run_workload
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.worker import Worker
-from batchgen.workloads import BUILTIN_WORKLOADS, WorkloadError, builtin_workload, load_workload
+from batchgen.engine.runner import run_workload
+from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import BUILTIN_WORKLOADS, WorkloadError, builtin_workload, load_workload
 
 
 @pytest.mark.parametrize("name", BUILTIN_WORKLOADS)

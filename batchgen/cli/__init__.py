@@ -38,13 +38,13 @@ from batchgen.cli.logs import RENDERERS, add_minimize_command, add_replay_comman
 from batchgen.cli.run import add_run_command
 from batchgen.cli.validate import add_validate_command
 from batchgen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
-from batchgen.minimize import MinimizeError
+from batchgen.shadow.minimize import MinimizeError
 from batchgen.model.loader import ModelLoadError
-from batchgen.replay import ReplayError
-from batchgen.worker.faults import FaultSpecError
-from batchgen.worker.kv_gate import GateError
-from batchgen.worker.worker import PoolAllocationError, RequestError
-from batchgen.workloads import WorkloadError
+from batchgen.shadow.replay import ReplayError
+from batchgen.engine.faults import FaultSpecError
+from batchgen.kv.gate import GateError
+from batchgen.engine.worker import PoolAllocationError, RequestError
+from batchgen.engine.workloads import WorkloadError
 
 __all__ = ["RENDERERS", "build_parser", "main"]
 

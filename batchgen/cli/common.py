@@ -16,8 +16,8 @@ from rich.table import Table
 
 from batchgen.config import TINY_MODELS
 from batchgen.model.loader import load_model
-from batchgen.validation import ProgressCallback
-from batchgen.workloads import MAX_SCALE
+from batchgen.shadow.validation import ProgressCallback
+from batchgen.engine.workloads import MAX_SCALE
 
 
 DEVICES = ("cpu", "cuda")

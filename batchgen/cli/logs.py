@@ -15,15 +15,15 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.report import headline, render_json, render_junit, render_markdown, render_text
-from batchgen.minimize import (
+from batchgen.shadow.minimize import (
     MinimizeResult, NotReproduced, TestCallback, minimize_divergence, recorded_run, write_regression_into,
 )
-from batchgen.replay import ReplayOutcome, replay_record
+from batchgen.shadow.replay import ReplayOutcome, replay_record
 from batchgen.cli.common import (
     UsageError, check_output_file, make_directory, non_negative_int, positive_int, remove_empty,
 )
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
-from batchgen.workloads import Workload
+from batchgen.engine.workloads import Workload
 
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)

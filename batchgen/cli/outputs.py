@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 
 from batchgen.cli.common import UsageError, check_output_file, missing_directories, remove_empty
-from batchgen.worker.state import RequestOutput
+from batchgen.engine.state import RequestOutput
 
 
 class OutputsWriteError(OSError):

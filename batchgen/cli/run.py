@@ -15,14 +15,14 @@ from pathlib import Path
 from compare import DivergenceError, LogWriteError
 from batchgen.config import CacheConfig
 from batchgen.model.llama import LlamaForCausalLM
-from batchgen.runner import MAX_IDLE_STEPS, RunResult, RunStalled, run_workload
-from batchgen.worker import faults as faults_module
-from batchgen.worker.faults import FaultInjector, FaultSpec
-from batchgen.worker.kv_apply import PlanRejected
-from batchgen.worker.kv_gate import GATE_FLAGS, KvGateConfig, gate_config
-from batchgen.worker.state import ABORT_REASON, Phase
-from batchgen.worker.worker import Worker
-from batchgen.workloads import BUILTIN_WORKLOADS, Workload, load_workload
+from batchgen.engine.runner import MAX_IDLE_STEPS, RunResult, RunStalled, run_workload
+from batchgen.engine import faults as faults_module
+from batchgen.engine.faults import FaultInjector, FaultSpec
+from batchgen.kv.plan_path import PlanRejected
+from batchgen.kv.gate import GATE_FLAGS, KvGateConfig, gate_config
+from batchgen.engine.state import ABORT_REASON, Phase
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.cli.outputs import OutputsFile, OutputsWriteError, check_outputs_path
 from batchgen.cli.common import (
     StdoutConsole, UsageError, add_model_args, add_output_args, add_scale_arg, context, key_value_table,
@@ -106,7 +106,7 @@ def _run_epilog() -> str:
 
 
 def _fault_grammar() -> str:
-    """The SPEC table of ``batchgen.worker.faults``' docstring (its indented block after ``::``)."""
+    """The SPEC table of ``batchgen.engine.faults``' docstring (its indented block after ``::``)."""
     block = (faults_module.__doc__ or "").partition("::")[2].strip("\n").splitlines()
     lines = []
     for line in block:

@@ -11,14 +11,14 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from batchgen.validation import validate_back_to_back
-from batchgen.validation_report import DIRECTIONS, ValidationReport, compare_overhead
+from batchgen.shadow.validation import validate_back_to_back
+from batchgen.shadow.validation_report import DIRECTIONS, ValidationReport, compare_overhead
 from batchgen.cli.common import (
     COMPARE_ROWS, VALIDATION_ROWS, StdoutConsole, add_model_args, add_output_args, add_scale_arg, by_op, cell,
     check_directory, context, make_directory, model_from_args, progress_bar, progress_callback,
 )
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
-from batchgen.worker.kv_gate import GATE_FLAGS, gate_config
+from batchgen.kv.gate import GATE_FLAGS, gate_config
 
 # ---- validate ----------------------------------------------------------------------------------
 def add_validate_command(commands) -> None:

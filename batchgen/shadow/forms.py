@@ -16,10 +16,10 @@ from itertools import repeat
 from types import SimpleNamespace
 
 from compare import Keyed
-from batchgen.worker.kv_apply import PlanRejected
-from batchgen.worker.kv_plans import KvPreState, RequestKvView
-from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.state import Phase, RequestState, WorkerState
+from batchgen.kv.plan_path import PlanRejected
+from batchgen.kv.plans import KvPreState, RequestKvView
+from batchgen.kv.target import KvTarget
+from batchgen.engine.state import Phase, RequestState, WorkerState
 
 STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.config import CacheConfig, EngineConfig, ModelConfig
-from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
-from batchgen.worker.state import WorkerState
+from batchgen.kv.backends import GpuKvPool, HostKvPool
+from batchgen.engine.state import WorkerState
 
 
 @dataclass(slots=True)

@@ -53,16 +53,16 @@ from pydantic import ValidationError
 
 from compare import DivergenceRecord, Observation, compare_observations, diff
 from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig, validation_summary
-from batchgen.worker.kv_apply import PlanKvPath
-from batchgen.worker.kv_backends import CompletedHandle, GpuKvPool, HostKvPool
-from batchgen.worker.kv_forms import canonical_kv, classify, exception_kind, fork_target, op_scope
-from batchgen.worker.kv_gate import build_kv_path
-from batchgen.worker.kv_plans import (
+from batchgen.kv.plan_path import PlanKvPath
+from batchgen.kv.backends import CompletedHandle, GpuKvPool, HostKvPool
+from batchgen.shadow.forms import canonical_kv, classify, exception_kind, fork_target, op_scope
+from batchgen.kv.gate import build_kv_path
+from batchgen.kv.plans import (
     OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, decode_demand, from_json, to_jsonable,
 )
-from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.page_pool import PagePool, PageOwnershipError
-from batchgen.worker.state import DONE_PHASES, Phase, Request, RequestState, TokenLogprobs, WorkerState
+from batchgen.kv.target import KvTarget
+from batchgen.kv.page_pool import PagePool, PageOwnershipError
+from batchgen.engine.state import DONE_PHASES, Phase, Request, RequestState, TokenLogprobs, WorkerState
 
 PLACEHOLDER_OWNER = "<replay:not-in-scope>"  # owns the pages held outside the op's scope
 _REORDER_OWNER = "<replay:reorder>"

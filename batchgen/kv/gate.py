@@ -138,11 +138,11 @@ def _validated(values: Mapping[str, object], sources: Mapping[str, str]) -> KvGa
 def kv_path_class(name: str) -> type:
     """The KV path class for ``name``; legacy is imported only here."""
     if name == "plan":
-        from batchgen.worker.kv_apply import PlanKvPath
+        from batchgen.kv.plan_path import PlanKvPath
 
         return PlanKvPath
     if name == "legacy":
-        from batchgen.worker.legacy_kv import LegacyKvPath
+        from batchgen.kv.legacy import LegacyKvPath
 
         return LegacyKvPath
     raise GateError(f"unknown KV path {name!r}; allowed: plan, legacy")

@@ -30,13 +30,13 @@ from batchgen.config import CacheConfig, EngineConfig
 from batchgen.model.llama import SeqInput
 from batchgen.model.loader import SUPPORTED_DTYPES, device_memory_available
 from batchgen.model.paged_kv import kv_page_shape, write_kv
-from batchgen.worker.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX, FaultInjector
-from batchgen.worker.kv_backends import GpuKvPool, HostKvPool
-from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, gate_config
-from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.page_copy import new_page_tensor
-from batchgen.worker.sampler import sample
-from batchgen.worker.state import ABORT_REASON, DONE_PHASES, Phase, Request, RequestOutput, RequestState, WorkerState
+from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX, FaultInjector
+from batchgen.kv.backends import GpuKvPool, HostKvPool
+from batchgen.kv.gate import KvGateConfig, build_kv_path, gate_config
+from batchgen.kv.target import KvTarget
+from batchgen.kv.page_copy import new_page_tensor
+from batchgen.engine.sampler import sample
+from batchgen.engine.state import ABORT_REASON, DONE_PHASES, Phase, Request, RequestOutput, RequestState, WorkerState
 
 
 class RequestError(ValueError):
@@ -137,7 +137,7 @@ class Worker:
         self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
         self.kv_compare = None
         if self.kv_gate.compare != "off":
-            from batchgen.worker.kv_compare import KvCompare
+            from batchgen.shadow.kv_compare import KvCompare
 
             self.kv_compare = self._kv = KvCompare(self.kv_target(), self.kv_gate, shadow_path=shadow_path,
                                                    faults=faults.spec.to_spec() if faults is not None else None)

@@ -45,12 +45,12 @@ from pydantic import ValidationError
 from compare import DivergenceRecord, ddmin, read_log, wildcard, write_atomic
 from batchgen.config import TINY_MODELS, EngineConfig, validation_summary
 from batchgen.model.loader import load_model
-from batchgen.replay import kv_paths
-from batchgen.runner import run_workload
-from batchgen.worker.faults import FaultInjector, FaultSpec, FaultSpecError
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.worker import Worker
-from batchgen.workloads import Workload, WorkloadRequest, load_workload
+from batchgen.shadow.replay import kv_paths
+from batchgen.engine.runner import run_workload
+from batchgen.engine.faults import FaultInjector, FaultSpec, FaultSpecError
+from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import Workload, WorkloadRequest, load_workload
 
 _STEP_FIELDS = (("max_new_tokens", 1), ("arrival_step", 0), ("abort_step", 0))  # (field, floor)
 TINY_VOCAB = TINY_MODELS["tiny"].vocab_size  # the candidates' model; also a record's vocabulary when it names none
@@ -360,7 +360,7 @@ def _with_steps(workload: Workload, requests: Sequence[WorkloadRequest], units: 
 
 # ---- the regression test ----------------------------------------------------------------------------
 _TEST_TEMPLATE = '''\
-"""Regression test written by batchgen.minimize: fails until the KV divergence below is fixed."""
+"""Regression test written by batchgen.shadow.minimize: fails until the KV divergence below is fixed."""
 
 # The workload makes the shadow path diverge from the authoritative one:
 #   authoritative: {kv_path}
@@ -372,11 +372,11 @@ _TEST_TEMPLATE = '''\
 from pathlib import Path
 
 from batchgen.model.loader import load_model
-from batchgen.runner import run_workload
-from batchgen.worker.faults import FaultInjector, FaultSpec
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.worker import Worker
-from batchgen.workloads import load_workload
+from batchgen.engine.runner import run_workload
+from batchgen.engine.faults import FaultInjector, FaultSpec
+from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import load_workload
 
 WORKLOAD = Path(__file__).parent / {workload_literal}
 FAULTS = {faults_literal}  # the fault SPEC the divergence needs (None: none)

@@ -48,14 +48,14 @@ from functools import partial
 from operator import methodcaller
 
 from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor
-from batchgen.worker.kv_apply import PlanKvPath
-from batchgen.worker.kv_forms import (
+from batchgen.kv.plan_path import PlanKvPath
+from batchgen.shadow.forms import (
     canonical_copies, canonical_events, canonical_form, canonical_kv, canonical_result, canonical_stats, classify,
     detach_fork, differing_requests, exception_kind, fork_target, pre_state,
 )
-from batchgen.worker.kv_gate import KvGateConfig, build_kv_path, kv_path_class
-from batchgen.worker.kv_plans import to_jsonable
-from batchgen.worker.kv_target import KvTarget
+from batchgen.kv.gate import KvGateConfig, build_kv_path, kv_path_class
+from batchgen.kv.plans import to_jsonable
+from batchgen.kv.target import KvTarget
 
 
 _EVICT, _MIGRATE = methodcaller("evict"), methodcaller("migrate")  # the op on a path, called in C

@@ -15,8 +15,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from batchgen.config import CacheConfig, EngineConfig, validation_summary
-from batchgen.worker.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
-from batchgen.worker.state import Request
+from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
+from batchgen.engine.state import Request
 
 
 MAX_STEPS = 1_000_000  # bound on any step count in a workload (arrivals, aborts, new tokens)

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from compare import RunSummary, exception_text
-from batchgen.worker.state import RequestOutput, WorkerStats
-from batchgen.worker.worker import Worker
-from batchgen.workloads import MAX_STEPS, Workload
+from batchgen.engine.state import RequestOutput, WorkerStats
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import MAX_STEPS, Workload
 
 
 @dataclass(frozen=True, slots=True)

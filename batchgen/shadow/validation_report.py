@@ -1,4 +1,4 @@
-"""What the back-to-back validation (``batchgen.validation``) reports, and the report files it writes.
+"""What the back-to-back validation (``batchgen.shadow.validation``) reports, and the report files it writes.
 
 Holds the compare-mode directions it runs (``KvDirection``, ``DIRECTIONS``), one
 run's record (``ValidationRun``), the verdict (``ValidationReport``), and the
@@ -18,7 +18,7 @@ from pathlib import Path
 from compare import Report, write_atomic
 from compare.report import render_json, render_junit, render_markdown
 from batchgen.config import CacheConfig
-from batchgen.runner import RunResult
+from batchgen.engine.runner import RunResult
 
 # Report kind -> file name in the reports directory; the log comes first, the rest are rendered from it.
 REPORT_FILES = {"jsonl": "divergences.jsonl", "md": "divergences.md", "junit": "divergences.xml",

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
-from batchgen.worker.kv_backends import AsyncHandle
+from batchgen.kv.backends import AsyncHandle
 
 
 class Phase(enum.Enum):

@@ -1,6 +1,6 @@
 """pytest plugin: ``--kv-compare=off|log|raise`` runs the workers a test builds in KV compare mode.
 
-Load it with ``-p batchgen.pytest_plugin`` (or through its ``pytest11`` entry
+Load it with ``-p batchgen.shadow.pytest_plugin`` (or through its ``pytest11`` entry
 point). With a mode other than ``off``, a session-scoped autouse fixture sets,
 for the whole session (so workers built in fixtures of any scope see it)::
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.worker.kv_gate import GATE_FLAGS, GateError, gate_config
+from batchgen.kv.gate import GATE_FLAGS, GateError, gate_config
 
 MODES = ("off", "log", "raise")
 COMPARE_ENV = GATE_FLAGS["compare"][0]

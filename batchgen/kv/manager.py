@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 
-from batchgen.worker.kv_backends import GpuKvBackend, HostKvBackend
-from batchgen.worker.kv_plans import (
+from batchgen.kv.backends import GpuKvBackend, HostKvBackend
+from batchgen.kv.plans import (
     AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvSnapshot, LoadStart,
     MigrationPlan, MigrationRequest, PageGrant, PollAction, PollPlan, PollRequest,
     ReleasePlan, ReleaseRequest, Victim,

@@ -29,7 +29,7 @@ like a shared one, so it must match token for token, counters included.
 Every compare run appends its divergences and its ``RunSummary`` to one log,
 ``divergences.jsonl.partial`` in the reports directory, renamed ``divergences.jsonl``
 once every run is done; the markdown, JUnit and JSON reports are then rendered from it
-by ``compare.report`` (``batchgen.validation_report``). An interrupted validation leaves
+by ``compare.report`` (``batchgen.shadow.validation_report``). An interrupted validation leaves
 the last complete log and its reports as they were, and its own partial log beside them.
 """
 
@@ -45,13 +45,13 @@ import torch
 from compare import DivergenceRecord, LogWriteError, Report, RunSummary, aggregate, read_log
 from batchgen.config import CacheConfig, EngineConfig, watermark_pages
 from batchgen.model.loader import SUPPORTED_DTYPES
-from batchgen.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
-from batchgen.runner import RunResult, run_workload
-from batchgen.validation_report import (DIRECTIONS, PARTIAL_LOG, KvDirection, ValidationReport, ValidationRun,
+from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
+from batchgen.engine.runner import RunResult, run_workload
+from batchgen.shadow.validation_report import (DIRECTIONS, PARTIAL_LOG, KvDirection, ValidationReport, ValidationRun,
                                         complete_log, reports_directory, write_reports)
-from batchgen.worker.kv_gate import KvGateConfig
-from batchgen.worker.worker import RequestError, Worker
-from batchgen.workloads import BUILTIN_WORKLOADS, Workload, WorkloadError, load_workload
+from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.worker import RequestError, Worker
+from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, WorkloadError, load_workload
 
 # Built-in names or workload files, run in this order on each shared worker (the last one's pool and engine).
 BACK_TO_BACK_WORKLOADS = ("L2-2048", "L2-4096")

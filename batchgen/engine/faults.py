@@ -28,8 +28,8 @@ import time
 import zlib
 from dataclasses import dataclass, fields
 
-from batchgen.worker.kv_backends import AsyncHandle, CopyOp, HostKvPool
-from batchgen.worker.state import Phase, RequestState
+from batchgen.kv.backends import AsyncHandle, CopyOp, HostKvPool
+from batchgen.engine.state import Phase, RequestState
 
 LOAD_FAULTS = ("load_fail", "load_fail_late", "load_hang")  # exclusive outcomes of one load, drawn in this order
 ABORT_PHASES = ("waiting", "prefilling", "decoding", "swapped", "loading")

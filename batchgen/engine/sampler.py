@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchgen.worker.state import RequestState, TokenLogprobs
+from batchgen.engine.state import RequestState, TokenLogprobs
 
 GREEDY_BELOW = 1e-5
 

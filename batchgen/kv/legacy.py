@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.state import Phase, RequestState
+from batchgen.kv.target import KvTarget
+from batchgen.engine.state import Phase, RequestState
 
 
 class LegacyKvPath:

@@ -12,15 +12,15 @@ import operator
 from collections.abc import Callable, Collection, Mapping, Sequence, Set
 
 from batchgen.config import DTYPE_SIZES
-from batchgen.worker.kv_manager import KVCacheManager
-from batchgen.worker.kv_plans import (
+from batchgen.kv.manager import KVCacheManager
+from batchgen.kv.plans import (
     AllocPlan, AllocRequest, Destination, EvictionPlan, EvictionRequest, KvGeometry, KvSnapshot,
     MigrationPlan, MigrationRequest, PageColumns, PollAction, PollPlan, PollRequest, ReleasePlan,
     ReleaseRequest, SwappedColumns, decode_demand,
 )
-from batchgen.worker.kv_target import KvTarget
-from batchgen.worker.page_pool import PAGE_ID_TYPES, Grants, PageOwnershipError
-from batchgen.worker.state import DONE_PHASES, Phase, RequestState
+from batchgen.kv.target import KvTarget
+from batchgen.kv.page_pool import PAGE_ID_TYPES, Grants, PageOwnershipError
+from batchgen.engine.state import DONE_PHASES, Phase, RequestState
 
 
 class PlanRejected(ValueError):

@@ -22,8 +22,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from batchgen.worker.page_copy import AsyncCopyQueue, copy_pages
-from batchgen.worker.page_pool import ForkedPagePool, Grants, PagePool, PoolEvent
+from batchgen.kv.page_copy import AsyncCopyQueue, copy_pages
+from batchgen.kv.page_pool import ForkedPagePool, Grants, PagePool, PoolEvent
 
 
 class AsyncHandle(Protocol):
