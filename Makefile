@@ -23,6 +23,8 @@ run: $(STAMP)
 	$(VENV)/bin/batchgen validate
 
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check --quiet batchgen compare tests scripts
+	$(VENV)/bin/ruff check --quiet batchgen compare tests scripts
 	$(PY) -m pytest -q
 
 clean:

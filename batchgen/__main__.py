@@ -23,7 +23,9 @@ EXITS_WHILE_IMPORTING = {
 
 def main() -> int:
     inherited = {signum: signal.getsignal(signum) for signum in EXITS_WHILE_IMPORTING}
-    handled = [signum for signum, handler in inherited.items() if handler not in (signal.SIG_IGN, None)]
+    handled = [
+        signum for signum, handler in inherited.items() if handler not in (signal.SIG_IGN, None)
+    ]
     for signum in handled:
         signal.signal(signum, _exit_while_importing)
     from batchgen.cli import main as run_command
@@ -54,10 +56,11 @@ def _raise_terminated(signum, frame) -> None:
 
 
 def _forget_caught_interrupt() -> None:
-    """Clear CPython's mark of an unhandled KeyboardInterrupt, set when Ctrl-C ends a string ``exec`` even if
-    the interrupt is then caught (dataclasses and namedtuples build their methods with one, so the engine runs
-    many). Under ``python -m batchgen`` that mark makes the interpreter end by SIGINT (status -2) instead of
-    with exit code 130. Each string eval that completes clears it."""
+    """Clear CPython's mark of an unhandled KeyboardInterrupt, set when Ctrl-C ends a string
+    ``exec`` even if the interrupt is then caught (dataclasses and namedtuples build their methods
+    with one, so the engine runs many). Under ``python -m batchgen`` that mark makes the interpreter
+    end by SIGINT (status -2) instead of with exit code 130. Each string eval that completes clears
+    it."""
     eval("None")
 
 

@@ -4,15 +4,14 @@ Run an authoritative path and a shadow path of the same operation, compare their
 results, log each divergence as a JSON line, and aggregate logs into reports for CI. It knows
 nothing of the code it compares (it never imports `batchgen`).
 
-    canonical  canonicalize / flatten / wildcard       plain comparable data and leaf paths
-    diff       diff -> Diff                              equal?, differing paths, explanation
-    observation Observation, Comparison, exception_text  one path's outcome; both compared
-    shadow     ShadowExecutor                            run both paths, return the authoritative
-    records    DivergenceRecord, RunSummary              the versioned JSON line schema
-    sink       JsonlSink, read_log(s), write_atomic      durable append (LogWriteError), tolerant read,
-               check_log_file                            a log or nothing: what JsonlSink appends to
-    report     aggregate -> Report, render_*             per op / field path / (workload, op)
-    minimize   ddmin                                     shrink a failing input
+    canonical    canonicalize / flatten / wildcard     plain comparable data and leaf paths
+    diff         diff -> Diff                          equal?, differing paths, explanation
+    observation  Observation, Comparison               one path's outcome; both compared
+    shadow       ShadowExecutor                        run both paths, return the authoritative
+    records      DivergenceRecord, RunSummary          the versioned JSON line schema
+    sink         JsonlSink, read_log(s), write_atomic  durable append, tolerant read
+    report       aggregate -> Report, render_*         per op / field path / (workload, op)
+    minimize     ddmin                                 shrink a failing input
 
 Names are imported on first use (PEP 562), so `python -m compare.records` runs without the
 package having imported that module already. `diff` is the exception: the submodule shares the
@@ -22,18 +21,40 @@ function's name, and importing the submodule later would rebind `compare.diff` t
 import importlib
 from typing import Any
 
-from compare.diff import Diff, diff
+from compare.diff import Diff as Diff
+from compare.diff import diff as diff
 
 _MODULES = {
     "compare.canonical": ("Keyed", "canonicalize", "flatten", "wildcard"),
     "compare.observation": ("Comparison", "Observation", "compare_observations", "exception_text"),
     "compare.shadow": ("DivergenceError", "HarnessWarning", "ShadowExecutor", "ShadowStats"),
-    "compare.records": ("SCHEMA_VERSION", "DivergenceRecord", "LogRecord", "RecordError",
-                        "RunSummary", "json_schema", "parse_record", "write_json_schema"),
-    "compare.sink": ("JsonlSink", "LogReadResult", "LogWriteError", "check_log_file", "read_log", "read_logs",
-                     "write_atomic"),
-    "compare.report": ("Report", "aggregate", "render_json", "render_junit", "render_markdown",
-                       "render_text"),
+    "compare.records": (
+        "SCHEMA_VERSION",
+        "DivergenceRecord",
+        "LogRecord",
+        "RecordError",
+        "RunSummary",
+        "json_schema",
+        "parse_record",
+        "write_json_schema",
+    ),
+    "compare.sink": (
+        "JsonlSink",
+        "LogReadResult",
+        "LogWriteError",
+        "check_log_file",
+        "read_log",
+        "read_logs",
+        "write_atomic",
+    ),
+    "compare.report": (
+        "Report",
+        "aggregate",
+        "render_json",
+        "render_junit",
+        "render_markdown",
+        "render_text",
+    ),
     "compare.minimize": ("ddmin",),
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names}

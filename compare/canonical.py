@@ -30,7 +30,8 @@ from pydantic import BaseModel
 
 _SCALARS = (str, int, float, bool, type(None))
 _EXACT_SCALARS = frozenset(_SCALARS)
-_BRACKETED = re.compile(r"\[(?:[^\]\\]|\\.)*\]")  # a `[key]` component; `\]` and `\\` inside it are the key's own
+# a `[key]` component; `\]` and `\\` inside it are the key's own
+_BRACKETED = re.compile(r"\[(?:[^\]\\]|\\.)*\]")
 
 
 class Keyed(dict):
@@ -78,7 +79,8 @@ def _canon(obj: Any) -> Any:
     if type(obj) in _EXACT_SCALARS:
         return obj
     if isinstance(obj, Enum):
-        return obj.name if obj.name is not None else f"{type(obj).__name__}({obj.value!r})"  # a Flag of no one name
+        # a Flag of no one name
+        return obj.name if obj.name is not None else f"{type(obj).__name__}({obj.value!r})"
     if isinstance(obj, _SCALARS):
         return obj
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -91,8 +93,11 @@ def _canon(obj: Any) -> Any:
         return _canon_items(obj)
     if isinstance(obj, (set, frozenset)):
         return _sorted(_canon_items(obj, index_parts=False))
-    raise _Unsupported(obj, "supported: dataclasses, pydantic models, mappings, lists, tuples, "
-                            "sets, enums, None, bool, int, float, str")
+    raise _Unsupported(
+        obj,
+        "supported: dataclasses, pydantic models, mappings, lists, tuples, "
+        "sets, enums, None, bool, int, float, str",
+    )
 
 
 def _canon_fields(obj: Any, names: Any) -> dict[str, Any]:
@@ -134,8 +139,8 @@ def _canon_items(items: Any, *, index_parts: bool = True) -> list[Any]:
 
 
 def _sorted(items: list[Any]) -> list[Any]:
-    """Sort set members: natively when they are comparable and hold no NaN (which no order places), else by
-    their JSON text; either way the order depends only on the members."""
+    """Sort set members: natively when they are comparable and hold no NaN (which no order places),
+    else by their JSON text; either way the order depends only on the members."""
     if not any(map(_holds_nan, items)):
         try:
             return sorted(items)
@@ -167,8 +172,9 @@ def flatten(canonical: Any, *, like: Any = None) -> dict[str, Any]:
 
 
 def _child(path: str, key: Any, keyed: bool) -> str:
-    """The path of ``key`` under ``path``: `[key]` in a `Keyed` or a list, `.key` in a plain dict. A `]` or `\\` in
-    a bracketed key is written `\\]` or `\\\\`, so the component ends where it seems to (ids are anyone's strings)."""
+    """The path of ``key`` under ``path``: `[key]` in a `Keyed` or a list, `.key` in a plain dict. A
+    `]` or `\\` in a bracketed key is written `\\]` or `\\\\`, so the component ends where it seems
+    to (ids are anyone's strings)."""
     if keyed:
         key = str(key)
         if "]" in key or "\\" in key:
@@ -190,23 +196,25 @@ def _flatten(node: Any, path: str, out: dict[str, Any], like: Any) -> None:
             out[path] = []
         items = like if isinstance(like, list) else []
         for index, value in enumerate(node):
-            _flatten(value, _child(path, index, True), out, items[index] if index < len(items) else None)
+            _flatten(
+                value, _child(path, index, True), out, items[index] if index < len(items) else None
+            )
     else:
         out[path] = node
 
 
-def shape_difference(expected: Any, actual: Any, path: str = "", *,
-                     skip: Callable[[str], Any] | None = None) -> str | None:
-    """The path (as `flatten` renders it; `<root>` at the top) of the first place where two canonical
-    forms differ in a way their flattened leaves may not show: a container's kind (mapping or list),
-    keys or length, or a leaf; None when they are the same, NaN counting as equal to NaN. Subtrees
-    whose path ``skip`` accepts are left out (ignored paths).
+def shape_difference(
+    expected: Any, actual: Any, path: str = "", *, skip: Callable[[str], Any] | None = None
+) -> str | None:
+    """The path (as `flatten` renders it; `<root>` at the top) of the first place where two
+    canonical forms differ in a way their flattened leaves may not show: a container's kind (mapping
+    or list), keys or length, or a leaf; None when they are the same, NaN counting as equal to NaN.
+    Subtrees whose path ``skip`` accepts are left out (ignored paths).
 
     Flattened paths are not unique (`{"a.b": 1}` and `{"a": {"b": 1}}` both give `a.b`), so two
     forms with equal flattened leaves can still differ; this walk tells them apart. A `Keyed` and a
-    plain dict of the same items are the same here, as they are to `==`. Keys or list items present on
-    one side only count unless ``skip`` accepts their paths. Pure.
-    """
+    plain dict of the same items are the same here, as they are to `==`. Keys or list items present
+    on one side only count unless ``skip`` accepts their paths. Pure."""
     if isinstance(expected, dict) and isinstance(actual, dict):
         keyed = isinstance(expected, Keyed)
         children = [(_child(path, key, keyed), key) for key in expected.keys() | actual.keys()]
@@ -219,7 +227,9 @@ def shape_difference(expected: Any, actual: Any, path: str = "", *,
         extra = range(min(len(expected), len(actual)), max(len(expected), len(actual)))
         if any(skip is None or not skip(_child(path, index, True)) for index in extra):
             return path or "<root>"
-        pairs = ((_child(path, index, True), x, y) for index, (x, y) in enumerate(zip(expected, actual)))
+        pairs = (
+            (_child(path, index, True), x, y) for index, (x, y) in enumerate(zip(expected, actual))
+        )
         if skip is not None:
             pairs = ((child, x, y) for child, x, y in pairs if not skip(child))
     elif isinstance(expected, (dict, list)) or isinstance(actual, (dict, list)):

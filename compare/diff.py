@@ -39,31 +39,42 @@ def diff(expected: Any, actual: Any, *, ignore: Sequence[str] = ()) -> Diff:
     """Compare two canonical forms, dropping differences at paths that match an `ignore` glob."""
     if expected == actual:
         return Diff(equal=True)
-    left, right = flatten(expected), flatten(actual, like=expected)  # mapping kinds named as expected's
-    paths = [path for path in sorted(left.keys() | right.keys())
-             if path not in left or path not in right or not same_leaf(left[path], right[path])]
-    emptied = _emptied([path for path in paths if path not in left or path not in right], left, right)
+    # mapping kinds named as expected's
+    left, right = flatten(expected), flatten(actual, like=expected)
+    paths = [
+        path
+        for path in sorted(left.keys() | right.keys())
+        if path not in left or path not in right or not same_leaf(left[path], right[path])
+    ]
+    emptied = _emptied(
+        [path for path in paths if path not in left or path not in right], left, right
+    )
     if emptied:
         paths = [path for path in paths if path not in emptied]
-    skip = re.compile("|".join(_glob_to_regex(glob) for glob in ignore)).fullmatch if ignore else None
+    skip = (
+        re.compile("|".join(_glob_to_regex(glob) for glob in ignore)).fullmatch if ignore else None
+    )
     if skip is not None:
         paths = [path for path in paths if not skip(path)]
     shape = None
-    if not paths:  # the leaves agree: only NaNs (or ignored paths) differ, or a shape flattened paths cannot show
+    # the leaves agree: only NaNs (or ignored paths) differ, or a shape flattened paths cannot show
+    if not paths:
         shape = shape_difference(expected, actual, skip=skip)
         if shape is None:
             return Diff(equal=True)
         paths = [shape]
     detail = _explain(left, right, paths)
     if shape is not None:
-        detail["shape"] = f"the forms differ in structure at {shape} (a container's kind, keys or length)"
+        detail["shape"] = (
+            f"the forms differ in structure at {shape} (a container's kind, keys or length)"
+        )
     return Diff(equal=False, paths=tuple(paths), detail=detail)
 
 
 def _emptied(one_sided: list[str], left: dict[str, Any], right: dict[str, Any]) -> set[str]:
-    """Of the paths present on one side only, those that are an empty container there while the other side
-    has leaves beneath them: those leaves name the difference (and ignore globs apply to them), so the
-    container's own path does not. O(paths)."""
+    """Of the paths present on one side only, those that are an empty container there while the
+    other side has leaves beneath them: those leaves name the difference (and ignore globs apply to
+    them), so the container's own path does not. O(paths)."""
     emptied: set[str] = set()
     for here, there in ((left, right), (right, left)):
         empty = {path for path in one_sided if path in here and here[path] in ({}, [])}
@@ -73,8 +84,8 @@ def _emptied(one_sided: list[str], left: dict[str, Any], right: dict[str, Any]) 
 
 
 def _parents(flat: dict[str, Any]) -> set[str]:
-    """Every container path above a leaf path of ``flat`` (`a`, `a.b` and `a.b[0]` for `a.b[0].c`; `""` for the
-    root)."""
+    """Every container path above a leaf path of ``flat`` (`a`, `a.b` and `a.b[0]` for `a.b[0].c`;
+    `""` for the root)."""
     out = {""}
     for path in flat:
         out.update(path[:i] for i, char in enumerate(path) if char in ".[" and i)
@@ -89,11 +100,15 @@ def _glob_to_regex(glob: str) -> str:
 def _explain(left: dict[str, Any], right: dict[str, Any], paths: list[str]) -> dict:
     """Run deepdiff over the differing leaves only and return its report as plain JSON data."""
     shown = paths[:MAX_DETAIL_PATHS]
-    report = DeepDiff({p: left[p] for p in shown if p in left},
-                      {p: right[p] for p in shown if p in right}, verbose_level=2)
+    report = DeepDiff(
+        {p: left[p] for p in shown if p in left},
+        {p: right[p] for p in shown if p in right},
+        verbose_level=2,
+    )
     try:
         detail = json.loads(report.to_json())
-    except (TypeError, ValueError):  # a leaf JSON cannot hold (a date, a complex): shown by its repr
+    # a leaf JSON cannot hold (a date, a complex): shown by its repr
+    except (TypeError, ValueError):
         detail = json.loads(report.to_json(default_mapping={object: repr}))
     if len(paths) > len(shown):
         detail["omitted_paths"] = len(paths) - len(shown)

@@ -21,8 +21,13 @@ class _Budget(Exception):
     """Raised inside `ddmin` when `max_tests` calls of `still_fails` are used up."""
 
 
-def ddmin(items: Sequence[T], still_fails: Callable[[Sequence[T]], bool], *,
-          max_tests: int = 2000, interchangeable: bool = False) -> list[T]:
+def ddmin(
+    items: Sequence[T],
+    still_fails: Callable[[Sequence[T]], bool],
+    *,
+    max_tests: int = 2000,
+    interchangeable: bool = False,
+) -> list[T]:
     """Return a 1-minimal subsequence of `items` (order kept) for which `still_fails` holds.
 
     ValueError if `still_fails(items)` is false. Each distinct subsequence is tested once;
@@ -32,7 +37,9 @@ def ddmin(items: Sequence[T], still_fails: Callable[[Sequence[T]], bool], *,
     not necessarily 1-minimal). Mutates nothing; `still_fails` receives new lists.
     """
     if max_tests < 1:
-        raise ValueError(f"max_tests must be >= 1 (the input itself is tested first), not {max_tests}")
+        raise ValueError(
+            f"max_tests must be >= 1 (the input itself is tested first), not {max_tests}"
+        )
     tested: dict[tuple, bool] = {}
 
     def fails(indices: list[int]) -> bool:
@@ -66,8 +73,11 @@ def ddmin(items: Sequence[T], still_fails: Callable[[Sequence[T]], bool], *,
         if len(current) == 1 and fails([]):  # the one item left may not be needed either
             current = []
     except _Budget:
-        warnings.warn(f"ddmin stopped after {max_tests} tests; the result of "
-                      f"{len(current)} items may not be minimal")
+        warnings.warn(
+            f"ddmin stopped after {max_tests} tests; the result of "
+            f"{len(current)} items may not be minimal",
+            stacklevel=2,
+        )
     return [items[i] for i in current]
 
 

@@ -7,8 +7,8 @@ are equal is counted as matched without one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from compare.diff import Diff, diff
@@ -55,29 +55,41 @@ class Comparison:
     @property
     def exceptions(self) -> tuple[str, ...]:
         """``<path> raised <Type>: <message>`` for each side that raised, authoritative first."""
-        return tuple(f"{seen.path} raised {exception_text(seen.exception)}"
-                     for seen in (self.authoritative, self.shadow) if seen.raised)
+        return tuple(
+            f"{seen.path} raised {exception_text(seen.exception)}"
+            for seen in (self.authoritative, self.shadow)
+            if seen.raised
+        )
 
 
-def compare_observations(op: str, step: int, authoritative: Observation, shadow: Observation, *,
-                         classify: Callable[[tuple[str, ...]], str], exception_kind: Callable[[BaseException], str],
-                         ignore: Sequence[str] = ()) -> Comparison:
-    """How two observations of one op compare: exceptions by type (the shadow's named by ``exception_kind``
-    when they differ: it is the path under test), values with ``diff`` (a difference named by ``classify``).
-    Pure, but for what the namers do."""
+def compare_observations(
+    op: str,
+    step: int,
+    authoritative: Observation,
+    shadow: Observation,
+    *,
+    classify: Callable[[tuple[str, ...]], str],
+    exception_kind: Callable[[BaseException], str],
+    ignore: Sequence[str] = (),
+) -> Comparison:
+    """How two observations of one op compare: exceptions by type (the shadow's named by
+    ``exception_kind`` when they differ: it is the path under test), values with ``diff`` (a
+    difference named by ``classify``). Pure, but for what the namers do."""
     if authoritative.raised or shadow.raised:
         if type(authoritative.exception) is type(shadow.exception):
             return Comparison(op, step, authoritative, shadow, None, None)
         error = shadow.exception if shadow.raised else authoritative.exception
         return Comparison(op, step, authoritative, shadow, None, exception_kind(error))
     outcome = diff(authoritative.value, shadow.value, ignore=ignore)
-    return Comparison(op, step, authoritative, shadow, outcome, None if outcome.equal else classify(outcome.paths))
+    return Comparison(
+        op, step, authoritative, shadow, outcome, None if outcome.equal else classify(outcome.paths)
+    )
 
 
 def exception_text(error: BaseException) -> str:
-    """``Type: message``, or ``Type`` alone when the message is empty (Ctrl-C's ``KeyboardInterrupt``); the
-    message is ``<unprintable>`` when the exception's own ``__str__`` raises (a record or a warning about a
-    failure must not fail in turn)."""
+    """``Type: message``, or ``Type`` alone when the message is empty (Ctrl-C's
+    ``KeyboardInterrupt``); the message is ``<unprintable>`` when the exception's own ``__str__``
+    raises (a record or a warning about a failure must not fail in turn)."""
     try:
         message = str(error)
     except Exception:

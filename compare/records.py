@@ -15,7 +15,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -24,7 +24,8 @@ from compare.shadow import ShadowStats
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a \uXXXX escape of a UTF-16 surrogate, paired or not
+# a \uXXXX escape of a UTF-16 surrogate, paired or not
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class RecordError(ValueError):
@@ -33,7 +34,8 @@ class RecordError(ValueError):
 
 class _Record(BaseModel):
     # Non-finite floats (a NaN a path computed, an infinite pre-state value) are written as NaN,
-    # Infinity and -Infinity, as Python's json module does, not as null: they read back as themselves.
+    # Infinity and -Infinity, as Python's json module does, not as null: they read back as
+    # themselves.
     model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
 
 
@@ -57,18 +59,34 @@ class DivergenceRecord(_Record):
     created_at: float  # Unix time
 
     @classmethod
-    def from_comparison(cls, comparison: Comparison, *, run_id: str, workload: str, seed: int,
-                        replay: dict, created_at: float) -> DivergenceRecord:
+    def from_comparison(
+        cls,
+        comparison: Comparison,
+        *,
+        run_id: str,
+        workload: str,
+        seed: int,
+        replay: dict,
+        created_at: float,
+    ) -> DivergenceRecord:
         """Build the record of a diverged comparison (ValueError for a matched one)."""
         if comparison.kind is None:
             raise ValueError(f"{comparison.op} step {comparison.step} matched: not a divergence")
         raised = comparison.exceptions
         return cls(
-            run_id=run_id, workload=workload, seed=seed, step=comparison.step, op=comparison.op,
-            authoritative=comparison.authoritative.path, shadow=comparison.shadow.path,
-            kind=comparison.kind, field_paths=list(comparison.field_paths),
+            run_id=run_id,
+            workload=workload,
+            seed=seed,
+            step=comparison.step,
+            op=comparison.op,
+            authoritative=comparison.authoritative.path,
+            shadow=comparison.shadow.path,
+            kind=comparison.kind,
+            field_paths=list(comparison.field_paths),
             diff=comparison.diff.detail if comparison.diff is not None else {},
-            exception="; ".join(raised) or None, replay=replay, created_at=created_at,
+            exception="; ".join(raised) or None,
+            replay=replay,
+            created_at=created_at,
         )
 
 
@@ -87,22 +105,38 @@ class RunSummary(_Record):
     harness_errors: int
     compare_seconds: float  # harness time on top of the authoritative path
     authoritative_seconds: float  # time in the authoritative path on compared steps
-    stopped_by: str | None = None  # why the run stopped before its work was done ("Type: message"); None: it was done
+    # why the run stopped before its work was done ("Type: message"); None: it was done
+    stopped_by: str | None = None
 
     @classmethod
-    def from_stats(cls, stats: ShadowStats, *, run_id: str, workload: str, seed: int,
-                   authoritative: str, shadow: str, stopped_by: str | None = None) -> RunSummary:
+    def from_stats(
+        cls,
+        stats: ShadowStats,
+        *,
+        run_id: str,
+        workload: str,
+        seed: int,
+        authoritative: str,
+        shadow: str,
+        stopped_by: str | None = None,
+    ) -> RunSummary:
         """Build a run's summary from its executor's counters."""
         return cls(
-            run_id=run_id, workload=workload, seed=seed, authoritative=authoritative,
-            shadow=shadow, steps_compared=dict(stats.num_compared),
-            divergences=dict(stats.num_divergences), harness_errors=stats.num_harness_errors,
+            run_id=run_id,
+            workload=workload,
+            seed=seed,
+            authoritative=authoritative,
+            shadow=shadow,
+            steps_compared=dict(stats.num_compared),
+            divergences=dict(stats.num_divergences),
+            harness_errors=stats.num_harness_errors,
             compare_seconds=stats.compare_seconds,
-            authoritative_seconds=stats.authoritative_seconds, stopped_by=stopped_by,
+            authoritative_seconds=stats.authoritative_seconds,
+            stopped_by=stopped_by,
         )
 
 
-LogRecord = Annotated[Union[DivergenceRecord, RunSummary], Field(discriminator="record_type")]
+LogRecord = Annotated[DivergenceRecord | RunSummary, Field(discriminator="record_type")]
 
 _MODELS: dict[str, type[_Record]] = {"divergence": DivergenceRecord, "run_summary": RunSummary}
 
@@ -114,31 +148,44 @@ def parse_record(line: str) -> LogRecord:
     except json.JSONDecodeError as error:
         raise RecordError(f"not JSON: {error}") from None
     except RecursionError:
-        raise RecordError("not JSON this reader can parse: arrays or objects nest too deeply") from None
+        raise RecordError(
+            "not JSON this reader can parse: arrays or objects nest too deeply"
+        ) from None
     if not isinstance(data, dict):
         raise RecordError(f"expected a JSON object, found {type(data).__name__}")
-    if _SURROGATE_ESCAPE.search(line):  # json reads an unpaired one into a str that is no Unicode text
+    # json reads an unpaired one into a str that is no Unicode text
+    if _SURROGATE_ESCAPE.search(line):
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as error:
-            raise RecordError(f"a string holds the unpaired surrogate \\u{ord(error.object[error.start]):04x}, "
-                              f"which is no Unicode character; surrogates must come in pairs") from None
+            raise RecordError(
+                f"a string holds the unpaired surrogate \\u{ord(error.object[error.start]):04x}, "
+                "which is no Unicode character; surrogates must come in pairs"
+            ) from None
     record_type = data.get("record_type")
     if record_type not in _MODELS:
-        raise RecordError(f"unknown record_type {record_type!r}; known: "
-                          + ", ".join(repr(name) for name in _MODELS))
+        raise RecordError(
+            f"unknown record_type {record_type!r}; known: "
+            + ", ".join(repr(name) for name in _MODELS)
+        )
     version = data.get("schema_version")
     if version is None:
         raise RecordError(f"a {record_type} record without schema_version")
     if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:  # true == 1 to Python
         supported = ", ".join(str(v) for v in SUPPORTED_SCHEMA_VERSIONS)
-        raise RecordError(f"unsupported schema_version {version!r} in a {record_type} record; "
-                          f"this reader supports {supported}")
+        raise RecordError(
+            f"unsupported schema_version {version!r} in a {record_type} record; "
+            f"this reader supports {supported}"
+        )
     try:
-        return _MODELS[record_type].model_validate(data, strict=True)  # as the schema types say: no "7" for 7
+        # as the schema types say: no "7" for 7
+        return _MODELS[record_type].model_validate(data, strict=True)
     except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(str(part) for part in problem['loc']) or '<record>'}: "
-                             f"{problem['msg'].lower()}" for problem in error.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc']) or '<record>'}: "
+            f"{problem['msg'].lower()}"
+            for problem in error.errors()
+        )
         raise RecordError(f"invalid {record_type} record: {problems}") from None
 
 
@@ -146,8 +193,9 @@ def json_schema() -> dict:
     """The JSON Schema of one log line (either record type)."""
     schema = TypeAdapter(LogRecord).json_schema()
     schema["title"] = "compare log record"
-    schema["description"] = ("One line of a compare divergence log (JSON Lines), "
-                             f"schema_version {SCHEMA_VERSION}.")
+    schema["description"] = (
+        f"One line of a compare divergence log (JSON Lines), schema_version {SCHEMA_VERSION}."
+    )
     return schema
 
 
@@ -160,8 +208,10 @@ def write_json_schema(path: str | Path) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m compare.records PATH  (writes the log record JSON Schema)",
-              file=sys.stderr)
+        print(
+            "usage: python -m compare.records PATH  (writes the log record JSON Schema)",
+            file=sys.stderr,
+        )
         return 2
     write_json_schema(argv[0])
     return 0

@@ -30,8 +30,10 @@ from compare.records import LogRecord, RunSummary
 
 MAX_SAMPLES = 3  # concrete examples kept per (op, field path)
 _TOP_PATHS = 5  # field paths listed per JUnit failure
-_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")  # characters XML 1.0 cannot hold
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # control characters a terminal acts on (not \t, \n)
+# characters XML 1.0 cannot hold
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+# control characters a terminal acts on (not \t, \n)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,21 +127,33 @@ def aggregate(records: Iterable[LogRecord]) -> Report:
             concrete_by_key.setdefault(wildcard(path), path)
         pair_paths.setdefault(pair, Counter()).update(concrete_by_key.keys())
         for key, concrete in concrete_by_key.items():
-            tally = tallies.setdefault((record.op, key), _PathTally(first_step=record.step,
-                                                                    last_step=record.step))
+            tally = tallies.setdefault(
+                (record.op, key), _PathTally(first_step=record.step, last_step=record.step)
+            )
             tally.count += 1
             tally.first_step = min(tally.first_step, record.step)
             tally.last_step = max(tally.last_step, record.step)
             tally.workloads.add(record.workload)
             tally.kinds.add(record.kind)
             if len(tally.samples) < MAX_SAMPLES:
-                tally.samples.append(PathSample(record.run_id, record.workload, record.step,
-                                                concrete))
+                tally.samples.append(
+                    PathSample(record.run_id, record.workload, record.step, concrete)
+                )
     pairs = sorted(compared.keys() | diverged.keys())
     ops = sorted({op for _, op in pairs})
-    paths = [PathStats(op, key, t.count, t.first_step, t.last_step, tuple(sorted(t.workloads)),
-                       tuple(sorted(t.kinds)), tuple(t.samples))
-             for (op, key), t in tallies.items()]
+    paths = [
+        PathStats(
+            op,
+            key,
+            t.count,
+            t.first_step,
+            t.last_step,
+            tuple(sorted(t.workloads)),
+            tuple(sorted(t.kinds)),
+            tuple(t.samples),
+        )
+        for (op, key), t in tallies.items()
+    ]
     paths.sort(key=lambda stats: (-stats.count, stats.op, stats.path))
     return Report(
         num_runs=num_runs,
@@ -148,12 +162,25 @@ def aggregate(records: Iterable[LogRecord]) -> Report:
         num_harness_errors=num_harness_errors,
         compare_seconds=compare_seconds,
         authoritative_seconds=authoritative_seconds,
-        ops=tuple(OpStats(op, sum(n for (_, o), n in compared.items() if o == op),
-                          sum(n for (_, o), n in diverged.items() if o == op)) for op in ops),
+        ops=tuple(
+            OpStats(
+                op,
+                sum(n for (_, o), n in compared.items() if o == op),
+                sum(n for (_, o), n in diverged.items() if o == op),
+            )
+            for op in ops
+        ),
         paths=tuple(paths),
-        pairs=tuple(PairStats(workload, op, compared[(workload, op)], diverged[(workload, op)],
-                              _most_common(pair_paths.get((workload, op), Counter())))
-                    for workload, op in pairs),
+        pairs=tuple(
+            PairStats(
+                workload,
+                op,
+                compared[(workload, op)],
+                diverged[(workload, op)],
+                _most_common(pair_paths.get((workload, op), Counter())),
+            )
+            for workload, op in pairs
+        ),
     )
 
 
@@ -162,10 +189,12 @@ def _most_common(counts: Counter[str]) -> tuple[tuple[str, int], ...]:
 
 
 def headline(report: Report) -> str:
-    """"N divergences in M compared ops" (an op compared at one step counts once), and the harness errors if
-    any."""
-    line = (f"{_plural(report.num_divergences, 'divergence')} in "
-            f"{_plural(report.num_compared, 'compared op')}")
+    """ "N divergences in M compared ops" (an op compared at one step counts once), and the harness
+    errors if any."""
+    line = (
+        f"{_plural(report.num_divergences, 'divergence')} in "
+        f"{_plural(report.num_compared, 'compared op')}"
+    )
     if report.num_harness_errors:
         line += f", {_plural(report.num_harness_errors, 'harness error')}"
     return line
@@ -186,12 +215,15 @@ def _steps(stats: PathStats) -> str:
 
 
 def _overhead(report: Report) -> str:
-    line = (f"{_plural(report.num_runs, 'run')}, "
-            f"{_plural(report.num_harness_errors, 'harness error')}")
+    line = (
+        f"{_plural(report.num_runs, 'run')}, {_plural(report.num_harness_errors, 'harness error')}"
+    )
     if report.authoritative_seconds > 0:
-        line += (f"; compare overhead {report.compare_seconds:.3g} s on "
-                 f"{report.authoritative_seconds:.3g} s authoritative "
-                 f"({report.compare_seconds / report.authoritative_seconds:.2f}x)")
+        line += (
+            f"; compare overhead {report.compare_seconds:.3g} s on "
+            f"{report.authoritative_seconds:.3g} s authoritative "
+            f"({report.compare_seconds / report.authoritative_seconds:.2f}x)"
+        )
     return line
 
 
@@ -205,8 +237,12 @@ def render_text(report: Report, *, width: int = 120) -> str:
     for column in ("op", "compared", "divergences", "rate"):
         ops.add_column(column, justify="left" if column == "op" else "right")
     for stats in report.ops:
-        ops.add_row(_terminal(stats.op), str(stats.num_compared), str(stats.num_divergences),
-                    _rate(stats.num_divergences, stats.num_compared))
+        ops.add_row(
+            _terminal(stats.op),
+            str(stats.num_compared),
+            str(stats.num_divergences),
+            _rate(stats.num_divergences, stats.num_compared),
+        )
     console.print(ops)
     if report.paths:
         paths = Table(title="By field path")
@@ -214,16 +250,23 @@ def render_text(report: Report, *, width: int = 120) -> str:
             paths.add_column(column, justify="right" if column == "count" else "left")
         for stats in report.paths:
             sample = stats.samples[0]
-            paths.add_row(_terminal(stats.op), _terminal(stats.path), str(stats.count), _steps(stats),
-                          _terminal(", ".join(stats.workloads)), _terminal(", ".join(stats.kinds)),
-                          _terminal(f"{sample.path} ({sample.workload} step {sample.step})"))
+            paths.add_row(
+                _terminal(stats.op),
+                _terminal(stats.path),
+                str(stats.count),
+                _steps(stats),
+                _terminal(", ".join(stats.workloads)),
+                _terminal(", ".join(stats.kinds)),
+                _terminal(f"{sample.path} ({sample.workload} step {sample.step})"),
+            )
         console.print(paths)
     return out.getvalue()
 
 
 def _terminal(text: str) -> Text:
-    """``text`` for a terminal: plain (no rich markup), each control character written as its escape (``\\x1b``),
-    so ids from a log (anyone's strings) cannot move the cursor or recolour the screen."""
+    """``text`` for a terminal: plain (no rich markup), each control character written as its escape
+    (``\\x1b``), so ids from a log (anyone's strings) cannot move the cursor or recolour the
+    screen."""
     return Text(_CONTROL.sub(_escaped, text))
 
 
@@ -233,19 +276,33 @@ def _escaped(match: re.Match) -> str:
 
 def render_markdown(report: Report, *, max_paths: int = 50) -> str:
     """The report as GitHub-flavoured markdown, sized for a job summary."""
-    lines = [f"### {headline(report)}", "", _overhead(report), "",
-             "| op | compared | divergences | rate |", "|---|---:|---:|---:|"]
-    lines += [f"| {_cell(s.op)} | {s.num_compared} | {s.num_divergences} | "
-              f"{_rate(s.num_divergences, s.num_compared)} |" for s in report.ops]
+    lines = [
+        f"### {headline(report)}",
+        "",
+        _overhead(report),
+        "",
+        "| op | compared | divergences | rate |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {_cell(s.op)} | {s.num_compared} | {s.num_divergences} | "
+        f"{_rate(s.num_divergences, s.num_compared)} |"
+        for s in report.ops
+    ]
     if report.paths:
-        lines += ["", "| op | field path | count | steps | workloads | kinds | example |",
-                  "|---|---|---:|---|---|---|---|"]
+        lines += [
+            "",
+            "| op | field path | count | steps | workloads | kinds | example |",
+            "|---|---|---:|---|---|---|---|",
+        ]
         for stats in report.paths[:max_paths]:
             sample = stats.samples[0]
-            lines.append(f"| {_cell(stats.op)} | {_code(stats.path)} | {stats.count} | "
-                         f"{_steps(stats)} | {_cell(', '.join(stats.workloads))} | "
-                         f"{_cell(', '.join(stats.kinds))} | {_code(sample.path)} "
-                         f"({_cell(sample.workload)} step {sample.step}) |")
+            lines.append(
+                f"| {_cell(stats.op)} | {_code(stats.path)} | {stats.count} | "
+                f"{_steps(stats)} | {_cell(', '.join(stats.workloads))} | "
+                f"{_cell(', '.join(stats.kinds))} | {_code(sample.path)} "
+                f"({_cell(sample.workload)} step {sample.step}) |"
+            )
         if len(report.paths) > max_paths:
             lines += ["", f"... and {len(report.paths) - max_paths} more field paths."]
     return "\n".join(lines) + "\n"
@@ -257,8 +314,8 @@ def _cell(text: str) -> str:
 
 
 def _code(text: str) -> str:
-    """``text`` as a code span in a table cell, fenced by more backticks than it holds in a row (a path may hold
-    backticks: ids are anyone's strings)."""
+    """``text`` as a code span in a table cell, fenced by more backticks than it holds in a row (a
+    path may hold backticks: ids are anyone's strings)."""
     fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
     pad = " " if text.startswith("`") or text.endswith("`") else ""
     return f"{fence}{pad}{_cell(text)}{pad}{fence}"
@@ -270,34 +327,54 @@ def render_junit(report: Report) -> str:
     failed = [pair for pair in report.pairs if pair.num_divergences]
     harness_failed = report.num_harness_errors > 0
     suites = ET.Element("testsuites")
-    suite = ET.SubElement(suites, "testsuite", name="compare",
-                          tests=str(len(report.pairs) + harness_failed),
-                          failures=str(len(failed) + harness_failed), errors="0", skipped="0",
-                          time=f"{report.compare_seconds:.3f}")
+    suite = ET.SubElement(
+        suites,
+        "testsuite",
+        name="compare",
+        tests=str(len(report.pairs) + harness_failed),
+        failures=str(len(failed) + harness_failed),
+        errors="0",
+        skipped="0",
+        time=f"{report.compare_seconds:.3f}",
+    )
     properties = ET.SubElement(suite, "properties")
-    ET.SubElement(properties, "property", name="harness_errors",
-                  value=str(report.num_harness_errors))
+    ET.SubElement(
+        properties, "property", name="harness_errors", value=str(report.num_harness_errors)
+    )
     for pair in report.pairs:
-        case = ET.SubElement(suite, "testcase", classname="compare",
-                             name=_xml(f"{pair.workload}.{pair.op}"))
+        case = ET.SubElement(
+            suite, "testcase", classname="compare", name=_xml(f"{pair.workload}.{pair.op}")
+        )
         if pair.num_divergences:
             failure = ET.SubElement(
-                case, "failure", type="divergence",
-                message=(f"{_plural(pair.num_divergences, 'divergence')} in "
-                         f"{_plural(pair.num_compared, 'compared step')}"))
-            failure.text = _xml("\n".join(f"{count} x {path}"
-                                          for path, count in pair.top_paths[:_TOP_PATHS]))
+                case,
+                "failure",
+                type="divergence",
+                message=(
+                    f"{_plural(pair.num_divergences, 'divergence')} in "
+                    f"{_plural(pair.num_compared, 'compared step')}"
+                ),
+            )
+            failure.text = _xml(
+                "\n".join(f"{count} x {path}" for path, count in pair.top_paths[:_TOP_PATHS])
+            )
     if harness_failed:
         case = ET.SubElement(suite, "testcase", classname="compare", name="harness")
-        ET.SubElement(case, "failure", type="harness_error",
-                      message=f"{_plural(report.num_harness_errors, 'harness error')}: the ops they hit "
-                              f"were not compared")
+        ET.SubElement(
+            case,
+            "failure",
+            type="harness_error",
+            message=(
+                f"{_plural(report.num_harness_errors, 'harness error')}: the ops they hit "
+                "were not compared"
+            ),
+        )
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
 
 def _xml(text: str) -> str:
-    """``text`` with each character XML 1.0 cannot hold (control characters, say) written as its escape (``\\x1b``):
-    ElementTree would write them raw, making the document unreadable."""
+    """``text`` with each character XML 1.0 cannot hold (control characters, say) written as its
+    escape (``\\x1b``): ElementTree would write them raw, making the document unreadable."""
     return _NOT_XML.sub(_escaped, text)
 
 

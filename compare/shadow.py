@@ -80,7 +80,8 @@ def _ignore_divergence(comparison: Comparison, context: Any) -> None:
 
 def _warn_harness_error(operation: str, error: BaseException) -> None:
     """Default `on_harness_error`: warn and carry on (the executor counts every call)."""
-    warnings.warn(f"compare harness failed in {operation}: {exception_text(error)}", HarnessWarning)
+    message = f"compare harness failed in {operation}: {exception_text(error)}"
+    warnings.warn(message, HarnessWarning, stacklevel=2)
 
 
 def _no_context() -> None:
@@ -96,15 +97,20 @@ def _as_observed(authoritative: Observation, shadow: Observation) -> tuple[Any, 
     return authoritative.value, shadow.value
 
 
-def _canonical(canonicalize: Callable[[Observation, Observation], tuple[Any, Any]], authoritative: Observation,
-               shadow: Observation) -> tuple[Any, Any]:
+def _canonical(
+    canonicalize: Callable[[Observation, Observation], tuple[Any, Any]],
+    authoritative: Observation,
+    shadow: Observation,
+) -> tuple[Any, Any]:
     """Both sides' canonical values (the entry of a side that raised is ignored)."""
     authoritative_value, shadow_value = canonicalize(authoritative, shadow)
     return authoritative_value, shadow_value
 
 
 def _with_value(seen: Observation, value: Any) -> Observation:
-    return seen if seen.exception is not None else Observation(seen.path, value, None, seen.duration_s)
+    return (
+        seen if seen.exception is not None else Observation(seen.path, value, None, seen.duration_s)
+    )
 
 
 _HOOKS = frozenset({"fork", "canonicalize", "context"})  # run's optional callables
@@ -115,12 +121,11 @@ class ShadowExecutor:
     """Runs ops on two paths and compares them; mutates only its own counters.
 
     `mode`: "log" reports divergences through `on_divergence`; "raise" also raises
-    `DivergenceError`. `sample` in [0, 1] and `seed` pick the compared steps (every op of a
-    picked step); `ops` limits comparison to those ops (None: all). `ignore` holds path globs (see `compare.diff`).
-    `classify(paths)` names a value divergence, `exception_kind(exc)` an exception divergence.
-    `on_harness_error(operation, error)` receives every failure inside the harness; one that
-    raises makes harness failures fatal (useful in tests). `clock` can be faked in tests.
-    """
+    `DivergenceError`. `sample` in [0, 1] and `seed` pick the compared steps (every op of a picked
+    step); `ops` limits comparison to those ops (None: all). `ignore` holds path globs (see
+    `compare.diff`). `classify(paths)` names a value divergence, `exception_kind(exc)` an exception
+    divergence. `on_harness_error(operation, error)` receives every failure inside the harness; one
+    that raises makes harness failures fatal (useful in tests). `clock` can be faked in tests."""
 
     def __init__(
         self,
@@ -141,7 +146,9 @@ class ShadowExecutor:
         if not 0.0 <= sample <= 1.0:
             raise ValueError(f"sample must be in [0, 1], not {sample!r}")
         if isinstance(ops, str):
-            raise ValueError(f"ops must be a collection of op names, not the string {ops!r} (e.g. [{ops!r}])")
+            raise ValueError(
+                f"ops must be a collection of op names, not the string {ops!r} (e.g. [{ops!r}])"
+            )
         self._mode = mode
         self._sample = sample
         self._seed = seed
@@ -155,14 +162,16 @@ class ShadowExecutor:
         self._num_compared: dict[str, int] = {}
         self._num_divergences: dict[str, int] = {}
         self._num_harness_errors = 0
-        self._fatal: BaseException | None = None  # the last error on_harness_error raised (not funnelled again)
+        # the last error on_harness_error raised (not funnelled again)
+        self._fatal: BaseException | None = None
         self._compare_seconds = 0.0
         self._authoritative_seconds = 0.0
 
     def should_compare(self, op: str, step: int) -> bool:
-        """Whether (op, step) is compared: the ops filter, then whether the step is sampled, by a hash of
-        (seed, step) below `sample` (a sampled step compares all its ops: `sample` is the fraction of
-        steps compared). Deterministic and independent of call order; mutates nothing."""
+        """Whether (op, step) is compared: the ops filter, then whether the step is sampled, by a
+        hash of (seed, step) below `sample` (a sampled step compares all its ops: `sample` is the
+        fraction of steps compared). Deterministic and independent of call order; mutates
+        nothing."""
         if self._ops is not None and op not in self._ops:
             return False
         if self._sample >= 1.0:
@@ -171,18 +180,37 @@ class ShadowExecutor:
         digest = hashlib.blake2b(key, digest_size=8).digest()
         return int.from_bytes(digest, "big") / 2.0**64 < self._sample
 
-    def run(self, op: str, step: int, *, authoritative: Callable[[], R], shadow: Callable[[F], Any], shadow_path: str,
-            authoritative_path: str, **hooks: Any) -> R:
-        """Run one op on both paths when (op, step) is sampled (`should_compare`), else the authoritative
-        path alone; return the authoritative result. Arguments as `run_both`'s (`hooks`: `fork`,
-        `canonicalize`, `context`)."""
+    def run(
+        self,
+        op: str,
+        step: int,
+        *,
+        authoritative: Callable[[], R],
+        shadow: Callable[[F], Any],
+        shadow_path: str,
+        authoritative_path: str,
+        **hooks: Any,
+    ) -> R:
+        """Run one op on both paths when (op, step) is sampled (`should_compare`), else the
+        authoritative path alone; return the authoritative result. Arguments as `run_both`'s
+        (`hooks`: `fork`, `canonicalize`, `context`)."""
         unknown = hooks.keys() - _HOOKS
         if unknown:
-            raise TypeError(f"ShadowExecutor.run() got unknown hooks {sorted(unknown)}; allowed: {sorted(_HOOKS)}")
+            raise TypeError(
+                f"ShadowExecutor.run() got unknown hooks {sorted(unknown)}; allowed:"
+                f" {sorted(_HOOKS)}"
+            )
         if not self.should_compare(op, step):
             return authoritative()
-        return self.run_both(op, step, authoritative=authoritative, shadow=shadow, shadow_path=shadow_path,
-                             authoritative_path=authoritative_path, **hooks)
+        return self.run_both(
+            op,
+            step,
+            authoritative=authoritative,
+            shadow=shadow,
+            shadow_path=shadow_path,
+            authoritative_path=authoritative_path,
+            **hooks,
+        )
 
     def run_both(
         self,
@@ -197,8 +225,8 @@ class ShadowExecutor:
         shadow_path: str,
         authoritative_path: str,
     ) -> R:
-        """Run one op on both paths and return the authoritative result (`run` without the sampling check:
-        for a caller that asked `should_compare` itself).
+        """Run one op on both paths and return the authoritative result (`run` without the sampling
+        check: for a caller that asked `should_compare` itself).
 
         `authoritative()` returns the result; `shadow(fork())` runs the other path on what
         `fork()` returned; `canonicalize(authoritative, shadow)` maps both raw observations
@@ -228,11 +256,14 @@ class ShadowExecutor:
                 try:
                     self._settle(op, step, seen, shadow_seen, captured, canonicalize)
                 except Exception:
-                    pass  # a fatal on_harness_error: counted; the authoritative exception still wins
-                # a hook that raised it again (`try: raise error`) added its frames and context: undone
+                    # a fatal on_harness_error: counted; the authoritative exception still wins
+                    pass
+                # a hook that raised it again (`try: raise error`) added its frames and context:
+                # undone
                 error.__traceback__, error.__context__ = traceback, context
                 raise
-            except BaseException:  # Ctrl-C, SystemExit: the time until then was still the authoritative path's
+            # Ctrl-C, SystemExit: the time until then was still the authoritative path's
+            except BaseException:
                 authoritative_seconds = self._clock() - authoritative_started
                 raise
             authoritative_seconds = self._clock() - authoritative_started
@@ -263,16 +294,25 @@ class ShadowExecutor:
             return Observation(path, None, error, self._clock() - started)
         return Observation(path, value, None, self._clock() - started)
 
-    def _settle(self, op: str, step: int, authoritative: Observation, shadow: Observation, context: Any,
-                canonicalize: Callable[[Observation, Observation], tuple[Any, Any]]) -> Comparison | None:
-        """Canonicalize, compare, count, and report a divergence. Returns the comparison of a divergence;
-        None when the paths matched or the harness failed (the op then counts as a harness error, not as
-        compared).
+    def _settle(
+        self,
+        op: str,
+        step: int,
+        authoritative: Observation,
+        shadow: Observation,
+        context: Any,
+        canonicalize: Callable[[Observation, Observation], tuple[Any, Any]],
+    ) -> Comparison | None:
+        """Canonicalize, compare, count, and report a divergence. Returns the comparison of a
+        divergence; None when the paths matched or the harness failed (the op then counts as a
+        harness error, not as compared).
 
-        Equal canonical forms of two paths that returned are a match with nothing to explain, so only
-        a mismatch builds observations of the canonical values and runs `diff` (whose verdict starts
-        with the same equality)."""
-        forms = self._guard("canonicalize", _canonical, canonicalize, authoritative, shadow, default=_FAILED)
+        Equal canonical forms of two paths that returned are a match with nothing to explain, so
+        only a mismatch builds observations of the canonical values and runs `diff` (whose verdict
+        starts with the same equality)."""
+        forms = self._guard(
+            "canonicalize", _canonical, canonicalize, authoritative, shadow, default=_FAILED
+        )
         if forms is _FAILED:
             return None
         if authoritative.exception is None and shadow.exception is None:
@@ -295,11 +335,20 @@ class ShadowExecutor:
         self._guard("on_divergence", self._on_divergence, comparison, context, default=None)
         return comparison
 
-    def _compare(self, op: str, step: int, authoritative: Observation,
-                 shadow: Observation) -> Comparison:
-        """`compare_observations`, its namers guarded (a failing one leaves the divergence unclassified)."""
-        return compare_observations(op, step, authoritative, shadow, ignore=self._ignore,
-                                    classify=self._guarded_classify, exception_kind=self._guarded_exception_kind)
+    def _compare(
+        self, op: str, step: int, authoritative: Observation, shadow: Observation
+    ) -> Comparison:
+        """`compare_observations`, its namers guarded (a failing one leaves the divergence
+        unclassified)."""
+        return compare_observations(
+            op,
+            step,
+            authoritative,
+            shadow,
+            ignore=self._ignore,
+            classify=self._guarded_classify,
+            exception_kind=self._guarded_exception_kind,
+        )
 
     def _name(self, operation: str, namer: Callable[[Any], str], argument: Any) -> str:
         """Call a classifier; if it fails, report that and keep the divergence as unclassified."""
@@ -311,7 +360,8 @@ class ShadowExecutor:
         try:
             return call(*args)
         except Exception as error:
-            if error is self._fatal:  # a nested guard's failure, already funnelled: on_harness_error raised it
+            # a nested guard's failure, already funnelled: on_harness_error raised it
+            if error is self._fatal:
                 raise
             self._funnel(operation, error)
             return default
@@ -328,12 +378,17 @@ class ShadowExecutor:
 
 def _describe(comparison: Comparison) -> str:
     authoritative, shadow = comparison.authoritative, comparison.shadow
-    lines = [f"{comparison.op} step {comparison.step}: {comparison.kind} divergence, "
-             f"shadow {shadow.path!r} vs authoritative {authoritative.path!r}"]
+    lines = [
+        f"{comparison.op} step {comparison.step}: {comparison.kind} divergence, "
+        f"shadow {shadow.path!r} vs authoritative {authoritative.path!r}"
+    ]
     paths = comparison.field_paths
     if paths:
         more = len(paths) - _MAX_MESSAGE_PATHS
-        lines.append("paths: " + ", ".join(paths[:_MAX_MESSAGE_PATHS])
-                     + (f" (+{more} more)" if more > 0 else ""))
+        lines.append(
+            "paths: "
+            + ", ".join(paths[:_MAX_MESSAGE_PATHS])
+            + (f" (+{more} more)" if more > 0 else "")
+        )
     lines += comparison.exceptions
     return "\n".join(lines)

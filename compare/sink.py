@@ -24,8 +24,8 @@ from compare.records import DivergenceRecord, LogRecord, RecordError, RunSummary
 
 
 class LogWriteError(OSError):
-    """A record, or the flush at close, did not reach the log (a full disk, say). The log still ends in whole
-    records; ``str()`` names the file and the OS's reason."""
+    """A record, or the flush at close, did not reach the log (a full disk, say). The log still ends
+    in whole records; ``str()`` names the file and the OS's reason."""
 
     def __init__(self, path: Path, error: OSError):
         super().__init__(error.errno, f"{path}: a write failed: {error.strerror or error}")
@@ -37,38 +37,40 @@ class LogWriteError(OSError):
 class JsonlSink:
     """Appends records to a JSON Lines file, one line per record.
 
-    Mutates the file and its own descriptor. The file and its parent directories are created on
-    the first write (or `open`). If the file ends in a line torn by an earlier crash, the first write cuts
-    that partial line off (with a warning), so the log stays readable and the new record never
-    fuses with it; a last line that is whole JSON but lacks its newline gets one (kept, even if it is no valid
-    record: the reader then names it). One writer per file.
-    """
+    Mutates the file and its own descriptor. The file and its parent directories are created on the
+    first write (or `open`). If the file ends in a line torn by an earlier crash, the first write
+    cuts that partial line off (with a warning), so the log stays readable and the new record never
+    fuses with it; a last line that is whole JSON but lacks its newline gets one (kept, even if it
+    is no valid record: the reader then names it). One writer per file."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._fd: int | None = None
 
     def write(self, record: DivergenceRecord | RunSummary) -> None:
-        """Append ``record`` as one line. A write that fails part way (a full disk) is cut off again before
-        the error propagates (LogWriteError), so the next record never fuses with a partial line."""
+        """Append ``record`` as one line. A write that fails part way (a full disk) is cut off again
+        before the error propagates (LogWriteError), so the next record never fuses with a partial
+        line."""
         data = (record.model_dump_json() + "\n").encode()
         self.open()
         size = os.fstat(self._fd).st_size
         view = memoryview(data)
         try:
             while view:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
         except BaseException as error:
-            if os.fstat(self._fd).st_size != size:  # part of the line made it (maybe before a signal)
+            # part of the line made it (maybe before a signal)
+            if os.fstat(self._fd).st_size != size:
                 os.ftruncate(self._fd, size)
             if isinstance(error, OSError):
                 raise LogWriteError(self.path, error) from error
             raise
 
     def open(self) -> None:
-        """Open the file now (the first write does otherwise), creating it and its parent directories: an
-        unwritable path fails here, before any work. OSError when it cannot be opened; RecordError, the file
-        untouched, when it is not empty and not a log (its first line is no record)."""
+        """Open the file now (the first write does otherwise), creating it and its parent
+        directories: an unwritable path fails here, before any work. OSError when it cannot be
+        opened; RecordError, the file untouched, when it is not empty and not a log (its first line
+        is no record)."""
         if self._fd is None:
             self._fd = self._open()
             self._closer = weakref.finalize(self, os.close, self._fd)
@@ -80,7 +82,8 @@ class JsonlSink:
             self._end_last_line()
 
     def close(self) -> None:
-        """Flush the file to disk and close it (LogWriteError when the flush fails); a later write reopens it."""
+        """Flush the file to disk and close it (LogWriteError when the flush fails); a later write
+        reopens it."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             self._closer.detach()
@@ -94,8 +97,12 @@ class JsonlSink:
     def __enter__(self) -> JsonlSink:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         self.close()
 
     def _open(self) -> int:
@@ -103,24 +110,29 @@ class JsonlSink:
         return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _end_last_line(self) -> None:
-        """Make the file end in a newline: a last line without one is cut off with a warning if it is torn
-        (a write cut short by a crash, as `read_log` tells), else ended. Mutates the file."""
+        """Make the file end in a newline: a last line without one is cut off with a warning if it
+        is torn (a write cut short by a crash, as `read_log` tells), else ended. Mutates the
+        file."""
         tail = _last_line(self._fd)
         if not tail:
             return
         if _is_torn(tail):
-            warnings.warn(f"{self.path}: last line was cut short (earlier crash?); "
-                          f"dropping its {len(tail)} bytes before appending")
+            warnings.warn(
+                f"{self.path}: last line was cut short (earlier crash?); "
+                f"dropping its {len(tail)} bytes before appending",
+                stacklevel=2,
+            )
             os.ftruncate(self._fd, os.fstat(self._fd).st_size - len(tail))
             return
         os.write(self._fd, b"\n")
 
 
 def check_log_file(path: str | Path) -> None:
-    """RecordError when ``path`` holds something other than a divergence log, which `JsonlSink` would refuse
-    to append to; nothing when it is a log, empty, or absent. Pure."""
+    """RecordError when ``path`` holds something other than a divergence log, which `JsonlSink`
+    would refuse to append to; nothing when it is a log, empty, or absent. Pure."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: a FIFO without a writer must not hang
+        # non-blocking: a FIFO without a writer must not hang
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return  # absent or unreadable: opening it for appending says what is wrong
     try:
@@ -130,13 +142,15 @@ def check_log_file(path: str | Path) -> None:
 
 
 def _check_is_a_log(fd: int, path: Path) -> None:
-    """RecordError unless the file is empty or blank, or its first line that is not blank is a JSON object with a
-    ``schema_version`` (a record, maybe of a newer version) or, alone and without its newline, the start of one
-    cut short by a crash (``_end_last_line`` drops it). Appending to any other file (a workload, a report) would
-    change it; what is not a regular file (``/dev/full``, a FIFO) is not read. Pure."""
+    """RecordError unless the file is empty or blank, or its first line that is not blank is a JSON
+    object with a ``schema_version`` (a record, maybe of a newer version) or, alone and without its
+    newline, the start of one cut short by a crash (``_end_last_line`` drops it). Appending to any
+    other file (a workload, a report) would change it; what is not a regular file (``/dev/full``, a
+    FIFO) is not read. Pure."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         return
-    with os.fdopen(os.dup(fd), "rb") as file:  # its own descriptor: closing it leaves the sink's open
+    # its own descriptor: closing it leaves the sink's open
+    with os.fdopen(os.dup(fd), "rb") as file:
         file.seek(0)
         first = next((raw for raw in file if raw.strip()), b"")  # read_log skips blank lines too
     line, newline = first.strip(), first.endswith(b"\n")
@@ -149,14 +163,17 @@ def _check_is_a_log(fd: int, path: Path) -> None:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         data = None
     if not (isinstance(data, dict) and "schema_version" in data):
-        raise RecordError(f"{path}: not a divergence log (its first line is no record), so nothing is "
-                          f"appended to it; name a new file or an existing log")
+        raise RecordError(
+            f"{path}: not a divergence log (its first line is no record), so nothing is "
+            "appended to it; name a new file or an existing log"
+        )
 
 
 def _is_torn(tail: bytes) -> bool:
-    """Whether a last line without its newline is a write cut short: not UTF-8 or not whole JSON (no prefix of a
-    record's JSON object is whole JSON). A whole JSON value is a line as written, valid record or not, and so is
-    one nesting too deeply to parse: nothing shows it was cut short. Pure."""
+    """Whether a last line without its newline is a write cut short: not UTF-8 or not whole JSON (no
+    prefix of a record's JSON object is whole JSON). A whole JSON value is a line as written, valid
+    record or not, and so is one nesting too deeply to parse: nothing shows it was cut short.
+    Pure."""
     try:
         json.loads(tail.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -167,7 +184,8 @@ def _is_torn(tail: bytes) -> bool:
 
 
 def _last_line(fd: int, chunk: int = 1 << 16) -> bytes:
-    """The bytes after the file's last newline (b"" when it ends in one, or is empty). Reads only the tail."""
+    """The bytes after the file's last newline (b"" when it ends in one, or is empty). Reads only
+    the tail."""
     end = size = os.fstat(fd).st_size
     while end > 0:
         start = max(0, end - chunk)
@@ -194,8 +212,8 @@ def read_log(path: str | Path) -> LogReadResult:
 
     Blank lines are ignored. A last line without a trailing newline that is not whole JSON (a write
     cut short) is skipped with a warning; any other bad line (one of a newer schema version too)
-    raises RecordError naming `file:line` and the reason. A missing or unreadable file raises RecordError too.
-    """
+    raises RecordError naming `file:line` and the reason. A missing or unreadable file raises
+    RecordError too."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -223,8 +241,9 @@ def _parse(path: Path, number: int, raw: bytes) -> LogRecord:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise RecordError(f"{path}:{number}: invalid UTF-8 at byte {error.start} of the line") \
-            from None
+        raise RecordError(
+            f"{path}:{number}: invalid UTF-8 at byte {error.start} of the line"
+        ) from None
     try:
         return parse_record(text)
     except RecordError as error:

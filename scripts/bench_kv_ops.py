@@ -52,15 +52,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from output_path import output_path, write_output
 from rich.console import Console
 from rich.table import Table
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
-from batchgen.model.null_model import NullModel
-from batchgen.kv.gate import KV_OPS, KvGateConfig
 from batchgen.engine.state import Request, WorkerStats
 from batchgen.engine.worker import Worker
-from output_path import output_path, write_output
+from batchgen.kv.gate import KV_OPS, KvGateConfig
+from batchgen.model.null_model import NullModel
 
 PATHS = ("legacy", "plan")
 MIXES = ("decode", "pressure")
@@ -68,12 +68,14 @@ PAGE_SIZE = 16
 VOCAB = 64  # the sampler's cost grows with the vocabulary; it is not timed, but it is waited for
 PROMPT_TOKENS = (8, 48)
 NEW_TOKENS = {"decode": (96, 256), "pressure": (32, 128)}
-POOL_FRACTION = {"decode": (1.1, 0.1), "pressure": (0.3, 0.2)}  # GPU, host: fraction of the live demand
+# GPU, host: fraction of the live demand
+POOL_FRACTION = {"decode": (1.1, 0.1), "pressure": (0.3, 0.2)}
 
 
 @dataclass
 class Run:
-    """One path on one (mix, size) for one repeat: KV nanoseconds per op and the window's counters."""
+    """One path on one (mix, size) for one repeat: KV nanoseconds per op and the window's
+    counters."""
 
     ns_by_op: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KV_OPS, 0))
     stats: dict[str, int] = field(default_factory=dict)
@@ -87,7 +89,8 @@ CLOCKS = {"cpu": time.thread_time_ns, "wall": time.perf_counter_ns}
 
 
 def clock_overhead_ns(clock) -> int:
-    """What one timed interval adds by itself (a CPU-time read is a system call): subtracted per call."""
+    """What one timed interval adds by itself (a CPU-time read is a system call): subtracted per
+    call."""
     return min(statistics.median(-clock() + clock() for _ in range(2000)) for _ in range(5))
 
 
@@ -134,7 +137,11 @@ class RequestStream:
         prompt_len = self.rng.randint(*PROMPT_TOKENS)
         max_new = self.rng.randint(*NEW_TOKENS[self.mix])
         self.num_made += 1
-        return Request(f"q{self.num_made}", tuple(self.rng.randrange(1, VOCAB) for _ in range(prompt_len)), max_new)
+        return Request(
+            f"q{self.num_made}",
+            tuple(self.rng.randrange(1, VOCAB) for _ in range(prompt_len)),
+            max_new,
+        )
 
 
 def configs(mix: str, num_requests: int) -> tuple[CacheConfig, EngineConfig]:
@@ -143,24 +150,40 @@ def configs(mix: str, num_requests: int) -> tuple[CacheConfig, EngineConfig]:
     gpu_fraction, host_fraction = POOL_FRACTION[mix]
     demand = max_pages if mix == "decode" else mean_pages
     num_gpu_pages = max(round(num_requests * demand * gpu_fraction), 2 * max_pages)
-    cache = CacheConfig(page_size=PAGE_SIZE, num_gpu_pages=num_gpu_pages,
-                        num_host_pages=round(num_requests * mean_pages * host_fraction), watermark=0.01)
-    engine = EngineConfig(max_num_seqs=num_requests, max_num_batched_tokens=num_requests * PROMPT_TOKENS[1])
+    cache = CacheConfig(
+        page_size=PAGE_SIZE,
+        num_gpu_pages=num_gpu_pages,
+        num_host_pages=round(num_requests * mean_pages * host_fraction),
+        watermark=0.01,
+    )
+    engine = EngineConfig(
+        max_num_seqs=num_requests, max_num_batched_tokens=num_requests * PROMPT_TOKENS[1]
+    )
     return cache, engine
 
 
-def run_once(path: str, mix: str, num_requests: int, *, warmup: int, steps: int, seed: int, clock: str) -> Run:
-    """Keep ``num_requests`` live for warmup + steps steps; time the KV ops of the last ``steps``."""
+def run_once(
+    path: str, mix: str, num_requests: int, *, warmup: int, steps: int, seed: int, clock: str
+) -> Run:
+    """Keep ``num_requests`` live for warmup + steps steps; time the KV ops of the last
+    ``steps``."""
     cache, engine = configs(mix, num_requests)
     model = NullModel(TINY_MODELS["tiny"].model_copy(update={"vocab_size": VOCAB}))
-    worker = Worker(model, cache_config=cache, engine_config=engine, kv_gate=KvGateConfig(path=path), kv_storage=False)
+    worker = Worker(
+        model,
+        cache_config=cache,
+        engine_config=engine,
+        kv_gate=KvGateConfig(path=path),
+        kv_storage=False,
+    )
     run = Run()
     timed = worker._kv = TimedKvPath(worker._kv, run, CLOCKS[clock])
     stream = RequestStream(mix, seed)
     for _ in range(num_requests):
         worker.add_request(stream.next())
     before = None
-    gc.collect()  # start each run from the same collector state; collections inside a KV op still count
+    # start each run from the same collector state; collections inside a KV op still count
+    gc.collect()
     for step in range(warmup + steps):
         if step == warmup:
             timed.timing, before = True, _counters(worker.state.stats)
@@ -173,18 +196,33 @@ def run_once(path: str, mix: str, num_requests: int, *, warmup: int, steps: int,
 
 
 def _counters(stats: WorkerStats) -> dict[str, int]:
-    return {name: getattr(stats, name) for name in ("evictions", "loads", "recompute_preemptions", "tokens_generated")}
+    return {
+        name: getattr(stats, name)
+        for name in ("evictions", "loads", "recompute_preemptions", "tokens_generated")
+    }
 
 
 def measure(mix: str, num_requests: int, args: argparse.Namespace) -> dict[str, list[Run]]:
     runs: dict[str, list[Run]] = {path: [] for path in PATHS}
     for repeat in range(args.repeats):
         for path in PATHS if repeat % 2 == 0 else PATHS[::-1]:
-            runs[path].append(run_once(path, mix, num_requests, warmup=args.warmup, steps=args.steps, seed=args.seed,
-                                          clock=args.clock))
+            runs[path].append(
+                run_once(
+                    path,
+                    mix,
+                    num_requests,
+                    warmup=args.warmup,
+                    steps=args.steps,
+                    seed=args.seed,
+                    clock=args.clock,
+                )
+            )
     legacy_stats, plan_stats = runs["legacy"][0].stats, runs["plan"][0].stats
     if legacy_stats != plan_stats:
-        raise SystemExit(f"{mix} x {num_requests}: the paths disagree: legacy {legacy_stats} vs plan {plan_stats}")
+        raise SystemExit(
+            f"{mix} x {num_requests}: the paths disagree: legacy {legacy_stats} vs plan"
+            f" {plan_stats}"
+        )
     return runs
 
 
@@ -199,54 +237,97 @@ def summarise(mix: str, num_requests: int, runs: dict[str, list[Run]], steps: in
         "ratio_plan_legacy": statistics.median(ratios),
         "ratios": ratios,
         "us_per_step_samples": per_step,
-        "us_per_step_by_op": {path: {op: statistics.median(r.ns_by_op[op] / steps / 1000 for r in runs[path])
-                                     for op in KV_OPS} for path in PATHS},
+        "us_per_step_by_op": {
+            path: {
+                op: statistics.median(r.ns_by_op[op] / steps / 1000 for r in runs[path])
+                for op in KV_OPS
+            }
+            for path in PATHS
+        },
         "window_stats": runs["legacy"][0].stats,
     }
 
 
 def measure_in_processes(args: argparse.Namespace, console: Console) -> list[dict]:
-    """Every cell measured in ``args.processes`` fresh interpreters, one after another (this script with
-    ``--processes 1``, each with its own hash seed: an inherited ``PYTHONHASHSEED`` is not passed on); per
-    cell, the median of the per-process figures. SystemExit (exit 1) naming a failing process, its exit
-    status and its last error line, or one that ran past ``--process-timeout`` seconds (it is killed)."""
+    """Every cell measured in ``args.processes`` fresh interpreters, one after another (this script
+    with ``--processes 1``, each with its own hash seed: an inherited ``PYTHONHASHSEED`` is not
+    passed on); per cell, the median of the per-process figures. SystemExit (exit 1) naming a
+    failing process, its exit status and its last error line, or one that ran past
+    ``--process-timeout`` seconds (it is killed)."""
     runs: list[list[dict]] = []
     env = {name: value for name, value in os.environ.items() if name != "PYTHONHASHSEED"}
     with tempfile.TemporaryDirectory() as scratch:
         for k in range(args.processes):
             out = Path(scratch) / f"process{k}.json"
             try:
-                done = subprocess.run([sys.executable, __file__, *child_argv(args), "--json-out", str(out)],
-                                      capture_output=True, text=True, env=env, timeout=args.process_timeout)
+                done = subprocess.run(
+                    [sys.executable, __file__, *child_argv(args), "--json-out", str(out)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=args.process_timeout,
+                )
             except subprocess.TimeoutExpired:
-                raise SystemExit(f"process {k + 1} of {args.processes} ran past --process-timeout "
-                                 f"{args.process_timeout:g} s and was stopped") from None
+                raise SystemExit(
+                    f"process {k + 1} of {args.processes} ran past --process-timeout "
+                    f"{args.process_timeout:g} s and was stopped"
+                ) from None
             if done.returncode != 0:
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                raise SystemExit(f"process {k + 1} of {args.processes} failed (exit {done.returncode}): {last}")
+                raise SystemExit(
+                    f"process {k + 1} of {args.processes} failed (exit {done.returncode}): {last}"
+                )
             runs.append(json.loads(out.read_text())["rows"])
-            console.log(f"process {k + 1}/{args.processes}: " + ", ".join(
-                f"{row['mix']} x {row['num_requests']} {row['ratio_plan_legacy']:.3f}" for row in runs[-1]))
+            console.log(
+                f"process {k + 1}/{args.processes}: "
+                + ", ".join(
+                    f"{row['mix']} x {row['num_requests']} {row['ratio_plan_legacy']:.3f}"
+                    for row in runs[-1]
+                )
+            )
     return [merge_processes(cells) for cells in zip(*runs, strict=True)]
 
 
 def child_argv(args: argparse.Namespace) -> list[str]:
-    """The command-line options of one process of ``--processes``: the same cells, steps and repeats. Pure."""
-    return ["--sizes", ",".join(map(str, args.sizes)), "--mixes", ",".join(args.mixes), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--clock", args.clock,
-            "--seed", str(args.seed), "--processes", "1"]
+    """The command-line options of one process of ``--processes``: the same cells, steps and
+    repeats. Pure."""
+    return [
+        "--sizes",
+        ",".join(map(str, args.sizes)),
+        "--mixes",
+        ",".join(args.mixes),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--repeats",
+        str(args.repeats),
+        "--clock",
+        args.clock,
+        "--seed",
+        str(args.seed),
+        "--processes",
+        "1",
+    ]
 
 
 def merge_processes(cells: Sequence[dict]) -> dict:
-    """One cell's rows from several processes as one row: medians of their per-step figures and ratios, every
-    repeat's ratio, and each process's ratio (``process_ratios``). SystemExit when the processes' timed
-    windows differ (the trace is seeded: they must not). Pure otherwise."""
+    """One cell's rows from several processes as one row: medians of their per-step figures and
+    ratios, every repeat's ratio, and each process's ratio (``process_ratios``). SystemExit when the
+    processes' timed windows differ (the trace is seeded: they must not). Pure otherwise."""
     first = cells[0]
     if any(cell["window_stats"] != first["window_stats"] for cell in cells):
-        raise SystemExit(f"{first['mix']} x {first['num_requests']}: the processes' timed windows differ: "
-                         f"{[cell['window_stats'] for cell in cells]}")
-    by_op = {path: {op: statistics.median(cell["us_per_step_by_op"][path][op] for cell in cells) for op in KV_OPS}
-             for path in PATHS}
+        raise SystemExit(
+            f"{first['mix']} x {first['num_requests']}: the processes' timed windows differ: "
+            f"{[cell['window_stats'] for cell in cells]}"
+        )
+    by_op = {
+        path: {
+            op: statistics.median(cell["us_per_step_by_op"][path][op] for cell in cells)
+            for op in KV_OPS
+        }
+        for path in PATHS
+    }
     return {
         **first,
         "legacy_us_per_step": statistics.median(cell["legacy_us_per_step"] for cell in cells),
@@ -254,23 +335,40 @@ def merge_processes(cells: Sequence[dict]) -> dict:
         "ratio_plan_legacy": statistics.median(cell["ratio_plan_legacy"] for cell in cells),
         "process_ratios": [cell["ratio_plan_legacy"] for cell in cells],
         "ratios": [ratio for cell in cells for ratio in cell["ratios"]],
-        "us_per_step_samples": {path: [x for cell in cells for x in cell["us_per_step_samples"][path]] for path in PATHS},
+        "us_per_step_samples": {
+            path: [x for cell in cells for x in cell["us_per_step_samples"][path]] for path in PATHS
+        },
         "us_per_step_by_op": by_op,
     }
 
 
 def render(rows: Sequence[dict], title: str) -> Table:
     table = Table(title=title)
-    for column in ("mix", "requests", "legacy us/step", "plan us/step", "plan/legacy", "evictions", "loads",
-                   "recomputes", "legacy x vs N0", "plan x vs N0"):
+    for column in (
+        "mix",
+        "requests",
+        "legacy us/step",
+        "plan us/step",
+        "plan/legacy",
+        "evictions",
+        "loads",
+        "recomputes",
+        "legacy x vs N0",
+        "plan x vs N0",
+    ):
         table.add_column(column, justify="left" if column == "mix" else "right")
     base: dict[str, dict] = {}
     for row in rows:
         first = base.setdefault(row["mix"], row)
         stats = row["window_stats"]
         table.add_row(
-            row["mix"], str(row["num_requests"]), f"{row['legacy_us_per_step']:.0f}", f"{row['plan_us_per_step']:.0f}",
-            f"{row['ratio_plan_legacy']:.2f}", str(stats["evictions"]), str(stats["loads"]),
+            row["mix"],
+            str(row["num_requests"]),
+            f"{row['legacy_us_per_step']:.0f}",
+            f"{row['plan_us_per_step']:.0f}",
+            f"{row['ratio_plan_legacy']:.2f}",
+            str(stats["evictions"]),
+            str(stats["loads"]),
             str(stats["recompute_preemptions"]),
             f"{row['legacy_us_per_step'] / first['legacy_us_per_step']:.1f}",
             f"{row['plan_us_per_step'] / first['plan_us_per_step']:.1f}",
@@ -286,35 +384,79 @@ def render_ops(rows: Sequence[dict]) -> Table:
         table.add_column(op, justify="right")
     for row in rows:
         by_op = row["us_per_step_by_op"]
-        table.add_row(row["mix"], str(row["num_requests"]),
-                      *(f"{by_op['legacy'][op]:.0f} / {by_op['plan'][op]:.0f}" for op in KV_OPS))
+        table.add_row(
+            row["mix"],
+            str(row["num_requests"]),
+            *(f"{by_op['legacy'][op]:.0f} / {by_op['plan'][op]:.0f}" for op in KV_OPS),
+        )
     return table
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
     )
-    parser.add_argument("--sizes", default="64,512,4096",
-                        help="comma list of concurrent request counts (default 64,512,4096)")
-    parser.add_argument("--mixes", default=",".join(MIXES), help="comma list of decode, pressure (default both)")
-    parser.add_argument("--steps", type=int, default=200,
-                        help="timed steps per run (default 200: at 64 requests a shorter window holds too few "
-                             "finishes, evictions and loads; 30-step windows of one run differ by up to 10%%)")
-    parser.add_argument("--warmup", type=int, default=24,
-                        help="untimed steps before timing, past the first admissions (default 24)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per path; the median is shown (default 3)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                        help="cpu: this thread's CPU time (steadier on shared, busy cores); wall: elapsed (default cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the request stream (default 0)")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="fresh interpreter processes to measure every cell in, one after another; a cell's "
-                             "ratio is the median of theirs (default 1: this process)")
-    parser.add_argument("--process-timeout", type=float, metavar="SECONDS",
-                        help="with --processes: stop (and fail) a process still running after this many seconds "
-                             "(default: no limit)")
-    parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
+    parser.add_argument(
+        "--sizes",
+        default="64,512,4096",
+        help="comma list of concurrent request counts (default 64,512,4096)",
+    )
+    parser.add_argument(
+        "--mixes", default=",".join(MIXES), help="comma list of decode, pressure (default both)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=200,
+        help=(
+            "timed steps per run (default 200: at 64 requests a shorter window holds too few "
+            "finishes, evictions and loads; 30-step windows of one run differ by up to 10%%)"
+        ),
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=24,
+        help="untimed steps before timing, past the first admissions (default 24)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per path; the median is shown (default 3)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help=(
+            "cpu: this thread's CPU time (steadier on shared, busy cores); wall: elapsed (default"
+            " cpu)"
+        ),
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the request stream (default 0)"
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help=(
+            "fresh interpreter processes to measure every cell in, one after another; a cell's "
+            "ratio is the median of theirs (default 1: this process)"
+        ),
+    )
+    parser.add_argument(
+        "--process-timeout",
+        type=float,
+        metavar="SECONDS",
+        help=(
+            "with --processes: stop (and fail) a process still running after this many seconds "
+            "(default: no limit)"
+        ),
+    )
+    parser.add_argument(
+        "--json-out", type=output_path, help="write the figures as JSON to this path"
+    )
     args = parser.parse_args()
     try:
         args.sizes = [int(size) for size in args.sizes.split(",")]
@@ -328,13 +470,16 @@ def parse_args() -> argparse.Namespace:
     if args.steps < 1 or args.repeats < 1 or args.processes < 1 or args.warmup < 0:
         parser.error("--steps, --repeats and --processes must be >= 1, --warmup >= 0")
     if args.process_timeout is not None and not args.process_timeout > 0:
-        parser.error(f"--process-timeout must be a number of seconds > 0, got {args.process_timeout:g}")
+        parser.error(
+            f"--process-timeout must be a number of seconds > 0, got {args.process_timeout:g}"
+        )
     return args
 
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(1)  # the untimed sampler's tiny ops; fewer threads are steadier on shared cores
+    # the untimed sampler's tiny ops; fewer threads are steadier on shared cores
+    torch.set_num_threads(1)
     console = Console(width=132)
     started = time.perf_counter()
     if args.processes > 1:
@@ -343,32 +488,67 @@ def main() -> None:
         rows = []
         for mix in args.mixes:
             for num_requests in args.sizes:
-                rows.append(summarise(mix, num_requests, measure(mix, num_requests, args), args.steps))
-                console.log(f"{mix} x {num_requests}: ratio plan/legacy {rows[-1]['ratio_plan_legacy']:.2f}")
-    machine = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch thread"
-    runs = f"median of {args.repeats}" if args.processes == 1 else f"median of {args.processes} processes x {args.repeats}"
-    title = (f"KV bookkeeping per step ({args.clock} clock, {args.steps} timed steps after {args.warmup}, "
-             f"{runs}, legacy and plan interleaved) on {machine}")
+                rows.append(
+                    summarise(mix, num_requests, measure(mix, num_requests, args), args.steps)
+                )
+                console.log(
+                    f"{mix} x {num_requests}: ratio plan/legacy {rows[-1]['ratio_plan_legacy']:.2f}"
+                )
+    machine = (
+        f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch thread"
+    )
+    runs = (
+        f"median of {args.repeats}"
+        if args.processes == 1
+        else f"median of {args.processes} processes x {args.repeats}"
+    )
+    title = (
+        f"KV bookkeeping per step ({args.clock} clock, {args.steps} timed steps after"
+        f" {args.warmup}, {runs}, legacy and plan interleaved) on {machine}"
+    )
     console.print(render(rows, title))
     console.print(render_ops(rows))
     if args.processes > 1:
         for row in rows:
             low, high = min(row["process_ratios"]), max(row["process_ratios"])
-            console.print(f"{row['mix']} x {row['num_requests']}: plan/legacy per process {low:.3f}-{high:.3f}")
-    quiet = [row for row in rows if row["mix"] == "pressure"
-             and not (row["window_stats"]["evictions"] and row["window_stats"]["loads"])]
+            console.print(
+                f"{row['mix']} x {row['num_requests']}: plan/legacy per process"
+                f" {low:.3f}-{high:.3f}"
+            )
+    quiet = [
+        row
+        for row in rows
+        if row["mix"] == "pressure"
+        and not (row["window_stats"]["evictions"] and row["window_stats"]["loads"])
+    ]
     for row in quiet:
-        console.print(f"[bold red]warning: pressure x {row['num_requests']}: the timed window did not both evict and migrate[/]")
+        console.print(
+            f"[bold red]warning: pressure x {row['num_requests']}: the timed window did not both"
+            " evict and migrate[/]"
+        )
     worst = max(rows, key=lambda row: row["ratio_plan_legacy"])
     verdict = "met" if worst["ratio_plan_legacy"] <= 1.0 else "NOT met"
-    console.print(f"goal plan <= 1.0x legacy at every size: {verdict} "
-                  f"(worst {worst['ratio_plan_legacy']:.2f}x: {worst['mix']} x {worst['num_requests']})")
+    console.print(
+        f"goal plan <= 1.0x legacy at every size: {verdict} "
+        f"(worst {worst['ratio_plan_legacy']:.2f}x: {worst['mix']} x {worst['num_requests']})"
+    )
     if args.json_out:
-        write_output(args.json_out, json.dumps({
-            "benchmark": "kv_ops", "machine": machine, "python": platform.python_version(),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "wall_s": round(time.perf_counter() - started, 1), "rows": rows,
-        }, indent=2))
+        write_output(
+            args.json_out,
+            json.dumps(
+                {
+                    "benchmark": "kv_ops",
+                    "machine": machine,
+                    "python": platform.python_version(),
+                    "args": {
+                        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    },
+                    "wall_s": round(time.perf_counter() - started, 1),
+                    "rows": rows,
+                },
+                indent=2,
+            ),
+        )
         console.print(f"wrote {args.json_out}")
 
 

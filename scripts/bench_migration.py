@@ -32,14 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from output_path import output_path, write_output
 from rich.console import Console
 from rich.table import Table
 
 from batchgen.config import TINY_MODELS
+from batchgen.kv.page_copy import copy_pages, new_page_tensor
 from batchgen.model.loader import host_memory_available
 from batchgen.model.paged_kv import kv_page_shape
-from batchgen.kv.page_copy import copy_pages, new_page_tensor
-from output_path import output_path, write_output
 
 PAGE_SIZE = 16
 DTYPE = torch.float32
@@ -60,23 +60,41 @@ def parse_args() -> argparse.Namespace:
         epilog="Variants are measured interleaved in one run; compare ratios, not absolute GiB/s.",
     )
     parser.add_argument("--pages", type=int, default=1024, help="pages per batch (default 1024)")
-    parser.add_argument("--page-kib", type=int, default=128, help="page size in KiB, a multiple of 4 (default 128)")
-    parser.add_argument("--repeats", type=int, default=9, help="timed repeats per variant, median shown (default 9)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the GPU pool is (default cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the scattered ids (default 0)")
-    parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
+    parser.add_argument(
+        "--page-kib", type=int, default=128, help="page size in KiB, a multiple of 4 (default 128)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="timed repeats per variant, median shown (default 9)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the GPU pool is (default cpu)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed for the scattered ids (default 0)"
+    )
+    parser.add_argument(
+        "--json-out", type=output_path, help="write the figures as JSON to this path"
+    )
     args = parser.parse_args()
     if args.pages < 1 or args.repeats < 1:
         parser.error("--pages and --repeats must be >= 1")
     if args.page_kib <= 0 or args.page_kib % 4:
-        parser.error("--page-kib must be a positive multiple of 4 (one layer of the tiny page is 4 KiB)")
+        parser.error(
+            "--page-kib must be a positive multiple of 4 (one layer of the tiny page is 4 KiB)"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs CUDA, which this machine lacks")
-    host_bytes = (4 if args.device == "cpu" else 2) * args.pages * args.page_kib * 1024  # pools of 2 x --pages
+    # pools of 2 x --pages
+    host_bytes = (4 if args.device == "cpu" else 2) * args.pages * args.page_kib * 1024
     available = host_memory_available()
     if available is not None and host_bytes > available:
-        parser.error(f"--pages {args.pages} x --page-kib {args.page_kib} needs {host_bytes / 2**30:.1f} GiB of host "
-                     f"memory for its pools; {available / 2**30:.1f} GiB is available")
+        parser.error(
+            f"--pages {args.pages} x --page-kib {args.page_kib} needs {host_bytes / 2**30:.1f} GiB"
+            f" of host memory for its pools; {available / 2**30:.1f} GiB is available"
+        )
     return args
 
 
@@ -88,8 +106,11 @@ def page_shape(page_kib: int, num_pages: int) -> tuple[int, ...]:
     return kv_page_shape(scaled, PAGE_SIZE, num_pages)
 
 
-def build_variants(gpu_pool: torch.Tensor, host_pool: torch.Tensor, num_pages: int, seed: int) -> list[Variant]:
-    """The compared variants over the two pools; each call of theirs overwrites pages of one pool."""
+def build_variants(
+    gpu_pool: torch.Tensor, host_pool: torch.Tensor, num_pages: int, seed: int
+) -> list[Variant]:
+    """The compared variants over the two pools; each call of theirs overwrites pages of one
+    pool."""
     rng = random.Random(seed)
     consecutive = list(range(num_pages))
     scattered_gpu_ids = rng.sample(range(len(gpu_pool)), num_pages)
@@ -148,7 +169,9 @@ def seconds(copy: Callable[[], None], device: str) -> float:
     return time.perf_counter() - started
 
 
-def measure(variants: list[Variant], repeats: int, device: str) -> dict[str, dict[str, list[float]]]:
+def measure(
+    variants: list[Variant], repeats: int, device: str
+) -> dict[str, dict[str, list[float]]]:
     """Seconds per variant and direction; variants interleaved, order rotated each repeat."""
     for variant in variants:  # warm-up: first touch of the pools, lazy inits
         variant.offload()
@@ -164,7 +187,10 @@ def measure(variants: list[Variant], repeats: int, device: str) -> dict[str, dic
 
 def summarise(timings: dict[str, dict[str, list[float]]], batch_bytes: int) -> list[dict]:
     """Median seconds, GiB/s and ratio to raw per variant and direction."""
-    raw = {direction: statistics.median(timings["raw"][direction]) for direction in ("offload", "reload")}
+    raw = {
+        direction: statistics.median(timings["raw"][direction])
+        for direction in ("offload", "reload")
+    }
     rows = []
     for name, by_direction in timings.items():
         row: dict = {"variant": name}
@@ -203,16 +229,20 @@ def main() -> None:
     args = parse_args()
     pool_shape = page_shape(args.page_kib, 2 * args.pages)
     gpu_pool = torch.randn(pool_shape, dtype=DTYPE, device=args.device)
-    host_pool = new_page_tensor(pool_shape, dtype=DTYPE, device="cpu", pin_memory=args.device == "cuda")
+    host_pool = new_page_tensor(
+        pool_shape, dtype=DTYPE, device="cpu", pin_memory=args.device == "cuda"
+    )
     page_bytes = gpu_pool[0].numel() * gpu_pool.element_size()
     batch_bytes = args.pages * page_bytes
 
-    timings = measure(build_variants(gpu_pool, host_pool, args.pages, args.seed), args.repeats, args.device)
+    timings = measure(
+        build_variants(gpu_pool, host_pool, args.pages, args.seed), args.repeats, args.device
+    )
     rows = summarise(timings, batch_bytes)
 
     title = (
-        f"{args.pages} pages x {page_bytes // 1024} KiB ({page_bytes} B, page shape {list(pool_shape[1:])}) "
-        f"on {args.device}, median of {args.repeats}"
+        f"{args.pages} pages x {page_bytes // 1024} KiB ({page_bytes} B, page shape"
+        f" {list(pool_shape[1:])}) on {args.device}, median of {args.repeats}"
     )
     Console().print(render(rows, title))
     if args.json_out:

@@ -1,4 +1,5 @@
-"""Regenerate ``docs/reliability.md``: run every case of ``tests/bad_inputs.py`` and tabulate its message.
+"""Regenerate ``docs/reliability.md``: run every case of ``tests/bad_inputs.py`` and tabulate its
+message.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/gen_reliability_doc.py
 
@@ -17,16 +18,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "reliability.md"
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "tests"))  # appended: tests/compare (no __init__) must not shadow the compare package
+# appended: tests/compare (no __init__) must not shadow the compare package
+sys.path.append(str(ROOT / "tests"))
 
 import torch  # noqa: E402
+from bad_inputs import CASES, render_doc, run_case  # noqa: E402
 
-from bad_inputs import CASES, run_case, render_doc  # noqa: E402
 from compare import write_atomic  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Takes no arguments.").parse_args(argv)
+    argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Takes no arguments."
+    ).parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="batchgen-bad-inputs-") as temp:
         outcomes = {}

@@ -1,4 +1,5 @@
-"""``output_path``: the argparse type of the scripts' ``--json-out`` / ``--md-out`` files, and ``write_output``.
+"""``output_path``: the argparse type of the scripts' ``--json-out`` / ``--md-out`` files, and
+``write_output``.
 
 A benchmark writes its figures after a run of minutes; a path it cannot write is
 refused when the arguments are parsed (one ``error:`` line, exit 2), not by a
@@ -15,7 +16,8 @@ from pathlib import Path
 
 
 def output_path(text: str) -> Path:
-    """``text`` as a ``Path`` to a file that can be created or replaced; ``ArgumentTypeError`` otherwise. Pure."""
+    """``text`` as a ``Path`` to a file that can be created or replaced; ``ArgumentTypeError``
+    otherwise. Pure."""
     path = Path(text)
     if not text:
         raise argparse.ArgumentTypeError("needs a file path, got an empty one")
@@ -25,25 +27,35 @@ def output_path(text: str) -> Path:
     if not directory.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text}: no directory {directory}")
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text}: directory {directory} is not writable")
-    target = Path(os.path.realpath(path))  # what a write creates (a dangling symlink's target), not the link
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: directory {directory} is not writable"
+        )
+    # what a write creates (a dangling symlink's target), not the link
+    target = Path(os.path.realpath(path))
     existed = target.exists()
-    try:  # os.access says yes to root everywhere, /proc included: try it (a file made for the test is removed)
+    # os.access says yes to root everywhere, /proc included: try it (a file made for the test is
+    # removed)
+    try:
         with open(target, "a"):
             pass
         if not existed:
             target.unlink()
     except OSError as error:
-        raise argparse.ArgumentTypeError(f"cannot write {text}: {error.strerror or error}") from None
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: {error.strerror or error}"
+        ) from None
     return path
 
 
 def write_output(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` (UTF-8); a write that fails ends the script with one ``error:`` line and exit 1
-    (what it measured is in the tables printed above)."""
+    """Write ``text`` to ``path`` (UTF-8); a write that fails ends the script with one ``error:``
+    line and exit 1 (what it measured is in the tables printed above)."""
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as error:
-        print(f"{Path(sys.argv[0]).name}: error: cannot write {path}: {error.strerror or error} (the figures are "
-              f"in the tables above)", file=sys.stderr)
+        print(
+            f"{Path(sys.argv[0]).name}: error: cannot write {path}: {error.strerror or error} (the"
+            " figures are in the tables above)",
+            file=sys.stderr,
+        )
         raise SystemExit(1) from None

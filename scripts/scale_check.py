@@ -55,11 +55,11 @@ import time
 from pathlib import Path
 
 import torch
-
-from batchgen.kv.gate import KvGateConfig
 from output_path import output_path, write_output
 from scale_run import KV_PHASES, WORKER_PHASES, ScaleRun, resident_bytes
 from scale_workload import check_fits, pressure_workload
+
+from batchgen.kv.gate import KvGateConfig
 
 MODES = ("legacy", "plan", "compare")
 RSS_EVERY = 100  # steps between resident-set readings
@@ -72,13 +72,27 @@ def gate_for(mode: str, compare_log: str) -> KvGateConfig:
     return KvGateConfig(path=mode)
 
 
-def run_mode(mode: str, *, num_requests: int, num_gpu_pages: int, num_steps: int, rss_from_step: int,
-             seed: int = 0, drain_outputs: bool = True, profile_top: int = 0) -> dict:
-    """Run ``num_steps`` steps of the pressure workload in ``mode``; returns the figures as a dict."""
+def run_mode(
+    mode: str,
+    *,
+    num_requests: int,
+    num_gpu_pages: int,
+    num_steps: int,
+    rss_from_step: int,
+    seed: int = 0,
+    drain_outputs: bool = True,
+    profile_top: int = 0,
+) -> dict:
+    """Run ``num_steps`` steps of the pressure workload in ``mode``; returns the figures as a
+    dict."""
     setup_started = time.perf_counter()
     workload = pressure_workload(num_requests, num_gpu_pages, seed=seed)
     with tempfile.TemporaryDirectory(prefix="scale-check-") as tmp:
-        run = ScaleRun(workload, gate_for(mode, str(Path(tmp) / "divergences.jsonl")), drain_outputs=drain_outputs)
+        run = ScaleRun(
+            workload,
+            gate_for(mode, str(Path(tmp) / "divergences.jsonl")),
+            drain_outputs=drain_outputs,
+        )
         del workload
         setup_s = time.perf_counter() - setup_started
         checkpoints = {rss_from_step, num_steps, *range(RSS_EVERY, num_steps + 1, RSS_EVERY)}
@@ -102,9 +116,12 @@ def run_mode(mode: str, *, num_requests: int, num_gpu_pages: int, num_steps: int
     result = summarise(run, mode, rss_from_step=rss_from_step, setup_s=setup_s, run_s=run_s)
     result["cpu_s"], result["integrity"] = cpu_s, integrity
     if summary is not None:
-        result["compare"] = {"steps_compared": summary.steps_compared, "divergences": summary.divergences,
-                             "harness_errors": summary.harness_errors,
-                             "compare_s": round(summary.compare_seconds, 3)}
+        result["compare"] = {
+            "steps_compared": summary.steps_compared,
+            "divergences": summary.divergences,
+            "harness_errors": summary.harness_errors,
+            "compare_s": round(summary.compare_seconds, 3),
+        }
     if profiler is not None:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(profile_top)
@@ -117,7 +134,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def summarise(run: ScaleRun, mode: str, *, rss_from_step: int, setup_s: float, run_s: float) -> dict:
+def summarise(
+    run: ScaleRun, mode: str, *, rss_from_step: int, setup_s: float, run_s: float
+) -> dict:
     series, worker = run.series, run.worker
     stats = worker.state.stats
     rss_first, rss_last = series.rss_bytes[rss_from_step], series.rss_bytes[len(series.step_s)]
@@ -128,12 +147,18 @@ def summarise(run: ScaleRun, mode: str, *, rss_from_step: int, setup_s: float, r
         "num_gpu_pages": worker.gpu_kv.num_pages,
         "num_host_pages": worker.host_kv.num_pages,
         "num_steps": len(series.step_s),
-        "step_ms": {"mean": statistics.fmean(ms), "p50": percentile(ms, 0.5), "p99": percentile(ms, 0.99),
-                    "max": max(ms)},
+        "step_ms": {
+            "mean": statistics.fmean(ms),
+            "p50": percentile(ms, 0.5),
+            "p99": percentile(ms, 0.99),
+            "max": max(ms),
+        },
         "kv_ms_per_step": statistics.fmean(series.kv_s) * 1e3,
         # gc: collections that ran inside the step, already counted in the phase they interrupted
-        "phase_ms_per_step": {**{phase: s * 1e3 / len(ms) for phase, s in run.timer.seconds.items()},
-                              "other": (sum(series.step_s) - run.timer.step_seconds()) * 1e3 / len(ms)},
+        "phase_ms_per_step": {
+            **{phase: s * 1e3 / len(ms) for phase, s in run.timer.seconds.items()},
+            "other": (sum(series.step_s) - run.timer.step_seconds()) * 1e3 / len(ms),
+        },
         "client_ms_per_step": statistics.fmean(series.client_s) * 1e3,
         "served_per_step": statistics.fmean(series.num_served),
         "finished": run.num_finished,
@@ -141,10 +166,16 @@ def summarise(run: ScaleRun, mode: str, *, rss_from_step: int, setup_s: float, r
         "loads": stats.loads,
         "recompute_preemptions": stats.recompute_preemptions,
         "tokens_generated": stats.tokens_generated,
-        "gpu_pages_used": {"mean": statistics.fmean(series.gpu_pages_used), "end": series.gpu_pages_used[-1],
-                           "peak": stats.peak_gpu_pages},
-        "host_pages_used": {"mean": statistics.fmean(series.host_pages_used), "end": series.host_pages_used[-1],
-                            "peak": stats.peak_host_pages},
+        "gpu_pages_used": {
+            "mean": statistics.fmean(series.gpu_pages_used),
+            "end": series.gpu_pages_used[-1],
+            "peak": stats.peak_gpu_pages,
+        },
+        "host_pages_used": {
+            "mean": statistics.fmean(series.host_pages_used),
+            "end": series.host_pages_used[-1],
+            "peak": stats.peak_host_pages,
+        },
         "live_requests_end": len(worker.state.requests),
         "outputs_retained": len(worker.state.outputs),
         "rss_mib": {str(step): b / 2**20 for step, b in sorted(series.rss_bytes.items())},
@@ -160,11 +191,28 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
     """Run one mode in a fresh interpreter; its figures, or ``{"mode", "error"}``."""
     with tempfile.TemporaryDirectory(prefix="scale-check-") as tmp:
         out = Path(tmp) / f"{mode}.json"
-        command = [sys.executable, __file__, "--mode", mode, "--requests", str(args.requests),
-                   "--gpu-pages", str(args.gpu_pages), "--steps", str(args.steps),
-                   "--rss-from-step", str(args.rss_from_step), "--seed", str(args.seed),
-                   "--profile", str(args.profile), "--torch-threads", str(args.torch_threads),
-                   "--json-out", str(out)]
+        command = [
+            sys.executable,
+            __file__,
+            "--mode",
+            mode,
+            "--requests",
+            str(args.requests),
+            "--gpu-pages",
+            str(args.gpu_pages),
+            "--steps",
+            str(args.steps),
+            "--rss-from-step",
+            str(args.rss_from_step),
+            "--seed",
+            str(args.seed),
+            "--profile",
+            str(args.profile),
+            "--torch-threads",
+            str(args.torch_threads),
+            "--json-out",
+            str(out),
+        ]
         if args.keep_outputs:
             command.append("--keep-outputs")
         proc = subprocess.run(command, capture_output=True, text=True)
@@ -179,13 +227,29 @@ def print_table(results: list[dict], max_ratio: float) -> None:
     from rich.table import Table
 
     first = next((r for r in results if "error" not in r), None)
-    title = "scale check" if first is None else (
-        f"scale check: {first['num_requests']} requests, {first['num_gpu_pages']:,} GPU / "
-        f"{first['num_host_pages']:,} host pages, {first['num_steps']} steps per mode")
+    title = (
+        "scale check"
+        if first is None
+        else (
+            f"scale check: {first['num_requests']} requests, {first['num_gpu_pages']:,} GPU / "
+            f"{first['num_host_pages']:,} host pages, {first['num_steps']} steps per mode"
+        )
+    )
     table = Table(title=title)
-    columns = ("mode", "step ms\nmean/p50/p99", "KV ms\n/step", "client\nms/step", "served\n/step",
-               "evict / load /\nrecompute", "GPU pages\nused (mean)", "host pages\nused (mean)",
-               "RSS MiB\nfirst -> last", "RSS\nratio", "integrity", "CPU s /\nwall s")
+    columns = (
+        "mode",
+        "step ms\nmean/p50/p99",
+        "KV ms\n/step",
+        "client\nms/step",
+        "served\n/step",
+        "evict / load /\nrecompute",
+        "GPU pages\nused (mean)",
+        "host pages\nused (mean)",
+        "RSS MiB\nfirst -> last",
+        "RSS\nratio",
+        "integrity",
+        "CPU s /\nwall s",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in results:
@@ -195,14 +259,25 @@ def print_table(results: list[dict], max_ratio: float) -> None:
         step, rss = r["step_ms"], r["rss_mib"]
         ok = r["rss_ratio"] <= max_ratio
         table.add_row(
-            r["mode"], f"{step['mean']:.0f} / {step['p50']:.0f} / {step['p99']:.0f}", f"{r['kv_ms_per_step']:.1f}",
-            f"{r['client_ms_per_step']:.1f}", f"{r['served_per_step']:,.0f}",
+            r["mode"],
+            f"{step['mean']:.0f} / {step['p50']:.0f} / {step['p99']:.0f}",
+            f"{r['kv_ms_per_step']:.1f}",
+            f"{r['client_ms_per_step']:.1f}",
+            f"{r['served_per_step']:,.0f}",
             f"{r['evictions']:,} / {r['loads']:,} / {r['recompute_preemptions']:,}",
-            f"{r['gpu_pages_used']['mean']:,.0f}", f"{r['host_pages_used']['mean']:,.0f}",
+            f"{r['gpu_pages_used']['mean']:,.0f}",
+            f"{r['host_pages_used']['mean']:,.0f}",
             f"{rss[str(r['rss_from_step'])]:.1f} -> {rss[str(r['num_steps'])]:.1f}",
-            f"[{'green' if ok else 'red'}]{r['rss_ratio']:.4f}[/]", r["integrity"],
-            f"{r['cpu_s']:.0f} / {r['run_s']:.0f}")
-    phases = Table(title="where a step goes: ms per step (gc: collections inside the phases, counted in them too)")
+            f"[{'green' if ok else 'red'}]{r['rss_ratio']:.4f}[/]",
+            r["integrity"],
+            f"{r['cpu_s']:.0f} / {r['run_s']:.0f}",
+        )
+    phases = Table(
+        title=(
+            "where a step goes: ms per step (gc: collections inside the phases, counted in them"
+            " too)"
+        )
+    )
     names = [*KV_PHASES, *WORKER_PHASES, "other", "gc"]
     for column in ("mode", *names):
         phases.add_column(column, justify="left" if column == "mode" else "right")
@@ -216,45 +291,95 @@ def print_table(results: list[dict], max_ratio: float) -> None:
     for r in results:
         if "compare" in r:
             c = r["compare"]
-            console.print(f"{r['mode']}: {sum(c['steps_compared'].values()):,} ops compared, "
-                          f"{sum(c['divergences'].values())} divergences, {c['harness_errors']} harness errors")
+            console.print(
+                f"{r['mode']}: {sum(c['steps_compared'].values()):,} ops compared,"
+                f" {sum(c['divergences'].values())} divergences, {c['harness_errors']} harness"
+                " errors"
+            )
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="Each mode runs in its own subprocess; the resident set is read after gc.collect(). "
-               "Linux only (/proc/self/statm).",
+        epilog=(
+            "Each mode runs in its own subprocess; the resident set is read after gc.collect(). "
+            "Linux only (/proc/self/statm)."
+        ),
     )
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma list of {', '.join(MODES)} (default all; compare = plan shadowed by legacy, log)")
-    parser.add_argument("--requests", type=int, default=4096, help="live requests and max_num_seqs (default 4096)")
-    parser.add_argument("--gpu-pages", type=int, default=1_000_000,
-                        help="GPU pool pages; the host pool is 1/1000 of it (default 1,000,000)")
-    parser.add_argument("--steps", type=int, default=300,
-                        help="steps run per mode, exactly (default 300; docs/benchmarks.md's figures use 1000)")
-    parser.add_argument("--rss-from-step", type=int, default=100,
-                        help="step whose resident set the last step's is compared with (default 100)")
-    parser.add_argument("--max-rss-ratio", type=float, default=1.05,
-                        help="allowed RSS(last) / RSS(first) (default 1.05)")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=(
+            f"comma list of {', '.join(MODES)} (default all; compare = plan shadowed by legacy,"
+            " log)"
+        ),
+    )
+    parser.add_argument(
+        "--requests", type=int, default=4096, help="live requests and max_num_seqs (default 4096)"
+    )
+    parser.add_argument(
+        "--gpu-pages",
+        type=int,
+        default=1_000_000,
+        help="GPU pool pages; the host pool is 1/1000 of it (default 1,000,000)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="steps run per mode, exactly (default 300; docs/benchmarks.md's figures use 1000)",
+    )
+    parser.add_argument(
+        "--rss-from-step",
+        type=int,
+        default=100,
+        help="step whose resident set the last step's is compared with (default 100)",
+    )
+    parser.add_argument(
+        "--max-rss-ratio",
+        type=float,
+        default=1.05,
+        help="allowed RSS(last) / RSS(first) (default 1.05)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload and refill seed (default 0)")
-    parser.add_argument("--keep-outputs", action="store_true",
-                        help="leave released outputs in the worker (measures what keeping them costs)")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="cProfile the steps; print the top N functions by own time per mode (default 0: no "
-                             "profile)")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch intra-op threads in each mode's process (default 1: the null model's tensors "
-                             "are tiny, and on busy shared cores a thread pool costs more than it gives)")
-    parser.add_argument("--json-out", type=output_path, help="write the figures as JSON to this path")
-    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: run one mode in this process
+    parser.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="leave released outputs in the worker (measures what keeping them costs)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help=(
+            "cProfile the steps; print the top N functions by own time per mode (default 0: no "
+            "profile)"
+        ),
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help=(
+            "torch intra-op threads in each mode's process (default 1: the null model's tensors "
+            "are tiny, and on busy shared cores a thread pool costs more than it gives)"
+        ),
+    )
+    parser.add_argument(
+        "--json-out", type=output_path, help="write the figures as JSON to this path"
+    )
+    # internal: run one mode in this process
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         parser.error(f"--modes takes a comma list of {', '.join(MODES)}, got {args.modes!r}")
     args.modes = modes
     if args.requests < 2 or args.gpu_pages < 1 or args.torch_threads < 1:
-        parser.error("--requests must be >= 2 (an anchor and a crowd), --gpu-pages and --torch-threads >= 1")
+        parser.error(
+            "--requests must be >= 2 (an anchor and a crowd), --gpu-pages and --torch-threads >= 1"
+        )
     if not (args.max_rss_ratio > 0 and math.isfinite(args.max_rss_ratio)):
         parser.error(f"--max-rss-ratio must be a positive number, got {args.max_rss_ratio}")
     if args.profile < 0:
@@ -262,9 +387,15 @@ def parse_args() -> argparse.Namespace:
     if args.mode is not None and args.json_out is None:
         parser.error("--mode (internal) needs --json-out")
     if args.steps < 2:
-        parser.error(f"--steps must be >= 2 (the resident set is compared between two steps), got {args.steps}")
+        parser.error(
+            "--steps must be >= 2 (the resident set is compared between two steps), got"
+            f" {args.steps}"
+        )
     if not 1 <= args.rss_from_step < args.steps:
-        parser.error(f"--rss-from-step must be in [1, --steps), got {args.rss_from_step} with --steps {args.steps}")
+        parser.error(
+            f"--rss-from-step must be in [1, --steps), got {args.rss_from_step} with --steps"
+            f" {args.steps}"
+        )
     if args.mode is None:  # once, before the modes' subprocesses start
         try:
             check_fits(args.requests, args.gpu_pages, seed=args.seed)
@@ -277,9 +408,16 @@ def main() -> int:
     args = parse_args()
     if args.mode is not None:
         torch.set_num_threads(args.torch_threads)
-        result = run_mode(args.mode, num_requests=args.requests, num_gpu_pages=args.gpu_pages, num_steps=args.steps,
-                          rss_from_step=args.rss_from_step, seed=args.seed, drain_outputs=not args.keep_outputs,
-                          profile_top=args.profile)
+        result = run_mode(
+            args.mode,
+            num_requests=args.requests,
+            num_gpu_pages=args.gpu_pages,
+            num_steps=args.steps,
+            rss_from_step=args.rss_from_step,
+            seed=args.seed,
+            drain_outputs=not args.keep_outputs,
+            profile_top=args.profile,
+        )
         write_output(args.json_out, json.dumps(result, indent=1))
         return 0
     results = []
@@ -289,16 +427,32 @@ def main() -> int:
         if "profile" in result:
             print(f"--- {mode}: top {args.profile} functions by own time ---\n{result['profile']}")
     print_table(results, args.max_rss_ratio)
-    failed = [r["mode"] for r in results
-              if "error" in r or r["rss_ratio"] > args.max_rss_ratio or r["integrity"] != "ok"]
+    failed = [
+        r["mode"]
+        for r in results
+        if "error" in r or r["rss_ratio"] > args.max_rss_ratio or r["integrity"] != "ok"
+    ]
     if args.json_out is not None:
-        report = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
-                              "cpus": os.cpu_count()},
-                  "command": " ".join(["python", "scripts/scale_check.py", *sys.argv[1:]]),
-                  "max_rss_ratio": args.max_rss_ratio, "results": results, "failed": failed}
+        report = {
+            "machine": {
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+            },
+            "command": " ".join(["python", "scripts/scale_check.py", *sys.argv[1:]]),
+            "max_rss_ratio": args.max_rss_ratio,
+            "results": results,
+            "failed": failed,
+        }
         write_output(args.json_out, json.dumps(report, indent=1))
-    print("verdict: " + ("FAIL " + ", ".join(failed) if failed else
-                         f"PASS (every RSS ratio <= {args.max_rss_ratio})"))
+    print(
+        "verdict: "
+        + (
+            "FAIL " + ", ".join(failed)
+            if failed
+            else f"PASS (every RSS ratio <= {args.max_rss_ratio})"
+        )
+    )
     return 1 if failed else 0
 
 

@@ -1,4 +1,5 @@
-"""The scale check's driver and its measurements: a worker kept at a fixed number of live requests, timed per step.
+"""The scale check's driver and its measurements: a worker kept at a fixed number of live requests,
+timed per step.
 
 ``ScaleRun`` runs the worker one step at a time and refills each released slot,
 as a client would; ``PhaseTimer`` splits each step's time into the worker's KV
@@ -15,11 +16,12 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
-from batchgen.model.null_model import NullModel
-from batchgen.kv.gate import KvGateConfig
+from scale_workload import num_anchors, scale_model
+
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
-from scale_workload import num_anchors, scale_model
+from batchgen.kv.gate import KvGateConfig
+from batchgen.model.null_model import NullModel
 
 
 def resident_bytes() -> int:
@@ -30,10 +32,20 @@ def resident_bytes() -> int:
 
 
 # phase of a step -> the worker method it times (KV ops first: their sum is the KV-op time)
-KV_PHASES = {"poll": "_kv_poll", "release": "_kv_release", "evict": "_kv_evict", "migrate": "_kv_migrate",
-             "alloc": "_kv_allocate"}
-WORKER_PHASES = {"observe_loads": "_observe_loads", "flush_appends": "_flush_pending_kv_appends",
-                 "schedule": "_schedule", "forward_sample": "_forward_and_sample", "record_peaks": "_record_peaks"}
+KV_PHASES = {
+    "poll": "_kv_poll",
+    "release": "_kv_release",
+    "evict": "_kv_evict",
+    "migrate": "_kv_migrate",
+    "alloc": "_kv_allocate",
+}
+WORKER_PHASES = {
+    "observe_loads": "_observe_loads",
+    "flush_appends": "_flush_pending_kv_appends",
+    "schedule": "_schedule",
+    "forward_sample": "_forward_and_sample",
+    "record_peaks": "_record_peaks",
+}
 
 
 class PhaseTimer:
@@ -75,6 +87,7 @@ class PhaseTimer:
                 return call(*args)
             finally:
                 self.seconds[phase] += time.perf_counter() - started
+
         return timed
 
     def _on_gc(self, event: str, info: dict) -> None:
@@ -109,12 +122,20 @@ class ScaleRun:
     """
 
     def __init__(self, workload: Workload, gate: KvGateConfig, *, drain_outputs: bool = True):
-        prompts: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct prompt (the anchors')
-        self.templates = [replace(r, prompt_ids=prompts.setdefault(r.prompt_ids, r.prompt_ids))
-                          for r in (w.to_request() for w in workload.requests)]
+        # one tuple per distinct prompt (the anchors')
+        prompts: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.templates = [
+            replace(r, prompt_ids=prompts.setdefault(r.prompt_ids, r.prompt_ids))
+            for r in (w.to_request() for w in workload.requests)
+        ]
         self.num_anchors = num_anchors(len(self.templates))
-        self.worker = Worker(NullModel(scale_model(workload)), cache_config=workload.cache,
-                             engine_config=workload.engine, kv_gate=gate, kv_storage=False)
+        self.worker = Worker(
+            NullModel(scale_model(workload)),
+            cache_config=workload.cache,
+            engine_config=workload.engine,
+            kv_gate=gate,
+            kv_storage=False,
+        )
         self.timer = PhaseTimer()
         self.timer.attach(self.worker)
         self.drain_outputs = drain_outputs
@@ -145,7 +166,7 @@ class ScaleRun:
         series.client_s.append(time.perf_counter() - started)
 
     def _refill(self) -> None:
-        released = list(self.worker.state.outputs)[self.num_kept:]  # outputs keep release order
+        released = list(self.worker.state.outputs)[self.num_kept :]  # outputs keep release order
         if self.drain_outputs:
             self.worker.take_outputs(released)
         for uuid in released:
@@ -162,4 +183,4 @@ class ScaleRun:
 
     @staticmethod
     def _slot(uuid: str) -> int:
-        return int(uuid[1:uuid.index(".")])
+        return int(uuid[1 : uuid.index(".")])

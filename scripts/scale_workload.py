@@ -1,4 +1,5 @@
-"""The scale check's workload: a pressure trace of anchors that fill the GPU pool and a crowd that fights over the rest.
+"""The scale check's workload: a pressure trace of anchors that fill the GPU pool and a crowd that
+fights over the rest.
 
 ``pressure_workload`` builds it (``scripts/scale_check.py`` explains the run it
 serves), ``num_anchors`` says how many of its first requests are anchors, and
@@ -26,7 +27,9 @@ def num_anchors(num_requests: int) -> int:
     return max(1, num_requests // 256)
 
 
-def pressure_workload(num_requests: int, num_gpu_pages: int, *, seed: int = 0, vocab_size: int = 512) -> Workload:
+def pressure_workload(
+    num_requests: int, num_gpu_pages: int, *, seed: int = 0, vocab_size: int = 512
+) -> Workload:
     """``num_requests`` requests at step 0: a few anchors that fill the GPU pool, and a crowd.
 
     ::
@@ -47,49 +50,80 @@ def pressure_workload(num_requests: int, num_gpu_pages: int, *, seed: int = 0, v
     anchor_pages = _anchor_pages(crowd, usable, n_anchors, num_gpu_pages)
     tokens = [rng.randrange(1, vocab_size) for _ in range(anchor_pages * PAGE_SIZE)]
     anchor_new = min(ANCHOR_NEW_TOKENS, (usable - anchor_pages) * PAGE_SIZE)
-    requests = [WorkloadRequest(uuid=f"s{i}.g0", prompt_ids=tokens, max_new_tokens=anchor_new)
-                for i in range(n_anchors)]
+    requests = [
+        WorkloadRequest(uuid=f"s{i}.g0", prompt_ids=tokens, max_new_tokens=anchor_new)
+        for i in range(n_anchors)
+    ]
     for i, (prompt_len, max_new) in enumerate(crowd, start=n_anchors):
         start = rng.randrange(len(tokens) - prompt_len)
-        requests.append(WorkloadRequest(uuid=f"s{i}.g0", prompt_ids=tokens[start:start + prompt_len],
-                                        max_new_tokens=max_new))
-    cache = CacheConfig(page_size=PAGE_SIZE, num_gpu_pages=num_gpu_pages, num_host_pages=num_gpu_pages // 1000,
-                        watermark=WATERMARK)
-    engine = EngineConfig(max_num_seqs=num_requests,
-                          max_num_batched_tokens=sum(len(r.prompt_ids) for r in requests))  # step 0 admits all
-    return Workload(name=f"scale-{num_requests}x{num_gpu_pages}", seed=seed, cache=cache, engine=engine,
-                    requests=requests)
+        requests.append(
+            WorkloadRequest(
+                uuid=f"s{i}.g0",
+                prompt_ids=tokens[start : start + prompt_len],
+                max_new_tokens=max_new,
+            )
+        )
+    cache = CacheConfig(
+        page_size=PAGE_SIZE,
+        num_gpu_pages=num_gpu_pages,
+        num_host_pages=num_gpu_pages // 1000,
+        watermark=WATERMARK,
+    )
+    engine = EngineConfig(
+        max_num_seqs=num_requests,
+        # step 0 admits all
+        max_num_batched_tokens=sum(len(r.prompt_ids) for r in requests),
+    )
+    return Workload(
+        name=f"scale-{num_requests}x{num_gpu_pages}",
+        seed=seed,
+        cache=cache,
+        engine=engine,
+        requests=requests,
+    )
 
 
 def check_fits(num_requests: int, num_gpu_pages: int, *, seed: int = 0) -> None:
-    """ValueError when :func:`pressure_workload` would refuse these sizes (its anchors get no page), without
-    building the requests. Pure."""
+    """ValueError when :func:`pressure_workload` would refuse these sizes (its anchors get no page),
+    without building the requests. Pure."""
     _, n_anchors, crowd = _crowd(num_requests, seed)
     _anchor_pages(crowd, _usable_pages(num_gpu_pages), n_anchors, num_gpu_pages)
 
 
 def _crowd(num_requests: int, seed: int) -> tuple[random.Random, int, list[tuple[int, int]]]:
-    """The workload's seeded generator (as the crowd leaves it), the anchor count, and the crowd's (prompt tokens,
-    new tokens) pairs."""
+    """The workload's seeded generator (as the crowd leaves it), the anchor count, and the crowd's
+    (prompt tokens, new tokens) pairs."""
     rng = random.Random(f"scale:{seed}")
     n_anchors = num_anchors(num_requests)
-    return rng, n_anchors, [(rng.randint(*PROMPT_TOKENS), rng.randint(*NEW_TOKENS))
-                            for _ in range(num_requests - n_anchors)]
+    return (
+        rng,
+        n_anchors,
+        [
+            (rng.randint(*PROMPT_TOKENS), rng.randint(*NEW_TOKENS))
+            for _ in range(num_requests - n_anchors)
+        ],
+    )
 
 
 def _usable_pages(num_gpu_pages: int) -> int:
     return num_gpu_pages - math.ceil(WATERMARK * num_gpu_pages)
 
 
-def _anchor_pages(crowd: list[tuple[int, int]], usable: int, n_anchors: int, num_gpu_pages: int) -> int:
-    """GPU pages each anchor's prompt fills: the usable pages less the crowd's room; ValueError when none is left."""
+def _anchor_pages(
+    crowd: list[tuple[int, int]], usable: int, n_anchors: int, num_gpu_pages: int
+) -> int:
+    """GPU pages each anchor's prompt fills: the usable pages less the crowd's room; ValueError when
+    none is left."""
     # time-averaged pages of a crowd slot: each template weighted by how long it lives
-    slot_pages = (sum(-(-(p + age + 1) // PAGE_SIZE) for p, new in crowd for age in range(new))
-                  / sum(n for _, n in crowd))
+    slot_pages = sum(
+        -(-(p + age + 1) // PAGE_SIZE) for p, new in crowd for age in range(new)
+    ) / sum(n for _, n in crowd)
     anchor_pages = (usable - round(len(crowd) * slot_pages / OVERCOMMIT)) // n_anchors
     if anchor_pages < 1:
-        raise ValueError(f"{num_gpu_pages} GPU pages cannot hold the crowd of {len(crowd)} requests "
-                         f"({len(crowd) * slot_pages:.0f} pages); give more pages or fewer requests")
+        raise ValueError(
+            f"{num_gpu_pages} GPU pages cannot hold the crowd of {len(crowd)} requests "
+            f"({len(crowd) * slot_pages:.0f} pages); give more pages or fewer requests"
+        )
     return anchor_pages
 
 

@@ -4,13 +4,23 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("slow", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "slow", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slow", action="store_true", default=False,
-                     help="long property runs: hypothesis tests without their own example count run 500 examples")
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        default=False,
+        help=(
+            "long property runs: hypothesis tests without their own example count run 500 examples"
+        ),
+    )
 
 
 def pytest_configure(config):

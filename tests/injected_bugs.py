@@ -15,6 +15,8 @@ def reversed_grants(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def plan_allocation(self, req):
         plan = correct(self, req)
-        return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
+        return AllocPlan(
+            tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting
+        )
 
     monkeypatch.setattr(kv_manager.KVCacheManager, "plan_allocation", plan_allocation)

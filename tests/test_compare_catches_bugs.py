@@ -6,20 +6,26 @@ A mutant is run on the L2 workloads with the tiny model in compare mode, and the
 divergence log must name the broken op, with a kind and field paths (or a rejection
 message) that say what went wrong:
 
-    bug (mutant)                               op(s)            kind          evidence
-    allocation off by one page                 alloc            invalid_plan  AllocPlan.grants[i].new_page_ids
-    allocation hands out page ids reversed     alloc            state         requests[*].gpu_page_ids[*], pools.gpu
-    host pages kept after a completed load     poll             state         requests[*].host_page_ids, free host
-    a failed load is retried forever           poll             invalid_plan  PollPlan.actions[i]
-    a failed load is never retried             poll             state         phase, recompute counter
-    released request keeps its pending append  release          state         outputs[*].has_pending_append
-    release plans no pending-append drop       release          invalid_plan  ReleasePlan.drop_pending_append_ids
-    aborted request keeps its host pages       release          state         pools.host, free host
-    oldest running request evicted             evict            state         requests[*].phase, copies
-    eviction grants host page ids permuted     evict            state         host_page_ids, copy targets
-    eviction copies GPU pages in wrong order   evict            copies        copies[*].src_page_ids[*] only
-    watermark cached from another geometry     evict / migrate  state         requests[*].phase
-    request swapped this step migrated back    migrate          state         requests[*].phase, copies
+    bug (mutant)                               op(s)      kind          evidence
+    allocation off by one page                 alloc      invalid_plan  AllocPlan.grants[i]
+                                                                        .new_page_ids
+    allocation hands out page ids reversed     alloc      state         requests[*].gpu_page_ids[*],
+                                                                        pools.gpu
+    host pages kept after a completed load     poll       state         requests[*].host_page_ids,
+                                                                        free host
+    a failed load is retried forever           poll       invalid_plan  PollPlan.actions[i]
+    a failed load is never retried             poll       state         phase, recompute counter
+    released request keeps its pending append  release    state         outputs[*]
+                                                                        .has_pending_append
+    release plans no pending-append drop       release    invalid_plan  ReleasePlan
+                                                                        .drop_pending_append_ids
+    aborted request keeps its host pages       release    state         pools.host, free host
+    oldest running request evicted             evict      state         requests[*].phase, copies
+    eviction grants host page ids permuted     evict      state         host_page_ids, copy targets
+    eviction copies GPU pages in wrong order   evict      copies        copies[*].src_page_ids[*]
+    watermark cached from another geometry     evict,     state         requests[*].phase
+                                               migrate
+    request swapped this step migrated back    migrate    state         requests[*].phase, copies
 
 Runs use ``compare="raise"`` so they stop at the first divergence (the record is written
 before the error is raised): the first divergence must already be the right one, i.e.
@@ -48,29 +54,48 @@ from pathlib import Path
 
 import pytest
 
-from compare import DivergenceError, DivergenceRecord, HarnessWarning, Keyed, RunSummary, read_log, wildcard
 from batchgen.config import TINY_MODELS, CacheConfig
-from batchgen.model.loader import load_model
-from batchgen.model.null_model import NullModel
 from batchgen.engine.runner import RunResult, run_workload
-from batchgen.kv import plan_path as kv_apply
-from batchgen.shadow import kv_compare
-from batchgen.kv import manager as kv_manager
-from batchgen.kv.plan_path import PlanRejected
-from batchgen.kv.backends import CompletedHandle, HostKvPool
-from batchgen.shadow.forms import add_requests, canonical_result, detach_fork, differing_requests, fork_target
-from batchgen.kv.gate import KvGateConfig
-from batchgen.kv.manager import KVCacheManager
-from batchgen.kv.plans import to_jsonable
-from batchgen.kv.target import KvTarget
-from batchgen.kv.page_copy import CopyError
 from batchgen.engine.state import Phase, Request, RequestState, WorkerState
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, builtin_workload
+from batchgen.kv import manager as kv_manager
+from batchgen.kv import plan_path as kv_apply
+from batchgen.kv.backends import CompletedHandle, HostKvPool
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.manager import KVCacheManager
+from batchgen.kv.page_copy import CopyError
+from batchgen.kv.plan_path import PlanRejected
+from batchgen.kv.plans import to_jsonable
+from batchgen.kv.target import KvTarget
+from batchgen.model.loader import load_model
+from batchgen.model.null_model import NullModel
+from batchgen.shadow import kv_compare
+from batchgen.shadow.forms import (
+    add_requests,
+    canonical_result,
+    detach_fork,
+    differing_requests,
+    fork_target,
+)
+from compare import (
+    DivergenceError,
+    DivergenceRecord,
+    HarnessWarning,
+    Keyed,
+    RunSummary,
+    read_log,
+    wildcard,
+)
 
 OTHER_PATH = {"legacy": "plan", "plan": "legacy"}
-REQUEST_TYPES = {"poll": "PollRequest", "release": "ReleaseRequest", "evict": "EvictionRequest",
-                 "migrate": "MigrationRequest", "alloc": "AllocRequest"}
+REQUEST_TYPES = {
+    "poll": "PollRequest",
+    "release": "ReleaseRequest",
+    "evict": "EvictionRequest",
+    "migrate": "MigrationRequest",
+    "alloc": "AllocRequest",
+}
 CLEAN_SEEDS = range(10)
 
 
@@ -89,7 +114,8 @@ def mutate(func: Callable, old: str, new: str) -> Callable:
     source = textwrap.dedent(inspect.getsource(func))
     assert source.count(old) == 1, (
         f"mutant anchor {old!r} occurs {source.count(old)} times in {func.__qualname__}; "
-        "the code changed: update the mutant")
+        "the code changed: update the mutant"
+    )
     namespace = dict(func.__globals__)
     exec(compile(source.replace(old, new), f"<mutant of {func.__qualname__}>", "exec"), namespace)
     return namespace[func.__name__]
@@ -98,17 +124,20 @@ def mutate(func: Callable, old: str, new: str) -> Callable:
 def method_mutant(name: str, old: str, new: str) -> Callable[[pytest.MonkeyPatch], None]:
     def inject(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(KVCacheManager, name, mutate(getattr(KVCacheManager, name), old, new))
+
     return inject
 
 
 def applier_mutant(name: str, old: str, new: str) -> Callable[[pytest.MonkeyPatch], None]:
     def inject(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(kv_apply, name, mutate(getattr(kv_apply, name), old, new))
+
     return inject
 
 
 def stale_watermark(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The watermark computed once, from the first geometry planned for, and cached in the module."""
+    """The watermark computed once, from the first geometry planned for, and cached in the
+    module."""
     cache: dict[str, int] = {}
 
     def eviction_watermark_pages(snapshot) -> int:
@@ -121,17 +150,23 @@ def stale_watermark(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def failing_fast(workload: Workload) -> Workload:
-    """``workload`` with ``load_failure="fail"``: a request whose load fails past its retries fails."""
-    return workload.model_copy(update={"engine": workload.engine.model_copy(update={"load_failure": "fail"})})
+    """``workload`` with ``load_failure="fail"``: a request whose load fails past its retries
+    fails."""
+    return workload.model_copy(
+        update={"engine": workload.engine.model_copy(update={"load_failure": "fail"})}
+    )
 
 
 def handle_of_no_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Migration issues each load's copy, then gives the request a finished handle of no copy."""
     monkeypatch.setattr(kv_apply, "CompletedHandle", CompletedHandle, raising=False)
-    applier_mutant("apply_migration_plan",
-                   "        req.load_handle = target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))",
-                   "        target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))\n"
-                   "        req.load_handle = CompletedHandle()")(monkeypatch)
+    applier_mutant(
+        "apply_migration_plan",
+        "        req.load_handle = target.host_kv.load_to_gpu_async(load.uuid,"
+        " list(load.gpu_page_ids))",
+        "        target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))\n"
+        "        req.load_handle = CompletedHandle()",
+    )(monkeypatch)
 
 
 # ---- drivers: what happens to the worker between steps ----------------------------------------
@@ -158,13 +193,15 @@ def fail_loads(monkeypatch: pytest.MonkeyPatch, *, every: int = 1) -> None:
         if count["loads"] % every:
             return handle
         handle.wait()  # the real copy lands before the request's pages can be reused
-        return self._issued(FailedLoad())  # the handle of the copy just recorded, as the pool's own would be
+        # the handle of the copy just recorded, as the pool's own would be
+        return self._issued(FailedLoad())
 
     monkeypatch.setattr(HostKvPool, "load_to_gpu_async", load_to_gpu_async)
 
 
 def abort_swapped(worker: Worker, *, limit: int = 2) -> Callable[[int, int], None]:
-    """An ``on_step`` hook that, after a step, aborts the first SWAPPED or LOADING request (``limit`` in all)."""
+    """An ``on_step`` hook that, after a step, aborts the first SWAPPED or LOADING request
+    (``limit`` in all)."""
     aborted: list[str] = []
 
     def on_step(num_released: int, num_requests: int) -> None:
@@ -190,8 +227,16 @@ class CompareRun:
     num_aborted: int = 0
 
 
-def run_compare(model, log: Path, workloads: list[Workload], *, authoritative: str, mode: str = "raise",
-                shadow_path: str | None = None, aborts: int = 0) -> CompareRun:
+def run_compare(
+    model,
+    log: Path,
+    workloads: list[Workload],
+    *,
+    authoritative: str,
+    mode: str = "raise",
+    shadow_path: str | None = None,
+    aborts: int = 0,
+) -> CompareRun:
     """Run each workload on a fresh worker in compare mode, all logging to ``log``.
 
     In "raise" mode the first divergence stops the run (DivergenceError, or the
@@ -200,8 +245,13 @@ def run_compare(model, log: Path, workloads: list[Workload], *, authoritative: s
     gate = KvGateConfig(path=authoritative, compare=mode, compare_log=str(log))
     results, error, num_aborted = [], None, 0
     for workload in workloads:
-        worker = Worker(model, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate,
-                        shadow_path=shadow_path)
+        worker = Worker(
+            model,
+            cache_config=workload.cache,
+            engine_config=workload.engine,
+            kv_gate=gate,
+            shadow_path=shadow_path,
+        )
         on_step = abort_swapped(worker, limit=aborts) if aborts else None
         try:
             results.append(run_workload(worker, workload, source=workload.name, on_step=on_step))
@@ -216,7 +266,9 @@ def run_compare(model, log: Path, workloads: list[Workload], *, authoritative: s
     return CompareRun(
         records=[r for r in records if isinstance(r, DivergenceRecord)],
         summaries=[r for r in records if isinstance(r, RunSummary)],
-        results=results, error=error, num_aborted=num_aborted,
+        results=results,
+        error=error,
+        num_aborted=num_aborted,
     )
 
 
@@ -241,84 +293,214 @@ class Bug:
 
 
 BUGS = [
-    Bug("alloc-off-by-one-page",
-        method_mutant("plan_allocation", "need = (num_tokens + up) // page_size - len(page_ids)",
-                      "need = num_tokens // page_size + 1 - len(page_ids)"),
-        frozenset({"alloc"}), "invalid_plan",
-        message=r"AllocPlan\.grants\[\d+\]\.new_page_ids: \d+ pages granted, \d+ needed"),
-    Bug("alloc-page-ids-reversed",
-        method_mutant("plan_allocation", "self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)",
-                      "self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)[::-1]"),
-        frozenset({"alloc"}), "state", evidence=("requests[*].gpu_page_ids[*]", "pools.gpu[*]"),
-        absent=("requests[*].phase", "pools.num_free_gpu")),
-    Bug("poll-keeps-host-pages-after-load",
-        applier_mutant("apply_poll_plan",
-                       "            target.host_kv.release_pages(uuid)\n            req.host_page_ids = ()\n", ""),
-        frozenset({"poll"}), "state", evidence=("requests[*].host_page_ids", "pools.num_free_host")),
-    Bug("poll-retries-failed-load-forever",
+    Bug(
+        "alloc-off-by-one-page",
+        method_mutant(
+            "plan_allocation",
+            "need = (num_tokens + up) // page_size - len(page_ids)",
+            "need = num_tokens // page_size + 1 - len(page_ids)",
+        ),
+        frozenset({"alloc"}),
+        "invalid_plan",
+        message=r"AllocPlan\.grants\[\d+\]\.new_page_ids: \d+ pages granted, \d+ needed",
+    ),
+    Bug(
+        "alloc-page-ids-reversed",
+        method_mutant(
+            "plan_allocation",
+            "self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)",
+            "self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)[::-1]",
+        ),
+        frozenset({"alloc"}),
+        "state",
+        evidence=("requests[*].gpu_page_ids[*]", "pools.gpu[*]"),
+        absent=("requests[*].phase", "pools.num_free_gpu"),
+    ),
+    Bug(
+        "poll-keeps-host-pages-after-load",
+        applier_mutant(
+            "apply_poll_plan",
+            "            target.host_kv.release_pages(uuid)\n            req.host_page_ids = ()\n",
+            "",
+        ),
+        frozenset({"poll"}),
+        "state",
+        evidence=("requests[*].host_page_ids", "pools.num_free_host"),
+    ),
+    Bug(
+        "poll-retries-failed-load-forever",
         method_mutant("plan_poll", "retries < geometry.max_load_retries", "True"),
-        frozenset({"poll"}), "invalid_plan",
-        message=r"PollPlan\.actions\[\d+\]: .* has no retries left", failing_loads=True),
-    Bug("poll-never-retries-failed-load",
+        frozenset({"poll"}),
+        "invalid_plan",
+        message=r"PollPlan\.actions\[\d+\]: .* has no retries left",
+        failing_loads=True,
+    ),
+    Bug(
+        "poll-never-retries-failed-load",
         method_mutant("plan_poll", "retries < geometry.max_load_retries", "False"),
-        frozenset({"poll"}), "state", evidence=("requests[*].phase", "stats.recompute_preemptions"),
-        failing_loads=True),
-    Bug("release-keeps-pending-append",
-        applier_mutant("apply_release_plan", "        target.drop_pending_append(uuid)\n", "        pass\n"),
-        frozenset({"release"}), "state", evidence=("outputs[*].has_pending_append",)),
-    Bug("release-plans-no-pending-append-drop",
-        method_mutant("plan_release", "drop_pending_append_ids=req.uuids", "drop_pending_append_ids=()"),
-        frozenset({"release"}), "invalid_plan",
-        message=r"ReleasePlan\.drop_pending_append_ids: released \[.*\] would keep their pending appends"),
-    Bug("release-keeps-host-pages-of-aborted",
+        frozenset({"poll"}),
+        "state",
+        evidence=("requests[*].phase", "stats.recompute_preemptions"),
+        failing_loads=True,
+    ),
+    Bug(
+        "release-keeps-pending-append",
+        applier_mutant(
+            "apply_release_plan", "        target.drop_pending_append(uuid)\n", "        pass\n"
+        ),
+        frozenset({"release"}),
+        "state",
+        evidence=("outputs[*].has_pending_append",),
+    ),
+    Bug(
+        "release-plans-no-pending-append-drop",
+        method_mutant(
+            "plan_release", "drop_pending_append_ids=req.uuids", "drop_pending_append_ids=()"
+        ),
+        frozenset({"release"}),
+        "invalid_plan",
+        message=(
+            r"ReleasePlan\.drop_pending_append_ids: released \[.*\] would keep their pending"
+            r" appends"
+        ),
+    ),
+    Bug(
+        "release-keeps-host-pages-of-aborted",
         applier_mutant("apply_release_plan", "        target.host_kv.release_pages(uuid)\n", ""),
-        frozenset({"release"}), "state", evidence=("pools.host", "pools.num_free_host"), aborts=2),
-    Bug("evict-oldest-not-youngest",
-        method_mutant("plan_eviction", "reversed(range(len(running.uuids)))", "range(len(running.uuids))"),
-        frozenset({"evict"}), "state", evidence=("requests[*].phase", "copies")),
-    Bug("evict-host-page-ids-permuted",
-        method_mutant("plan_eviction", "self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)",
-                      "self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)[::-1]"),
-        frozenset({"evict"}), "state", evidence=("requests[*].host_page_ids[*]", "copies[*].dst_page_ids[*]"),
-        absent=("requests[*].phase",)),
-    Bug("evict-copies-gpu-pages-in-wrong-order",
-        applier_mutant("apply_eviction_plan", "store_from_gpu(victim.uuid, list(req.gpu_page_ids))",
-                       "store_from_gpu(victim.uuid, list(req.gpu_page_ids)[::-1])"),
-        frozenset({"evict"}), "copies", evidence=("copies[*].src_page_ids[*]",)),
-    Bug("watermark-cached-from-another-geometry", stale_watermark,
-        frozenset({"evict", "migrate"}), "state", evidence=("requests[*].phase",),
-        workloads=lambda: [first_wave(builtin_workload("L2-2048")), builtin_workload("L2-4096")]),
-    Bug("evict-counts-evictions-it-did-not-make",  # an op that writes nothing but a counter: the quiet forms
-        applier_mutant("apply_eviction_plan", "    if not plan.victims:\n        return\n",
-                       "    if not plan.victims:\n        target.state.stats.evictions += 1\n        return\n"),
-        frozenset({"evict"}), "state", evidence=("stats.evictions",), absent=("requests", "pools", "copies")),
-    Bug("recompute-eviction-forgets-the-generated-tokens",  # a field KV ops read, not one they write
-        applier_mutant("apply_eviction_plan", "            req.num_cached_tokens = 0\n",
-                       "            req.num_cached_tokens = 0\n            req.num_tokens = len(req.request.prompt_ids)\n"),
-        frozenset({"evict"}), "state", evidence=("requests[*].num_tokens",)),
-    Bug("recompute-eviction-requeues-the-request-as-newest",
-        applier_mutant("apply_eviction_plan", "            req.num_cached_tokens = 0\n",
-                       "            req.num_cached_tokens = 0\n"
-                       "            req.arrival_index = target.state.num_submitted + 1000\n"),
-        frozenset({"evict"}), "state", evidence=("requests[*].arrival_index",)),
-    Bug("retry-keeps-the-failed-loads-handle",  # issues the new copy, but the worker would watch the old one
-        applier_mutant("apply_poll_plan",
-                       "            req.load_handle = target.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))",
-                       "            target.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))"),
-        frozenset({"poll"}), "state", evidence=("requests[*].load",), failing_loads=True),
-    Bug("migrate-tracks-a-handle-of-no-copy", lambda monkeypatch: handle_of_no_copy(monkeypatch),
-        frozenset({"migrate"}), "state", evidence=("requests[*].load",)),
-    Bug("poll-recomputes-when-told-to-fail",  # the load_failure="fail" policy: a request out of retries fails
+        frozenset({"release"}),
+        "state",
+        evidence=("pools.host", "pools.num_free_host"),
+        aborts=2,
+    ),
+    Bug(
+        "evict-oldest-not-youngest",
+        method_mutant(
+            "plan_eviction", "reversed(range(len(running.uuids)))", "range(len(running.uuids))"
+        ),
+        frozenset({"evict"}),
+        "state",
+        evidence=("requests[*].phase", "copies"),
+    ),
+    Bug(
+        "evict-host-page-ids-permuted",
+        method_mutant(
+            "plan_eviction",
+            "self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)",
+            "self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)[::-1]",
+        ),
+        frozenset({"evict"}),
+        "state",
+        evidence=("requests[*].host_page_ids[*]", "copies[*].dst_page_ids[*]"),
+        absent=("requests[*].phase",),
+    ),
+    Bug(
+        "evict-copies-gpu-pages-in-wrong-order",
+        applier_mutant(
+            "apply_eviction_plan",
+            "store_from_gpu(victim.uuid, list(req.gpu_page_ids))",
+            "store_from_gpu(victim.uuid, list(req.gpu_page_ids)[::-1])",
+        ),
+        frozenset({"evict"}),
+        "copies",
+        evidence=("copies[*].src_page_ids[*]",),
+    ),
+    Bug(
+        "watermark-cached-from-another-geometry",
+        stale_watermark,
+        frozenset({"evict", "migrate"}),
+        "state",
+        evidence=("requests[*].phase",),
+        workloads=lambda: [first_wave(builtin_workload("L2-2048")), builtin_workload("L2-4096")],
+    ),
+    # an op that writes nothing but a counter: the quiet forms
+    Bug(
+        "evict-counts-evictions-it-did-not-make",
+        applier_mutant(
+            "apply_eviction_plan",
+            "    if not plan.victims:\n        return\n",
+            "    if not plan.victims:\n        target.state.stats.evictions += 1\n        return\n",
+        ),
+        frozenset({"evict"}),
+        "state",
+        evidence=("stats.evictions",),
+        absent=("requests", "pools", "copies"),
+    ),
+    # a field KV ops read, not one they write
+    Bug(
+        "recompute-eviction-forgets-the-generated-tokens",
+        applier_mutant(
+            "apply_eviction_plan",
+            "            req.num_cached_tokens = 0\n",
+            "            req.num_cached_tokens = 0\n            req.num_tokens ="
+            " len(req.request.prompt_ids)\n",
+        ),
+        frozenset({"evict"}),
+        "state",
+        evidence=("requests[*].num_tokens",),
+    ),
+    Bug(
+        "recompute-eviction-requeues-the-request-as-newest",
+        applier_mutant(
+            "apply_eviction_plan",
+            "            req.num_cached_tokens = 0\n",
+            "            req.num_cached_tokens = 0\n"
+            "            req.arrival_index = target.state.num_submitted + 1000\n",
+        ),
+        frozenset({"evict"}),
+        "state",
+        evidence=("requests[*].arrival_index",),
+    ),
+    # issues the new copy, but the worker would watch the old one
+    Bug(
+        "retry-keeps-the-failed-loads-handle",
+        applier_mutant(
+            "apply_poll_plan",
+            "            req.load_handle = target.host_kv.load_to_gpu_async(uuid,"
+            " list(req.gpu_page_ids))",
+            "            target.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))",
+        ),
+        frozenset({"poll"}),
+        "state",
+        evidence=("requests[*].load",),
+        failing_loads=True,
+    ),
+    Bug(
+        "migrate-tracks-a-handle-of-no-copy",
+        lambda monkeypatch: handle_of_no_copy(monkeypatch),
+        frozenset({"migrate"}),
+        "state",
+        evidence=("requests[*].load",),
+    ),
+    # the load_failure="fail" policy: a request out of retries fails
+    Bug(
+        "poll-recomputes-when-told-to-fail",
         method_mutant("plan_poll", 'elif geometry.load_failure == "fail":', "elif False:"),
-        frozenset({"poll"}), "state", evidence=("requests[*].phase", "requests[*].finish_reason"),
-        workloads=lambda: [failing_fast(builtin_workload("L2-2048"))], failing_loads=True),
-    Bug("migrate-issues-loads-in-reverse-order",  # the same loads: a copies divergence, no request state
-        applier_mutant("apply_migration_plan", "    for load in plan.loads:\n        req = target.state.edit(load.uuid)",
-                       "    for load in plan.loads[::-1]:\n        req = target.state.edit(load.uuid)"),
-        frozenset({"migrate"}), "copies", evidence=("copies[*].uuid",), absent=("requests",)),
-    Bug("migrate-request-swapped-this-step",
+        frozenset({"poll"}),
+        "state",
+        evidence=("requests[*].phase", "requests[*].finish_reason"),
+        workloads=lambda: [failing_fast(builtin_workload("L2-2048"))],
+        failing_loads=True,
+    ),
+    # the same loads: a copies divergence, no request state
+    Bug(
+        "migrate-issues-loads-in-reverse-order",
+        applier_mutant(
+            "apply_migration_plan",
+            "    for load in plan.loads:\n        req = target.state.edit(load.uuid)",
+            "    for load in plan.loads[::-1]:\n        req = target.state.edit(load.uuid)",
+        ),
+        frozenset({"migrate"}),
+        "copies",
+        evidence=("copies[*].uuid",),
+        absent=("requests",),
+    ),
+    Bug(
+        "migrate-request-swapped-this-step",
         method_mutant("plan_migration", "swapped_step == snapshot.step", "False"),
-        frozenset({"migrate"}), "state", evidence=("requests[*].phase", "copies")),
+        frozenset({"migrate"}),
+        "state",
+        evidence=("requests[*].phase", "copies"),
+    ),
 ]
 
 
@@ -333,30 +515,47 @@ def check_reported(bug: Bug, run: CompareRun, *, authoritative: str) -> None:
     [record] = run.records  # raise mode: the first divergence ends the run
     workloads = bug.workloads()
     assert len(run.results) == len(workloads) - 1, "a workload before the last one diverged"
-    assert record.op in bug.ops, f"{bug.name}: first divergence on {record.op}, expected {sorted(bug.ops)}"
-    assert record.kind == bug.kind, f"{bug.name}: kind {record.kind}, paths {record.field_paths}, {record.exception}"
+    assert record.op in bug.ops, (
+        f"{bug.name}: first divergence on {record.op}, expected {sorted(bug.ops)}"
+    )
+    assert record.kind == bug.kind, (
+        f"{bug.name}: kind {record.kind}, paths {record.field_paths}, {record.exception}"
+    )
     assert (record.authoritative, record.shadow) == (authoritative, OTHER_PATH[authoritative])
     assert record.workload == workloads[-1].name
     assert record.replay["request_type"] == REQUEST_TYPES[record.op]
     paths = {wildcard(path) for path in record.field_paths}
     for prefix in bug.evidence:
-        assert any(p.startswith(prefix) for p in paths), f"{bug.name}: no {prefix} among {sorted(paths)}"
+        assert any(p.startswith(prefix) for p in paths), (
+            f"{bug.name}: no {prefix} among {sorted(paths)}"
+        )
     for prefix in bug.absent:
-        assert not any(p.startswith(prefix) for p in paths), f"{bug.name}: {prefix} differs: {sorted(paths)}"
+        assert not any(p.startswith(prefix) for p in paths), (
+            f"{bug.name}: {prefix} differs: {sorted(paths)}"
+        )
     if bug.kind == "copies":
         assert all(p.startswith("copies") for p in paths)
     if bug.message is not None:
         assert record.field_paths == [] and record.exception is not None
         # the rejected plan is the plan path's, whichever side it ran on
-        assert re.search(rf"^plan raised PlanRejected: {bug.message}", record.exception), record.exception
+        assert re.search(rf"^plan raised PlanRejected: {bug.message}", record.exception), (
+            record.exception
+        )
 
 
-def run_bug(bug: Bug, model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, authoritative: str) -> CompareRun:
+def run_bug(
+    bug: Bug, model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, authoritative: str
+) -> CompareRun:
     bug.inject(monkeypatch)
     if bug.failing_loads:
         fail_loads(monkeypatch)
-    return run_compare(model, tmp_path / "divergences.jsonl", bug.workloads(), authoritative=authoritative,
-                       aborts=bug.aborts)
+    return run_compare(
+        model,
+        tmp_path / "divergences.jsonl",
+        bug.workloads(),
+        authoritative=authoritative,
+        aborts=bug.aborts,
+    )
 
 
 @pytest.mark.parametrize("bug", BUGS, ids=[bug.name for bug in BUGS])
@@ -366,7 +565,9 @@ def test_a_plan_bug_in_the_shadow_is_reported_on_the_op_it_breaks(bug, tiny, tmp
 
 
 @pytest.mark.parametrize("bug", BUGS, ids=[bug.name for bug in BUGS])
-def test_a_plan_bug_on_the_authoritative_path_is_reported_on_the_op_it_breaks(bug, tiny, tmp_path, monkeypatch):
+def test_a_plan_bug_on_the_authoritative_path_is_reported_on_the_op_it_breaks(
+    bug, tiny, tmp_path, monkeypatch
+):
     run = run_bug(bug, tiny, tmp_path, monkeypatch, authoritative="plan")
     check_reported(bug, run, authoritative="plan")
 
@@ -377,10 +578,18 @@ def test_every_op_has_a_bug_to_catch():
 
 # ---- exceptions and rejected plans on the shadow side -----------------------------------------
 def test_shadow_exceptions_and_rejected_plans_are_logged_and_never_reach_the_authoritative_path(
-        tiny, tmp_path, monkeypatch):
+    tiny, tmp_path, monkeypatch
+):
     workload = builtin_workload("L2-2048")
-    reference = run_workload(Worker(tiny, cache_config=workload.cache, engine_config=workload.engine,
-                                    kv_gate=KvGateConfig(path="legacy")), workload)
+    reference = run_workload(
+        Worker(
+            tiny,
+            cache_config=workload.cache,
+            engine_config=workload.engine,
+            kv_gate=KvGateConfig(path="legacy"),
+        ),
+        workload,
+    )
 
     def plan_eviction(self, req):
         raise RuntimeError("injected planner crash")
@@ -390,8 +599,9 @@ def test_shadow_exceptions_and_rejected_plans_are_logged_and_never_reach_the_aut
     run = run_compare(tiny, tmp_path / "log.jsonl", [workload], authoritative="legacy", mode="log")
 
     [result] = run.results
-    assert {u: o.output_ids for u, o in result.outputs.items()} == \
-        {u: o.output_ids for u, o in reference.outputs.items()}
+    assert {u: o.output_ids for u, o in result.outputs.items()} == {
+        u: o.output_ids for u, o in reference.outputs.items()
+    }
     assert (result.leaked_gpu_pages, result.leaked_host_pages, result.live_requests) == (0, 0, 0)
     [summary] = run.summaries
     assert summary.divergences["evict"] == summary.steps_compared["evict"] == result.num_steps
@@ -400,7 +610,11 @@ def test_shadow_exceptions_and_rejected_plans_are_logged_and_never_reach_the_aut
     kinds = {(r.op, r.kind) for r in run.records}
     assert kinds == {("evict", "exception"), ("alloc", "invalid_plan")}
     for record in run.records:
-        expected = "RuntimeError: injected planner crash" if record.op == "evict" else "PlanRejected: AllocPlan.grants["
+        expected = (
+            "RuntimeError: injected planner crash"
+            if record.op == "evict"
+            else "PlanRejected: AllocPlan.grants["
+        )
         assert record.exception.startswith(f"plan raised {expected}"), record.exception
         assert record.field_paths == []
 
@@ -409,12 +623,21 @@ def test_shadow_exceptions_and_rejected_plans_are_logged_and_never_reach_the_aut
 @pytest.mark.parametrize("broken", ["fork_target", "differing_requests"])
 @pytest.mark.parametrize("mode", ["log", "raise"])
 def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_reaches_the_worker(
-        broken, mode, tiny, tmp_path, monkeypatch):
-    """A crash while forking (before the shadow runs) or while canonicalising (after the authoritative
-    op mutated the worker) is the harness's: the worker runs on as if compare mode were off."""
+    broken, mode, tiny, tmp_path, monkeypatch
+):
+    """A crash while forking (before the shadow runs) or while canonicalising (after the
+    authoritative op mutated the worker) is the harness's: the worker runs on as if compare mode
+    were off."""
     workload = stress_smoke(0)
-    reference = run_workload(Worker(tiny, cache_config=workload.cache, engine_config=workload.engine,
-                                    kv_gate=KvGateConfig(path="plan")), workload)
+    reference = run_workload(
+        Worker(
+            tiny,
+            cache_config=workload.cache,
+            engine_config=workload.engine,
+            kv_gate=KvGateConfig(path="plan"),
+        ),
+        workload,
+    )
 
     def crash(*args, **kwargs):
         raise RuntimeError(f"injected harness crash in {broken}")
@@ -423,8 +646,9 @@ def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_re
     with pytest.warns(HarnessWarning, match=broken):
         run = run_compare(tiny, tmp_path / "log.jsonl", [workload], authoritative="plan", mode=mode)
     [result], [summary] = run.results, run.summaries
-    assert {u: o.output_ids for u, o in result.outputs.items()} == \
-        {u: o.output_ids for u, o in reference.outputs.items()}
+    assert {u: o.output_ids for u, o in result.outputs.items()} == {
+        u: o.output_ids for u, o in reference.outputs.items()
+    }
     assert (result.leaked_gpu_pages, result.leaked_host_pages, result.live_requests) == (0, 0, 0)
     assert run.records == [] and summary.divergences == {}
     assert summary.harness_errors > 0
@@ -435,21 +659,33 @@ def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_re
 
 
 @pytest.mark.parametrize("harness_crash", [False, True], ids=["sampled", "canonicalize-crashes"])
-def test_journaling_stops_after_every_op_compared_or_not(harness_crash, tiny, tmp_path, monkeypatch):
-    """Pools journal and the state records writes only while an op is compared: a sampled-out op, or one
-    whose canonical forms crashed, must leave nothing recording (it would grow without bound)."""
+def test_journaling_stops_after_every_op_compared_or_not(
+    harness_crash, tiny, tmp_path, monkeypatch
+):
+    """Pools journal and the state records writes only while an op is compared: a sampled-out op, or
+    one whose canonical forms crashed, must leave nothing recording (it would grow without
+    bound)."""
     if harness_crash:
         monkeypatch.setattr(kv_compare, "differing_requests", lambda *args: 1 / 0)
     workload = stress_smoke(1)
-    gate = KvGateConfig(path="plan", compare="log", compare_sample=0.5, compare_log=str(tmp_path / "log.jsonl"))
+    gate = KvGateConfig(
+        path="plan", compare="log", compare_sample=0.5, compare_log=str(tmp_path / "log.jsonl")
+    )
     worker = Worker(tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate)
     recording = []
 
     def after_step(num_released: int, num_requests: int) -> None:
         target = worker.kv_target()
-        fields = (target.gpu_kv.pages.journal, target.host_kv.pages.journal, target.host_kv.copies,
-                  target.state.written, worker.kv_compare.target.dropped)
-        recording.extend(f"step {worker.state.step}: {value!r}" for value in fields if value is not None)
+        fields = (
+            target.gpu_kv.pages.journal,
+            target.host_kv.pages.journal,
+            target.host_kv.copies,
+            target.state.written,
+            worker.kv_compare.target.dropped,
+        )
+        recording.extend(
+            f"step {worker.state.step}: {value!r}" for value in fields if value is not None
+        )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HarnessWarning)
@@ -462,24 +698,43 @@ def test_journaling_stops_after_every_op_compared_or_not(harness_crash, tiny, tm
 
 # ---- clean code: no noise ---------------------------------------------------------------------
 def stress_smoke(seed: int) -> Workload:
-    """``smoke`` at scale 2 (16 requests, 48 GPU pages) with a 12-page host tier: evictions, loads and
-    recompute preemptions in ~60 steps."""
+    """``smoke`` at scale 2 (16 requests, 48 GPU pages) with a 12-page host tier: evictions, loads
+    and recompute preemptions in ~60 steps."""
     return builtin_workload("smoke", seed=seed, scale=2).with_cache(num_host_pages=12)
 
 
-@pytest.mark.parametrize("authoritative, shadow", [("legacy", "plan"), ("plan", "legacy"),
-                                                   ("legacy", "legacy"), ("plan", "plan")],
-                         ids=["legacy-vs-plan-shadow", "plan-vs-legacy-shadow", "A-A-legacy", "A-A-plan"])
-def test_clean_paths_report_no_divergence_over_ten_seeds(authoritative, shadow, tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "authoritative, shadow",
+    [("legacy", "plan"), ("plan", "legacy"), ("legacy", "legacy"), ("plan", "plan")],
+    ids=["legacy-vs-plan-shadow", "plan-vs-legacy-shadow", "A-A-legacy", "A-A-plan"],
+)
+def test_clean_paths_report_no_divergence_over_ten_seeds(
+    authoritative, shadow, tiny, tmp_path, monkeypatch
+):
     fail_loads(monkeypatch, every=3)
     totals: dict[str, int] = {}
-    stats = {"evictions": 0, "loads": 0, "load_failures": 0, "recompute_preemptions": 0, "aborted": 0}
+    stats = {
+        "evictions": 0,
+        "loads": 0,
+        "load_failures": 0,
+        "recompute_preemptions": 0,
+        "aborted": 0,
+    }
     for seed in CLEAN_SEEDS:
         log = tmp_path / f"seed{seed}.jsonl"
-        run = run_compare(tiny, log, [stress_smoke(seed)], authoritative=authoritative, mode="log",
-                          shadow_path=shadow, aborts=2)
+        run = run_compare(
+            tiny,
+            log,
+            [stress_smoke(seed)],
+            authoritative=authoritative,
+            mode="log",
+            shadow_path=shadow,
+            aborts=2,
+        )
         [summary] = run.summaries
-        assert run.records == [], f"seed {seed}: {[(r.step, r.op, r.kind, r.field_paths[:3]) for r in run.records]}"
+        assert run.records == [], (
+            f"seed {seed}: {[(r.step, r.op, r.kind, r.field_paths[:3]) for r in run.records]}"
+        )
         assert summary.divergences == {} and summary.harness_errors == 0
         assert (summary.authoritative, summary.shadow) == (authoritative, shadow)
         for op, count in summary.steps_compared.items():
@@ -492,36 +747,54 @@ def test_clean_paths_report_no_divergence_over_ten_seeds(authoritative, shadow, 
 
 
 @pytest.mark.parametrize("authoritative", ["legacy", "plan"])
-def test_an_alloc_answering_with_a_tuple_of_the_same_uuids_is_no_divergence(authoritative, tiny, tmp_path,
-                                                                             monkeypatch):
-    applier_mutant("apply_alloc_plan",
-                   "    return [uuid for uuid in batch if uuid not in left_out] if left_out else list(batch)",
-                   "    return tuple(uuid for uuid in batch if uuid not in left_out) if left_out else tuple(batch)"
-                   )(monkeypatch)
-    run = run_compare(tiny, tmp_path / "log.jsonl", [stress_smoke(0)], authoritative=authoritative, mode="log")
+def test_an_alloc_answering_with_a_tuple_of_the_same_uuids_is_no_divergence(
+    authoritative, tiny, tmp_path, monkeypatch
+):
+    applier_mutant(
+        "apply_alloc_plan",
+        "    return [uuid for uuid in batch if uuid not in left_out] if left_out else list(batch)",
+        "    return tuple(uuid for uuid in batch if uuid not in left_out) if left_out else"
+        " tuple(batch)",
+    )(monkeypatch)
+    run = run_compare(
+        tiny, tmp_path / "log.jsonl", [stress_smoke(0)], authoritative=authoritative, mode="log"
+    )
     assert run.records == [], [(r.step, r.op, r.field_paths[:3]) for r in run.records]
     assert run.summaries[0].steps_compared["alloc"] > 0
 
 
 def test_an_ops_result_is_compared_as_a_list_and_never_consumed():
     served = iter(["a"])
-    assert canonical_result(served) is served and list(served) == ["a"]  # an iterator is left to the caller
+    # an iterator is left to the caller
+    assert canonical_result(served) is served and list(served) == ["a"]
     assert canonical_result(("a", "b")) == canonical_result(["a", "b"]) == ["a", "b"]
     assert canonical_result(None) is None
 
 
 # ---- the harness itself overlooks no field -----------------------------------------------------
 FIELD_CHANGES = {
-    "phase": Phase.SWAPPED, "num_cached_tokens": 1, "gpu_page_ids": (99,), "host_page_ids": (98,),
-    "num_load_retries": 1, "swapped_step": 5, "finish_reason": "abort", "load_handle": CompletedHandle(),
-    "load_started_step": 3, "num_tokens": 40, "arrival_index": 99,
+    "phase": Phase.SWAPPED,
+    "num_cached_tokens": 1,
+    "gpu_page_ids": (99,),
+    "host_page_ids": (98,),
+    "num_load_retries": 1,
+    "swapped_step": 5,
+    "finish_reason": "abort",
+    "load_handle": CompletedHandle(),
+    "load_started_step": 3,
+    "num_tokens": 40,
+    "arrival_index": 99,
 }
 
 
 def running_target(*uuids: str) -> KvTarget:
-    """The live target of a bookkeeping-only worker after one step: ``uuids`` RUNNING, 2 GPU pages each."""
-    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=CacheConfig(page_size=4, num_gpu_pages=8,
-                    num_host_pages=4), kv_storage=False)
+    """The live target of a bookkeeping-only worker after one step: ``uuids`` RUNNING, 2 GPU pages
+    each."""
+    worker = Worker(
+        NullModel(TINY_MODELS["tiny"]),
+        cache_config=CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=4),
+        kv_storage=False,
+    )
     for uuid in uuids:
         worker.add_request(Request(uuid, (1, 2, 3, 4, 5), max_new_tokens=4))
     worker.step()
@@ -542,15 +815,18 @@ def test_compare_mode_sees_a_change_to_any_request_field_it_canonicalises():
     assert differing_requests(fork_target(target), target, [], set()) == []
 
     shown = set()
-    changes = [(name, lambda fork, value=value, name=name: setattr(fork.state.edit("a"), name, value))
-               for name, value in FIELD_CHANGES.items()]
+    changes = [
+        (name, lambda fork, value=value, name=name: setattr(fork.state.edit("a"), name, value))
+        for name, value in FIELD_CHANGES.items()
+    ]
     changes.append(("pending append", lambda fork: fork.drop_pending_append("a")))
     changes.append(("released", lambda fork: fork.state.remove("a")))
     for name, change in changes:
         fork = fork_target(target)
         change(fork)
         assert differing_requests(fork, target, [], set()) == ["a"], name
-        assert differing_requests(fork, target, ["b"], set()) == ["a"], name  # written alike on both sides
+        # written alike on both sides
+        assert differing_requests(fork, target, ["b"], set()) == ["a"], name
         before, after = entries(target)["a"], entries(fork).get("a", {})
         shown |= {key for key in before if before[key] != after.get(key)}
         assert entries(fork)["b"] == entries(target)["b"]
@@ -561,7 +837,8 @@ def test_compare_mode_sees_a_change_to_any_request_field_it_canonicalises():
 
 
 def test_a_fork_never_writes_the_worker_state_it_was_taken_from():
-    """Copy-on-write: the fork's writes go to its own copies, each recorded with the request it shadows."""
+    """Copy-on-write: the fork's writes go to its own copies, each recorded with the request it
+    shadows."""
     target = running_target("a", "b")
     a, b = target.state.requests["a"], target.state.requests["b"]
     fields_before = (a.phase, a.gpu_page_ids, b.phase, b.gpu_page_ids)
@@ -573,7 +850,8 @@ def test_a_fork_never_writes_the_worker_state_it_was_taken_from():
     fork.state.remove("b")
     assert (a.phase, a.gpu_page_ids, b.phase, b.gpu_page_ids) == fields_before
     assert list(target.state.requests) == ["a", "b"] and list(fork.state.requests) == ["a"]
-    assert fork.state.written == {"a": a, "b": b}  # each written request -> the shared one it replaced
+    # each written request -> the shared one it replaced
+    assert fork.state.written == {"a": a, "b": b}
     assert fork.state.requests["a"] is not a and fork.state.requests["a"].phase is Phase.SWAPPED
 
 
@@ -588,7 +866,7 @@ def test_a_request_only_the_worker_wrote_is_compared_against_the_state_the_fork_
     assert differing_requests(fork, target, written, set()) == ["a"]
 
 
-def test_a_pending_append_dropped_on_one_side_only_is_compared_and_the_fork_drops_none_of_the_workers():
+def test_a_pending_append_dropped_on_one_side_only_is_compared_and_the_fork_drops_none():
     target = running_target("a", "b")
     fork = fork_target(target)
     fork.drop_pending_append("b")
@@ -612,9 +890,11 @@ def test_the_worker_records_each_request_before_its_first_write_while_compared()
 
 
 def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state_gives(
-        tiny, tmp_path, monkeypatch):
-    """With legacy authoritative, the logged op request comes from the plan shadow's run on the fork;
-    it must equal the request the plan path builds from the worker itself (LOADING count included)."""
+    tiny, tmp_path, monkeypatch
+):
+    """With legacy authoritative, the logged op request comes from the plan shadow's run on the
+    fork; it must equal the request the plan path builds from the worker itself (LOADING count
+    included)."""
     bug_named("migrate-request-swapped-this-step").inject(monkeypatch)
     workload = stress_smoke(0)
     gate = KvGateConfig(path="legacy", compare="log", compare_log=str(tmp_path / "log.jsonl"))
@@ -623,26 +903,35 @@ def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state
     migrate = worker._kv_migrate
 
     def building_migrate():
-        built[worker.state.step] = to_jsonable(kv_apply.PlanKvPath(worker.kv_target()).migration_request())
+        built[worker.state.step] = to_jsonable(
+            kv_apply.PlanKvPath(worker.kv_target()).migration_request()
+        )
         return migrate()
 
     worker._kv_migrate = building_migrate
     run_workload(worker, workload)
-    records = [r for r in read_log(tmp_path / "log.jsonl").records if isinstance(r, DivergenceRecord)]
+    records = [
+        r for r in read_log(tmp_path / "log.jsonl").records if isinstance(r, DivergenceRecord)
+    ]
     assert records and {r.op for r in records} == {"migrate"}
     for record in records:
         assert record.replay["request"] == built[record.step], record.step
 
 
-def test_a_logged_load_divergence_names_each_sides_handle_as_replay_does(tiny, tmp_path, monkeypatch):
-    """The fork's record of the requests before it wrote them holds the worker's objects, which the authoritative
-    path then changes: the shadow's load must still be named against the state before the op."""
+def test_a_logged_load_divergence_names_each_sides_handle_as_replay_does(
+    tiny, tmp_path, monkeypatch
+):
+    """The fork's record of the requests before it wrote them holds the worker's objects, which the
+    authoritative path then changes: the shadow's load must still be named against the state before
+    the op."""
     from batchgen.shadow.replay import replay_record
 
     bug = bug_named("retry-keeps-the-failed-loads-handle")
     bug.inject(monkeypatch)
     fail_loads(monkeypatch)
-    run = run_compare(tiny, tmp_path / "log.jsonl", bug.workloads(), authoritative="legacy", mode="log")
+    run = run_compare(
+        tiny, tmp_path / "log.jsonl", bug.workloads(), authoritative="legacy", mode="log"
+    )
     record = run.records[0]
     assert (record.op, record.kind) == ("poll", "state")
     assert any(wildcard(path) == "requests[*].load" for path in record.field_paths)

@@ -19,30 +19,40 @@ from dataclasses import dataclass
 
 import pytest
 
-from compare.canonical import flatten
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
-from batchgen.model.null_model import NullModel
-from batchgen.kv.plan_path import PlanKvPath
-from batchgen.shadow.kv_compare import KvCompare
-from batchgen.kv.gate import KvGateConfig
-from batchgen.kv.legacy import LegacyKvPath
 from batchgen.engine.state import Phase, Request
 from batchgen.engine.worker import Worker
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.legacy import LegacyKvPath
+from batchgen.kv.plan_path import PlanKvPath
+from batchgen.model.null_model import NullModel
+from batchgen.shadow.kv_compare import KvCompare
+from compare.canonical import flatten
 
-PATH_OPS = {getattr(cls, op).__code__ for cls in (PlanKvPath, LegacyKvPath)
-            for op in ("poll", "release", "evict", "migrate", "allocate")}
+PATH_OPS = {
+    getattr(cls, op).__code__
+    for cls in (PlanKvPath, LegacyKvPath)
+    for op in ("poll", "release", "evict", "migrate", "allocate")
+}
 DIRECTIONS = {"plan authoritative": "plan", "legacy authoritative": "legacy"}
 
 
 def running_worker(num_requests: int, path: str, log) -> Worker:
-    """A bookkeeping-only worker in compare mode ("raise") with ``num_requests`` RUNNING requests of 20 tokens
-    (two pages each: the next decode steps need no new page) and room for all of them."""
-    worker = Worker(NullModel(TINY_MODELS["tiny"]),
-                    cache_config=CacheConfig(num_gpu_pages=4 * num_requests + 64, num_host_pages=64),
-                    engine_config=EngineConfig(max_num_seqs=num_requests, max_num_batched_tokens=64 * num_requests),
-                    kv_gate=KvGateConfig(path=path, compare="raise", compare_log=str(log)), kv_storage=False)
+    """A bookkeeping-only worker in compare mode ("raise") with ``num_requests`` RUNNING requests of
+    20 tokens (two pages each: the next decode steps need no new page) and room for all of them."""
+    worker = Worker(
+        NullModel(TINY_MODELS["tiny"]),
+        cache_config=CacheConfig(num_gpu_pages=4 * num_requests + 64, num_host_pages=64),
+        engine_config=EngineConfig(
+            max_num_seqs=num_requests, max_num_batched_tokens=64 * num_requests
+        ),
+        kv_gate=KvGateConfig(path=path, compare="raise", compare_log=str(log)),
+        kv_storage=False,
+    )
     for i in range(num_requests):
-        worker.add_request(Request(uuid=f"r{i}", prompt_ids=tuple(range(1, 21)), max_new_tokens=100))
+        worker.add_request(
+            Request(uuid=f"r{i}", prompt_ids=tuple(range(1, 21)), max_new_tokens=100)
+        )
     worker.step()  # admits and prefills all of them
     assert [r.phase for r in worker.state.requests.values()] == [Phase.RUNNING] * num_requests
     return worker
@@ -53,12 +63,15 @@ class HarnessWork:
     """What compare mode did for one op, outside the two paths' op calls."""
 
     bytecodes: int  # Python-level work (deterministic)
-    form_leaves: tuple[int, int]  # leaves of the two canonical forms compared (what was built in C, too)
-    fork_shares_requests: bool  # the fork still reads the worker's request dict (it wrote no request)
+    # leaves of the two canonical forms compared (what was built in C, too)
+    form_leaves: tuple[int, int]
+    # the fork still reads the worker's request dict (it wrote no request)
+    fork_shares_requests: bool
 
 
 def harness_work(worker: Worker, name: str, op: Callable[[], object]) -> HarnessWork:
-    """Run ``op``, one compared op ``name`` that must match, and measure the harness's work in it."""
+    """Run ``op``, one compared op ``name`` that must match, and measure the harness's work in
+    it."""
     kv, seen = worker._kv, {}
 
     def fork():
@@ -69,7 +82,8 @@ def harness_work(worker: Worker, name: str, op: Callable[[], object]) -> Harness
         seen["forms"] = forms = KvCompare._canonicalize(kv, authoritative, shadow)
         return forms
 
-    kv._fork, kv._canonicalize = fork, canonicalize  # instance attributes: KvCompare hands these to the executor
+    # instance attributes: KvCompare hands these to the executor
+    kv._fork, kv._canonicalize = fork, canonicalize
     before = kv.executor.stats()
     try:
         count = harness_bytecodes(op)
@@ -80,12 +94,16 @@ def harness_work(worker: Worker, name: str, op: Callable[[], object]) -> Harness
     assert (sum(after.num_divergences.values()), after.num_harness_errors) == (0, 0)
     mine, theirs = seen["forms"]
     fork_state = seen["fork"][0].state
-    return HarnessWork(count, (len(flatten(mine)), len(flatten(theirs))),
-                       fork_state.requests is worker.state.requests)
+    return HarnessWork(
+        count,
+        (len(flatten(mine)), len(flatten(theirs))),
+        fork_state.requests is worker.state.requests,
+    )
 
 
 def harness_bytecodes(op: Callable[[], object]) -> int:
-    """Bytecodes ``op`` executes outside the KV paths' own op calls (both sides, any depth below them)."""
+    """Bytecodes ``op`` executes outside the KV paths' own op calls (both sides, any depth below
+    them)."""
     count = 0
     inside_path = 0
 
@@ -121,7 +139,8 @@ def harness_bytecodes(op: Callable[[], object]) -> int:
 
 
 def finish(worker: Worker, num_done: int) -> list[str]:
-    """Mark the first ``num_done`` requests FINISHED (what sampling does on a stop token); their uuids."""
+    """Mark the first ``num_done`` requests FINISHED (what sampling does on a stop token); their
+    uuids."""
     done = list(worker.state.requests)[:num_done]
     for uuid in done:
         worker.state.requests[uuid].phase = Phase.FINISHED
@@ -130,9 +149,13 @@ def finish(worker: Worker, num_done: int) -> list[str]:
 
 @pytest.mark.parametrize("path", DIRECTIONS.values(), ids=DIRECTIONS.keys())
 @pytest.mark.parametrize("op", ["evict", "migrate"])
-def test_an_op_that_writes_nothing_costs_the_harness_the_same_at_any_number_of_requests(op, path, tmp_path):
-    work = [harness_work(worker, op, getattr(worker._kv, op))
-            for worker in (running_worker(n, path, tmp_path / f"{n}.jsonl") for n in (8, 256))]
+def test_an_op_that_writes_nothing_costs_the_harness_the_same_at_any_number_of_requests(
+    op, path, tmp_path
+):
+    work = [
+        harness_work(worker, op, getattr(worker._kv, op))
+        for worker in (running_worker(n, path, tmp_path / f"{n}.jsonl") for n in (8, 256))
+    ]
     assert work[0] == work[1]
     assert work[0].bytecodes > 0 and work[0].fork_shares_requests
     assert work[0].form_leaves == (5, 5)  # four counters and the result, on each side
@@ -143,36 +166,50 @@ def test_a_release_costs_the_harness_what_it_released_not_what_is_live(path, tmp
     work = {}
     for num_requests in (8, 256):
         for num_done in (2, 4):
-            worker = running_worker(num_requests, path, tmp_path / f"{num_requests}-{num_done}.jsonl")
+            worker = running_worker(
+                num_requests, path, tmp_path / f"{num_requests}-{num_done}.jsonl"
+            )
             done = finish(worker, num_done)
-            work[num_requests, num_done] = harness_work(worker, "release", lambda: worker._kv.release(done))
+            work[num_requests, num_done] = harness_work(
+                worker, "release", lambda w=worker, d=done: w._kv.release(d)
+            )
             assert sorted(worker.state.outputs) == sorted(done)
     for num_done in (2, 4):
         assert work[8, num_done].bytecodes == work[256, num_done].bytecodes
         assert work[8, num_done].form_leaves == work[256, num_done].form_leaves
     assert work[8, 2].bytecodes < work[8, 4].bytecodes
-    assert work[8, 2].form_leaves < work[8, 4].form_leaves  # one pool event (and its pages) per released request
+    # one pool event (and its pages) per released request
+    assert work[8, 2].form_leaves < work[8, 4].form_leaves
 
 
 def _scanning(quiet_form):
     def form(target, result):  # a Python-level scan of every live request per op
         assert all(r.phase is not None for r in target.state.requests.values())
         return quiet_form(target, result)
+
     return form
 
 
 def _copying(quiet_form):
     def form(target, result):  # C-level: every live request copied into the form
         return {**quiet_form(target, result), "requests": dict(target.state.requests)}
+
     return form
 
 
-@pytest.mark.parametrize("bug, grows", [(_scanning, "bytecodes"), (_copying, "form_leaves")],
-                         ids=["python scan", "C copy"])
-def test_the_measure_sees_harness_work_that_grows_with_the_live_requests(bug, grows, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "bug, grows",
+    [(_scanning, "bytecodes"), (_copying, "form_leaves")],
+    ids=["python scan", "C copy"],
+)
+def test_the_measure_sees_harness_work_that_grows_with_the_live_requests(
+    bug, grows, tmp_path, monkeypatch
+):
     from batchgen.shadow import kv_compare
 
     monkeypatch.setattr(kv_compare, "_quiet_form", bug(kv_compare._quiet_form))
-    small, large = (harness_work(worker, "evict", worker._kv.evict)
-                    for worker in (running_worker(n, "plan", tmp_path / f"{n}.jsonl") for n in (8, 256)))
+    small, large = (
+        harness_work(worker, "evict", worker._kv.evict)
+        for worker in (running_worker(n, "plan", tmp_path / f"{n}.jsonl") for n in (8, 256))
+    )
     assert getattr(large, grows) > getattr(small, grows)

@@ -1,17 +1,18 @@
 """Fault schedules: parsing, determinism, and what must hold under any schedule."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from batchgen.config import CacheConfig, EngineConfig
-from batchgen.model.loader import load_model
-from batchgen.shadow.output_check import compare_outputs
-from batchgen.engine.runner import run_workload
 from batchgen.engine.faults import ABORT_PHASES, FaultInjector, FaultSpec, FaultSpecError
-from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.runner import run_workload
 from batchgen.engine.state import Phase
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
+from batchgen.kv.gate import KvGateConfig
+from batchgen.model.loader import load_model
+from batchgen.shadow.output_check import compare_outputs
 
 MODEL = load_model("tiny")
 
@@ -21,39 +22,80 @@ def small_workload(seed: int, num_requests: int) -> Workload:
 
     rng = random.Random(seed)
     requests = [
-        WorkloadRequest(uuid=f"f{i}", prompt_ids=[rng.randrange(1, 512) for _ in range(rng.randint(2, 30))],
-                        max_new_tokens=rng.randint(1, 20), arrival_step=rng.randint(0, 4))
+        WorkloadRequest(
+            uuid=f"f{i}",
+            prompt_ids=[rng.randrange(1, 512) for _ in range(rng.randint(2, 30))],
+            max_new_tokens=rng.randint(1, 20),
+            arrival_step=rng.randint(0, 4),
+        )
         for i in range(num_requests)
     ]
-    cache = CacheConfig(page_size=rng.choice([3, 4, 5]), num_gpu_pages=18, num_host_pages=rng.choice([4, 9, 30]),
-                        watermark=0.05)
-    return Workload(name=f"faults-{seed}", seed=seed, cache=cache,
-                    engine=EngineConfig(max_num_seqs=6, max_load_retries=rng.randint(0, 2), load_timeout_steps=3),
-                    requests=requests)
+    cache = CacheConfig(
+        page_size=rng.choice([3, 4, 5]),
+        num_gpu_pages=18,
+        num_host_pages=rng.choice([4, 9, 30]),
+        watermark=0.05,
+    )
+    return Workload(
+        name=f"faults-{seed}",
+        seed=seed,
+        cache=cache,
+        engine=EngineConfig(
+            max_num_seqs=6, max_load_retries=rng.randint(0, 2), load_timeout_steps=3
+        ),
+        requests=requests,
+    )
 
 
-def run(workload: Workload, *, gate: KvGateConfig | None = None, spec: FaultSpec | None = None, tmp_path=None):
+def run(
+    workload: Workload,
+    *,
+    gate: KvGateConfig | None = None,
+    spec: FaultSpec | None = None,
+    tmp_path=None,
+):
     injector = FaultInjector(spec) if spec is not None else None
-    worker = Worker(MODEL, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate, faults=injector)
+    worker = Worker(
+        MODEL,
+        cache_config=workload.cache,
+        engine_config=workload.engine,
+        kv_gate=gate,
+        faults=injector,
+    )
     return run_workload(worker, workload, check_integrity=True), injector
 
 
 def test_parse_reads_every_key():
-    spec = FaultSpec.parse("seed=7, load_fail=0.1,load_fail_late=0.2,load_hang=0.3,slow_store=0.4,store_delay_ms=5,"
-                           "host_shrink=0.5,gpu_refuse=0.6,abort=0.7,abort_phases=swapped+loading")
-    assert spec == FaultSpec(seed=7, load_fail=0.1, load_fail_late=0.2, load_hang=0.3, slow_store=0.4, store_delay_ms=5.0,
-                             host_shrink=0.5, gpu_refuse=0.6, abort=0.7, abort_phases=("swapped", "loading"))
+    spec = FaultSpec.parse(
+        "seed=7, load_fail=0.1,load_fail_late=0.2,load_hang=0.3,slow_store=0.4,store_delay_ms=5,"
+        "host_shrink=0.5,gpu_refuse=0.6,abort=0.7,abort_phases=swapped+loading"
+    )
+    assert spec == FaultSpec(
+        seed=7,
+        load_fail=0.1,
+        load_fail_late=0.2,
+        load_hang=0.3,
+        slow_store=0.4,
+        store_delay_ms=5.0,
+        host_shrink=0.5,
+        gpu_refuse=0.6,
+        abort=0.7,
+        abort_phases=("swapped", "loading"),
+    )
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("load_fial=0.1", "KEY one of"),
-    ("load_fail", "is not KEY=VALUE"),
-    ("load_fail=abc", "load_fail='abc' is not a number"),
-    ("load_fail=1.5", "must be a probability in [0, 1]"),
-    ("seed=1.5", "seed='1.5' is not an integer"),
-    ("abort_phases=running", "allowed: waiting+prefilling+decoding+swapped+loading"),
-    ("store_delay_ms=-1", "must be in [0, 10000]"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("load_fial=0.1", "KEY one of"),
+        ("load_fail", "is not KEY=VALUE"),
+        ("load_fail=abc", "load_fail='abc' is not a number"),
+        ("load_fail=1.5", "must be a probability in [0, 1]"),
+        ("seed=1.5", "seed='1.5' is not an integer"),
+        ("abort_phases=running", "allowed: waiting+prefilling+decoding+swapped+loading"),
+        ("store_delay_ms=-1", "must be in [0, 10000]"),
+    ],
+)
 def test_parse_rejects_bad_specs_with_a_message_naming_the_part(spec, message):
     with pytest.raises(FaultSpecError) as error:
         FaultSpec.parse(spec)
@@ -100,17 +142,25 @@ fault_specs = st.builds(
 )
 
 
-@given(spec=fault_specs, workload_seed=st.integers(0, 10_000), load_failure=st.sampled_from(["recompute", "fail"]))
+@given(
+    spec=fault_specs,
+    workload_seed=st.integers(0, 10_000),
+    load_failure=st.sampled_from(["recompute", "fail"]),
+)
 def test_every_fault_schedule_leaves_no_leak_accounts_for_every_request_and_keeps_tokens(
-        spec, workload_seed, load_failure, tmp_path_factory):
+    spec, workload_seed, load_failure, tmp_path_factory
+):
     workload = small_workload(workload_seed, 7)
     reference, _ = run(workload)
     log = tmp_path_factory.mktemp("faults") / "kv.jsonl"
     results = []
     for path in ("legacy", "plan"):
         for compare in ("off", "raise"):
-            gate = KvGateConfig(path=path, compare=compare, compare_log=str(log), load_failure=load_failure)
-            result, injector = run(workload, gate=gate, spec=spec)  # check_integrity after every step
+            gate = KvGateConfig(
+                path=path, compare=compare, compare_log=str(log), load_failure=load_failure
+            )
+            # check_integrity after every step
+            result, injector = run(workload, gate=gate, spec=spec)
             assert result.leaked_gpu_pages == 0 and result.leaked_host_pages == 0
             assert result.loads_in_flight == 0 and result.live_requests == 0
             assert set(result.outputs) == {r.uuid for r in workload.requests}
@@ -121,4 +171,6 @@ def test_every_fault_schedule_leaves_no_leak_accounts_for_every_request_and_keep
             if compare == "raise":
                 assert sum(result.compare_summary.divergences.values()) == 0
             results.append(result.outputs)
-    assert all(outputs == results[0] for outputs in results), "paths and compare mode saw different outcomes"
+    assert all(outputs == results[0] for outputs in results), (
+        "paths and compare mode saw different outcomes"
+    )

@@ -1,4 +1,5 @@
-"""CUDA checks (marker ``gpu``; skipped without CUDA): model parity and a back-to-back run on the GPU."""
+"""CUDA checks (marker ``gpu``; skipped without CUDA): model parity and a back-to-back run on the
+GPU."""
 
 import math
 
@@ -11,7 +12,10 @@ from batchgen.model.loader import load_model
 from batchgen.model.paged_kv import kv_page_shape, write_kv
 from batchgen.shadow.validation import validate_back_to_back
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -24,9 +28,16 @@ def exact_matmul():
 
 @pytest.mark.parametrize("num_kv_heads, page_size, prompt_len", [(4, 16, 37), (1, 5, 1500)])
 def test_paged_model_on_cuda_matches_hf_on_cuda(tmp_path, num_kv_heads, page_size, prompt_len):
-    config = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=num_kv_heads,
-                                      max_position_embeddings=2048, attn_implementation="eager")
+    config = transformers.LlamaConfig(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path)

@@ -1,4 +1,5 @@
-"""KV tiers: exact bytes through a GPU -> host -> GPU round trip; forks and bookkeeping-only pools copy nothing."""
+"""KV tiers: exact bytes through a GPU -> host -> GPU round trip; forks and bookkeeping-only pools
+copy nothing."""
 
 import hashlib
 
@@ -6,12 +7,20 @@ import pytest
 import torch
 
 from batchgen.config import ModelConfig
-from batchgen.model.paged_kv import kv_page_shape
 from batchgen.kv.backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
 from batchgen.kv.page_copy import AsyncCopyQueue
+from batchgen.model.paged_kv import kv_page_shape
 
-CONFIG = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=2,
-                     num_heads=2, num_kv_heads=2, head_dim=4, max_context=64)
+CONFIG = ModelConfig(
+    vocab_size=16,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=4,
+    max_context=64,
+)
 PAGE_SIZE = 4
 
 
@@ -25,7 +34,9 @@ def tiers(num_gpu_pages: int = 8, num_host_pages: int = 6) -> tuple[GpuKvPool, H
 
 
 def checksums(tensor: torch.Tensor, page_ids) -> list[str]:
-    return [hashlib.sha256(tensor[page].contiguous().numpy().tobytes()).hexdigest() for page in page_ids]
+    return [
+        hashlib.sha256(tensor[page].contiguous().numpy().tobytes()).hexdigest() for page in page_ids
+    ]
 
 
 def test_gpu_to_host_to_gpu_round_trip_keeps_every_byte():
@@ -96,7 +107,10 @@ def test_forks_record_copy_ops_and_issue_no_copies():
     gpu_fork.release_pages("a")
     handle = host_fork.load_to_gpu_async("a", gpu_fork.allocate_pages("a", 2))
     assert isinstance(handle, CompletedHandle) and handle.done() and handle.wait() is None
-    assert host_fork.copies == [CopyOp("store", "a", (0, 1), (0, 1)), CopyOp("load", "a", (0, 1), (2, 3))]
+    assert host_fork.copies == [
+        CopyOp("store", "a", (0, 1), (0, 1)),
+        CopyOp("load", "a", (0, 1), (2, 3)),
+    ]
     assert torch.equal(gpu.tensor, gpu_before) and torch.equal(host.tensor, host_before)
     assert gpu.pages_of("a") == (0, 1) and host.pages_of("a") == ()
 

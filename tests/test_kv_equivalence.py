@@ -1,12 +1,10 @@
 """Legacy and plan paths in lockstep: identical state after every step, copies, and tokens.
 
-Two workers, one per path, receive the same arrivals and aborts and step
-together; after each KV op and after each step their canonical dumps (every
-RequestState field, the load handle as a bool; outputs; stats; both pools' free
-queues and owners; pending appends), after each step their KV page contents,
-and the copy operations each step issued must be equal. Failed and stalled loads come from a seeded schedule wrapped
-around ``host_kv.load_to_gpu_async``, identical on both workers.
-"""
+Two workers, one per path, receive the same arrivals and aborts and step together; after each KV op
+and after each step their canonical dumps (every RequestState field, the load handle as a bool;
+outputs; stats; both pools' free queues and owners; pending appends), after each step their KV page
+contents, and the copy operations each step issued must be equal. Failed and stalled loads come from
+a seeded schedule wrapped around ``host_kv.load_to_gpu_async``, identical on both workers."""
 
 from __future__ import annotations
 
@@ -22,18 +20,18 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
-from batchgen.model.loader import load_model
-from batchgen.model.null_model import NullModel
-from batchgen.kv.gate import KvGateConfig
 from batchgen.engine.state import RequestState
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import WorkloadRequest, builtin_workload
+from batchgen.kv.gate import KvGateConfig
+from batchgen.model.loader import load_model
+from batchgen.model.null_model import NullModel
 
 PATHS = ("legacy", "plan")
 TINY = TINY_MODELS["tiny"]
 
 
-# ---- load fault injection ---------------------------------------------------------------------------
+# ---- load fault injection ------------------------------------------------------------------------
 class FailedLoad:
     """The copy ran, but the load reports failure."""
 
@@ -82,13 +80,15 @@ class LoadFaults:
                 return FailedLoad(handle)
             if roll < self.fail_rate + self.stall_rate:
                 delay = rng.choice([1, 2, None])
-                return StalledLoad(handle, worker.state, None if delay is None else worker.state.step + delay)
+                return StalledLoad(
+                    handle, worker.state, None if delay is None else worker.state.step + delay
+                )
             return handle
 
         worker.host_kv.load_to_gpu_async = load_to_gpu_async
 
 
-# ---- canonical dump -----------------------------------------------------------------------------------
+# ---- canonical dump ------------------------------------------------------------------------------
 def canonical(worker: Worker) -> dict:
     state = worker.state
 
@@ -101,7 +101,10 @@ def canonical(worker: Worker) -> dict:
 
     def pool(kv) -> dict:
         pages = kv.pages
-        return {"free_queue": pages._queue[pages._head:], "owners": {u: tuple(p) for u, p in pages._owned.items() if p}}
+        return {
+            "free_queue": pages._queue[pages._head :],
+            "owners": {u: tuple(p) for u, p in pages._owned.items() if p},
+        }
 
     return {
         "step": state.step,
@@ -111,14 +114,17 @@ def canonical(worker: Worker) -> dict:
         "stats": dataclasses.asdict(state.stats),
         "gpu": pool(worker.gpu_kv),
         "host": pool(worker.host_kv),
-        "pending": [(uuid, p.start_pos, None if p.kv is None else p.kv.shape)
-                    for uuid, p in worker._pending_kv_append_tensors.items()],
+        "pending": [
+            (uuid, p.start_pos, None if p.kv is None else p.kv.shape)
+            for uuid, p in worker._pending_kv_append_tensors.items()
+        ],
     }
 
 
 def settle_loads(worker: Worker) -> None:
-    """Let in-flight async copies land (state is unchanged: the worker polls them next step), the copies
-    under a stalled load included: the stall is the handle's, the copy still writes its pages."""
+    """Let in-flight async copies land (state is unchanged: the worker polls them next step), the
+    copies under a stalled load included: the stall is the handle's, the copy still writes its
+    pages."""
     for req in worker.state.requests.values():
         handle = req.load_handle
         if isinstance(handle, StalledLoad):
@@ -141,7 +147,9 @@ def assert_same_tensors(legacy: Worker, plan: Worker, step: int) -> None:
             assert torch.equal(a, b), f"step {step}: {name} page contents differ"
     for uuid, p in legacy._pending_kv_append_tensors.items():
         q = plan._pending_kv_append_tensors[uuid]
-        assert (p.kv is None and q.kv is None) or torch.equal(p.kv, q.kv), f"step {step}: pending K/V of {uuid}"
+        assert (p.kv is None and q.kv is None) or torch.equal(p.kv, q.kv), (
+            f"step {step}: pending K/V of {uuid}"
+        )
 
 
 def explain(a: dict, b: dict) -> str:
@@ -183,14 +191,16 @@ class OpRecorder:
 
 def assert_same_ops(legacy: OpRecorder, plan: OpRecorder, step: int) -> None:
     ops = [op for op, _ in legacy.after_ops]
-    assert ops == [op for op, _ in plan.after_ops], f"step {step}: ops {ops} vs {[op for op, _ in plan.after_ops]}"
+    assert ops == [op for op, _ in plan.after_ops], (
+        f"step {step}: ops {ops} vs {[op for op, _ in plan.after_ops]}"
+    )
     for (op, a), (_, b) in zip(legacy.after_ops, plan.after_ops):
         assert a == b, f"state differs after {op} in step {step}:\n{explain(a, b)}"
     legacy.after_ops.clear()
     plan.after_ops.clear()
 
 
-# ---- lockstep driver --------------------------------------------------------------------------------------
+# ---- lockstep driver -----------------------------------------------------------------------------
 @dataclass
 class Trace:
     requests: list[WorkloadRequest]
@@ -199,14 +209,21 @@ class Trace:
     faults: LoadFaults | None = None
 
 
-def run_lockstep(trace: Trace, model, *, kv_storage: bool, max_steps: int = 20_000) -> tuple[Worker, int]:
+def run_lockstep(
+    trace: Trace, model, *, kv_storage: bool, max_steps: int = 20_000
+) -> tuple[Worker, int]:
     """Step one worker per path together; assert equal canonical state and copies after every step.
 
     Returns the legacy worker and the number of copies compared."""
     workers = []
     for path in PATHS:
-        worker = Worker(model, cache_config=trace.cache, engine_config=trace.engine,
-                        kv_gate=KvGateConfig(path=path), kv_storage=kv_storage)
+        worker = Worker(
+            model,
+            cache_config=trace.cache,
+            engine_config=trace.engine,
+            kv_gate=KvGateConfig(path=path),
+            kv_storage=kv_storage,
+        )
         worker.host_kv.record_copies(True)
         if trace.faults is not None:
             trace.faults.install(worker)
@@ -214,7 +231,9 @@ def run_lockstep(trace: Trace, model, *, kv_storage: bool, max_steps: int = 20_0
     legacy, plan = workers
     recorders = [OpRecorder(worker) for worker in workers]
     arrivals = sorted(trace.requests, key=lambda r: r.arrival_step)
-    aborts = sorted((r.arrival_step + r.abort_step, r.uuid) for r in trace.requests if r.abort_step is not None)
+    aborts = sorted(
+        (r.arrival_step + r.abort_step, r.uuid) for r in trace.requests if r.abort_step is not None
+    )
     num_copies = 0
     while arrivals or legacy.has_unfinished() or plan.has_unfinished():
         step = legacy.state.step
@@ -265,44 +284,70 @@ def test_legacy_and_plan_agree_on_every_step_of_a_builtin_workload(name, tiny_mo
     assert all(out.finish_reason == "length" for out in worker.state.outputs.values())
 
 
-def test_legacy_and_plan_agree_on_smoke_with_failing_and_stalling_loads_and_a_tiny_host_pool(tiny_model):
+def test_legacy_and_plan_agree_on_smoke_with_failing_and_stalling_loads_and_a_tiny_host_pool(
+    tiny_model,
+):
     faults = LoadFaults(seed=3, fail_rate=0.5, stall_rate=0.2)
-    worker, _ = run_lockstep(trace_of("smoke", faults, num_host_pages=6), tiny_model, kv_storage=True)
+    worker, _ = run_lockstep(
+        trace_of("smoke", faults, num_host_pages=6), tiny_model, kv_storage=True
+    )
     stats = worker.state.stats
     assert stats.load_failures > 0 and stats.recompute_preemptions > 0
 
 
-# ---- generated traces --------------------------------------------------------------------------------------
+# ---- generated traces ----------------------------------------------------------------------------
 @st.composite
 def traces(draw) -> Trace:
     """Small, pressured traces: odd page sizes, a GPU pool sized to a fraction of the total demand
     (host pool often smaller still), overlapping arrivals or one burst that finishes together,
     aborts, and a seeded schedule of failed and stalled loads."""
     page_size = draw(st.sampled_from([1, 2, 3, 5, 7, 16]))
-    burst = draw(st.booleans())  # everyone arrives at once with the same length: they finish together
+    # everyone arrives at once with the same length: they finish together
+    burst = draw(st.booleans())
     burst_new = draw(st.integers(1, 16))
     rng = random.Random(draw(st.integers(0, 2**32)))
     requests = []
     for i in range(draw(st.integers(2, 12))):
         total = draw(st.integers(2, 64))
-        max_new = min(burst_new, total - 1) if burst else draw(st.integers(max(1, total // 2), total - 1))  # decode-heavy
-        requests.append(WorkloadRequest(
-            uuid=f"g{i}", prompt_ids=[rng.randrange(1, TINY.vocab_size) for _ in range(total - max_new)],
-            max_new_tokens=max_new, arrival_step=0 if burst else draw(st.integers(0, 6)),
-            abort_step=draw(st.none() | st.none() | st.integers(0, 12))))
+        # decode-heavy
+        max_new = (
+            min(burst_new, total - 1) if burst else draw(st.integers(max(1, total // 2), total - 1))
+        )
+        requests.append(
+            WorkloadRequest(
+                uuid=f"g{i}",
+                prompt_ids=[rng.randrange(1, TINY.vocab_size) for _ in range(total - max_new)],
+                max_new_tokens=max_new,
+                arrival_step=0 if burst else draw(st.integers(0, 6)),
+                abort_step=draw(st.none() | st.none() | st.integers(0, 12)),
+            )
+        )
     pages = [-(-(len(r.prompt_ids) + r.max_new_tokens) // page_size) for r in requests]
     watermark = draw(st.sampled_from([0.0, 0.0, 0.1, 0.3]))
     num_gpu_pages = max(2, round(sum(pages) * draw(st.sampled_from([0.2, 0.3, 0.5, 1.0]))))
     while num_gpu_pages - math.ceil(watermark * num_gpu_pages) < max(pages):
         num_gpu_pages += 1
-    num_host_pages = draw(st.one_of(st.integers(0, num_gpu_pages - 1), st.integers(num_gpu_pages, 2 * num_gpu_pages)))
-    cache = CacheConfig(page_size=page_size, num_gpu_pages=num_gpu_pages, num_host_pages=num_host_pages,
-                        watermark=watermark)
-    engine = EngineConfig(max_num_seqs=draw(st.integers(2, 8)), max_num_batched_tokens=draw(st.integers(8, 128)),
-                          max_load_retries=draw(st.integers(0, 2)), load_timeout_steps=draw(st.integers(1, 3)),
-                          load_failure=draw(st.sampled_from(["recompute", "fail"])))
-    faults = LoadFaults(seed=draw(st.integers(0, 2**16)), fail_rate=draw(st.sampled_from([0.0, 0.5, 0.8])),
-                        stall_rate=draw(st.sampled_from([0.0, 0.0, 0.3])))
+    num_host_pages = draw(
+        st.one_of(st.integers(0, num_gpu_pages - 1), st.integers(num_gpu_pages, 2 * num_gpu_pages))
+    )
+    cache = CacheConfig(
+        page_size=page_size,
+        num_gpu_pages=num_gpu_pages,
+        num_host_pages=num_host_pages,
+        watermark=watermark,
+    )
+    engine = EngineConfig(
+        max_num_seqs=draw(st.integers(2, 8)),
+        max_num_batched_tokens=draw(st.integers(8, 128)),
+        max_load_retries=draw(st.integers(0, 2)),
+        load_timeout_steps=draw(st.integers(1, 3)),
+        load_failure=draw(st.sampled_from(["recompute", "fail"])),
+    )
+    faults = LoadFaults(
+        seed=draw(st.integers(0, 2**16)),
+        fail_rate=draw(st.sampled_from([0.0, 0.5, 0.8])),
+        stall_rate=draw(st.sampled_from([0.0, 0.0, 0.3])),
+    )
     return Trace(requests, cache, engine, faults)
 
 
@@ -324,12 +369,29 @@ def test_legacy_and_plan_agree_on_every_step_of_generated_traces():
     def check(trace: Trace) -> None:
         worker, num_copies = run_lockstep(trace, null_model, kv_storage=False)
         stats = worker.state.stats
-        totals.update(evictions=stats.evictions, loads=stats.loads, load_failures=stats.load_failures,
-                      recompute_preemptions=stats.recompute_preemptions, copies=num_copies, traces=1,
-                      aborts=sum(o.finish_reason == "abort" for o in worker.state.outputs.values()),
-                      failed=sum((o.finish_reason or "").startswith("load failed") for o in worker.state.outputs.values()))
+        totals.update(
+            evictions=stats.evictions,
+            loads=stats.loads,
+            load_failures=stats.load_failures,
+            recompute_preemptions=stats.recompute_preemptions,
+            copies=num_copies,
+            traces=1,
+            aborts=sum(o.finish_reason == "abort" for o in worker.state.outputs.values()),
+            failed=sum(
+                (o.finish_reason or "").startswith("load failed")
+                for o in worker.state.outputs.values()
+            ),
+        )
 
     check()
     assert totals["traces"] >= 50
-    for name in ("evictions", "loads", "load_failures", "recompute_preemptions", "copies", "aborts", "failed"):
+    for name in (
+        "evictions",
+        "loads",
+        "load_failures",
+        "recompute_preemptions",
+        "copies",
+        "aborts",
+        "failed",
+    ):
         assert totals[name] > 0, f"no generated trace exercised {name}: {dict(totals)}"

@@ -1,4 +1,5 @@
-"""The BATCHGEN_WORKER_KV_* gate: defaults, parsing, precedence, errors, and the lazy legacy import."""
+"""The BATCHGEN_WORKER_KV_* gate: defaults, parsing, precedence, errors, and the lazy legacy
+import."""
 
 from __future__ import annotations
 
@@ -21,27 +22,39 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def test_an_empty_environment_gives_the_documented_defaults():
     config = gate_config({})
     assert config == KvGateConfig()
-    assert (config.path, config.compare, config.compare_sample, config.compare_log, config.compare_ops) == (
-        "plan", "off", 1.0, "kv-divergences.jsonl", KV_OPS)
+    assert (
+        config.path,
+        config.compare,
+        config.compare_sample,
+        config.compare_log,
+        config.compare_ops,
+    ) == ("plan", "off", 1.0, "kv-divergences.jsonl", KV_OPS)
     assert config.shadow_path == "legacy"
 
 
 def test_variables_outside_the_family_are_ignored():
-    assert gate_config({"PATH": "/usr/bin", "BATCHGEN_SEED": "3", "BATCHGEN_WORKER_OTHER": "x"}) == KvGateConfig()
+    assert (
+        gate_config({"PATH": "/usr/bin", "BATCHGEN_SEED": "3", "BATCHGEN_WORKER_OTHER": "x"})
+        == KvGateConfig()
+    )
 
 
-@pytest.mark.parametrize(("field", "value", "expected"), [
-    ("path", "legacy", "legacy"),
-    ("path", "plan", "plan"),
-    ("compare", "log", "log"),
-    ("compare", "raise", "raise"),
-    ("compare_sample", "0.25", 0.25),
-    ("compare_sample", "1", 1.0),
-    ("compare_log", "/tmp/divergences.jsonl", "/tmp/divergences.jsonl"),
-    ("compare_ops", "evict", ("evict",)),
-    ("compare_ops", "alloc, poll,alloc", ("poll", "alloc")),  # canonical op order, duplicates collapse
-    ("load_failure", "fail", "fail"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("path", "legacy", "legacy"),
+        ("path", "plan", "plan"),
+        ("compare", "log", "log"),
+        ("compare", "raise", "raise"),
+        ("compare_sample", "0.25", 0.25),
+        ("compare_sample", "1", 1.0),
+        ("compare_log", "/tmp/divergences.jsonl", "/tmp/divergences.jsonl"),
+        ("compare_ops", "evict", ("evict",)),
+        # canonical op order, duplicates collapse
+        ("compare_ops", "alloc, poll,alloc", ("poll", "alloc")),
+        ("load_failure", "fail", "fail"),
+    ],
+)
 def test_each_variable_is_parsed_into_its_field(field, value, expected):
     assert getattr(gate_config({ENV[field]: value}), field) == expected
 
@@ -67,16 +80,19 @@ def test_precedence_cases_cover_every_flag():
 
 
 @pytest.mark.parametrize(("field", "env_value", "cli_value", "expected"), PRECEDENCE)
-def test_the_cli_overrides_the_environment_which_overrides_the_default(field, env_value, cli_value, expected):
+def test_the_cli_overrides_the_environment_which_overrides_the_default(
+    field, env_value, cli_value, expected
+):
     default = getattr(KvGateConfig(), field)
     from_env = getattr(gate_config({ENV[field]: env_value}), field)
     assert from_env != default
     assert getattr(gate_config({ENV[field]: env_value}, {field: cli_value}), field) == expected
     assert getattr(gate_config({}, {field: cli_value}), field) == expected
-    assert getattr(gate_config({ENV[field]: env_value}, {field: None}), field) == from_env  # None: option not given
+    # None: option not given
+    assert getattr(gate_config({ENV[field]: env_value}, {field: None}), field) == from_env
 
 
-# ---- errors -----------------------------------------------------------------------------------------
+# ---- errors --------------------------------------------------------------------------------------
 def test_an_unknown_family_name_is_rejected_naming_it_and_suggesting_the_closest():
     with pytest.raises(GateError) as raised:
         gate_config({"BATCHGEN_WORKER_KV_PAHT": "plan"})
@@ -116,7 +132,9 @@ def test_bad_value_cases_cover_every_flag():
 
 
 @pytest.mark.parametrize(("field", "value", "closest"), BAD_VALUES)
-def test_a_bad_value_names_the_variable_the_allowed_values_and_the_closest_valid_value(field, value, closest):
+def test_a_bad_value_names_the_variable_the_allowed_values_and_the_closest_valid_value(
+    field, value, closest
+):
     with pytest.raises(GateError) as raised:
         gate_config({ENV[field]: value})
     message = str(raised.value)
@@ -133,9 +151,19 @@ def test_a_misspelt_op_gets_the_closest_op_suggested():
         gate_config({ENV["compare_ops"]: "poll,evcit"})
 
 
-@pytest.mark.parametrize(("ops", "closest"), [(",evcit", "evict"), ("poll,,evcit", "evict"), ("poll, ,evcit", "evict"),
-                                              ("EVICT", "evict"), ("poll,Alloc", "alloc")])
-def test_a_misspelt_op_after_an_empty_item_or_in_the_wrong_case_gets_the_closest_op_suggested(ops, closest):
+@pytest.mark.parametrize(
+    ("ops", "closest"),
+    [
+        (",evcit", "evict"),
+        ("poll,,evcit", "evict"),
+        ("poll, ,evcit", "evict"),
+        ("EVICT", "evict"),
+        ("poll,Alloc", "alloc"),
+    ],
+)
+def test_a_misspelt_op_after_an_empty_item_or_in_the_wrong_case_gets_the_closest_op_suggested(
+    ops, closest
+):
     with pytest.raises(GateError) as raised:
         gate_config({ENV["compare_ops"]: ops})
     assert str(raised.value).endswith(f"did you mean {closest!r}?")
@@ -146,7 +174,10 @@ def test_a_misspelt_op_is_rejected_naming_the_variable_and_the_ops():
         gate_config({ENV["compare_ops"]: "poll,evcit"})
     message = str(raised.value)
     assert message.startswith("BATCHGEN_WORKER_KV_COMPARE_OPS='poll,evcit' is invalid")
-    assert "evcit" in message and "allowed: a comma list of poll, release, evict, migrate, alloc" in message
+    assert (
+        "evcit" in message
+        and "allowed: a comma list of poll, release, evict, migrate, alloc" in message
+    )
 
 
 def test_a_bad_cli_value_names_the_cli_option_not_the_variable():
@@ -161,7 +192,7 @@ def test_building_an_unknown_path_is_a_gate_error():
         build_kv_path("plans", None)
 
 
-# ---- the legacy path is imported only when needed ------------------------------------------------------
+# ---- the legacy path is imported only when needed ------------------------------------------------
 PROBE = """
 import json, os, sys
 from batchgen.model.loader import load_model
@@ -172,28 +203,53 @@ from batchgen.engine.workloads import builtin_workload
 
 gate = gate_config(os.environ)
 workload = builtin_workload("smoke")
-worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate)
+worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
+                kv_gate=gate)
 result = run_workload(worker, workload)
-print(json.dumps({"legacy_loaded": "batchgen.kv.legacy" in sys.modules, "kv": type(worker._kv).__name__,
-                  "released": len(result.outputs), "leaked": result.leaked_gpu_pages + result.leaked_host_pages}))
+leaked = result.leaked_gpu_pages + result.leaked_host_pages
+legacy_loaded = "batchgen.kv.legacy" in sys.modules
+print(json.dumps({"legacy_loaded": legacy_loaded, "kv": type(worker._kv).__name__,
+                  "released": len(result.outputs), "leaked": leaked}))
 """
 
 
 def probe(env: dict[str, str], cwd: Path) -> dict:
-    clean = {name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ}
+    clean = {
+        name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ
+    }
     clean.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}, **env)
-    done = subprocess.run([sys.executable, "-c", PROBE], env=clean, cwd=cwd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=clean,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(("env", "legacy_loaded", "kv"), [
-    ({}, False, "PlanKvPath"),
-    ({"BATCHGEN_WORKER_KV_PATH": "plan", "BATCHGEN_WORKER_KV_COMPARE": "off"}, False, "PlanKvPath"),
-    ({"BATCHGEN_WORKER_KV_PATH": "legacy"}, True, "LegacyKvPath"),
-], ids=["default", "plan-compare-off", "legacy"])
+@pytest.mark.parametrize(
+    ("env", "legacy_loaded", "kv"),
+    [
+        ({}, False, "PlanKvPath"),
+        (
+            {"BATCHGEN_WORKER_KV_PATH": "plan", "BATCHGEN_WORKER_KV_COMPARE": "off"},
+            False,
+            "PlanKvPath",
+        ),
+        ({"BATCHGEN_WORKER_KV_PATH": "legacy"}, True, "LegacyKvPath"),
+    ],
+    ids=["default", "plan-compare-off", "legacy"],
+)
 def test_the_legacy_module_is_loaded_only_when_the_gate_needs_it(env, legacy_loaded, kv, tmp_path):
-    assert probe(env, tmp_path) == {"legacy_loaded": legacy_loaded, "kv": kv, "released": 8, "leaked": 0}
+    assert probe(env, tmp_path) == {
+        "legacy_loaded": legacy_loaded,
+        "kv": kv,
+        "released": 8,
+        "leaked": 0,
+    }
 
 
 @pytest.mark.parametrize("name", ["BATCHGEN_WORKERS_KV_PATH", "BATCHGEN_WORKER_KVPATH"])
@@ -204,15 +260,22 @@ def test_a_typo_in_the_family_prefix_is_caught_with_the_closest_name(name):
 
 @pytest.mark.parametrize("name", ["batchgen_worker_kv_path", "Batchgen_Worker_Kv_Path"])
 def test_a_family_name_not_in_upper_case_is_refused_naming_the_upper_case_one(name):
-    """Environment names are case-sensitive: read as given, it would be ignored and the default path run."""
-    with pytest.raises(GateError, match=rf"^unknown variable {name} \(did you mean BATCHGEN_WORKER_KV_PATH\? names "
-                                        r"are upper-case\); valid names: "):
+    """Environment names are case-sensitive: read as given, it would be ignored and the default path
+    run."""
+    with pytest.raises(
+        GateError,
+        match=rf"^unknown variable {name} \(did you mean BATCHGEN_WORKER_KV_PATH\? names "
+        r"are upper-case\); valid names: ",
+    ):
         gate_config({name: "legacy"})
 
 
 def test_a_misspelt_family_name_in_lower_case_gets_no_upper_case_hint():
-    with pytest.raises(GateError, match=r"^unknown variable batchgen_worker_kv_pth \(did you mean "
-                                        r"BATCHGEN_WORKER_KV_PATH\?\); valid names: "):
+    with pytest.raises(
+        GateError,
+        match=r"^unknown variable batchgen_worker_kv_pth \(did you mean "
+        r"BATCHGEN_WORKER_KV_PATH\?\); valid names: ",
+    ):
         gate_config({"batchgen_worker_kv_pth": "legacy"})
 
 

@@ -1,4 +1,5 @@
-"""The paged decoder against HF transformers: checkpoints saved by HF, logits and greedy tokens compared."""
+"""The paged decoder against HF transformers: checkpoints saved by HF, logits and greedy tokens
+compared."""
 
 import math
 
@@ -15,14 +16,20 @@ HF_CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
 }
 SMALL_GEOMETRY = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
 )
 NUM_DECODE_STEPS = 8
 
 
 def randomise_(model: torch.nn.Module, seed: int) -> None:
-    """Logits of order 1 (clear argmax), norms and biases away from 1 and 0 so all parameters matter; mutates model."""
+    """Logits of order 1 (clear argmax), norms and biases away from 1 and 0 so all parameters
+    matter; mutates model."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -37,8 +44,11 @@ def randomise_(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(noise / math.sqrt(param.shape[1]))
 
 
-def save_hf_model(path, arch: str = "llama", *, seed: int = 0, max_shard_size: str | None = None, **geometry):
-    """An HF model with seeded random weights, saved to ``path`` in HF format; returns the HF model."""
+def save_hf_model(
+    path, arch: str = "llama", *, seed: int = 0, max_shard_size: str | None = None, **geometry
+):
+    """An HF model with seeded random weights, saved to ``path`` in HF format; returns the HF
+    model."""
     config_class, model_class = HF_CLASSES[arch]
     hf_model = model_class(config_class(attn_implementation="eager", **geometry)).eval()
     randomise_(hf_model, seed)
@@ -53,19 +63,26 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 
 def random_tokens(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
-    return torch.randint(vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(
+        vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
-def make_pages(model, page_size: int, num_pages: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def make_pages(
+    model, page_size: int, num_pages: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Pages filled with NaN: reading a slot nobody wrote poisons the logits."""
     return torch.full(kv_page_shape(model.config, page_size, num_pages), math.nan, dtype=dtype)
 
 
 def generate_paged(model, prompt: list[int], *, page_size: int, pages_dtype=torch.float32):
-    """Greedy prefill + NUM_DECODE_STEPS decodes through a real page tensor; returns (logits per step, tokens)."""
+    """Greedy prefill + NUM_DECODE_STEPS decodes through a real page tensor; returns (logits per
+    step, tokens)."""
     num_needed = math.ceil((len(prompt) + NUM_DECODE_STEPS) / page_size)
     num_pages = num_needed + 3
-    page_ids = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1))[:num_needed].tolist()
+    page_ids = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1))[
+        :num_needed
+    ].tolist()
     pages = make_pages(model, page_size, num_pages, pages_dtype)
     step_logits, tokens, new_ids, start_pos = [], [], list(prompt), 0
     for _ in range(NUM_DECODE_STEPS + 1):
@@ -80,23 +97,40 @@ def generate_paged(model, prompt: list[int], *, page_size: int, pages_dtype=torc
 
 PARITY_CASES = {
     "llama-mha-page5-prompt3-sharded": dict(
-        arch="llama", page_size=5, prompt_len=3, max_shard_size="8KB",
+        arch="llama",
+        page_size=5,
+        prompt_len=3,
+        max_shard_size="8KB",
         geometry=dict(SMALL_GEOMETRY, num_key_value_heads=4),
     ),
     "llama-gqa4-headdim8-theta5000-page16-prompt37": dict(
-        arch="llama", page_size=16, prompt_len=37,
+        arch="llama",
+        page_size=16,
+        prompt_len=37,
         geometry=dict(SMALL_GEOMETRY, num_attention_heads=8, head_dim=8, rope_theta=5000.0),
     ),
     "llama-gqa4-page16-prompt1999": dict(
-        arch="llama", page_size=16, prompt_len=1999,
+        arch="llama",
+        page_size=16,
+        prompt_len=1999,
         geometry=dict(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=2048,
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
         ),
     ),
-    "qwen2-bias-page5-prompt21": dict(arch="qwen2", page_size=5, prompt_len=21, geometry=SMALL_GEOMETRY),
+    "qwen2-bias-page5-prompt21": dict(
+        arch="qwen2", page_size=5, prompt_len=21, geometry=SMALL_GEOMETRY
+    ),
     "llama-tied-page16-prompt10": dict(
-        arch="llama", page_size=16, prompt_len=10, geometry=dict(SMALL_GEOMETRY, tie_word_embeddings=True),
+        arch="llama",
+        page_size=16,
+        prompt_len=10,
+        geometry=dict(SMALL_GEOMETRY, tie_word_embeddings=True),
     ),
 }
 
@@ -104,7 +138,9 @@ PARITY_CASES = {
 @pytest.mark.parametrize("case", PARITY_CASES.values(), ids=PARITY_CASES.keys())
 def test_prefill_and_greedy_decode_match_hf(tmp_path, case):
     geometry = case["geometry"]
-    hf_model = save_hf_model(tmp_path, case["arch"], seed=3, max_shard_size=case.get("max_shard_size"), **geometry)
+    hf_model = save_hf_model(
+        tmp_path, case["arch"], seed=3, max_shard_size=case.get("max_shard_size"), **geometry
+    )
     if case.get("max_shard_size"):
         assert (tmp_path / "model.safetensors.index.json").is_file()
     model = load_model(str(tmp_path))
@@ -135,7 +171,9 @@ def test_new_kv_has_the_contract_shape_and_page_dtype(tmp_path):
     model = load_model(str(tmp_path))
     pages = make_pages(model, page_size=5, num_pages=4, dtype=torch.bfloat16)
     out = model([SeqInput([1, 2, 3, 4, 5, 6, 7], 0, [2, 0]), SeqInput([9], 0, [3])], pages)
-    assert out.logits.shape == (2, SMALL_GEOMETRY["vocab_size"]) and out.logits.dtype == torch.float32
+    assert (
+        out.logits.shape == (2, SMALL_GEOMETRY["vocab_size"]) and out.logits.dtype == torch.float32
+    )
     assert [kv.shape for kv in out.new_kv] == [(2, 2, 7, 2, 8), (2, 2, 1, 2, 8)]
     assert {kv.dtype for kv in out.new_kv} == {torch.bfloat16}
 
@@ -155,16 +193,32 @@ def test_mixed_batch_matches_each_sequence_alone_and_hf(small_model):
     hf_model, model = small_model
     pages = make_pages(model, page_size=5, num_pages=40)
     vocab = SMALL_GEOMETRY["vocab_size"]
-    histories = {name: random_tokens(n, vocab, seed=n) for name, n in [("a", 4), ("b", 11), ("c", 23), ("e", 6)]}
-    page_tables = {"a": [0, 9], "b": [3, 1, 7], "c": [20, 2, 4, 6, 8], "d": [10, 11], "e": [30, 12, 31]}
+    histories = {
+        name: random_tokens(n, vocab, seed=n)
+        for name, n in [("a", 4), ("b", 11), ("c", 23), ("e", 6)]
+    }
+    page_tables = {
+        "a": [0, 9],
+        "b": [3, 1, 7],
+        "c": [20, 2, 4, 6, 8],
+        "d": [10, 11],
+        "e": [30, 12, 31],
+    }
     for name, history in histories.items():
         prefill_into_pages(model, pages, history, page_tables[name])
-    new_tokens = {"a": [5], "b": [17], "c": [42], "d": random_tokens(9, vocab, seed=9), "e": [1, 2, 3, 4, 5]}
+    new_tokens = {
+        "a": [5],
+        "b": [17],
+        "c": [42],
+        "d": random_tokens(9, vocab, seed=9),
+        "e": [1, 2, 3, 4, 5],
+    }
     batch = [
         SeqInput(new_tokens["a"], 4, page_tables["a"]),  # decode
         SeqInput(new_tokens["d"], 0, page_tables["d"]),  # prefill
         SeqInput(new_tokens["b"], 11, page_tables["b"]),  # decode
-        SeqInput(new_tokens["e"], 6, page_tables["e"]),  # extend: cached history and several new tokens
+        # extend: cached history and several new tokens
+        SeqInput(new_tokens["e"], 6, page_tables["e"]),
         SeqInput(new_tokens["c"], 23, page_tables["c"]),  # decode
     ]
 
@@ -175,7 +229,9 @@ def test_mixed_batch_matches_each_sequence_alone_and_hf(small_model):
         torch.testing.assert_close(batched.logits[index], alone.logits[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(batched.new_kv[index], alone.new_kv[0], atol=1e-5, rtol=0)
         full_sequence = histories.get(name, []) + new_tokens[name]
-        torch.testing.assert_close(batched.logits[index], hf_logits(hf_model, full_sequence)[-1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            batched.logits[index], hf_logits(hf_model, full_sequence)[-1], atol=1e-4, rtol=0
+        )
 
 
 def test_extend_new_kv_equals_prefill_kv_at_the_same_positions(small_model):
@@ -195,7 +251,10 @@ def test_forward_does_not_write_pages(small_model):
     pages = torch.zeros(kv_page_shape(model.config, 4, 6))
     prefill_into_pages(model, pages, [1, 2, 3, 4, 5], [4, 2])
     before = pages.clone()
-    model([SeqInput([6], 5, [4, 2]), SeqInput([7, 8], 5, [4, 2, 1]), SeqInput([9, 9, 9], 0, [3])], pages)
+    model(
+        [SeqInput([6], 5, [4, 2]), SeqInput([7, 8], 5, [4, 2, 1]), SeqInput([9, 9, 9], 0, [3])],
+        pages,
+    )
     assert torch.equal(pages, before)
     assert torch.equal(gather_kv(pages, [3], 3, layer=0)[0], torch.zeros(3, 2, 8))
 
@@ -207,5 +266,7 @@ def test_invalid_batches_are_rejected(small_model):
         model([], pages)
     with pytest.raises(ValueError, match="sequence 1 has no new tokens"):
         model([SeqInput([1], 0, [0]), SeqInput([], 3, [1])], pages)
-    with pytest.raises(ValueError, match=r"sequence 0: 1 pages of 4 do not cover positions \[0, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"sequence 0: 1 pages of 4 do not cover positions \[0, 5\)"
+    ):
         model([SeqInput([1], 4, [0])], pages)

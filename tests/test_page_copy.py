@@ -34,7 +34,9 @@ def make_pool(
     return torch.randn((num_pages, *page_shape), generator=generator).to(dtype)
 
 
-def reference_copy(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> torch.Tensor:
+def reference_copy(
+    src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]
+) -> torch.Tensor:
     """What copy_pages must produce, one page at a time, on a clone of ``dst``."""
     expected = dst.clone()
     for src_id, dst_id in zip(src_ids, dst_ids):
@@ -44,7 +46,10 @@ def reference_copy(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst
 
 def page_checksums(pool: torch.Tensor, page_ids: list[int]) -> list[str]:
     """SHA-256 of each page's bytes."""
-    return [hashlib.sha256(pool[i].cpu().view(torch.uint8).numpy().tobytes()).hexdigest() for i in page_ids]
+    return [
+        hashlib.sha256(pool[i].cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for i in page_ids
+    ]
 
 
 shuffled = list(range(NUM_PAGES))
@@ -77,11 +82,15 @@ def test_copy_pages_moves_exact_bytes_and_leaves_other_pages_untouched(pattern):
 # With rows of 16 elements: 256-element pages split into 16 rows; 21 (odd) cannot split;
 # 42 splits once into rows of 21, then stops at the odd row length, not at the row size.
 @pytest.mark.parametrize(
-    "page_shape", [PAGE_SHAPE, (3, 7), (2, 3, 7)], ids=["even_page", "odd_page", "split_then_odd_page"]
+    "page_shape",
+    [PAGE_SHAPE, (3, 7), (2, 3, 7)],
+    ids=["even_page", "odd_page", "split_then_odd_page"],
 )
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "single_thread"])
 @pytest.mark.parametrize("pattern", ID_PATTERNS)
-def test_cpu_gathers_and_scatters_move_exact_bytes_split_into_rows_or_not(pattern, parallel, page_shape, monkeypatch):
+def test_cpu_gathers_and_scatters_move_exact_bytes_split_into_rows_or_not(
+    pattern, parallel, page_shape, monkeypatch
+):
     monkeypatch.setattr(page_copy, "CPU_PARALLEL_MIN_BYTES", 0 if parallel else 2**40)
     monkeypatch.setattr(page_copy, "CPU_GATHER_ROW_ELEMENTS", 16)
     src_ids, dst_ids = ID_PATTERNS[pattern]
@@ -239,7 +248,8 @@ def test_a_queue_thread_ends_once_the_queue_is_garbage():
 
 
 def store_and_load(gpu_pool: torch.Tensor, host_pool: torch.Tensor) -> None:
-    """Evict pages 3, 7, 8, 9 of ``gpu_pool`` to host, scribble on them, load them back elsewhere."""
+    """Evict pages 3, 7, 8, 9 of ``gpu_pool`` to host, scribble on them, load them back
+    elsewhere."""
     gpu_ids, host_ids, reload_ids = [3, 7, 8, 9], [10, 11, 12, 13], [20, 5, 6, 31]
     before = page_checksums(gpu_pool, gpu_ids)
 
@@ -256,7 +266,9 @@ def store_and_load(gpu_pool: torch.Tensor, host_pool: torch.Tensor) -> None:
 @pytest.mark.parametrize("device", GPU_POOL_DEVICES)
 def test_round_trip_gpu_pool_to_host_and_back_preserves_page_bytes(device, dtype):
     gpu_pool = make_pool(dtype=dtype, seed=1).to(device)
-    host_pool = new_page_tensor((NUM_PAGES, *PAGE_SHAPE), dtype=dtype, device="cpu", pin_memory=device == "cuda")
+    host_pool = new_page_tensor(
+        (NUM_PAGES, *PAGE_SHAPE), dtype=dtype, device="cpu", pin_memory=device == "cuda"
+    )
 
     store_and_load(gpu_pool, host_pool)
 

@@ -1,4 +1,5 @@
-"""PagePool: FIFO ids, exact-id takes, errors, integrity; ForkedPagePool: same ids, base untouched."""
+"""PagePool: FIFO ids, exact-id takes, errors, integrity; ForkedPagePool: same ids, base
+untouched."""
 
 import copy
 import re
@@ -92,7 +93,8 @@ def test_take_for_refuses_a_single_grant_that_is_not_an_owner_and_ids_pair_and_c
     pool = pool_with_history()
     before = internals(pool)
     with pytest.raises(ValueError, match="too many values to unpack"):
-        pool.take_pages_for([("c", [5, 6], "extra")])  # the queue head's ids: the fast path would take them
+        # the queue head's ids: the fast path would take them
+        pool.take_pages_for([("c", [5, 6], "extra")])
     assert internals(pool) == before
 
 
@@ -130,7 +132,9 @@ def test_take_for_refuses_a_page_id_that_is_not_an_int_even_when_its_page_is_fre
     base = PagePool("gpu", 4)
     pool = base.fork() if forked else base
     before = internals(base)
-    with pytest.raises(PageOwnershipError, match=rf"^gpu: page id {re.escape(repr(bad_id))} is not an int$") as refused:
+    with pytest.raises(
+        PageOwnershipError, match=rf"^gpu: page id {re.escape(repr(bad_id))} is not an int$"
+    ) as refused:
         pool.take_pages_for([("a", [0]), ("b", [2, bad_id])])
     assert refused.value.index == 1
     assert pool.peek_free_pages(4) == [0, 1, 2, 3] and internals(base) == before
@@ -146,7 +150,6 @@ def test_take_for_several_owners_takes_them_in_order_and_skips_an_owner_given_no
     pool.check_integrity()
 
 
-
 @pytest.mark.parametrize("grants", [[], [("c", [])], [("c", []), ("d", ())]])
 def test_take_for_granting_no_page_changes_nothing_and_keeps_forks_valid(grants):
     pool = pool_with_history()
@@ -155,6 +158,7 @@ def test_take_for_granting_no_page_changes_nothing_and_keeps_forks_valid(grants)
     pool.take_pages_for(grants)
     assert internals(pool) == before
     assert fork.allocate_pages("c", 1) == [5]  # a fork refuses every access once its base changed
+
 
 # ---- errors ----------------------------------------------------------------------------------
 def test_allocating_more_than_free_raises_out_of_pages_and_changes_nothing():
@@ -205,7 +209,9 @@ def test_integrity_catches_a_lost_page():
 
 def test_integrity_catches_pages_of_an_owner_no_longer_live():
     pool = pool_with_history()
-    with pytest.raises(AssertionError, match=r"gpu: pages owned by requests no longer live: \['b'\]"):
+    with pytest.raises(
+        AssertionError, match=r"gpu: pages owned by requests no longer live: \['b'\]"
+    ):
         pool.check_integrity(live_uuids=set())
 
 
@@ -216,8 +222,11 @@ def test_journal_records_each_mutation_when_enabled():
     pool.take_pages("b", [3])
     pool.allocate_pages("c", 0)
     pool.release_pages("a")
-    assert pool.journal == [PoolEvent("alloc", "a", (0, 1)), PoolEvent("alloc", "b", (3,)),
-                            PoolEvent("release", "a", (0, 1))]
+    assert pool.journal == [
+        PoolEvent("alloc", "a", (0, 1)),
+        PoolEvent("alloc", "b", (3,)),
+        PoolEvent("release", "a", (0, 1)),
+    ]
 
 
 # ---- ForkedPagePool --------------------------------------------------------------------------
@@ -232,7 +241,11 @@ def test_fork_hands_out_the_ids_the_base_would_and_leaves_the_base_untouched():
         assert pool.allocate_pages("d", 5) == [7, 0, 1, 2, 3]
         pool.take_pages("e", [4])
         assert pool.num_free == 0
-        assert (pool.pages_of("b"), pool.pages_of("c"), pool.pages_of("d")) == ((), (5, 6), (7, 0, 1, 2, 3))
+        assert (pool.pages_of("b"), pool.pages_of("c"), pool.pages_of("d")) == (
+            (),
+            (5, 6),
+            (7, 0, 1, 2, 3),
+        )
     assert internals(base) == before
 
 
@@ -241,8 +254,11 @@ def test_fork_journals_its_events():
     fork.allocate_pages("c", 2)
     fork.release_pages("b")
     fork.take_pages("d", [3])
-    assert fork.journal == [PoolEvent("alloc", "c", (5, 6)), PoolEvent("release", "b", (3, 4)),
-                            PoolEvent("alloc", "d", (3,))]
+    assert fork.journal == [
+        PoolEvent("alloc", "c", (5, 6)),
+        PoolEvent("release", "b", (3, 4)),
+        PoolEvent("alloc", "d", (3,)),
+    ]
 
 
 def test_fork_take_rejects_pages_it_does_not_have_free():
@@ -264,10 +280,17 @@ def test_fork_raises_once_its_base_changed():
         _ = fork.num_free
 
 
-@pytest.mark.parametrize("access", [lambda fork: fork.release_pages("a"), lambda fork: fork.pages_of("a"),
-                                    lambda fork: fork.is_free(0), lambda fork: fork.all_free([0]),
-                                    lambda fork: fork.peek_free_pages(1)],
-                         ids=["release_pages", "pages_of", "is_free", "all_free", "peek_free_pages"])
+@pytest.mark.parametrize(
+    "access",
+    [
+        lambda fork: fork.release_pages("a"),
+        lambda fork: fork.pages_of("a"),
+        lambda fork: fork.is_free(0),
+        lambda fork: fork.all_free([0]),
+        lambda fork: fork.peek_free_pages(1),
+    ],
+    ids=["release_pages", "pages_of", "is_free", "all_free", "peek_free_pages"],
+)
 def test_a_fork_refuses_every_access_once_its_base_changed(access):
     base = PagePool("gpu", 4)
     base.allocate_pages("a", 2)
@@ -277,8 +300,14 @@ def test_a_fork_refuses_every_access_once_its_base_changed(access):
         access(fork)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["alloc", "release", "take", "take_for"]), st.sampled_from("abcd"),
-                         st.integers(0, 5)), max_size=25)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "release", "take", "take_for"]),
+        st.sampled_from("abcd"),
+        st.integers(0, 5),
+    ),
+    max_size=25,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -306,9 +335,13 @@ def apply_ops(pool, ops) -> list:
             page_ids = pool.peek_free_pages(n)[::-1]  # out of queue order
             pool.take_pages(uuid, page_ids)
             results.append(page_ids)
-        elif op == "take_for" and n <= pool.num_free:  # two grants at once: uuid, then the next owner
+        # two grants at once: uuid, then the next owner
+        elif op == "take_for" and n <= pool.num_free:
             page_ids = pool.peek_free_pages(n)[::-1]
-            grants = [(uuid, page_ids[:n // 2]), ("abcd"[("abcd".index(uuid) + 1) % 4], page_ids[n // 2:])]
+            grants = [
+                (uuid, page_ids[: n // 2]),
+                ("abcd"[("abcd".index(uuid) + 1) % 4], page_ids[n // 2 :]),
+            ]
             pool.take_pages_for(grants)
             results.append(grants)
     return results

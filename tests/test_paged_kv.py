@@ -9,8 +9,14 @@ from batchgen.config import ModelConfig
 from batchgen.model.paged_kv import gather_kv, kv_page_shape, locate_slots, write_kv
 
 CONFIG = ModelConfig(
-    vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=3,
-    num_heads=4, num_kv_heads=2, head_dim=4, max_context=256,
+    vocab_size=16,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    max_context=256,
 )
 SENTINEL = -7.0
 
@@ -66,7 +72,8 @@ def test_append_at_start_pos_keeps_earlier_positions():
 
 def test_write_touches_no_other_slot():
     pages = make_pages(page_size=5, num_pages=6)
-    write_kv(pages, [5, 2], start_pos=3, new_kv=make_kv(4))  # positions 3..6: page 5 slots 3,4; page 2 slots 0,1
+    # positions 3..6: page 5 slots 3,4; page 2 slots 0,1
+    write_kv(pages, [5, 2], start_pos=3, new_kv=make_kv(4))
     written = torch.zeros(6, 5, dtype=torch.bool)
     written[5, 3:5] = True
     written[2, 0:2] = True
@@ -96,7 +103,9 @@ def test_write_converts_to_the_page_dtype():
 
 def test_page_table_too_short_is_rejected():
     pages = make_pages(page_size=5, num_pages=4)
-    with pytest.raises(ValueError, match="page table of 2 pages covers 10 positions; 11 positions need 3 pages"):
+    with pytest.raises(
+        ValueError, match="page table of 2 pages covers 10 positions; 11 positions need 3 pages"
+    ):
         write_kv(pages, [0, 1], 5, make_kv(6))
     with pytest.raises(ValueError, match="11 positions need 3 pages"):
         gather_kv(pages, [0, 1], 11, layer=0)
@@ -121,7 +130,9 @@ def test_any_write_reads_back_exactly_and_leaves_the_rest(page_size, start_pos, 
     num_positions = start_pos + num_new
     num_table_pages = -(-num_positions // page_size)
     num_pages = num_table_pages + 3
-    page_ids = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[:num_table_pages].tolist()
+    page_ids = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[
+        :num_table_pages
+    ].tolist()
     pages = make_pages(page_size, num_pages)
     new_kv = make_kv(num_new, offset=1.0)
     write_kv(pages, page_ids, start_pos, new_kv)

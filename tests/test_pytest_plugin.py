@@ -2,14 +2,15 @@ import os
 
 import pytest
 
+import batchgen.kv.legacy  # noqa: F401
+import batchgen.kv.manager  # noqa: F401
+
 # Imported here so the in-process pytester runs reuse these modules instead of re-importing them.
 import batchgen.shadow.kv_compare  # noqa: F401
-import batchgen.kv.manager  # noqa: F401
-import batchgen.kv.legacy  # noqa: F401
-from compare import DivergenceRecord, RunSummary, read_log
-from batchgen.model.null_model import NullModel  # noqa: F401
-from batchgen.kv.gate import GATE_FLAGS
 from batchgen.engine.worker import Worker  # noqa: F401
+from batchgen.kv.gate import GATE_FLAGS
+from batchgen.model.null_model import NullModel  # noqa: F401
+from compare import DivergenceRecord, RunSummary, read_log
 
 pytest_plugins = ["pytester"]
 
@@ -30,14 +31,15 @@ def reversed_grants(monkeypatch):
 
     def plan_allocation(self, req):
         plan = correct(self, req)
-        return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
+        grants = tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants)
+        return AllocPlan(grants, plan.not_fitting)
 
     monkeypatch.setattr(kv_manager.KVCacheManager, "plan_allocation", plan_allocation)
 
 
 def run(**gate):
-    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=CacheConfig(page_size=4, num_gpu_pages=16,
-                    num_host_pages=8), kv_storage=False, **gate)
+    cache = CacheConfig(page_size=4, num_gpu_pages=16, num_host_pages=8)
+    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=cache, kv_storage=False, **gate)
     worker.add_request(Request("r0", tuple(range(1, 10)), max_new_tokens=2))
     while worker.has_unfinished():
         worker.step()
@@ -83,7 +85,9 @@ def test_log_mode_passes_and_logs_the_divergence(buggy, tmp_path):
     result = buggy.runpytest(*PLUGIN, "--kv-compare=log", f"--kv-compare-log={log}")
     result.assert_outcomes(passed=2)
     records = [r for r in read_log(log).records if isinstance(r, DivergenceRecord)]
-    assert [(r.op, r.step, r.authoritative, r.shadow) for r in records] == [("alloc", 0, "plan", "legacy")]
+    assert [(r.op, r.step, r.authoritative, r.shadow) for r in records] == [
+        ("alloc", 0, "plan", "legacy")
+    ]
     result.stdout.fnmatch_lines([f"kv-compare: 1 divergences in {log}"])
 
 
@@ -91,33 +95,41 @@ def test_a_worker_with_an_explicit_gate_keeps_it(buggy):
     buggy.runpytest(*PLUGIN, "--kv-compare=raise", "-k", "explicit_gate").assert_outcomes(passed=1)
 
 
-MODULE_FIXTURE_TEST = "import pytest\n" + BUGGY_WORKER_TEST + """
+MODULE_FIXTURE_TEST = (
+    "import pytest\n"
+    + BUGGY_WORKER_TEST
+    + """
 
 @pytest.fixture(scope="module")
 def module_worker():
-    return Worker(NullModel(TINY_MODELS["tiny"]), cache_config=CacheConfig(page_size=4, num_gpu_pages=16,
-                  num_host_pages=8), kv_storage=False)
+    cache = CacheConfig(page_size=4, num_gpu_pages=16, num_host_pages=8)
+    return Worker(NullModel(TINY_MODELS["tiny"]), cache_config=cache, kv_storage=False)
 
 
 def test_a_worker_from_a_module_fixture_is_compared(module_worker):
     assert module_worker.kv_compare is not None
 """
+)
 
 
 def test_a_worker_built_in_a_module_scoped_fixture_runs_in_compare_mode(pytester):
     pytester.makepyfile(test_module=MODULE_FIXTURE_TEST)
-    pytester.runpytest(*PLUGIN, "--kv-compare=log", "-k", "module_fixture").assert_outcomes(passed=1)
+    pytester.runpytest(*PLUGIN, "--kv-compare=log", "-k", "module_fixture").assert_outcomes(
+        passed=1
+    )
 
 
 def test_a_relative_log_path_holds_when_a_test_changes_directory(buggy, tmp_path):
-    buggy.makepyfile(test_chdir="""
+    buggy.makepyfile(
+        test_chdir="""
         from test_buggy import reversed_grants, run
 
         def test_in_another_directory(monkeypatch, tmp_path):
             monkeypatch.chdir(tmp_path)
             reversed_grants(monkeypatch)
             run()
-    """)
+    """
+    )
     result = buggy.runpytest(*PLUGIN, "--kv-compare=log", "--kv-compare-log=rel.jsonl")
     result.assert_outcomes(passed=3)
     log = buggy.path / "rel.jsonl"
@@ -133,24 +145,39 @@ def test_the_summary_counts_this_sessions_divergences_only(buggy, tmp_path):
     assert sum(isinstance(r, DivergenceRecord) for r in read_log(log).records) == 2
 
 
-def test_a_log_with_lines_that_are_not_records_leaves_the_tests_alone_and_the_summary_says_so(buggy, tmp_path):
+def test_a_log_with_lines_that_are_not_records_leaves_the_tests_alone_and_the_summary_says_so(
+    buggy, tmp_path
+):
     log = tmp_path / "kv.jsonl"
-    summary = RunSummary(run_id="r", workload="smoke", seed=0, authoritative="plan", shadow="legacy",
-                         steps_compared={"alloc": 1}, divergences={}, harness_errors=0, compare_seconds=0.1,
-                         authoritative_seconds=0.1)
+    summary = RunSummary(
+        run_id="r",
+        workload="smoke",
+        seed=0,
+        authoritative="plan",
+        shadow="legacy",
+        steps_compared={"alloc": 1},
+        divergences={},
+        harness_errors=0,
+        compare_seconds=0.1,
+        authoritative_seconds=0.1,
+    )
     log.write_text(summary.model_dump_json() + '\n{"not": "a record"}\n')
     result = buggy.runpytest(*PLUGIN, "--kv-compare=log", f"--kv-compare-log={log}")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines([f"kv-compare: divergences go to {log}, which holds lines that are not records*"])
+    result.stdout.fnmatch_lines(
+        [f"kv-compare: divergences go to {log}, which holds lines that are not records*"]
+    )
 
 
 def test_the_gate_variables_are_restored_after_the_session(pytester):
-    pytester.makepyfile(test_env="""
+    pytester.makepyfile(
+        test_env="""
         import os
 
         def test_sees_the_mode():
             assert os.environ["BATCHGEN_WORKER_KV_COMPARE"] == "log"
-    """)
+    """
+    )
     pytester.runpytest(*PLUGIN, "--kv-compare=log").assert_outcomes(passed=1)
     assert "BATCHGEN_WORKER_KV_COMPARE" not in os.environ
 
@@ -162,13 +189,19 @@ def test_an_unknown_mode_is_a_usage_error(pytester):
 
 
 @pytest.mark.parametrize("content", ["not a log\n", '{"not": "a record"}\n'], ids=["text", "json"])
-def test_a_compare_log_that_is_no_log_is_a_usage_error_and_left_as_it_was(pytester, tmp_path, content):
+def test_a_compare_log_that_is_no_log_is_a_usage_error_and_left_as_it_was(
+    pytester, tmp_path, content
+):
     log = tmp_path / "notes.txt"
     log.write_text(content)
     result = pytester.runpytest(*PLUGIN, "--kv-compare=log", f"--kv-compare-log={log}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"*{log}: not a divergence log (its first line is no record), so nothing is "
-                                 f"appended to it; name a new file or an existing log*"])
+    result.stderr.fnmatch_lines(
+        [
+            f"*{log}: not a divergence log (its first line is no record), so nothing is "
+            "appended to it; name a new file or an existing log*"
+        ]
+    )
     assert log.read_text() == content
 
 
@@ -182,7 +215,13 @@ def test_an_empty_compare_log_option_is_a_usage_error(pytester):
 def test_a_compare_log_no_worker_could_write_is_a_usage_error(pytester, tmp_path, where):
     (tmp_path / "file").write_text("")
     log = tmp_path if where == "a directory" else tmp_path / "file" / "kv.jsonl"
-    reason = f"{tmp_path} is a directory" if where == "a directory" else f"{tmp_path / 'file'} is not a directory"
+    reason = (
+        f"{tmp_path} is a directory"
+        if where == "a directory"
+        else f"{tmp_path / 'file'} is not a directory"
+    )
     result = pytester.runpytest(*PLUGIN, "--kv-compare=raise", f"--kv-compare-log={log}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"*--kv-compare-log='{log}' is invalid ({reason}); allowed: a file path*"])
+    result.stderr.fnmatch_lines(
+        [f"*--kv-compare-log='{log}' is invalid ({reason}); allowed: a file path*"]
+    )

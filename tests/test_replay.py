@@ -1,36 +1,59 @@
 import pytest
 
-import batchgen.kv.plan_path as kv_apply
 import batchgen.kv.manager as kv_manager
-from compare import DivergenceRecord, read_log
+import batchgen.kv.plan_path as kv_apply
 from batchgen.config import TINY_MODELS
-from batchgen.model.null_model import NullModel
-from batchgen.shadow.replay import PLACEHOLDER_OWNER, ReplayError, op_request, rebuild_target, replay_record
-from batchgen.engine.runner import run_workload
 from batchgen.engine.faults import FaultInjector, FaultSpec
-from batchgen.kv.plan_path import PlanKvPath
-from batchgen.kv.gate import KvGateConfig
-from batchgen.kv.plans import (
-    AllocPlan, Destination, EvictionPlan, LoadStart, MigrationPlan, PageGrant, PollAction, PollPlan,
-    ReleasePlan, RequestKvView, Victim,
-)
+from batchgen.engine.runner import run_workload
 from batchgen.engine.state import Phase
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
+from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.plan_path import PlanKvPath
+from batchgen.kv.plans import (
+    AllocPlan,
+    Destination,
+    EvictionPlan,
+    LoadStart,
+    MigrationPlan,
+    PageGrant,
+    PollAction,
+    PollPlan,
+    ReleasePlan,
+    RequestKvView,
+    Victim,
+)
+from batchgen.model.null_model import NullModel
+from batchgen.shadow.replay import (
+    PLACEHOLDER_OWNER,
+    ReplayError,
+    op_request,
+    rebuild_target,
+    replay_record,
+)
+from compare import DivergenceRecord, read_log
 
 Manager = kv_manager.KVCacheManager
 
 
 def reversed_grants(plan):
-    return AllocPlan(tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting)
+    return AllocPlan(
+        tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting
+    )
 
 
 def victims_recomputed(plan):
-    return EvictionPlan(tuple(Victim(v.uuid, Destination.RECOMPUTE, v.gpu_page_ids, ()) for v in plan.victims))
+    return EvictionPlan(
+        tuple(Victim(v.uuid, Destination.RECOMPUTE, v.gpu_page_ids, ()) for v in plan.victims)
+    )
 
 
 def reversed_loads(plan):
-    return MigrationPlan(tuple(LoadStart(l.uuid, l.gpu_page_ids[::-1], l.host_page_ids) for l in plan.loads))
+    return MigrationPlan(
+        tuple(
+            LoadStart(load.uuid, load.gpu_page_ids[::-1], load.host_page_ids) for load in plan.loads
+        )
+    )
 
 
 def pending_appends_kept(plan):
@@ -58,14 +81,24 @@ def inject(monkeypatch, op):
 
 
 def divergences(tmp_path, *, path="legacy", faults=None):
-    """Run smoke in compare mode log (with a fault schedule SPEC); the divergence records it wrote."""
+    """Run smoke in compare mode log (with a fault schedule SPEC); the divergence records it
+    wrote."""
     workload = builtin_workload("smoke")
     log = tmp_path / "kv.jsonl"
-    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache, engine_config=workload.engine,
-                    kv_storage=False, kv_gate=KvGateConfig(path=path, compare="log", compare_log=str(log)),
-                    faults=FaultInjector(FaultSpec.parse(faults)) if faults else None)
+    worker = Worker(
+        NullModel(TINY_MODELS["tiny"]),
+        cache_config=workload.cache,
+        engine_config=workload.engine,
+        kv_storage=False,
+        kv_gate=KvGateConfig(path=path, compare="log", compare_log=str(log)),
+        faults=FaultInjector(FaultSpec.parse(faults)) if faults else None,
+    )
     run_workload(worker, workload, source="smoke")
-    return [r for r in read_log(log).records if isinstance(r, DivergenceRecord)] if log.exists() else []
+    return (
+        [r for r in read_log(log).records if isinstance(r, DivergenceRecord)]
+        if log.exists()
+        else []
+    )
 
 
 @pytest.mark.parametrize("op", sorted(BUGS))
@@ -81,7 +114,9 @@ def test_a_logged_divergence_reproduces_from_its_record_alone(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("op", ["evict", "migrate"])
-def test_a_record_from_before_decode_demand_replays_with_the_demand_of_its_running_columns(tmp_path, monkeypatch, op):
+def test_a_record_from_before_decode_demand_replays_with_the_demand_of_its_running_columns(
+    tmp_path, monkeypatch, op
+):
     inject(monkeypatch, op)
     records = divergences(tmp_path)
     assert records
@@ -92,44 +127,86 @@ def test_a_record_from_before_decode_demand_replays_with_the_demand_of_its_runni
         assert op_request(old) == op_request(record) and op_request(old).decode_demand == demand
         assert replay_record(old) == replay_record(record) and replay_record(old).reproduced
     del old.replay["request"]["running"]  # what cannot be summed is left for validation to name
-    with pytest.raises(ReplayError, match=f"op '{op}': the recorded request is not a valid .*Request: .*running"):
+    with pytest.raises(
+        ReplayError, match=f"op '{op}': the recorded request is not a valid .*Request: .*running"
+    ):
         op_request(old)
 
 
-@pytest.mark.parametrize("op, change", [
-    ("evict", lambda request: request.update(snapshot={**request["snapshot"], "geometry": {
-        **request["snapshot"]["geometry"], "page_size": 16.0}})),
-    ("evict", lambda request: (request["running"].update(num_tokens=[10**400, *request["running"]["num_tokens"][1:]]),
-                               request["snapshot"]["geometry"].update(page_size=16.0))),
-    ("evict", lambda request: request["running"].update(num_tokens="many")),
-    ("migrate", lambda request: request["running"].update(gpu_page_ids=[None] * len(request["running"]["uuids"]))),
-    ("migrate", lambda request: request.update(snapshot=None)),
-    ("poll", lambda request: request.update(num_load_retries="garbage")),
-    ("poll", lambda request: request.update(num_load_retries=[0] * (len(request["errors"]) + 1))),
-])
-def test_a_malformed_old_record_is_refused_by_validation_not_by_a_crash(tmp_path, monkeypatch, op, change):
+@pytest.mark.parametrize(
+    "op, change",
+    [
+        (
+            "evict",
+            lambda request: request.update(
+                snapshot={
+                    **request["snapshot"],
+                    "geometry": {**request["snapshot"]["geometry"], "page_size": 16.0},
+                }
+            ),
+        ),
+        (
+            "evict",
+            lambda request: (
+                request["running"].update(
+                    num_tokens=[10**400, *request["running"]["num_tokens"][1:]]
+                ),
+                request["snapshot"]["geometry"].update(page_size=16.0),
+            ),
+        ),
+        ("evict", lambda request: request["running"].update(num_tokens="many")),
+        (
+            "migrate",
+            lambda request: request["running"].update(
+                gpu_page_ids=[None] * len(request["running"]["uuids"])
+            ),
+        ),
+        ("migrate", lambda request: request.update(snapshot=None)),
+        ("poll", lambda request: request.update(num_load_retries="garbage")),
+        (
+            "poll",
+            lambda request: request.update(num_load_retries=[0] * (len(request["errors"]) + 1)),
+        ),
+    ],
+)
+def test_a_malformed_old_record_is_refused_by_validation_not_by_a_crash(
+    tmp_path, monkeypatch, op, change
+):
     inject(monkeypatch, op)
     record = next(r for r in divergences(tmp_path) if op != "poll" or r.replay["request"]["uuids"])
     old = record.model_copy(deep=True)
     old.replay["request"].pop("decode_demand", None)  # as a log written before the field
     change(old.replay["request"])
-    with pytest.raises(ReplayError, match=f"(op '{op}': the recorded request is not a valid |"
-                                          f"{op} step .*: the rebuilt pre-state gives a different op request)"):
+    with pytest.raises(
+        ReplayError,
+        match=(
+            f"(op '{op}': the recorded request is not a valid |"
+            f"{op} step .*: the rebuilt pre-state gives a different op request)"
+        ),
+    ):
         replay_record(old)
 
 
-def test_a_poll_record_from_before_retries_were_dropped_for_landed_loads_replays(tmp_path, monkeypatch):
+def test_a_poll_record_from_before_retries_were_dropped_for_landed_loads_replays(
+    tmp_path, monkeypatch
+):
     inject(monkeypatch, "poll")
-    records = [r for r in divergences(tmp_path) if all(e is None for e in r.replay["request"]["errors"])]
+    records = [
+        r for r in divergences(tmp_path) if all(e is None for e in r.replay["request"]["errors"])
+    ]
     assert records and all(r.replay["request"]["num_load_retries"] == [] for r in records)
     for record in records:
         old = record.model_copy(deep=True)
-        old.replay["request"]["num_load_retries"] = [0] * len(old.replay["request"]["errors"])  # as logged before
+        # as logged before
+        old.replay["request"]["num_load_retries"] = [0] * len(old.replay["request"]["errors"])
         assert op_request(old) == op_request(record)
         assert replay_record(old) == replay_record(record) and replay_record(old).reproduced
 
 
-FAULTS = "seed=3,load_fail=0.3,load_fail_late=0.2,load_hang=0.1,abort=0.15,host_shrink=0.2,gpu_refuse=0.1"
+FAULTS = (
+    "seed=3,load_fail=0.3,load_fail_late=0.2,load_hang=0.1,abort=0.15,host_shrink=0.2,"
+    "gpu_refuse=0.1"
+)
 
 
 @pytest.mark.parametrize("op", ["migrate", "poll", "release"])
@@ -140,7 +217,9 @@ def test_divergences_under_failed_loads_aborts_and_held_pages_reproduce(tmp_path
     assert all(replay_record(record).reproduced for record in records)
 
 
-def test_a_divergence_on_the_authoritative_plan_path_reproduces_with_the_same_page_ids(tmp_path, monkeypatch):
+def test_a_divergence_on_the_authoritative_plan_path_reproduces_with_the_same_page_ids(
+    tmp_path, monkeypatch
+):
     inject(monkeypatch, "alloc")
     records = divergences(tmp_path, path="plan")
     assert records and all(r.authoritative == "plan" for r in records)
@@ -155,32 +234,40 @@ def test_an_invalid_plan_reproduces_as_the_same_exception_kind(tmp_path, monkeyp
     outcome = replay_record(record)
     assert record.kind == outcome.kind == "invalid_plan"
     assert outcome.reproduced and outcome.field_paths == ()
-    assert len(outcome.exceptions) == 1 and outcome.exceptions[0].startswith("plan raised PlanRejected: PollPlan")
+    assert len(outcome.exceptions) == 1 and outcome.exceptions[0].startswith(
+        "plan raised PlanRejected: PollPlan"
+    )
 
 
-def test_a_record_whose_plan_path_raised_before_building_its_request_is_refused_pointing_to_minimize(
-        tmp_path, monkeypatch):
+def test_a_record_whose_plan_path_raised_before_its_request_is_refused_pointing_to_minimize(
+    tmp_path, monkeypatch
+):
     def failing_request(self):
         raise RuntimeError("no request")
 
     monkeypatch.setattr(PlanKvPath, "migration_request", failing_request)
     record = divergences(tmp_path)[0]
     assert (record.op, record.kind, record.replay["pre_state"]) == ("migrate", "exception", None)
-    with pytest.raises(ReplayError, match=r"migrate step \d+: the plan path raised before building its op request, "
-                                          r"so the record holds no pre-state to replay \(plan raised RuntimeError: "
-                                          r"no request\); `batchgen minimize` reruns its workload instead"):
+    with pytest.raises(
+        ReplayError,
+        match=r"migrate step \d+: the plan path raised before building its op request, "
+        r"so the record holds no pre-state to replay \(plan raised RuntimeError: "
+        r"no request\); `batchgen minimize` reruns its workload instead",
+    ):
         replay_record(record)
 
 
 def forgets_generated_tokens(monkeypatch):
-    """A recompute eviction that sets the victim's token count back to its prompt's: a field KV ops only read."""
+    """A recompute eviction that sets the victim's token count back to its prompt's: a field KV ops
+    only read."""
     apply = kv_apply.apply_eviction_plan
 
     def buggy(target, plan):
         apply(target, plan)
         for victim in plan.victims:
             if victim.destination is Destination.RECOMPUTE:
-                req = target.state.requests[victim.uuid]  # written by the op already: the fork's own copy
+                # written by the op already: the fork's own copy
+                req = target.state.requests[victim.uuid]
                 req.num_tokens = len(req.request.prompt_ids)
 
     monkeypatch.setattr(kv_apply, "apply_eviction_plan", buggy)
@@ -188,29 +275,48 @@ def forgets_generated_tokens(monkeypatch):
 
 def test_a_divergence_that_depends_on_how_many_tokens_are_prompt_reproduces(tmp_path, monkeypatch):
     forgets_generated_tokens(monkeypatch)
-    records = divergences(tmp_path, faults="seed=1,host_shrink=0.5")  # a shrunk host pool: recompute evictions
+    # a shrunk host pool: recompute evictions
+    records = divergences(tmp_path, faults="seed=1,host_shrink=0.5")
     assert records and {r.op for r in records} == {"evict"}
     assert all(path.endswith(".num_tokens") for r in records for path in r.field_paths)
-    views = [RequestKvView(*view) for view in records[0].replay["pre_state"]["requests"]]  # JSON arrays
+    # JSON arrays
+    views = [RequestKvView(*view) for view in records[0].replay["pre_state"]["requests"]]
     assert all(0 < view.num_prompt_tokens <= view.num_tokens for view in views)
     assert any(view.num_prompt_tokens < view.num_tokens for view in views)
     for record in records:
         outcome = replay_record(record)
-        assert outcome.reproduced and outcome.field_paths == tuple(record.field_paths), (record.step, outcome)
+        assert outcome.reproduced and outcome.field_paths == tuple(record.field_paths), (
+            record.step,
+            outcome,
+        )
 
 
 def test_a_view_without_its_prompt_length_replays_as_all_prompt_and_a_bad_one_is_refused():
-    old = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"])
+    old = alloc_record(
+        views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"]
+    )
     assert {len(view) for view in VIEWS} == {9}  # a log from before num_prompt_tokens
     a = rebuild_target(old).state.requests["a"]
     assert (len(a.request.prompt_ids), a.output_ids, a.num_tokens) == (9, [], 9)
-    split = alloc_record(views=[[*VIEWS[0], 4], VIEWS[1]], num_free_gpu=5, authoritative_ids=[7, 2],
-                         shadow_ids=[7, 9], batch=["a", "b"])
+    split = alloc_record(
+        views=[[*VIEWS[0], 4], VIEWS[1]],
+        num_free_gpu=5,
+        authoritative_ids=[7, 2],
+        shadow_ids=[7, 9],
+        batch=["a", "b"],
+    )
     a = rebuild_target(split).state.requests["a"]
     assert (len(a.request.prompt_ids), len(a.output_ids), a.num_tokens) == (4, 5, 9)
-    bad = alloc_record(views=[[*VIEWS[0], 10], VIEWS[1]], num_free_gpu=5, authoritative_ids=[7, 2],
-                       shadow_ids=[7, 9], batch=["a", "b"])
-    with pytest.raises(ReplayError, match=r"request a: num_prompt_tokens 10 is not in \[1, num_tokens = 9\]"):
+    bad = alloc_record(
+        views=[[*VIEWS[0], 10], VIEWS[1]],
+        num_free_gpu=5,
+        authoritative_ids=[7, 2],
+        shadow_ids=[7, 9],
+        batch=["a", "b"],
+    )
+    with pytest.raises(
+        ReplayError, match=r"request a: num_prompt_tokens 10 is not in \[1, num_tokens = 9\]"
+    ):
         rebuild_target(bad)
 
 
@@ -235,39 +341,93 @@ def test_replay_is_a_pure_function_of_the_record(tmp_path, monkeypatch):
 
 
 # ---- the rebuilt pre-state, on a hand-written record --------------------------------------------
-GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "page_size": 4, "dtype_size": 4,
-            "num_gpu_pages": 10, "num_host_pages": 4, "watermark": 0.0, "max_num_seqs": 8, "max_load_retries": 1}
+GEOMETRY = {
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "page_size": 4,
+    "dtype_size": 4,
+    "num_gpu_pages": 10,
+    "num_host_pages": 4,
+    "watermark": 0.0,
+    "max_num_seqs": 8,
+    "max_load_retries": 1,
+}
 
 
 def alloc_record(*, views, num_free_gpu, authoritative_ids, shadow_ids, batch):
-    snapshot = {"step": 7, "geometry": GEOMETRY, "num_free_gpu_pages": num_free_gpu, "num_free_host_pages": 4}
+    snapshot = {
+        "step": 7,
+        "geometry": GEOMETRY,
+        "num_free_gpu_pages": num_free_gpu,
+        "num_free_host_pages": 4,
+    }
     by_uuid = {view[0]: view for view in views}
-    needing = [by_uuid[u] for u in batch if by_uuid[u][3] > len(by_uuid[u][5]) * GEOMETRY["page_size"]]
-    columns = {"uuids": [v[0] for v in needing], "num_tokens": [v[3] for v in needing],
-               "gpu_page_ids": [v[5] for v in needing]}
-    pools = {side: {"gpu": [{"kind": "alloc", "uuid": batch[-1], "page_ids": ids}], "host": [],
-                    "num_free_gpu": num_free_gpu - len(ids), "num_free_host": 4}
-             for side, ids in (("authoritative", authoritative_ids), ("shadow", shadow_ids))}
-    replay = {"op": "alloc", "request_type": "AllocRequest",
-              "request": {"snapshot": snapshot, "needing": columns, "batch": batch},
-              "pre_state": {"snapshot": snapshot, "requests": views}, "pools": pools, "kv_path": "legacy", "shadow_path": "plan", "workload_source": "smoke", "scale": 1.0}
-    return DivergenceRecord(run_id="r", workload="smoke", seed=0, step=7, op="alloc", authoritative="legacy",
-                            shadow="plan", kind="state", field_paths=["requests[b].gpu_page_ids[0]"], diff={},
-                            exception=None, replay=replay, created_at=0.0)
+    needing = [
+        by_uuid[u] for u in batch if by_uuid[u][3] > len(by_uuid[u][5]) * GEOMETRY["page_size"]
+    ]
+    columns = {
+        "uuids": [v[0] for v in needing],
+        "num_tokens": [v[3] for v in needing],
+        "gpu_page_ids": [v[5] for v in needing],
+    }
+    pools = {
+        side: {
+            "gpu": [{"kind": "alloc", "uuid": batch[-1], "page_ids": ids}],
+            "host": [],
+            "num_free_gpu": num_free_gpu - len(ids),
+            "num_free_host": 4,
+        }
+        for side, ids in (("authoritative", authoritative_ids), ("shadow", shadow_ids))
+    }
+    replay = {
+        "op": "alloc",
+        "request_type": "AllocRequest",
+        "request": {"snapshot": snapshot, "needing": columns, "batch": batch},
+        "pre_state": {"snapshot": snapshot, "requests": views},
+        "pools": pools,
+        "kv_path": "legacy",
+        "shadow_path": "plan",
+        "workload_source": "smoke",
+        "scale": 1.0,
+    }
+    return DivergenceRecord(
+        run_id="r",
+        workload="smoke",
+        seed=0,
+        step=7,
+        op="alloc",
+        authoritative="legacy",
+        shadow="plan",
+        kind="state",
+        field_paths=["requests[b].gpu_page_ids[0]"],
+        diff={},
+        exception=None,
+        replay=replay,
+        created_at=0.0,
+    )
 
 
-VIEWS = [["a", "running", 0, 9, 8, [3, 4, 5], [], 0, None], ["b", "waiting", 1, 6, 0, [], [], 0, None]]
+VIEWS = [
+    ["a", "running", 0, 9, 8, [3, 4, 5], [], 0, None],
+    ["b", "waiting", 1, 6, 0, [], [], 0, None],
+]
 
 
 def test_a_record_with_pool_events_in_another_form_is_refused_by_name():
-    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"])
-    record.replay["pools"]["authoritative"]["gpu"] = [["alloc", "b", [7, 2]]]  # events as lists, not records
+    record = alloc_record(
+        views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"]
+    )
+    # events as lists, not records
+    record.replay["pools"]["authoritative"]["gpu"] = [["alloc", "b", [7, 2]]]
     with pytest.raises(ReplayError, match="authoritative gpu pool events are not records"):
         rebuild_target(record)
 
 
 def test_the_rebuilt_free_queue_hands_out_the_allocated_ids_first():
-    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"])
+    record = alloc_record(
+        views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"]
+    )
     target = rebuild_target(record)
     assert target.gpu_kv.peek_free_pages(5) == [7, 2, 9, 0, 1]
     assert target.gpu_kv.pages_of("a") == (3, 4, 5)
@@ -278,16 +438,32 @@ def test_the_rebuilt_free_queue_hands_out_the_allocated_ids_first():
 
 
 def test_the_legacy_sides_allocation_order_comes_first_when_it_is_the_shadow():
-    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[2, 7], shadow_ids=[7, 2], batch=["a", "b"])
-    plan_first = record.model_copy(update={"replay": {**record.replay, "kv_path": "plan", "shadow_path": "legacy"}})
+    record = alloc_record(
+        views=VIEWS, num_free_gpu=5, authoritative_ids=[2, 7], shadow_ids=[7, 2], batch=["a", "b"]
+    )
+    plan_first = record.model_copy(
+        update={"replay": {**record.replay, "kv_path": "plan", "shadow_path": "legacy"}}
+    )
     assert rebuild_target(plan_first).gpu_kv.peek_free_pages(3) == [7, 2, 0]
 
 
 def test_the_rebuilt_requests_match_the_views():
-    target = rebuild_target(alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9],
-                                         batch=["a", "b"]))
+    target = rebuild_target(
+        alloc_record(
+            views=VIEWS,
+            num_free_gpu=5,
+            authoritative_ids=[7, 2],
+            shadow_ids=[7, 9],
+            batch=["a", "b"],
+        )
+    )
     a, b = target.state.requests["a"], target.state.requests["b"]
-    assert (a.phase, a.num_tokens, a.num_cached_tokens, a.gpu_page_ids) == (Phase.RUNNING, 9, 8, (3, 4, 5))
+    assert (a.phase, a.num_tokens, a.num_cached_tokens, a.gpu_page_ids) == (
+        Phase.RUNNING,
+        9,
+        8,
+        (3, 4, 5),
+    )
     assert (b.phase, b.num_tokens, b.arrival_index) == (Phase.WAITING, 6, 1)
     assert target.state.step == 7 and target.pending_appends == {}
     assert (target.cache_config.page_size, target.engine_config.max_num_seqs) == (4, 8)
@@ -295,26 +471,34 @@ def test_the_rebuilt_requests_match_the_views():
 
 def test_a_record_whose_pages_are_owned_twice_is_refused():
     views = [VIEWS[0], ["b", "running", 1, 6, 5, [5, 6], [], 0, None]]
-    record = alloc_record(views=views, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    record = alloc_record(
+        views=views, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"]
+    )
     with pytest.raises(ReplayError, match="inconsistent"):
         rebuild_target(record)
 
 
 def test_a_record_with_more_free_pages_than_unowned_ones_is_refused():
-    record = alloc_record(views=VIEWS, num_free_gpu=8, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    record = alloc_record(
+        views=VIEWS, num_free_gpu=8, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"]
+    )
     with pytest.raises(ReplayError, match="8 free pages recorded"):
         rebuild_target(record)
 
 
 def test_a_record_of_an_unknown_op_is_refused():
-    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    record = alloc_record(
+        views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"]
+    )
     bad = record.model_copy(update={"replay": {**record.replay, "op": "defrag"}})
     with pytest.raises(ReplayError, match="unknown op 'defrag'"):
         replay_record(bad)
 
 
 def test_a_record_the_rebuilt_state_cannot_match_is_refused():
-    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    record = alloc_record(
+        views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"]
+    )
     request = record.replay["request"]
     tampered = {**request, "needing": {**request["needing"], "num_tokens": [7]}}
     bad = record.model_copy(update={"replay": {**record.replay, "request": tampered}})
@@ -323,7 +507,11 @@ def test_a_record_the_rebuilt_state_cannot_match_is_refused():
 
 
 def test_a_record_without_its_pre_state_is_refused_by_name():
-    record = alloc_record(views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"])
+    record = alloc_record(
+        views=VIEWS, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"]
+    )
     bad = record.model_copy(update={"replay": {**record.replay, "pre_state": None}})
-    with pytest.raises(ReplayError, match="op 'alloc': the recorded pre-state is not a valid KvPreState"):
+    with pytest.raises(
+        ReplayError, match="op 'alloc': the recorded pre-state is not a valid KvPreState"
+    ):
         replay_record(bad)

@@ -22,8 +22,9 @@ SMALL = ["--requests", "512", "--gpu-pages", "100000", "--steps", "150", "--rss-
 
 
 def load_script_module(name: str):
-    """Import ``scripts/<name>.py`` as module ``name``; mutates ``sys.modules``, where dataclasses and the
-    scripts' imports of each other look it up (so load a module after the ones it imports)."""
+    """Import ``scripts/<name>.py`` as module ``name``; mutates ``sys.modules``, where dataclasses
+    and the scripts' imports of each other look it up (so load a module after the ones it
+    imports)."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -36,7 +37,9 @@ scale_run = load_script_module("scale_run")  # imports scale_workload
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_workload_fills_the_gpu_pool_with_anchors_and_overcommits_the_room_they_leave():
@@ -54,7 +57,9 @@ def test_the_workload_fills_the_gpu_pool_with_anchors_and_overcommits_the_room_t
 
 
 def test_a_scale_run_refills_every_released_slot_and_keeps_the_pools_consistent():
-    run = scale_run.ScaleRun(scale_workload.pressure_workload(64, 10_000), KvGateConfig(path="plan"))
+    run = scale_run.ScaleRun(
+        scale_workload.pressure_workload(64, 10_000), KvGateConfig(path="plan")
+    )
     for _ in range(100):
         run.step()
         assert len(run.worker.state.requests) == 64
@@ -69,7 +74,8 @@ def test_memory_stays_flat_over_150_steps_of_512_requests_under_pressure(mode, t
     proc = run_script("--mode", mode, *SMALL, "--json-out", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert result["integrity"] == "ok"  # Worker.check_integrity() after the last step: both pools, page tables
+    # Worker.check_integrity() after the last step: both pools, page tables
+    assert result["integrity"] == "ok"
     assert result["num_steps"] == 150 and result["live_requests_end"] == 512
     assert min(result["evictions"], result["loads"], result["recompute_preemptions"]) > 0
     assert result["rss_ratio"] <= 1.05, result["rss_mib"]
@@ -79,7 +85,19 @@ def test_memory_stays_flat_over_150_steps_of_512_requests_under_pressure(mode, t
 
 
 def test_the_check_exits_1_and_says_fail_when_a_resident_set_ratio_is_over_the_limit():
-    proc = run_script("--modes", "plan", "--requests", "16", "--gpu-pages", "2000", "--steps", "20",
-                      "--rss-from-step", "10", "--max-rss-ratio", "0.5")
+    proc = run_script(
+        "--modes",
+        "plan",
+        "--requests",
+        "16",
+        "--gpu-pages",
+        "2000",
+        "--steps",
+        "20",
+        "--rss-from-step",
+        "10",
+        "--max-rss-ratio",
+        "0.5",
+    )
     assert proc.returncode == 1, proc.stderr
     assert "verdict: FAIL plan" in proc.stdout

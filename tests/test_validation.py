@@ -1,4 +1,5 @@
-"""Back-to-back validation in compare mode: every direction, the A/A check, the reports, and each failure it names.
+"""Back-to-back validation in compare mode: every direction, the A/A check, the reports, and each
+failure it names.
 
 The workloads are two small pressure traces (8 requests over 10 GPU pages of 4 tokens: eviction,
 migration and recompute every few steps) given to the validation as workload files through
@@ -13,21 +14,20 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+from injected_bugs import reversed_grants
 
+import batchgen.kv.manager as kv_manager
 import batchgen.shadow.validation
 import batchgen.shadow.validation_report
-import batchgen.kv.manager as kv_manager
-from compare import DivergenceRecord, JsonlSink, LogWriteError, RunSummary, read_log, write_atomic
 from batchgen.cli import main
 from batchgen.config import CacheConfig, EngineConfig
+from batchgen.engine.workloads import Workload, WorkloadRequest
+from batchgen.kv.backends import GpuKvPool
+from batchgen.kv.plans import PollAction
 from batchgen.model.loader import load_model
 from batchgen.shadow.validation import validate_back_to_back
 from batchgen.shadow.validation_report import DIRECTIONS, REPORT_FILES
-from batchgen.kv.backends import GpuKvPool
-from batchgen.kv.plans import PollAction
-from batchgen.engine.workloads import Workload, WorkloadRequest
-
-from injected_bugs import reversed_grants
+from compare import DivergenceRecord, JsonlSink, LogWriteError, RunSummary, read_log, write_atomic
 
 ROLES = [direction.role for direction in DIRECTIONS]
 
@@ -41,12 +41,18 @@ def pressure_workload(name: str, *, num_requests: int = 8, seed: int = 1) -> Wor
     """Requests of 15-34 tokens over 10 GPU pages of 4 tokens (6 host pages): a lot of eviction."""
     rng = random.Random(seed)
     requests = [
-        WorkloadRequest(uuid=f"{name}-r{i}", prompt_ids=[rng.randrange(1, 512) for _ in range(rng.randint(5, 14))],
-                        max_new_tokens=rng.randint(10, 20), arrival_step=i // 4)
+        WorkloadRequest(
+            uuid=f"{name}-r{i}",
+            prompt_ids=[rng.randrange(1, 512) for _ in range(rng.randint(5, 14))],
+            max_new_tokens=rng.randint(10, 20),
+            arrival_step=i // 4,
+        )
         for i in range(num_requests)
     ]
     cache = CacheConfig(page_size=4, num_gpu_pages=10, num_host_pages=6)
-    return Workload(name=name, seed=seed, cache=cache, engine=EngineConfig(max_num_seqs=8), requests=requests)
+    return Workload(
+        name=name, seed=seed, cache=cache, engine=EngineConfig(max_num_seqs=8), requests=requests
+    )
 
 
 def use_workloads(monkeypatch, tmp_path, *workloads: Workload) -> list[str]:
@@ -62,9 +68,9 @@ def use_workloads(monkeypatch, tmp_path, *workloads: Workload) -> list[str]:
 
 @pytest.fixture
 def two_pressure_workloads(monkeypatch, tmp_path):
-    return use_workloads(monkeypatch, tmp_path, pressure_workload("pa", seed=1), pressure_workload("pb", seed=2))
-
-
+    return use_workloads(
+        monkeypatch, tmp_path, pressure_workload("pa", seed=1), pressure_workload("pb", seed=2)
+    )
 
 
 def one_json_object(stdout: str) -> dict:
@@ -75,44 +81,70 @@ def one_json_object(stdout: str) -> dict:
 
 # ---- a clean validation --------------------------------------------------------------------------
 def test_validate_compares_both_directions_and_the_aa_check_and_finds_no_divergence(
-        two_pressure_workloads, tmp_path, capsys):
+    two_pressure_workloads, tmp_path, capsys
+):
     reports = tmp_path / "reports"
     assert main(["validate", "--json", "--reports-dir", str(reports)]) == 0
     report = one_json_object(capsys.readouterr().out)
     assert (report["ok"], report["failures"], report["divergences"]) == (True, [], 0)
-    assert report["workloads"] == ["pa", "pb"] and report["directions"] == ["legacy/plan", "plan/legacy", "plan/plan"]
+    assert report["workloads"] == ["pa", "pb"] and report["directions"] == [
+        "legacy/plan",
+        "plan/legacy",
+        "plan/plan",
+    ]
     assert sorted(report["steps_compared"]) == ["alloc", "evict", "migrate", "poll", "release"]
     assert all(count > 0 for count in report["steps_compared"].values())
     assert report["divergences_by_op"] == dict.fromkeys(report["steps_compared"], 0)
-    assert (report["leaked_gpu_pages"], report["leaked_host_pages"], report["harness_errors"]) == (0, 0, 0)
+    assert (report["leaked_gpu_pages"], report["leaked_host_pages"], report["harness_errors"]) == (
+        0,
+        0,
+        0,
+    )
     assert report["compare_overhead"] > 0
-    runs = [(run["workload"], run["role"], run["kv_path"], run["shadow_path"]) for run in report["runs"]]
-    assert runs == [("pa", "legacy/plan", "legacy", "plan"), ("pb", "legacy/plan", "legacy", "plan"),
-                    ("pa", "plan/legacy", "plan", "legacy"), ("pb", "plan/legacy", "plan", "legacy"),
-                    ("pa", "plan/plan", "plan", "plan"), ("pb", "plan/plan", "plan", "plan"),
-                    ("pa", "reference", "plan", None), ("pb", "reference", "plan", None),
-                    ("pb", "fresh", "plan", None)]
+    runs = [
+        (run["workload"], run["role"], run["kv_path"], run["shadow_path"]) for run in report["runs"]
+    ]
+    assert runs == [
+        ("pa", "legacy/plan", "legacy", "plan"),
+        ("pb", "legacy/plan", "legacy", "plan"),
+        ("pa", "plan/legacy", "plan", "legacy"),
+        ("pb", "plan/legacy", "plan", "legacy"),
+        ("pa", "plan/plan", "plan", "plan"),
+        ("pb", "plan/plan", "plan", "plan"),
+        ("pa", "reference", "plan", None),
+        ("pb", "reference", "plan", None),
+        ("pb", "fresh", "plan", None),
+    ]
     for run in report["runs"][:6]:
-        assert run["evictions"] > 0 and run["divergences"] == 0 and sum(run["steps_compared"].values()) > 0
+        assert (
+            run["evictions"] > 0
+            and run["divergences"] == 0
+            and sum(run["steps_compared"].values()) > 0
+        )
     assert report["reports"] == {kind: str(reports / name) for kind, name in REPORT_FILES.items()}
 
 
 def test_validate_names_each_gate_variable_it_ignores_and_runs_its_own_gates(
-        two_pressure_workloads, tmp_path, capsys, monkeypatch):
+    two_pressure_workloads, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setenv("BATCHGEN_WORKER_KV_PATH", "legacy")
     monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE_LOG", str(tmp_path / "mine.jsonl"))
     assert main(["validate", "--json", "--reports-dir", str(tmp_path / "reports")]) == 0
     captured = capsys.readouterr()
     warnings = [line for line in captured.err.splitlines() if line.startswith("batchgen: warning:")]
-    assert warnings == [f"batchgen: warning: validate sets its own KV gates and ignores "
-                        f"BATCHGEN_WORKER_KV_PATH=legacy, BATCHGEN_WORKER_KV_COMPARE_LOG={tmp_path / 'mine.jsonl'} "
-                        f"(batchgen run applies them)"]
+    assert warnings == [
+        "batchgen: warning: validate sets its own KV gates and ignores "
+        f"BATCHGEN_WORKER_KV_PATH=legacy, BATCHGEN_WORKER_KV_COMPARE_LOG={tmp_path / 'mine.jsonl'} "
+        "(batchgen run applies them)"
+    ]
     report = one_json_object(captured.out)
     assert report["directions"] == ["legacy/plan", "plan/legacy", "plan/plan"] and report["ok"]
     assert not (tmp_path / "mine.jsonl").exists()
 
 
-def test_validate_writes_the_log_and_three_reports_rendered_from_it(two_pressure_workloads, tmp_path, capsys):
+def test_validate_writes_the_log_and_three_reports_rendered_from_it(
+    two_pressure_workloads, tmp_path, capsys
+):
     reports = tmp_path / "reports"
     reports.mkdir()
     (reports / "divergences.jsonl").write_text("left over from an earlier run\n")
@@ -120,7 +152,8 @@ def test_validate_writes_the_log_and_three_reports_rendered_from_it(two_pressure
     summaries = read_log(reports / "divergences.jsonl").records
     assert all(isinstance(record, RunSummary) for record in summaries)
     assert [(s.workload, s.authoritative, s.shadow) for s in summaries] == [
-        (f"{name} {role}", *role.split("/")) for role in ROLES for name in ("pa", "pb")]
+        (f"{name} {role}", *role.split("/")) for role in ROLES for name in ("pa", "pb")
+    ]
     assert (reports / "divergences.md").read_text().startswith("### 0 divergences in ")
     suite = ET.parse(reports / "divergences.xml").getroot().find("testsuite")
     assert suite.get("failures") == "0" and int(suite.get("tests")) == 6 * 5
@@ -129,78 +162,143 @@ def test_validate_writes_the_log_and_three_reports_rendered_from_it(two_pressure
 
 
 def test_validate_prints_steps_compared_divergences_overhead_and_per_run_counters(
-        two_pressure_workloads, tmp_path, capsys):
+    two_pressure_workloads, tmp_path, capsys
+):
     assert main(["validate", "--reports-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("batchgen validate: PASSED in ")
-    assert re.search(r"^steps compared: alloc \d+, evict \d+, migrate \d+, poll \d+, release \d+$", out, re.M)
-    assert "divergences: 0 (alloc 0, evict 0, migrate 0, poll 0, release 0); harness errors: 0" in out
-    assert re.search(r"^compare overhead: [\d.]+ s of harness on [\d.]+ s in the authoritative path \([\d.]+x\); "
-                     r"[\d.]+% of the compare runs' wall time$", out, re.M)
-    assert "compare runs: workload, authoritative path, shadow path" in out and "reference and fresh runs" in out
+    assert re.search(
+        r"^steps compared: alloc \d+, evict \d+, migrate \d+, poll \d+, release \d+$", out, re.M
+    )
+    assert (
+        "divergences: 0 (alloc 0, evict 0, migrate 0, poll 0, release 0); harness errors: 0" in out
+    )
+    assert re.search(
+        r"^compare overhead: [\d.]+ s of harness on [\d.]+ s in the authoritative path"
+        r" \([\d.]+x\); "
+        r"[\d.]+% of the compare runs' wall time$",
+        out,
+        re.M,
+    )
+    assert (
+        "compare runs: workload, authoritative path, shadow path" in out
+        and "reference and fresh runs" in out
+    )
     assert "FAIL" not in out
 
 
-def test_the_environment_gate_does_not_change_the_validation(two_pressure_workloads, model, monkeypatch):
+def test_the_environment_gate_does_not_change_the_validation(
+    two_pressure_workloads, model, monkeypatch
+):
     monkeypatch.setenv("BATCHGEN_WORKER_KV_PATH", "legacy")
     monkeypatch.setenv("BATCHGEN_WORKER_KV_COMPARE", "raise")
     report = validate_back_to_back(model)
     assert report.ok, report.failures
     assert [(run.role, run.kv_path, run.shadow_path) for run in report.runs][6:] == [
-        ("reference", "plan", None), ("reference", "plan", None), ("fresh", "plan", None)]
+        ("reference", "plan", None),
+        ("reference", "plan", None),
+        ("fresh", "plan", None),
+    ]
     assert report.reports == {}  # no reports directory: the log lived in a temporary one
 
 
 # ---- failures it names ---------------------------------------------------------------------------
-def test_a_buggy_plan_method_fails_validation_naming_each_diverging_run(two_pressure_workloads, tmp_path, monkeypatch,
-                                                                        capsys):
+def test_a_buggy_plan_method_fails_validation_naming_each_diverging_run(
+    two_pressure_workloads, tmp_path, monkeypatch, capsys
+):
     reversed_grants(monkeypatch)
     reports = tmp_path / "reports"
     assert main(["validate", "--reports-dir", str(reports)]) == 1
     fails = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL ")]
     assert len(fails) == 4, fails  # A/A: both sides run the same buggy plan path, so they agree
-    for line, (name, direction) in zip(fails, [(n, d) for d in DIRECTIONS[:2] for n in ("pa", "pb")]):
+    for line, (name, direction) in zip(
+        fails, [(n, d) for d in DIRECTIONS[:2] for n in ("pa", "pb")]
+    ):
         assert re.fullmatch(
-            rf"FAIL {name} {direction.role}: \d+ divergences of the {direction.shadow} shadow from the authoritative "
+            rf"FAIL {name} {direction.role}: \d+ divergences of the {direction.shadow} shadow from"
+            r" the authoritative "
             rf"{direction.authoritative} path \(alloc: \d+\); first: alloc step \d+, state at "
-            rf"pools\.gpu\[\d+\]\.page_ids\[\d+\].*", line)
-    records = [r for r in read_log(reports / "divergences.jsonl").records if isinstance(r, DivergenceRecord)]
+            rf"pools\.gpu\[\d+\]\.page_ids\[\d+\].*",
+            line,
+        )
+    records = [
+        r
+        for r in read_log(reports / "divergences.jsonl").records
+        if isinstance(r, DivergenceRecord)
+    ]
     assert records and {r.op for r in records} == {"alloc"}
-    assert {r.workload for r in records} == {f"{name} {d.role}" for d in DIRECTIONS[:2] for name in ("pa", "pb")}
+    assert {r.workload for r in records} == {
+        f"{name} {d.role}" for d in DIRECTIONS[:2] for name in ("pa", "pb")
+    }
     markdown = (reports / "divergences.md").read_text()
-    assert markdown.startswith(f"### {len(records)} divergences in ") and "`pools.gpu[*].page_ids[*]`" in markdown
+    assert (
+        markdown.startswith(f"### {len(records)} divergences in ")
+        and "`pools.gpu[*].page_ids[*]`" in markdown
+    )
     suite = ET.parse(reports / "divergences.xml").getroot().find("testsuite")
     assert int(suite.get("failures")) == 4
 
 
-def test_a_plan_the_applier_rejects_is_a_named_failure_not_a_crash(two_pressure_workloads, model, monkeypatch):
+def test_a_plan_the_applier_rejects_is_a_named_failure_not_a_crash(
+    two_pressure_workloads, model, monkeypatch
+):
     correct = kv_manager.KVCacheManager.plan_poll
-    monkeypatch.setattr(kv_manager.KVCacheManager, "plan_poll", lambda self, req: dataclasses.replace(
-        plan := correct(self, req), actions=(PollAction.RETRY,) * len(plan.uuids)))
+    monkeypatch.setattr(
+        kv_manager.KVCacheManager,
+        "plan_poll",
+        lambda self, req: dataclasses.replace(
+            plan := correct(self, req), actions=(PollAction.RETRY,) * len(plan.uuids)
+        ),
+    )
     report = validate_back_to_back(model)
     assert not report.ok
-    assert any(re.fullmatch(r"pa legacy/plan: \d+ divergences? of the plan shadow from the authoritative legacy "
-                            r"path \(poll: \d+\); first: poll step \d+, invalid_plan: plan raised PlanRejected: .*",
-                            failure) for failure in report.failures), report.failures
-    assert any(re.fullmatch(r"pa plan/legacy: raised at step \d+: PlanRejected: .*", failure)
-               for failure in report.failures), report.failures
-    assert not any(failure.startswith("pb plan/legacy") for failure in report.failures)  # that worker stopped
+    assert any(
+        re.fullmatch(
+            r"pa legacy/plan: \d+ divergences? of the plan shadow from the authoritative legacy "
+            r"path \(poll: \d+\); first: poll step \d+, invalid_plan: plan raised PlanRejected: .*",
+            failure,
+        )
+        for failure in report.failures
+    ), report.failures
+    assert any(
+        re.fullmatch(r"pa plan/legacy: raised at step \d+: PlanRejected: .*", failure)
+        for failure in report.failures
+    ), report.failures
+    # that worker stopped
+    assert not any(failure.startswith("pb plan/legacy") for failure in report.failures)
 
 
 def test_validation_fails_a_workload_that_never_evicted(model, monkeypatch, tmp_path):
-    use_workloads(monkeypatch, tmp_path, pressure_workload("light", num_requests=1), pressure_workload("pb", seed=2))
+    use_workloads(
+        monkeypatch,
+        tmp_path,
+        pressure_workload("light", num_requests=1),
+        pressure_workload("pb", seed=2),
+    )
     progress = []
     report = validate_back_to_back(model, on_progress=lambda *update: progress.append(update))
-    assert report.failures == [f"light {role}: never evicted to host (recompute preemptions: 0), so the run did not "
-                               f"exercise the host tier; use a larger --scale" for role in ROLES]
+    assert report.failures == [
+        f"light {role}: never evicted to host (recompute preemptions: 0), so the run did not "
+        "exercise the host tier; use a larger --scale"
+        for role in ROLES
+    ]
     assert [run.label for run in report.runs] == [
-        "light legacy/plan", "pb legacy/plan", "light plan/legacy", "pb plan/legacy", "light plan/plan",
-        "pb plan/plan", "light reference", "pb reference", "pb fresh"]
+        "light legacy/plan",
+        "pb legacy/plan",
+        "light plan/legacy",
+        "pb plan/legacy",
+        "light plan/plan",
+        "pb plan/plan",
+        "light reference",
+        "pb reference",
+        "pb fresh",
+    ]
     assert progress[-1] == ("pb fresh", 8, 8)
 
 
 def test_an_interrupted_validation_leaves_the_last_log_and_reports_and_its_own_partial_log(
-        two_pressure_workloads, tmp_path, capsys, monkeypatch):
+    two_pressure_workloads, tmp_path, capsys, monkeypatch
+):
     reports = tmp_path / "reports"
     assert main(["validate", "--reports-dir", str(reports)]) == 0
     before = {path.name: path.read_bytes() for path in reports.iterdir()}
@@ -219,11 +317,14 @@ def test_an_interrupted_validation_leaves_the_last_log_and_reports_and_its_own_p
     after = {path.name: path.read_bytes() for path in reports.iterdir()}
     partial = after.pop("divergences.jsonl.partial")
     assert after == before
-    assert [record.workload for record in read_log(reports / "divergences.jsonl.partial").records] == [
-        "pa legacy/plan", "pb legacy/plan"] and partial
+    assert [
+        record.workload for record in read_log(reports / "divergences.jsonl.partial").records
+    ] == ["pa legacy/plan", "pb legacy/plan"] and partial
 
 
-def test_validation_reports_a_leak_in_every_direction_and_stops_each(model, two_pressure_workloads, monkeypatch):
+def test_validation_reports_a_leak_in_every_direction_and_stops_each(
+    model, two_pressure_workloads, monkeypatch
+):
     real_release = GpuKvPool.release_pages
 
     def release_all_but_one(pool, uuid):
@@ -235,12 +336,17 @@ def test_validation_reports_a_leak_in_every_direction_and_stops_each(model, two_
     assert not report.ok and report.runs == ()
     assert len(report.failures) == 3
     for failure, role in zip(report.failures, ROLES):
-        assert re.fullmatch(rf"pa {role}: integrity check failed at step \d+: pa-r1: GPU page table != pool", failure)
-    assert report.compare.num_runs == 3  # one summary per run that broke off, each saying why it stopped
+        assert re.fullmatch(
+            rf"pa {role}: integrity check failed at step \d+: pa-r1: GPU page table != pool",
+            failure,
+        )
+    # one summary per run that broke off, each saying why it stopped
+    assert report.compare.num_runs == 3
 
 
 def test_reports_a_full_disk_cannot_take_are_a_named_failure_and_the_summary_still_prints(
-        two_pressure_workloads, tmp_path, capsys, monkeypatch):
+    two_pressure_workloads, tmp_path, capsys, monkeypatch
+):
     def disk_full(path, text):
         if str(path).endswith(".xml"):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -250,13 +356,19 @@ def test_reports_a_full_disk_cannot_take_are_a_named_failure_and_the_summary_sti
     reports = tmp_path / "reports"
     assert main(["validate", "--json", "--reports-dir", str(reports)]) == 1
     report = one_json_object(capsys.readouterr().out)
-    assert report["failures"] == [f"reports: cannot write {reports / 'divergences.xml'}: No space left on device"]
+    assert report["failures"] == [
+        f"reports: cannot write {reports / 'divergences.xml'}: No space left on device"
+    ]
     assert (report["divergences"], report["ok"]) == (0, False)
-    assert sorted(path.name for path in reports.iterdir()) == ["divergences.jsonl", "divergences.md"]
+    assert sorted(path.name for path in reports.iterdir()) == [
+        "divergences.jsonl",
+        "divergences.md",
+    ]
 
 
 def test_a_divergence_log_whose_flush_fails_is_a_named_failure_of_its_direction(
-        two_pressure_workloads, tmp_path, capsys, monkeypatch):
+    two_pressure_workloads, tmp_path, capsys, monkeypatch
+):
     def flush_fails(self):  # the file is closed, as a failed fsync leaves it
         was_open = self._fd is not None
         close(self)
@@ -270,5 +382,6 @@ def test_a_divergence_log_whose_flush_fails_is_a_named_failure_of_its_direction(
     assert main(["validate", "--json", "--reports-dir", str(reports)]) == 1
     report = one_json_object(capsys.readouterr().out)
     partial = reports / "divergences.jsonl.partial"
-    assert report["failures"] == [f"{role}: divergence log {partial}: a write failed: Input/output error"
-                                  for role in ROLES]
+    assert report["failures"] == [
+        f"{role}: divergence log {partial}: a write failed: Input/output error" for role in ROLES
+    ]

@@ -1,4 +1,5 @@
-"""Worker: pool integrity every step, no leaks, the same tokens under eviction, failed loads, aborts, bad input."""
+"""Worker: pool integrity every step, no leaks, the same tokens under eviction, failed loads,
+aborts, bad input."""
 
 import random
 import re
@@ -9,14 +10,14 @@ import torch
 from pydantic import ValidationError
 
 from batchgen.config import CacheConfig, EngineConfig
+from batchgen.engine import worker as worker_module
+from batchgen.engine.runner import RunResult, run_workload
+from batchgen.engine.state import Phase, Request
+from batchgen.engine.worker import PoolAllocationError, RequestError, Worker
+from batchgen.engine.workloads import Workload, WorkloadRequest, builtin_workload
 from batchgen.model import loader
 from batchgen.model.loader import load_model
 from batchgen.shadow.output_check import compare_exact, compare_outputs
-from batchgen.engine.runner import RunResult, run_workload
-from batchgen.engine.state import Phase, Request
-from batchgen.engine import worker as worker_module
-from batchgen.engine.worker import PoolAllocationError, RequestError, Worker
-from batchgen.engine.workloads import Workload, WorkloadRequest, builtin_workload
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +25,29 @@ def model():
     return load_model("tiny")
 
 
-def pressure_workload(prefix: str = "p", *, temperature: float = 0.0, num_host_pages: int = 6) -> Workload:
-    """8 requests arriving together, 20-40 tokens each, over 10 GPU pages of 4 tokens: a lot of eviction."""
+def pressure_workload(
+    prefix: str = "p", *, temperature: float = 0.0, num_host_pages: int = 6
+) -> Workload:
+    """8 requests arriving together, 20-40 tokens each, over 10 GPU pages of 4 tokens: a lot of
+    eviction."""
     rng = random.Random(1)
     requests = [
-        WorkloadRequest(uuid=f"{prefix}{i}", prompt_ids=[rng.randrange(1, 512) for _ in range(rng.randint(5, 14))],
-                        max_new_tokens=rng.randint(10, 20), temperature=temperature, seed=i)
+        WorkloadRequest(
+            uuid=f"{prefix}{i}",
+            prompt_ids=[rng.randrange(1, 512) for _ in range(rng.randint(5, 14))],
+            max_new_tokens=rng.randint(10, 20),
+            temperature=temperature,
+            seed=i,
+        )
         for i in range(8)
     ]
     cache = CacheConfig(page_size=4, num_gpu_pages=10, num_host_pages=num_host_pages)
-    return Workload(name=f"pressure-{prefix}", cache=cache, engine=EngineConfig(max_num_seqs=8), requests=requests)
+    return Workload(
+        name=f"pressure-{prefix}",
+        cache=cache,
+        engine=EngineConfig(max_num_seqs=8),
+        requests=requests,
+    )
 
 
 def without_pressure(workload: Workload) -> Workload:
@@ -51,8 +65,12 @@ def run(model, workload: Workload) -> RunResult:
 
 
 def assert_nothing_left(result: RunResult) -> None:
-    assert (result.leaked_gpu_pages, result.leaked_host_pages, result.loads_in_flight, result.live_requests) == (
-        0, 0, 0, 0)
+    assert (
+        result.leaked_gpu_pages,
+        result.leaked_host_pages,
+        result.loads_in_flight,
+        result.live_requests,
+    ) == (0, 0, 0, 0)
 
 
 def finish(worker: Worker) -> None:
@@ -70,7 +88,11 @@ def pressured(model) -> RunResult:
 @pytest.fixture(scope="module")
 def reference(model) -> RunResult:
     result = run(model, without_pressure(pressure_workload()))
-    assert (result.stats.evictions, result.stats.loads, result.stats.recompute_preemptions) == (0, 0, 0)
+    assert (result.stats.evictions, result.stats.loads, result.stats.recompute_preemptions) == (
+        0,
+        0,
+        0,
+    )
     return result
 
 
@@ -82,7 +104,8 @@ def test_pools_stay_consistent_after_every_step_of_smoke(model):
 
 
 def test_pools_stay_consistent_after_every_step_of_an_l2_run(model):
-    workload = builtin_workload("L2-2048", scale=0.25, seed=4)  # 8 requests; this seed evicts at this scale
+    # 8 requests; this seed evicts at this scale
+    workload = builtin_workload("L2-2048", scale=0.25, seed=4)
     result = run(model, workload)
     assert result.stats.evictions > 0 and result.stats.loads == result.stats.evictions
     assert_nothing_left(result)
@@ -98,7 +121,10 @@ def test_back_to_back_runs_on_one_worker_leave_nothing_behind(model):
     assert_nothing_left(after_two)
     fresh = run(model, second)
     assert compare_exact(fresh.outputs, after_two.outputs) == []
-    assert (after_two.num_steps, after_two.stats.evictions) == (fresh.num_steps, fresh.stats.evictions)
+    assert (after_two.num_steps, after_two.stats.evictions) == (
+        fresh.num_steps,
+        fresh.stats.evictions,
+    )
 
 
 # ---- tokens under pressure -------------------------------------------------------------------
@@ -114,7 +140,8 @@ def test_sampled_tokens_are_the_same_with_and_without_eviction(model, reference)
     pressured, relaxed = run(model, sampled), run(model, without_pressure(sampled))
     assert pressured.stats.evictions > 0 and relaxed.stats.evictions == 0
     assert compare_exact(relaxed.outputs, pressured.outputs) == []
-    assert compare_exact(reference.outputs, relaxed.outputs) != []  # sampling really departs from greedy
+    # sampling really departs from greedy
+    assert compare_exact(reference.outputs, relaxed.outputs) != []
 
 
 # ---- failed loads ----------------------------------------------------------------------------
@@ -129,7 +156,8 @@ class FailedCopy:
 
 
 def fail_first_loads(monkeypatch, worker: Worker, num_failures: int) -> list[str]:
-    """Make the first ``num_failures`` loads fail; returns the uuids they were for, as they happen."""
+    """Make the first ``num_failures`` loads fail; returns the uuids they were for, as they
+    happen."""
     real_load = worker.host_kv.load_to_gpu_async
     failed: list[str] = []
 
@@ -144,7 +172,8 @@ def fail_first_loads(monkeypatch, worker: Worker, num_failures: int) -> list[str
 
 
 def test_a_failed_load_is_retried_and_the_retry_succeeds(model, monkeypatch, reference):
-    workload = pressure_workload(num_host_pages=40)  # host never full: no recompute unless a load fails twice
+    # host never full: no recompute unless a load fails twice
+    workload = pressure_workload(num_host_pages=40)
     worker = new_worker(model, workload)
     failed = fail_first_loads(monkeypatch, worker, 1)
     result = run_workload(worker, workload, check_integrity=True)
@@ -174,7 +203,8 @@ def worker_with_requests(model, workload: Workload) -> Worker:
 
 
 def step_until(worker: Worker, phase: Phase) -> str:
-    """Step until some request is in ``phase`` (checking pools each step); returns the youngest such uuid."""
+    """Step until some request is in ``phase`` (checking pools each step); returns the youngest such
+    uuid."""
     for _ in range(500):
         in_phase = worker.state.in_phase(phase)
         if in_phase:
@@ -184,9 +214,11 @@ def step_until(worker: Worker, phase: Phase) -> str:
     raise AssertionError(f"no request reached {phase} in 500 steps")
 
 
-@pytest.mark.parametrize("phase, num_steps", [(Phase.WAITING, 0), (Phase.RUNNING, 1), (Phase.SWAPPED, None),
-                                              (Phase.LOADING, None)],
-                         ids=["waiting", "prefilling", "swapped", "loading"])
+@pytest.mark.parametrize(
+    "phase, num_steps",
+    [(Phase.WAITING, 0), (Phase.RUNNING, 1), (Phase.SWAPPED, None), (Phase.LOADING, None)],
+    ids=["waiting", "prefilling", "swapped", "loading"],
+)
 def test_abort_leaves_no_leak_and_other_requests_unchanged(model, reference, phase, num_steps):
     worker = worker_with_requests(model, pressure_workload())
     for _ in range(num_steps or 0):
@@ -199,8 +231,12 @@ def test_abort_leaves_no_leak_and_other_requests_unchanged(model, reference, pha
     finish(worker)
     outputs = worker.state.outputs
     aborted = outputs.pop(uuid)
-    assert (aborted.phase, aborted.finish_reason, list(aborted.output_ids)) == (Phase.FINISHED, "abort", held_tokens)
-    assert list(aborted.output_ids) == list(reference.outputs[uuid].output_ids[:len(held_tokens)])
+    assert (aborted.phase, aborted.finish_reason, list(aborted.output_ids)) == (
+        Phase.FINISHED,
+        "abort",
+        held_tokens,
+    )
+    assert list(aborted.output_ids) == list(reference.outputs[uuid].output_ids[: len(held_tokens)])
     others = {u: out for u, out in reference.outputs.items() if u != uuid}
     assert compare_outputs(others, outputs) == []
     assert worker.gpu_kv.free_pages() == worker.gpu_kv.num_pages
@@ -215,46 +251,114 @@ def test_aborting_an_unknown_request_is_rejected(model):
 
 
 # ---- bad input -------------------------------------------------------------------------------
-@pytest.mark.parametrize("request_, message", [
-    (Request("long", (1,) * 4600, 9), r"^request 'long': prompt \(4600\) \+ max_new_tokens \(9\) = 4609 exceeds "
-                                      r"the model's context of 4608 tokens$"),
-    (Request("wide", (1,) * 60, 4), r"^request 'wide': needs 16 KV pages but the GPU pool has 9 usable pages "
-                                    r"\(10 minus the watermark\)$"),
-    (Request("empty", (), 4), r"^request 'empty': empty prompt; a prompt needs at least one token$"),
-    (Request("zero", (1, 2), 0), r"^request 'zero': max_new_tokens=0; must be >= 1$"),
-    (Request("vocab", (1, -1, 512, 3), 4), r"^request 'vocab': token ids \[-1, 512\] outside the vocabulary "
-                                           r"\[0, 512\)$"),
-    (Request("cold", (1, 2), 4, temperature=-0.5),
-     r"^request 'cold': temperature=-0.5; must be a finite number >= 0 \(0 = greedy\)$"),
-    (Request("nan", (1, 2), 4, temperature=float("nan")),
-     r"^request 'nan': temperature=nan; must be a finite number >= 0 \(0 = greedy\)$"),
-    (Request("hot", (1, 2), 4, temperature=float("inf")),
-     r"^request 'hot': temperature=inf; must be a finite number >= 0 \(0 = greedy\)$"),
-    (Request("p3", (1, 2), 4), r"^request 'p3': uuid already used; uuids must be unique per worker$"),
-    (Request("fault:gpu-refuse:1", (1, 2), 4), r"^request 'fault:gpu-refuse:1': uuids starting with 'fault:' are "
-                                               r"reserved \(fault injection holds pool pages under them\)$"),
-    (Request("float", (1.0, 2.0), 4), r"^request 'float': prompt_ids must be ints; got \[1\.0, 2\.0\]$"),
-    (Request("bool", (True, 2), 4), r"^request 'bool': prompt_ids must be ints; got \[True\]$"),
-    (Request("array", torch.tensor([1, 2]), 4), r"^request 'array': prompt_ids must be a tuple of ints, not Tensor "
-                                                r"\(convert an array or tensor with tuple\(ids\.tolist\(\)\)\)$"),
-    (Request("text", "12", 4), r"^request 'text': prompt_ids must be a tuple of ints, not str"),
-    (Request(5, (1, 2), 4), r"^request uuid 5: must be a str, not int$"),
-    (Request("half", (1, 2), 2.5), r"^request 'half': max_new_tokens must be an int, not float 2\.5$"),
-    (Request("seed", (1, 2), 4, seed="x"), r"^request 'seed': seed must be an int, not str 'x'$"),
-    (Request("warm", (1, 2), 4, temperature="0.5"), r"^request 'warm': temperature must be a number, not str '0\.5'$"),
-], ids=["longer-than-context", "larger-than-pool", "empty-prompt", "no-new-tokens", "outside-vocab",
-        "negative-temperature", "nan-temperature", "infinite-temperature", "duplicate-uuid", "fault-owner-uuid",
-        "float-token", "bool-token", "tensor-prompt", "str-prompt", "int-uuid", "float-max-new-tokens", "str-seed",
-        "str-temperature"])
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (
+            Request("long", (1,) * 4600, 9),
+            r"^request 'long': prompt \(4600\) \+ max_new_tokens \(9\) = 4609 exceeds "
+            r"the model's context of 4608 tokens$",
+        ),
+        (
+            Request("wide", (1,) * 60, 4),
+            r"^request 'wide': needs 16 KV pages but the GPU pool has 9 usable pages "
+            r"\(10 minus the watermark\)$",
+        ),
+        (
+            Request("empty", (), 4),
+            r"^request 'empty': empty prompt; a prompt needs at least one token$",
+        ),
+        (Request("zero", (1, 2), 0), r"^request 'zero': max_new_tokens=0; must be >= 1$"),
+        (
+            Request("vocab", (1, -1, 512, 3), 4),
+            r"^request 'vocab': token ids \[-1, 512\] outside the vocabulary " r"\[0, 512\)$",
+        ),
+        (
+            Request("cold", (1, 2), 4, temperature=-0.5),
+            r"^request 'cold': temperature=-0.5; must be a finite number >= 0 \(0 = greedy\)$",
+        ),
+        (
+            Request("nan", (1, 2), 4, temperature=float("nan")),
+            r"^request 'nan': temperature=nan; must be a finite number >= 0 \(0 = greedy\)$",
+        ),
+        (
+            Request("hot", (1, 2), 4, temperature=float("inf")),
+            r"^request 'hot': temperature=inf; must be a finite number >= 0 \(0 = greedy\)$",
+        ),
+        (
+            Request("p3", (1, 2), 4),
+            r"^request 'p3': uuid already used; uuids must be unique per worker$",
+        ),
+        (
+            Request("fault:gpu-refuse:1", (1, 2), 4),
+            r"^request 'fault:gpu-refuse:1': uuids starting with 'fault:' are "
+            r"reserved \(fault injection holds pool pages under them\)$",
+        ),
+        (
+            Request("float", (1.0, 2.0), 4),
+            r"^request 'float': prompt_ids must be ints; got \[1\.0, 2\.0\]$",
+        ),
+        (Request("bool", (True, 2), 4), r"^request 'bool': prompt_ids must be ints; got \[True\]$"),
+        (
+            Request("array", torch.tensor([1, 2]), 4),
+            r"^request 'array': prompt_ids must be a tuple of ints, not Tensor "
+            r"\(convert an array or tensor with tuple\(ids\.tolist\(\)\)\)$",
+        ),
+        (Request("text", "12", 4), r"^request 'text': prompt_ids must be a tuple of ints, not str"),
+        (Request(5, (1, 2), 4), r"^request uuid 5: must be a str, not int$"),
+        (
+            Request("half", (1, 2), 2.5),
+            r"^request 'half': max_new_tokens must be an int, not float 2\.5$",
+        ),
+        (
+            Request("seed", (1, 2), 4, seed="x"),
+            r"^request 'seed': seed must be an int, not str 'x'$",
+        ),
+        (
+            Request("warm", (1, 2), 4, temperature="0.5"),
+            r"^request 'warm': temperature must be a number, not str '0\.5'$",
+        ),
+    ],
+    ids=[
+        "longer-than-context",
+        "larger-than-pool",
+        "empty-prompt",
+        "no-new-tokens",
+        "outside-vocab",
+        "negative-temperature",
+        "nan-temperature",
+        "infinite-temperature",
+        "duplicate-uuid",
+        "fault-owner-uuid",
+        "float-token",
+        "bool-token",
+        "tensor-prompt",
+        "str-prompt",
+        "int-uuid",
+        "float-max-new-tokens",
+        "str-seed",
+        "str-temperature",
+    ],
+)
 def test_bad_request_is_rejected_and_changes_nothing(model, pressured, request_, message):
     worker = worker_with_requests(model, pressure_workload())
     worker.step()
-    before = (dict(worker.state.requests), worker.state.num_submitted, worker.state.step,
-              worker.gpu_kv.free_pages(), worker.host_kv.free_pages())
+    before = (
+        dict(worker.state.requests),
+        worker.state.num_submitted,
+        worker.state.step,
+        worker.gpu_kv.free_pages(),
+        worker.host_kv.free_pages(),
+    )
     with pytest.raises(RequestError, match=message):
         worker.add_request(request_)
-    assert (dict(worker.state.requests), worker.state.num_submitted, worker.state.step,
-            worker.gpu_kv.free_pages(), worker.host_kv.free_pages()) == before
+    assert (
+        dict(worker.state.requests),
+        worker.state.num_submitted,
+        worker.state.step,
+        worker.gpu_kv.free_pages(),
+        worker.host_kv.free_pages(),
+    ) == before
     finish(worker)
     assert compare_exact(pressured.outputs, worker.state.outputs) == []
 
@@ -281,7 +385,8 @@ def test_take_outputs_removes_what_it_returns_and_leaves_the_rest(model):
 
 
 def test_a_temperature_too_small_to_divide_by_samples_greedily(model):
-    """1e-300 would overflow the logits to infinity; below GREEDY_BELOW the argmax is taken, as for 0."""
+    """1e-300 would overflow the logits to infinity; below GREEDY_BELOW the argmax is taken, as for
+    0."""
     outputs = []
     for temperature in (0.0, 1e-300, 1e-6):
         worker = worker_with_requests(model, pressure_workload("t", temperature=temperature))
@@ -291,33 +396,57 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(model):
     assert len(outputs[0]) == 8
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"cache_config": None}, "Worker: cache_config must be a batchgen.config.CacheConfig, not NoneType"),
-    ({"engine_config": {"max_num_seqs": 4}}, "Worker: engine_config must be a batchgen.config.EngineConfig or None, "
-                                             "not dict"),
-    ({"kv_gate": {"path": "plan"}}, "Worker: kv_gate must be a batchgen.kv.gate.KvGateConfig or None, not dict"),
-], ids=["cache", "engine", "gate"])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"cache_config": None},
+            "Worker: cache_config must be a batchgen.config.CacheConfig, not NoneType",
+        ),
+        (
+            {"engine_config": {"max_num_seqs": 4}},
+            "Worker: engine_config must be a batchgen.config.EngineConfig or None, not dict",
+        ),
+        (
+            {"kv_gate": {"path": "plan"}},
+            "Worker: kv_gate must be a batchgen.kv.gate.KvGateConfig or None, not dict",
+        ),
+    ],
+    ids=["cache", "engine", "gate"],
+)
 def test_a_config_of_another_type_is_a_type_error_naming_the_argument(model, config, message):
-    arguments = {"cache_config": CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0), **config}
+    arguments = {
+        "cache_config": CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0),
+        **config,
+    }
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
         Worker(model, **arguments)
 
 
 def test_pools_past_the_memory_available_are_refused_before_any_is_allocated(model, monkeypatch):
-    """Both tiers live in host memory on a CPU run; the page tensors are zero-filled, so a pool past what is
-    available would have the OS kill the process part way through."""
+    """Both tiers live in host memory on a CPU run; the page tensors are zero-filled, so a pool past
+    what is available would have the OS kill the process part way through."""
     allocated = []
-    monkeypatch.setattr(worker_module, "new_page_tensor", lambda *args, **kwargs: allocated.append(args))
-    page_bytes = model.config.num_layers * 2 * 4 * model.config.num_kv_heads * model.config.head_dim * 4  # float32
+    monkeypatch.setattr(
+        worker_module, "new_page_tensor", lambda *args, **kwargs: allocated.append(args)
+    )
+    # float32
+    page_bytes = (
+        model.config.num_layers * 2 * 4 * model.config.num_kv_heads * model.config.head_dim * 4
+    )
     cache = CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=2)
     monkeypatch.setattr(loader, "host_memory_available", lambda: 10 * page_bytes - 1)
-    with pytest.raises(PoolAllocationError, match=re.escape(
-            f"the KV pools need 0.0 GiB on cpu (8 GPU-tier + 2 host-tier pages of {page_bytes} bytes), 0.0 GiB is "
-            f"available; lower num_gpu_pages/num_host_pages (or page_size)")):
+    with pytest.raises(
+        PoolAllocationError,
+        match=re.escape(
+            f"the KV pools need 0.0 GiB on cpu (8 GPU-tier + 2 host-tier pages of {page_bytes}"
+            " bytes), 0.0 GiB is available; lower num_gpu_pages/num_host_pages (or page_size)"
+        ),
+    ):
         Worker(model, cache_config=cache)
     assert allocated == []
     for available in (10 * page_bytes, None):  # exactly enough; or a system that does not say
-        monkeypatch.setattr(loader, "host_memory_available", lambda: available)
+        monkeypatch.setattr(loader, "host_memory_available", lambda a=available: a)
         Worker(model, cache_config=cache)
     assert len(allocated) == 4
 
@@ -330,9 +459,13 @@ def test_take_outputs_of_something_that_is_no_collection_is_a_type_error(model):
 
 def test_numpy_scalars_are_accepted_where_ints_and_floats_are(model):
     outputs = []
-    for request in (Request("r", tuple(np.array([1, 2, 3])), np.int64(3), np.float64(0.5), np.int64(7)),
-                    Request("r", (1, 2, 3), 3, 0.5, 7)):
-        worker = Worker(model, cache_config=CacheConfig(page_size=4, num_gpu_pages=16, num_host_pages=0))
+    for request in (
+        Request("r", tuple(np.array([1, 2, 3])), np.int64(3), np.float64(0.5), np.int64(7)),
+        Request("r", (1, 2, 3), 3, 0.5, 7),
+    ):
+        worker = Worker(
+            model, cache_config=CacheConfig(page_size=4, num_gpu_pages=16, num_host_pages=0)
+        )
         worker.add_request(request)
         while worker.has_unfinished():
             worker.step()

@@ -2,12 +2,11 @@
 
 ::
 
-    batchgen run --workload NAME|FILE [model flags] [KV flags] [--faults SPEC] [--outputs FILE] [--json]
-                                                                                         one workload, fresh worker
-    batchgen validate [model flags] [--scale X] [--reports-dir DIR] [--json]             back-to-back, compare mode
-    batchgen report LOG [LOG...] [--format text|md|junit|json] [--out FILE]              divergence logs -> report
-    batchgen replay LOG --index N                                                        re-run one logged op
-    batchgen minimize LOG --index N [--out-dir DIR] [--max-tests N]                      shrink it, write a test
+    run       one workload on a fresh worker         --workload NAME|FILE [KV flags] [--faults SPEC]
+    validate  back-to-back, compare mode             [--scale X] [--reports-dir DIR]
+    report    divergence logs -> report              LOG [LOG...] [--format FORMAT] [--out FILE]
+    replay    re-run one logged op                   LOG --index N
+    minimize  shrink it, write a regression test     LOG --index N [--out-dir DIR] [--max-tests N]
 
 A subcommand is a module (``run``, ``validate``, ``logs``) with an
 ``add_<name>_command`` (declares its flags, shares ``common``'s) and a handler
@@ -32,24 +31,46 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from compare import RecordError
 from batchgen.cli.common import UsageError
-from batchgen.cli.logs import RENDERERS, add_minimize_command, add_replay_command, add_report_command
+from batchgen.cli.logs import (
+    RENDERERS,
+    add_minimize_command,
+    add_replay_command,
+    add_report_command,
+)
 from batchgen.cli.run import add_run_command
 from batchgen.cli.validate import add_validate_command
-from batchgen.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
-from batchgen.shadow.minimize import MinimizeError
-from batchgen.model.loader import ModelLoadError
-from batchgen.shadow.replay import ReplayError
 from batchgen.engine.faults import FaultSpecError
-from batchgen.kv.gate import GateError
 from batchgen.engine.worker import PoolAllocationError, RequestError
 from batchgen.engine.workloads import WorkloadError
+from batchgen.exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    Terminated,
+)
+from batchgen.kv.gate import GateError
+from batchgen.model.loader import ModelLoadError
+from batchgen.shadow.minimize import MinimizeError
+from batchgen.shadow.replay import ReplayError
+from compare import RecordError
 
 __all__ = ["RENDERERS", "build_parser", "main"]
 
-INPUT_ERRORS = (UsageError, WorkloadError, ModelLoadError, RequestError, PoolAllocationError, GateError,
-                FaultSpecError, RecordError, ReplayError, MinimizeError)  # MinimizeError: a record minimize cannot use
+INPUT_ERRORS = (
+    UsageError,
+    WorkloadError,
+    ModelLoadError,
+    RequestError,
+    PoolAllocationError,
+    GateError,
+    # MinimizeError: a record minimize cannot use
+    FaultSpecError,
+    RecordError,
+    ReplayError,
+    MinimizeError,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,14 +87,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help (0), or a usage error already printed (2)
         return int(exit_request.code or 0)
-    if sys.stdout is None:  # started with stdout closed (`>&-`): results would vanish and the exit say 0
-        print("batchgen: error: stdout is closed; batchgen writes its results there (redirect it, to /dev/null "
-              "if they are not wanted)", file=sys.stderr)
+    # started with stdout closed (`>&-`): results would vanish and the exit say 0
+    if sys.stdout is None:
+        print(
+            "batchgen: error: stdout is closed; batchgen writes its results there (redirect it, to"
+            " /dev/null if they are not wanted)",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
     stdout, sys.stdout = sys.stdout, _CheckedStdout(sys.stdout)
     try:
         code = args.handler(args)
-        sys.stdout.flush()  # a write that fails (a full disk behind a redirect) fails here, not after exit
+        # a write that fails (a full disk behind a redirect) fails here, not after exit
+        sys.stdout.flush()
         return code
     except INPUT_ERRORS as error:
         print(f"batchgen: error: {' '.join(str(error).split())}", file=sys.stderr)
@@ -81,19 +107,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Terminated:  # SIGTERM, under the entry point: the same cleanup as Ctrl-C
         print("batchgen: terminated", file=sys.stderr)
         return EXIT_TERMINATED
-    except KeyboardInterrupt:  # what was written is complete: logs end in whole records, reports are atomic
+    # what was written is complete: logs end in whole records, reports are atomic
+    except KeyboardInterrupt:
         print("batchgen: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # stdout's reader went away (`| head`); files written are whole, as above
+    # stdout's reader went away (`| head`); files written are whole, as above
+    except BrokenPipeError:
         _discard_stdout()
         print("batchgen: stdout was closed before all output was written", file=sys.stderr)
         return EXIT_FAILED
     except StdoutWriteError as error:
         _discard_stdout()
-        print(f"batchgen: cannot write to stdout: {error.strerror or error}; files written are whole",
-              file=sys.stderr)
+        print(
+            f"batchgen: cannot write to stdout: {error.strerror or error}; files written are whole",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
-    except OSError as error:  # a path the system refuses (too long, not permitted, ...), or a full disk
+    # a path the system refuses (too long, not permitted, ...), or a full disk
+    except OSError as error:
         given = sys.argv[1:] if argv is None else argv
         print(f"batchgen: error: {os_error_line(error, given)}", file=sys.stderr)
         return EXIT_BAD_INPUT if refuses_a_given_path(error, given) else EXIT_FAILED
@@ -101,24 +132,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout = stdout
 
 
-# Errors that say a path cannot be used as it is named: bad input when the path is one the command line gave. Any
-# other OSError (a full disk, an I/O error, an EINVAL from inside a library, a path of batchgen's own) is a
-# failure of the run.
-PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
-                         errno.ELOOP, errno.EROFS, errno.EEXIST, errno.EINVAL})
+# Errors that say a path cannot be used as it is named: bad input when the path is one the command
+# line gave. Any other OSError (a full disk, an I/O error, an EINVAL from inside a library, a path
+# of batchgen's own) is a failure of the run.
+PATH_ERRNOS = frozenset(
+    {
+        errno.ENAMETOOLONG,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ELOOP,
+        errno.EROFS,
+        errno.EEXIST,
+        errno.EINVAL,
+    }
+)
 _SHOWN_PATH_CHARS = 60
 
 
 def refuses_a_given_path(error: OSError, argv: Sequence[str]) -> bool:
-    """Whether ``error`` is the system refusing a path ``argv`` gave (an argument, or an option's value). Pure."""
+    """Whether ``error`` is the system refusing a path ``argv`` gave (an argument, or an option's
+    value). Pure."""
     given = {*argv, *(value for _, value in _option_values(argv))}
     names = (error.filename, error.filename2)
-    return error.errno in PATH_ERRNOS and any(name is not None and str(name) in given for name in names)
+    return error.errno in PATH_ERRNOS and any(
+        name is not None and str(name) in given for name in names
+    )
 
 
 def os_error_line(error: OSError, argv: Sequence[str]) -> str:
-    """One line for ``error``: the option of ``argv`` that gave the path (when one did), what the system said,
-    the path(s) it named (a long one cut short), and the limit a too-long name broke. Pure."""
+    """One line for ``error``: the option of ``argv`` that gave the path (when one did), what the
+    system said, the path(s) it named (a long one cut short), and the limit a too-long name broke.
+    Pure."""
     names = [name for name in (error.filename, error.filename2) if name is not None]
     line = error.strerror or str(error)
     if names:
@@ -164,12 +211,13 @@ def _version() -> str:
 
 
 class StdoutWriteError(OSError):
-    """A write to stdout failed with something other than a closed pipe (a full disk behind a redirect)."""
+    """A write to stdout failed with something other than a closed pipe (a full disk behind a
+    redirect)."""
 
 
 class _CheckedStdout:
-    """``stream`` (stdout), whose failed writes raise :class:`StdoutWriteError`: an OSError from anywhere else
-    stays what it is. A closed pipe stays BrokenPipeError."""
+    """``stream`` (stdout), whose failed writes raise :class:`StdoutWriteError`: an OSError from
+    anywhere else stays what it is. A closed pipe stays BrokenPipeError."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -195,16 +243,22 @@ def _checked(call, *args):
 
 
 def _discard_stdout() -> None:
-    """Point stdout's descriptor at /dev/null: what is still buffered goes nowhere, and the flush at exit cannot
-    fail again. Mutates the process's descriptor 1."""
+    """Point stdout's descriptor at /dev/null: what is still buffered goes nowhere, and the flush at
+    exit cannot fail again. Mutates the process's descriptor 1."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="batchgen", description="Batch-generation LLM worker with a paged two-tier (GPU + host) KV cache.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
-                        help="print batchgen's version and torch's, and exit")
+        prog="batchgen",
+        description="Batch-generation LLM worker with a paged two-tier (GPU + host) KV cache.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {_version()}",
+        help="print batchgen's version and torch's, and exit",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_run_command(commands)
     add_validate_command(commands)
@@ -212,4 +266,3 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_command(commands)
     add_minimize_command(commands)
     return parser
-

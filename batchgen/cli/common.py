@@ -1,4 +1,5 @@
-"""What every subcommand shares: exit codes, flags and their parsers, model loading, progress and tables."""
+"""What every subcommand shares: exit codes, flags and their parsers, model loading, progress and
+tables."""
 
 from __future__ import annotations
 
@@ -15,18 +16,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from batchgen.config import TINY_MODELS
+from batchgen.engine.workloads import MAX_SCALE
 from batchgen.model.loader import load_model
 from batchgen.shadow.validation import ProgressCallback
-from batchgen.engine.workloads import MAX_SCALE
-
 
 DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16")  # every dtype a workload's cache.dtype may name (config.DTYPE_SIZES)
+# every dtype a workload's cache.dtype may name (config.DTYPE_SIZES)
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class StdoutConsole(Console):
-    """A rich console on stdout whose closed pipe reaches ``batchgen.cli.main`` as BrokenPipeError (one line on
-    stderr, exit 1) instead of rich's own silent exit."""
+    """A rich console on stdout whose closed pipe reaches ``batchgen.cli.main`` as BrokenPipeError
+    (one line on stderr, exit 1) instead of rich's own silent exit."""
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
@@ -34,25 +35,31 @@ class StdoutConsole(Console):
 
 
 class UsageError(ValueError):
-    """Flags this machine cannot serve (e.g. ``--device cuda`` without CUDA), or a bad index or file."""
+    """Flags this machine cannot serve (e.g. ``--device cuda`` without CUDA), or a bad index or
+    file."""
 
 
 def check_directory(flag: str, path: str) -> None:
-    """UsageError when ``path`` (``flag``'s output directory) is empty, or it or a parent of it is a file. Pure."""
+    """UsageError when ``path`` (``flag``'s output directory) is empty, or it or a parent of it is a
+    file. Pure."""
     if not path:
         raise UsageError(f"{flag} is empty; name a directory (. for the current one)")
     directory = Path(path)
-    blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+    blocker = next(
+        (p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None
+    )
     if blocker is not None:
         raise UsageError(f"{flag} {path}: {blocker} is not a directory")
 
 
 def check_output_file(flag: str, path: str, what: str) -> None:
-    """UsageError when ``path`` (``flag``'s output file, holding ``what``) is empty, a directory, or under a file.
-    Pure."""
+    """UsageError when ``path`` (``flag``'s output file, holding ``what``) is empty, a directory, or
+    under a file. Pure."""
     if not path:
         raise UsageError(f"{flag} is empty; name a file")
-    blocker = next((parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None)
+    blocker = next(
+        (parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None
+    )
     if blocker is not None:
         raise UsageError(f"{flag} {path}: cannot write {what}: {blocker} is not a directory")
     if path.endswith(os.sep) or Path(path).is_dir():  # Path drops a trailing slash
@@ -60,71 +67,121 @@ def check_output_file(flag: str, path: str, what: str) -> None:
 
 
 def missing_directories(path: str | Path) -> list[Path]:
-    """``path`` and those of its parents that do not exist yet, deepest first: what ``mkdir(parents=True)`` would
-    create. Pure."""
+    """``path`` and those of its parents that do not exist yet, deepest first: what
+    ``mkdir(parents=True)`` would create. Pure."""
     directory = Path(path).absolute()
     return [p for p in (directory, *directory.parents) if not os.path.lexists(p)]
 
 
 def remove_empty(directories: list[Path]) -> None:
-    """Remove each of ``directories`` (deepest first) that is still empty: what a failed step created. Mutates the
-    file system."""
+    """Remove each of ``directories`` (deepest first) that is still empty: what a failed step
+    created. Mutates the file system."""
     for directory in directories:
         with suppress(OSError):
             directory.rmdir()
 
 
 def make_directory(flag: str, path: str) -> list[Path]:
-    """Create ``path`` and its parents for ``flag``'s output, and return those it created (deepest first);
-    UsageError naming what is in the way, with the parents it made removed again. Mutates the file system."""
+    """Create ``path`` and its parents for ``flag``'s output, and return those it created (deepest
+    first); UsageError naming what is in the way, with the parents it made removed again. Mutates
+    the file system."""
     check_directory(flag, path)
     missing = missing_directories(path)
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as error:
         remove_empty(missing)  # those created before the failure
-        raise UsageError(f"{flag} {path}: cannot create the directory: {error.strerror or error}") from None
+        raise UsageError(
+            f"{flag} {path}: cannot create the directory: {error.strerror or error}"
+        ) from None
     return missing
 
 
 # ---- shared flags ------------------------------------------------------------------------------
 def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> None:
-    """The model flags; ``workload_dtype``: whether ``--dtype`` defaults to the workload's cache.dtype (``None``,
-    resolved by the command) instead of float32."""
-    parser.add_argument("--model", default="tiny", metavar="NAME|DIR",
-                        help=f"a built-in model ({', '.join(TINY_MODELS)}; random weights drawn from --seed) "
-                             f"or an HF-format model directory (default: %(default)s)")
-    parser.add_argument("--device", choices=DEVICES, default="cpu",
-                        help="where the model and the GPU-tier KV pages live (default: %(default)s)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None if workload_dtype else "float32",
-                        help="dtype of the weights and of the KV pages"
-                             + ("; given, it replaces a workload file's cache.dtype (default: the workload's "
-                                "cache.dtype: a file's, float32 for the built-in workloads)" if workload_dtype
-                                else " (default: %(default)s)"))
-    parser.add_argument("--seed", type=seed_int, default=0,
-                        help="seeds the built-in model's weights and the built-in workloads' traces "
-                             "(default: %(default)s)")
-    parser.add_argument("--threads", type=threads_int, default=None, metavar="N",
-                        help=f"torch CPU threads, 1 to {MAX_THREADS} (default: 1 for --model tiny on --device cpu, "
-                             "whose small matmuls "
-                             "gain nothing from more and, on busy cores, stall in spin-waits; otherwise torch's "
-                             "default, one per core)")
+    """The model flags; ``workload_dtype``: whether ``--dtype`` defaults to the workload's
+    cache.dtype (``None``, resolved by the command) instead of float32."""
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        metavar="NAME|DIR",
+        help=(
+            f"a built-in model ({', '.join(TINY_MODELS)}; random weights drawn from --seed) "
+            "or an HF-format model directory (default: %(default)s)"
+        ),
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the model and the GPU-tier KV pages live (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None if workload_dtype else "float32",
+        help="dtype of the weights and of the KV pages"
+        + (
+            "; given, it replaces a workload file's cache.dtype (default: the workload's "
+            "cache.dtype: a file's, float32 for the built-in workloads)"
+            if workload_dtype
+            else " (default: %(default)s)"
+        ),
+    )
+    parser.add_argument(
+        "--seed",
+        type=seed_int,
+        default=0,
+        help=(
+            "seeds the built-in model's weights and the built-in workloads' traces "
+            "(default: %(default)s)"
+        ),
+    )
+    parser.add_argument(
+        "--threads",
+        type=threads_int,
+        default=None,
+        metavar="N",
+        help=(
+            f"torch CPU threads, 1 to {MAX_THREADS} (default: 1 for --model tiny on --device cpu, "
+            "whose small matmuls "
+            "gain nothing from more and, on busy cores, stall in spin-waits; otherwise torch's "
+            "default, one per core)"
+        ),
+    )
 
 
 def add_scale_arg(parser: argparse.ArgumentParser, *, workload_files: bool) -> None:
-    """``--scale``; ``workload_files``: whether the command also takes workload files (which it does not scale)."""
-    parser.add_argument("--scale", type=scale_float, default=1.0, metavar="X",
-                        help=f"built-in workloads: multiplies the request count, in (0, {MAX_SCALE:g}] (and, above 1, "
-                             "the pools, the arrival waves and max_num_seqs together: more concurrency at the same KV "
-                             "pressure)"
-                             + ("; a workload file runs as written (a warning says --scale is ignored)"
-                                if workload_files else "; validate fails a run that never evicts to host, which "
-                                "a small scale can make too light") + " (default: %(default)s)")
+    """``--scale``; ``workload_files``: whether the command also takes workload files (which it does
+    not scale)."""
+    parser.add_argument(
+        "--scale",
+        type=scale_float,
+        default=1.0,
+        metavar="X",
+        help=(
+            f"built-in workloads: multiplies the request count, in (0, {MAX_SCALE:g}] (and, above"
+            " 1, the pools, the arrival waves and max_num_seqs together: more concurrency at the"
+            " same KV pressure)"
+        )
+        + (
+            "; a workload file runs as written (a warning says --scale is ignored)"
+            if workload_files
+            else (
+                "; validate fails a run that never evicts to host, which "
+                "a small scale can make too light"
+            )
+        )
+        + " (default: %(default)s)",
+    )
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout instead of a table (default: off)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout instead of a table (default: off)",
+    )
 
 
 def non_negative_int(text: str) -> int:
@@ -132,7 +189,8 @@ def non_negative_int(text: str) -> int:
 
 
 MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
-MAX_THREADS = 1024  # torch takes an int32 thread count, and spawns them all at the first parallel op
+# torch takes an int32 thread count, and spawns them all at the first parallel op
+MAX_THREADS = 1024
 
 
 def seed_int(text: str) -> int:
@@ -144,10 +202,13 @@ def threads_int(text: str) -> int:
 
 
 def int_in_range(text: str, minimum: int, maximum: int, maximum_shown: str) -> int:
-    """``text`` as an integer in [minimum, maximum]; ``maximum_shown``: how the message writes the maximum."""
+    """``text`` as an integer in [minimum, maximum]; ``maximum_shown``: how the message writes the
+    maximum."""
     value = int_at_least(text, minimum)
     if value > maximum:
-        raise argparse.ArgumentTypeError(f"must be an integer in [{minimum}, {maximum_shown}], got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [{minimum}, {maximum_shown}], got {text!r}"
+        )
     return value
 
 
@@ -178,39 +239,52 @@ def scale_float(text: str) -> float:
 
 # ---- library glue ------------------------------------------------------------------------------
 def cpu_threads(args: argparse.Namespace) -> int:
-    """The torch CPU thread count the run uses: ``--threads``, else 1 for the tiny model on the CPU, else
-    torch's own default. Pure."""
+    """The torch CPU thread count the run uses: ``--threads``, else 1 for the tiny model on the CPU,
+    else torch's own default. Pure."""
     if args.threads is not None:
         return args.threads
     return 1 if args.model == "tiny" and args.device == "cpu" else torch.get_num_threads()
 
 
 def model_from_args(args: argparse.Namespace, dtype: str | None = None):
-    """The model ``--model`` names, on ``--device``, in ``dtype`` (default: ``--dtype``); sets torch's CPU thread
-    count (``cpu_threads``) first."""
+    """The model ``--model`` names, on ``--device``, in ``dtype`` (default: ``--dtype``); sets
+    torch's CPU thread count (``cpu_threads``) first."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: CUDA is not available on this machine; allowed here: --device cpu")
+        raise UsageError(
+            "--device cuda: CUDA is not available on this machine; allowed here: --device cpu"
+        )
     torch.set_num_threads(cpu_threads(args))
     return load_model(args.model, device=args.device, dtype=dtype or args.dtype, seed=args.seed)
 
 
 def context(args: argparse.Namespace, **applied) -> dict:
-    """The flags a result depends on, recorded next to it; ``applied`` gives the value a run used where it is not
-    the flag's (``dtype``, ``scale``)."""
-    return {"model": args.model, "device": args.device, "dtype": args.dtype, "seed": args.seed, "scale": args.scale,
-            "threads": torch.get_num_threads(), **applied}
-
+    """The flags a result depends on, recorded next to it; ``applied`` gives the value a run used
+    where it is not the flag's (``dtype``, ``scale``)."""
+    return {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "scale": args.scale,
+        "threads": torch.get_num_threads(),
+        **applied,
+    }
 
 
 # ---- rendering ---------------------------------------------------------------------------------
 def progress_bar() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(),
-                    TextColumn("{task.completed}/{task.total} requests released"), TimeElapsedColumn(),
-                    console=Console(stderr=True))
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} requests released"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
 
 
 def progress_callback(progress: Progress) -> ProgressCallback:
-    """``on_progress(label, released, total)`` that keeps one bar per label. Mutates ``progress``."""
+    """``on_progress(label, released, total)`` that keeps one bar per label. Mutates
+    ``progress``."""
     task_ids = {}
 
     def on_progress(label: str, num_released: int, num_requests: int) -> None:
@@ -235,14 +309,23 @@ def by_op(counts: dict) -> str:
     return ", ".join(f"{op} {n}" for op, n in sorted(counts.items())) or "-"
 
 
-# Rows of the validation tables: summary key -> row label (one column per run keeps them 80 columns wide).
-VALIDATION_ROWS = {"requests": "requests", "steps": "steps", "tokens_generated": "tokens", "evictions": "evictions",
-                   "loads": "loads", "load_failures": "load failures", "recompute_preemptions": "recomputes",
-                   "leaked_gpu_pages": "GPU pages held", "leaked_host_pages": "host pages held",
-                   "loads_in_flight": "loads in flight", "wall_s": "wall s"}
+# Rows of the validation tables: summary key -> row label (one column per run keeps them 80 columns
+# wide).
+VALIDATION_ROWS = {
+    "requests": "requests",
+    "steps": "steps",
+    "tokens_generated": "tokens",
+    "evictions": "evictions",
+    "loads": "loads",
+    "load_failures": "load failures",
+    "recompute_preemptions": "recomputes",
+    "leaked_gpu_pages": "GPU pages held",
+    "leaked_host_pages": "host pages held",
+    "loads_in_flight": "loads in flight",
+    "wall_s": "wall s",
+}
 COMPARE_ROWS = {"steps_compared": "steps compared", "divergences": "divergences"}
 
 
 def cell(value) -> str:
     return str(sum(value.values())) if isinstance(value, dict) else str(value)
-

@@ -1,13 +1,17 @@
-"""``batchgen run --outputs FILE``: what each request produced, one JSON line per request, written as it is released.
+"""``batchgen run --outputs FILE``: what each request produced, one JSON line per request, written
+as it is released.
 
 One line per released request, in release order, keys in this order::
 
-    {"uuid": "smoke-r0", "phase": "finished", "finish_reason": "length", "output_ids": [413, 431, 16]}
+    {"uuid": "smoke-r0", "phase": "finished", "finish_reason": "length",
+     "output_ids": [413, 431, 16]}
 
     uuid           the request's uuid
     phase          "finished" or "failed"
-    finish_reason  "length", "eos" or "abort" (phase finished); the failure, e.g. "load failed: ..." (phase failed)
-    output_ids     the generated token ids, prompt excluded (those generated before a failure or an abort too)
+    finish_reason  "length", "eos" or "abort" (phase finished); the failure, e.g.
+                   "load failed: ..." (phase failed)
+    output_ids     the generated token ids, prompt excluded (those generated before a failure
+                   or an abort too)
 
 Log-probabilities are left out: the worker keeps only the top two per position, for the
 near-tie output check, which compares runs in-process.
@@ -33,8 +37,8 @@ from batchgen.engine.state import RequestOutput
 
 
 class OutputsWriteError(OSError):
-    """A line, or the flush at close, did not reach the outputs file (a full disk, say); the file still ends in
-    whole lines. ``str()`` names the file and the OS's reason."""
+    """A line, or the flush at close, did not reach the outputs file (a full disk, say); the file
+    still ends in whole lines. ``str()`` names the file and the OS's reason."""
 
     def __init__(self, path: Path, error: OSError):
         super().__init__(error.errno, f"{path}: a write failed: {error.strerror or error}")
@@ -43,19 +47,25 @@ class OutputsWriteError(OSError):
         return self.strerror
 
 
-_STANDARD_STREAMS = ((1, "standard output, where results go"), (2, "standard error, where progress and warnings go"))
+_STANDARD_STREAMS = (
+    (1, "standard output, where results go"),
+    (2, "standard error, where progress and warnings go"),
+)
 
 
 def check_outputs_path(path: str, others: dict[str, str]) -> None:
-    """UsageError when ``path`` (``--outputs``) cannot be written: empty, a directory, under a file, in a directory
-    that is not writable, a file that is not writable, the same file as one of ``others`` (what it is -> its
-    path: the workload file, the divergence log), which truncating it would destroy, or the file standard output
-    or standard error go to (``/dev/stdout``), which the summary or the progress bar would write over. Pure."""
+    """UsageError when ``path`` (``--outputs``) cannot be written: empty, a directory, under a file,
+    in a directory that is not writable, a file that is not writable, the same file as one of
+    ``others`` (what it is -> its path: the workload file, the divergence log), which truncating it
+    would destroy, or the file standard output or standard error go to (``/dev/stdout``), which the
+    summary or the progress bar would write over. Pure."""
     check_output_file("--outputs", path, "the outputs")
     target = Path(path).resolve()
     for what, other in others.items():
         if Path(other).resolve() == target:
-            raise UsageError(f"--outputs {path}: it is {what} ({other}); name another file for the outputs")
+            raise UsageError(
+                f"--outputs {path}: it is {what} ({other}); name another file for the outputs"
+            )
     _check_not_a_standard_stream(path)
     nearest = next(p for p in (Path(path).absolute(), *Path(path).absolute().parents) if p.exists())
     if not os.access(nearest, os.W_OK | (os.X_OK if nearest.is_dir() else 0)):
@@ -63,7 +73,8 @@ def check_outputs_path(path: str, others: dict[str, str]) -> None:
 
 
 def _check_not_a_standard_stream(path: str) -> None:
-    """UsageError when ``path`` is the file behind standard output or standard error (/dev/null aside). Pure."""
+    """UsageError when ``path`` is the file behind standard output or standard error (/dev/null
+    aside). Pure."""
     try:
         target = os.stat(path)
     except OSError:
@@ -81,8 +92,17 @@ def _check_not_a_standard_stream(path: str) -> None:
 
 def output_line(output: RequestOutput) -> str:
     """``output`` as one line of the outputs file, newline included. Pure."""
-    return json.dumps({"uuid": output.uuid, "phase": output.phase.value, "finish_reason": output.finish_reason,
-                       "output_ids": list(output.output_ids)}) + "\n"
+    return (
+        json.dumps(
+            {
+                "uuid": output.uuid,
+                "phase": output.phase.value,
+                "finish_reason": output.finish_reason,
+                "output_ids": list(output.output_ids),
+            }
+        )
+        + "\n"
+    )
 
 
 class OutputsFile:
@@ -94,14 +114,16 @@ class OutputsFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._fd: int | None = None
-        self._is_regular = False  # a regular file can be cut back to its last whole line; a FIFO cannot
+        # a regular file can be cut back to its last whole line; a FIFO cannot
+        self._is_regular = False
         self._made: list[Path] = []  # the parent directories open created
         self._created = False  # whether open created the file
 
     def open(self) -> None:
-        """Open the file, creating it and its parent directories, as it is: :meth:`start` truncates it, so that a
-        run that fails to start (its divergence log unwritable) leaves an earlier file whole (:meth:`discard`).
-        OSError, with the directories it made removed again, when it cannot be opened."""
+        """Open the file, creating it and its parent directories, as it is: :meth:`start` truncates
+        it, so that a run that fails to start (its divergence log unwritable) leaves an earlier file
+        whole (:meth:`discard`). OSError, with the directories it made removed again, when it cannot
+        be opened."""
         self._made = missing_directories(self.path.parent)
         self._created = not os.path.lexists(self.path)
         try:
@@ -118,7 +140,8 @@ class OutputsFile:
             os.ftruncate(self._fd, 0)
 
     def discard(self) -> None:
-        """Close the file unwritten, and remove what :meth:`open` created: the file and its new directories."""
+        """Close the file unwritten, and remove what :meth:`open` created: the file and its new
+        directories."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -128,17 +151,21 @@ class OutputsFile:
         remove_empty(self._made)
 
     def write(self, output: RequestOutput) -> None:
-        """Write ``output``'s line. A write that fails part way is cut off again (on a regular file) before the
-        error propagates (OutputsWriteError), so the file ends in whole lines."""
+        """Write ``output``'s line. A write that fails part way is cut off again (on a regular file)
+        before the error propagates (OutputsWriteError), so the file ends in whole lines."""
         data = output_line(output).encode()
         start = os.lseek(self._fd, 0, os.SEEK_CUR) if self._is_regular else 0
         view = memoryview(data)
         try:
             while view:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
         except BaseException as error:
-            if self._is_regular and os.lseek(self._fd, 0, os.SEEK_CUR) not in (start, start + len(data)):
-                os.ftruncate(self._fd, start)  # part of the line made it (a full disk, or a signal between writes)
+            if self._is_regular and os.lseek(self._fd, 0, os.SEEK_CUR) not in (
+                start,
+                start + len(data),
+            ):
+                # part of the line made it (a full disk, or a signal between writes)
+                os.ftruncate(self._fd, start)
                 os.lseek(self._fd, start, os.SEEK_SET)
             if isinstance(error, OSError):
                 raise OutputsWriteError(self.path, error) from error
@@ -159,9 +186,14 @@ class OutputsFile:
     def __enter__(self) -> OutputsFile:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
-        """Close the file; when the block raised, its error is the one reported, not a failed flush."""
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Close the file; when the block raised, its error is the one reported, not a failed
+        flush."""
         if error is None:
             self.close()
             return

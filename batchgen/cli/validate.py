@@ -11,45 +11,76 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from batchgen.shadow.validation import validate_back_to_back
-from batchgen.shadow.validation_report import DIRECTIONS, ValidationReport, compare_overhead
 from batchgen.cli.common import (
-    COMPARE_ROWS, VALIDATION_ROWS, StdoutConsole, add_model_args, add_output_args, add_scale_arg, by_op, cell,
-    check_directory, context, make_directory, model_from_args, progress_bar, progress_callback,
+    COMPARE_ROWS,
+    VALIDATION_ROWS,
+    StdoutConsole,
+    add_model_args,
+    add_output_args,
+    add_scale_arg,
+    by_op,
+    cell,
+    check_directory,
+    context,
+    make_directory,
+    model_from_args,
+    progress_bar,
+    progress_callback,
 )
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, gate_config
+from batchgen.shadow.validation import validate_back_to_back
+from batchgen.shadow.validation_report import DIRECTIONS, ValidationReport, compare_overhead
+
 
 # ---- validate ----------------------------------------------------------------------------------
 def add_validate_command(commands) -> None:
     parser = commands.add_parser(
-        "validate", help="back-to-back L2-2048 + L2-4096 validation in compare mode, both directions",
-        description="Run L2-2048 then L2-4096 on one worker (L2-4096's cache) in compare mode, once per direction: "
-                    "legacy serving with the plan shadowed, plan serving with legacy shadowed, and plan shadowed "
-                    "by plan (the A/A noise check). Check that no op diverges, that each run leaves nothing "
-                    "behind, that tokens match a no-eviction reference (near-ties allowed) and that L2-4096 "
-                    "matches a fresh plan-path worker exactly. The BATCHGEN_WORKER_KV_* environment does not "
-                    "apply (each variable set is named in a warning; an unknown name or a bad value still exits 2). "
-                    "Writes the divergence log and its reports into --reports-dir. Exit 0 when every "
-                    "check passes, 1 when one fails, 2 on bad input, 130 on Ctrl-C, 143 on SIGTERM.")
+        "validate",
+        help="back-to-back L2-2048 + L2-4096 validation in compare mode, both directions",
+        description=(
+            "Run L2-2048 then L2-4096 on one worker (L2-4096's cache) in compare mode, once per"
+            " direction: legacy serving with the plan shadowed, plan serving with legacy shadowed,"
+            " and plan shadowed by plan (the A/A noise check). Check that no op diverges, that each"
+            " run leaves nothing behind, that tokens match a no-eviction reference (near-ties"
+            " allowed) and that L2-4096 matches a fresh plan-path worker exactly. The"
+            " BATCHGEN_WORKER_KV_* environment does not apply (each variable set is named in a"
+            " warning; an unknown name or a bad value still exits 2). Writes the divergence log and"
+            " its reports into --reports-dir. Exit 0 when every check passes, 1 when one fails, 2"
+            " on bad input, 130 on Ctrl-C, 143 on SIGTERM."
+        ),
+    )
     add_model_args(parser, workload_dtype=False)
     add_scale_arg(parser, workload_files=False)
-    parser.add_argument("--reports-dir", default="reports", metavar="DIR",
-                        help="where divergences.jsonl (the log, replaced once every run is done: an interrupted "
-                             "validation leaves the last one, and its partial log as divergences.jsonl.partial) "
-                             "and its .md, .xml (JUnit) and .json reports go (default: %(default)s)")
+    parser.add_argument(
+        "--reports-dir",
+        default="reports",
+        metavar="DIR",
+        help=(
+            "where divergences.jsonl (the log, replaced once every run is done: an interrupted "
+            "validation leaves the last one, and its partial log as divergences.jsonl.partial) "
+            "and its .md, .xml (JUnit) and .json reports go (default: %(default)s)"
+        ),
+    )
     add_output_args(parser)
     parser.set_defaults(handler=_validate)
 
 
 def _validate(args: argparse.Namespace) -> int:
     _warn_ignored_gates(os.environ)
-    check_directory("--reports-dir", args.reports_dir)  # before the model loads, which can take a minute
+    # before the model loads, which can take a minute
+    check_directory("--reports-dir", args.reports_dir)
     model = model_from_args(args)
     make_directory("--reports-dir", args.reports_dir)
     with progress_bar() as progress:
-        report = validate_back_to_back(model, seed=args.seed, scale=args.scale, device=args.device,
-                                       reports_dir=args.reports_dir, on_progress=progress_callback(progress))
+        report = validate_back_to_back(
+            model,
+            seed=args.seed,
+            scale=args.scale,
+            device=args.device,
+            reports_dir=args.reports_dir,
+            on_progress=progress_callback(progress),
+        )
     if args.json:
         print(json.dumps({**report.to_dict(), **context(args)}))
     else:
@@ -58,26 +89,37 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _warn_ignored_gates(environ) -> None:
-    """The validation sets its own gates. A typo in the ``BATCHGEN_WORKER_KV_*`` family or a bad value still stops
-    it (GateError, exit 2: the environment is broken for ``batchgen run``), and each variable set is named on
-    stderr as ignored, so that nobody reads the validation as a run of their gates."""
+    """The validation sets its own gates. A typo in the ``BATCHGEN_WORKER_KV_*`` family or a bad
+    value still stops it (GateError, exit 2: the environment is broken for ``batchgen run``), and
+    each variable set is named on stderr as ignored, so that nobody reads the validation as a run of
+    their gates."""
     gate_config(environ)
     ignored = [f"{env}={environ[env]}" for env, _, _ in GATE_FLAGS.values() if env in environ]
     if ignored:
-        print(f"batchgen: warning: validate sets its own KV gates and ignores {', '.join(ignored)} "
-              f"(batchgen run applies them)", file=sys.stderr)
+        print(
+            f"batchgen: warning: validate sets its own KV gates and ignores {', '.join(ignored)} "
+            "(batchgen run applies them)",
+            file=sys.stderr,
+        )
 
 
 def _print_validation(report: ValidationReport) -> None:
     console = StdoutConsole()
-    console.print(f"batchgen validate: {'PASSED' if report.ok else 'FAILED'} in {report.wall_s:.1f} s",
-                  highlight=False)
+    console.print(
+        f"batchgen validate: {'PASSED' if report.ok else 'FAILED'} in {report.wall_s:.1f} s",
+        highlight=False,
+    )
     roles = [direction.role for direction in DIRECTIONS]
     compare_runs = [run for run in report.runs if run.role in roles]
     check_runs = [run for run in report.runs if run.role not in roles]
     if compare_runs:
-        console.print(_runs_table("compare runs: workload, authoritative path, shadow path", compare_runs,
-                                  {**VALIDATION_ROWS, **COMPARE_ROWS}))
+        console.print(
+            _runs_table(
+                "compare runs: workload, authoritative path, shadow path",
+                compare_runs,
+                {**VALIDATION_ROWS, **COMPARE_ROWS},
+            )
+        )
     if check_runs:
         console.print(_runs_table("reference and fresh runs", check_runs, VALIDATION_ROWS))
     for line in _compare_lines(report):
@@ -99,18 +141,34 @@ def _runs_table(title: str, runs: list, rows: dict[str, str]) -> Table:
 
 def _compare_lines(report: ValidationReport) -> list[str]:
     compare, cache = report.compare, report.cache
-    lines = [f"steps compared: {by_op({s.op: s.num_compared for s in compare.ops})}",
-             f"divergences: {compare.num_divergences} ({by_op({s.op: s.num_divergences for s in compare.ops})}); "
-             f"harness errors: {compare.num_harness_errors}"]
+    lines = [
+        f"steps compared: {by_op({s.op: s.num_compared for s in compare.ops})}",
+        (
+            f"divergences: {compare.num_divergences}"
+            f" ({by_op({s.op: s.num_divergences for s in compare.ops})}); harness errors:"
+            f" {compare.num_harness_errors}"
+        ),
+    ]
     overhead = compare_overhead(compare)
     if overhead is not None:
-        compare_wall_s = sum(run.summary["wall_s"] for run in report.runs if run.shadow_path is not None)
-        share = f"; {compare.compare_seconds / compare_wall_s:.1%} of the compare runs' wall time" if compare_wall_s else ""
-        lines.append(f"compare overhead: {compare.compare_seconds:.2f} s of harness on {compare.authoritative_seconds:.2f}"
-                     f" s in the authoritative path ({overhead:.2f}x){share}")
+        compare_wall_s = sum(
+            run.summary["wall_s"] for run in report.runs if run.shadow_path is not None
+        )
+        share = (
+            f"; {compare.compare_seconds / compare_wall_s:.1%} of the compare runs' wall time"
+            if compare_wall_s
+            else ""
+        )
+        lines.append(
+            f"compare overhead: {compare.compare_seconds:.2f} s of harness on"
+            f" {compare.authoritative_seconds:.2f} s in the authoritative path"
+            f" ({overhead:.2f}x){share}"
+        )
     if report.reports:
         lines.append(f"reports: {', '.join(report.reports.values())}")
-    lines.append(f"shared worker cache: {cache.num_gpu_pages} GPU + {cache.num_host_pages} host pages of "
-                 f"{cache.page_size} tokens ({cache.dtype}); near-tie tolerance {report.near_tie_tolerance:g}")
+    lines.append(
+        f"shared worker cache: {cache.num_gpu_pages} GPU + {cache.num_host_pages} host pages of"
+        f" {cache.page_size} tokens ({cache.dtype}); near-tie tolerance"
+        f" {report.near_tie_tolerance:g}"
+    )
     return lines
-

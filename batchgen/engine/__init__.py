@@ -1,1 +1,2 @@
-"""The engine: the worker and its step, request state, scheduling, sampling, faults, workloads and the runner."""
+"""The engine: the worker and its step, request state, scheduling, sampling, faults, workloads and
+the runner."""

@@ -28,10 +28,11 @@ import time
 import zlib
 from dataclasses import dataclass, fields
 
-from batchgen.kv.backends import AsyncHandle, CopyOp, HostKvPool
 from batchgen.engine.state import Phase, RequestState
+from batchgen.kv.backends import AsyncHandle, CopyOp, HostKvPool
 
-LOAD_FAULTS = ("load_fail", "load_fail_late", "load_hang")  # exclusive outcomes of one load, drawn in this order
+# exclusive outcomes of one load, drawn in this order
+LOAD_FAULTS = ("load_fail", "load_fail_late", "load_hang")
 ABORT_PHASES = ("waiting", "prefilling", "decoding", "swapped", "loading")
 OWNER_PREFIX = "fault:"  # pool owners of fault reservations; request uuids may not start with it
 SHRINK_OWNER = OWNER_PREFIX + "host-shrink"
@@ -60,7 +61,7 @@ class FaultSpec:
     abort_phases: tuple[str, ...] = ABORT_PHASES
 
     @classmethod
-    def parse(cls, spec: str) -> "FaultSpec":
+    def parse(cls, spec: str) -> FaultSpec:
         """Parse ``key=value,...``; raises FaultSpecError naming the bad part."""
         names = {f.name for f in fields(cls)}
         values: dict[str, object] = {}
@@ -68,18 +69,24 @@ class FaultSpec:
             key, sep, raw = part.partition("=")
             key = key.strip()
             if not sep or key not in names:
-                raise FaultSpecError(f"--faults: {part!r} is not KEY=VALUE with KEY one of {', '.join(sorted(names))}")
+                raise FaultSpecError(
+                    f"--faults: {part!r} is not KEY=VALUE with KEY one of"
+                    f" {', '.join(sorted(names))}"
+                )
             if key in values:
                 raise FaultSpecError(f"--faults: {key} is given twice; give each KEY once")
             values[key] = cls._value(key, raw.strip())
         load_outcomes = math.fsum(values.get(key, 0.0) for key in LOAD_FAULTS)
         if load_outcomes > 1:
-            raise FaultSpecError(f"--faults: {' + '.join(LOAD_FAULTS)} = {load_outcomes:g} must be at most 1 "
-                                 f"(they are exclusive outcomes of one load)")
+            raise FaultSpecError(
+                f"--faults: {' + '.join(LOAD_FAULTS)} = {load_outcomes:g} must be at most 1 "
+                "(they are exclusive outcomes of one load)"
+            )
         return cls(**values)
 
     def to_spec(self) -> str:
-        """The SPEC string that :meth:`parse` reads back to this spec (every key, defaults included)."""
+        """The SPEC string that :meth:`parse` reads back to this spec (every key, defaults
+        included)."""
         parts = []
         for f in fields(self):
             value = getattr(self, f.name)
@@ -92,7 +99,9 @@ class FaultSpec:
             phases = tuple(p for p in raw.split("+") if p)
             bad = [p for p in phases if p not in ABORT_PHASES]
             if bad or not phases:
-                raise FaultSpecError(f"--faults: abort_phases={raw!r}; allowed: {'+'.join(ABORT_PHASES)}")
+                raise FaultSpecError(
+                    f"--faults: abort_phases={raw!r}; allowed: {'+'.join(ABORT_PHASES)}"
+                )
             return phases
         try:
             value = int(raw) if key == "seed" else float(raw)
@@ -113,7 +122,12 @@ class FaultHandle:
     may_stall = True
 
     def __init__(self, outcome: str, ready_step: int, clock, inner: AsyncHandle | None):
-        self._outcome, self._ready_step, self._clock, self._inner = outcome, ready_step, clock, inner
+        self._outcome, self._ready_step, self._clock, self._inner = (
+            outcome,
+            ready_step,
+            clock,
+            inner,
+        )
 
     def done(self) -> bool:
         return self._outcome != "hang" and self._clock() >= self._ready_step
@@ -130,7 +144,7 @@ class FaultHandle:
 class FaultyHostKvPool(HostKvPool):
     """A host pool whose loads and stores follow the fault schedule. Forks are plain."""
 
-    def __init__(self, injector: "FaultInjector", pool: HostKvPool):
+    def __init__(self, injector: FaultInjector, pool: HostKvPool):
         super().__init__(pool.num_pages, pool.tensor, pool.gpu, pages=pool.pages)
         self._injector = injector
         self._num_loads: dict[str, int] = {}
@@ -176,7 +190,11 @@ class FaultInjector:
         """(outcome, steps until it is observable) of ``uuid``'s ``nth`` load. Pure."""
         rng, spec = self._draw("load", uuid, nth), self.spec
         roll = rng.random()
-        for outcome, p in (("load_fail", spec.load_fail), ("load_fail_late", spec.load_fail_late), ("hang", spec.load_hang)):
+        for outcome, p in (
+            ("load_fail", spec.load_fail),
+            ("load_fail_late", spec.load_fail_late),
+            ("hang", spec.load_hang),
+        ):
             if roll < p:
                 return outcome, rng.randint(1, 3) if outcome == "load_fail_late" else 1
             roll -= p
@@ -205,7 +223,12 @@ class FaultInjector:
             return
         rng, spec = self._draw("step", self.step), self.spec
         if rng.random() < spec.host_shrink:
-            self._reserve(worker.host_kv, SHRINK_OWNER, worker.host_kv.free_pages() // 4, self.step + rng.randint(1, 8))
+            self._reserve(
+                worker.host_kv,
+                SHRINK_OWNER,
+                worker.host_kv.free_pages() // 4,
+                self.step + rng.randint(1, 8),
+            )
         if rng.random() < spec.gpu_refuse:
             self._reserve(worker.gpu_kv, REFUSE_OWNER, worker.gpu_kv.free_pages(), self.step + 1)
         if rng.random() < spec.abort:

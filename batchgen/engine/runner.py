@@ -13,10 +13,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from compare import RunSummary, exception_text
 from batchgen.engine.state import RequestOutput, WorkerStats
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import MAX_STEPS, Workload
+from compare import RunSummary, exception_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,24 +64,36 @@ MAX_IDLE_STEPS = 10_000  # steps with live requests and no progress before a run
 
 
 def _progress(worker: Worker) -> tuple[int, ...]:
-    """What changes whenever a step gets anywhere: tokens, releases, and every KV event counter. Pure."""
+    """What changes whenever a step gets anywhere: tokens, releases, and every KV event counter.
+    Pure."""
     stats = worker.state.stats
-    return (stats.tokens_generated, len(worker.state.outputs), stats.evictions, stats.loads, stats.load_failures,
-            stats.recompute_preemptions)
+    return (
+        stats.tokens_generated,
+        len(worker.state.outputs),
+        stats.evictions,
+        stats.loads,
+        stats.load_failures,
+        stats.recompute_preemptions,
+    )
 
 
 def _stalled_message(worker: Worker, workload: Workload, why: str, hint: str) -> str:
-    """Why the run stopped, then what is live: requests by phase, free GPU pages, and ``hint``. Pure."""
+    """Why the run stopped, then what is live: requests by phase, free GPU pages, and ``hint``.
+    Pure."""
     phases = Counter(req.phase.value for req in worker.state.requests.values())
     live = ", ".join(f"{count} {phase}" for phase, count in sorted(phases.items()))
-    return (f"{workload.name}: {why} with {len(worker.state.requests)} requests live ({live}), "
-            f"{worker.gpu_kv.free_pages()} of {worker.gpu_kv.num_pages} GPU pages free ({hint})")
+    return (
+        f"{workload.name}: {why} with {len(worker.state.requests)} requests live ({live}), "
+        f"{worker.gpu_kv.free_pages()} of {worker.gpu_kv.num_pages} GPU pages free ({hint})"
+    )
 
 
-def _report_releases(worker: Worker, uuids: set[str], num_new: int,
-                     on_release: Callable[[RequestOutput], None]) -> None:
-    """``on_release`` for each of ``uuids`` among the ``num_new`` outputs the last step added (the newest, at the
-    end of ``state.outputs``: released requests are appended in release order), oldest first."""
+def _report_releases(
+    worker: Worker, uuids: set[str], num_new: int, on_release: Callable[[RequestOutput], None]
+) -> None:
+    """``on_release`` for each of ``uuids`` among the ``num_new`` outputs the last step added (the
+    newest, at the end of ``state.outputs``: released requests are appended in release order),
+    oldest first."""
     outputs = worker.state.outputs
     newest = list(itertools.islice(reversed(outputs), num_new))
     for uuid in reversed(newest):
@@ -89,10 +101,17 @@ def _report_releases(worker: Worker, uuids: set[str], num_new: int,
             on_release(outputs[uuid])
 
 
-def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = False,
-                 on_step: Callable[[int, int], None] | None = None, max_steps: int | None = None,
-                 source: str | None = None, scale: float = 1.0,
-                 on_release: Callable[[RequestOutput], None] | None = None) -> RunResult:
+def run_workload(
+    worker: Worker,
+    workload: Workload,
+    *,
+    check_integrity: bool = False,
+    on_step: Callable[[int, int], None] | None = None,
+    max_steps: int | None = None,
+    source: str | None = None,
+    scale: float = 1.0,
+    on_release: Callable[[RequestOutput], None] | None = None,
+) -> RunResult:
     """Submit ``workload`` at its arrival steps and step until every request is released.
 
     Mutates the worker. ``on_step(num_released, num_requests)`` reports progress;
@@ -115,7 +134,11 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
     arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
     if max_steps is None:
         max_steps = max((r.arrival_step for r in arrivals), default=0) + MAX_STEPS
-    aborts = sorted((r.arrival_step + r.abort_step, r.uuid) for r in workload.requests if r.abort_step is not None)
+    aborts = sorted(
+        (r.arrival_step + r.abort_step, r.uuid)
+        for r in workload.requests
+        if r.abort_step is not None
+    )
     uuids = {r.uuid for r in workload.requests}
     started = time.perf_counter()
     next_arrival = next_abort = idle_steps = 0
@@ -126,14 +149,25 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
             rel = worker.state.step - start_step
             if rel >= max_steps or idle_steps >= max_idle_steps:
                 if idle_steps >= max_idle_steps:
-                    raise RunStalled(_stalled_message(
-                        worker, workload, f"no progress in {idle_steps} steps (no token, release, eviction, load or "
-                                          f"preemption)",
-                        "an injected fault holding the pools, such as gpu_refuse=1, can do this"))
-                raise RunStalled(_stalled_message(
-                    worker, workload, f"not done after {max_steps} steps (the limit: its last arrival step + "
-                                      f"{MAX_STEPS})",
-                    "a load that never lands under a long --kv-load-timeout-steps can do this"))
+                    raise RunStalled(
+                        _stalled_message(
+                            worker,
+                            workload,
+                            f"no progress in {idle_steps} steps (no token, release, eviction, load"
+                            " or preemption)",
+                            "an injected fault holding the pools, such as gpu_refuse=1, can do"
+                            " this",
+                        )
+                    )
+                raise RunStalled(
+                    _stalled_message(
+                        worker,
+                        workload,
+                        f"not done after {max_steps} steps (the limit: its last arrival step + "
+                        f"{MAX_STEPS})",
+                        "a load that never lands under a long --kv-load-timeout-steps can do this",
+                    )
+                )
             while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= rel:
                 worker.add_request(arrivals[next_arrival].to_request())
                 next_arrival += 1
@@ -145,16 +179,21 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
             num_outputs = len(worker.state.outputs)
             try:
                 worker.step()
-            finally:  # a step that raises (a divergence in raise mode, Ctrl-C) may have released requests already
+            # a step that raises (a divergence in raise mode, Ctrl-C) may have released requests
+            # already
+            finally:
                 if on_release is not None:
-                    _report_releases(worker, uuids, len(worker.state.outputs) - num_outputs, on_release)
+                    _report_releases(
+                        worker, uuids, len(worker.state.outputs) - num_outputs, on_release
+                    )
             progress, before_step = _progress(worker), progress
             idle_steps = idle_steps + 1 if progress == before_step and worker.state.requests else 0
             if check_integrity:
                 worker.check_integrity()
             if on_step is not None:
                 on_step(sum(u in worker.state.outputs for u in uuids), len(uuids))
-    except BaseException as error:  # a stall, a divergence in raise mode, Ctrl-C: the log still gets the summary
+    # a stall, a divergence in raise mode, Ctrl-C: the log still gets the summary
+    except BaseException as error:
         if worker.kv_compare is not None:
             with contextlib.suppress(Exception):  # the run's own error is the one to report
                 worker.kv_compare.end_run(stopped_by=exception_text(error))
@@ -162,7 +201,9 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
     wall = time.perf_counter() - started
     compare_summary = worker.kv_compare.end_run() if worker.kv_compare is not None else None
     after = worker.state.stats
-    delta = WorkerStats(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(WorkerStats)})
+    delta = WorkerStats(
+        **{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(WorkerStats)}
+    )
     delta.peak_gpu_pages, delta.peak_host_pages = after.peak_gpu_pages, after.peak_host_pages
     return RunResult(
         workload=workload.name,
@@ -172,8 +213,9 @@ def run_workload(worker: Worker, workload: Workload, *, check_integrity: bool = 
         stats=delta,
         leaked_gpu_pages=worker.gpu_kv.num_pages - worker.gpu_kv.free_pages(),
         leaked_host_pages=worker.host_kv.num_pages - worker.host_kv.free_pages(),
-        loads_in_flight=len([r for r in worker.state.requests.values() if r.load_handle is not None]),
+        loads_in_flight=len(
+            [r for r in worker.state.requests.values() if r.load_handle is not None]
+        ),
         live_requests=len(worker.state.requests),
         compare_summary=compare_summary,
     )
-

@@ -32,7 +32,8 @@ class Phase(enum.Enum):
 
 
 DONE_PHASES = (Phase.FINISHED, Phase.FAILED)
-ABORT_REASON = "abort"  # finish_reason of a request FINISHED by an abort (the workload's abort_step, or a fault)
+# finish_reason of a request FINISHED by an abort (the workload's abort_step, or a fault)
+ABORT_REASON = "abort"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +94,12 @@ class RequestState:
                 pass  # a failed copy into pages about to be freed is harmless
             self.load_handle = None
 
-    def copy(self) -> "RequestState":
+    def copy(self) -> RequestState:
         """A shallow copy: the output lists are shared (KV ops never write them).
 
-        Every field set directly, without ``__init__`` and ``__post_init__``: compare mode copies each
-        request an op writes, on both sides (about 0.25 us, against 0.6 us through ``__init__``).
-        """
+        Every field set directly, without ``__init__`` and ``__post_init__``: compare mode copies
+        each request an op writes, on both sides (about 0.25 us, against 0.6 us through
+        ``__init__``)."""
         new = _new_request_state(RequestState)
         new.request = self.request
         new.arrival_index = self.arrival_index
@@ -117,15 +118,20 @@ class RequestState:
         new.num_tokens = self.num_tokens
         return new
 
-    def to_output(self) -> "RequestOutput":
-        return RequestOutput(uuid=self.uuid, phase=self.phase, finish_reason=self.finish_reason,
-                             output_ids=tuple(self.output_ids), output_logprobs=tuple(self.output_logprobs))
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            uuid=self.uuid,
+            phase=self.phase,
+            finish_reason=self.finish_reason,
+            output_ids=tuple(self.output_ids),
+            output_logprobs=tuple(self.output_logprobs),
+        )
 
     def token_ids(self, start: int = 0) -> list[int]:
         """Tokens from position ``start`` on (prompt, then outputs)."""
         prompt = self.request.prompt_ids
         if start >= len(prompt):
-            return self.output_ids[start - len(prompt):]
+            return self.output_ids[start - len(prompt) :]
         return [*prompt[start:], *self.output_ids]
 
 
@@ -155,7 +161,7 @@ class WorkerStats:
     peak_gpu_pages: int = 0
     peak_host_pages: int = 0
 
-    def copy(self) -> "WorkerStats":
+    def copy(self) -> WorkerStats:
         return WorkerStats(*_stats_fields(self))
 
 
@@ -169,9 +175,11 @@ class WorkerState:
     outputs: dict[str, RequestOutput] = field(default_factory=dict)  # released
     stats: WorkerStats = field(default_factory=WorkerStats)
     num_submitted: int = 0
-    # While a KV op is compared: each request it wrote -> that request as it was before the first write.
+    # While a KV op is compared: each request it wrote -> that request as it was before the first
+    # write.
     written: dict[str, RequestState] | None = None
-    copy_on_write: bool = False  # a fork: the request dict and each request are shared until written
+    # a fork: the request dict and each request are shared until written
+    copy_on_write: bool = False
 
     def edit(self, uuid: str) -> RequestState:
         """The live request ``uuid``, for the caller to mutate.
@@ -195,7 +203,8 @@ class WorkerState:
         return req
 
     def remove(self, uuid: str) -> RequestState:
-        """Take the live request ``uuid`` out (it is written: see :meth:`edit`). Mutates ``requests``."""
+        """Take the live request ``uuid`` out (it is written: see :meth:`edit`). Mutates
+        ``requests``."""
         req = self.edit(uuid)
         del self.requests[uuid]
         return req

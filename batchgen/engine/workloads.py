@@ -18,7 +18,6 @@ from batchgen.config import CacheConfig, EngineConfig, validation_summary
 from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
 from batchgen.engine.state import Request
 
-
 MAX_STEPS = 1_000_000  # bound on any step count in a workload (arrivals, aborts, new tokens)
 MAX_SCALE = 1000.0
 
@@ -28,13 +27,15 @@ class WorkloadError(ValueError):
 
 
 def _unicode_text(text: str) -> str:
-    """``text``, if it is Unicode text (JSON's ``\\ud800`` reads as a lone surrogate, which no log or report can
-    write); ValueError otherwise."""
+    """``text``, if it is Unicode text (JSON's ``\\ud800`` reads as a lone surrogate, which no log
+    or report can write); ValueError otherwise."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ValueError(f"holds the unpaired surrogate \\u{ord(text[error.start]):04x}; surrogates must come in "
-                         f"pairs") from None
+        raise ValueError(
+            f"holds the unpaired surrogate \\u{ord(text[error.start]):04x}; surrogates must come in"
+            " pairs"
+        ) from None
     return text
 
 
@@ -45,7 +46,9 @@ class WorkloadRequest(BaseModel):
     prompt_ids: list[int] = Field(min_length=1)
     max_new_tokens: int = Field(ge=1, le=MAX_STEPS)
     arrival_step: int = Field(default=0, ge=0, le=MAX_STEPS)
-    abort_step: int | None = Field(default=None, ge=0, le=MAX_STEPS, description="step (relative to arrival) to abort at")
+    abort_step: int | None = Field(
+        default=None, ge=0, le=MAX_STEPS, description="step (relative to arrival) to abort at"
+    )
     temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     seed: int = 0
 
@@ -53,12 +56,16 @@ class WorkloadRequest(BaseModel):
     @classmethod
     def _not_a_fault_owner(cls, uuid: str) -> str:
         if uuid.startswith(FAULT_OWNER_PREFIX):
-            raise ValueError(f"uuids starting with {FAULT_OWNER_PREFIX!r} are reserved (fault injection holds pool "
-                             f"pages under them)")
+            raise ValueError(
+                f"uuids starting with {FAULT_OWNER_PREFIX!r} are reserved (fault injection holds"
+                " pool pages under them)"
+            )
         return uuid
 
     def to_request(self) -> Request:
-        return Request(self.uuid, tuple(self.prompt_ids), self.max_new_tokens, self.temperature, self.seed)
+        return Request(
+            self.uuid, tuple(self.prompt_ids), self.max_new_tokens, self.temperature, self.seed
+        )
 
 
 class Workload(BaseModel):
@@ -73,7 +80,7 @@ class Workload(BaseModel):
     _name_is_text = field_validator("name")(_unicode_text)
 
     @model_validator(mode="after")
-    def _unique_uuids(self) -> "Workload":
+    def _unique_uuids(self) -> Workload:
         seen: set[str] = set()
         for req in self.requests:
             if req.uuid in seen:
@@ -85,7 +92,7 @@ class Workload(BaseModel):
     def max_context(self) -> int:
         return max(len(r.prompt_ids) + r.max_new_tokens for r in self.requests)
 
-    def with_cache(self, **changes) -> "Workload":
+    def with_cache(self, **changes) -> Workload:
         """A copy with cache fields replaced (e.g. a pool large enough to never evict)."""
         return self.model_copy(update={"cache": self.cache.model_copy(update=changes)})
 
@@ -101,7 +108,8 @@ def _l2_trace(name: str, max_context: int, *, seed: int, scale: float, vocab_siz
     """
     rng = random.Random(f"{name}:{seed}")
     num_requests = max(4, round(32 * scale))
-    wave = max(8, round(8 * scale))  # requests per wave grow with the pools, so the pressure holds at any scale
+    # requests per wave grow with the pools, so the pressure holds at any scale
+    wave = max(8, round(8 * scale))
     page_size = 16
     requests = []
     for i in range(num_requests):
@@ -113,73 +121,117 @@ def _l2_trace(name: str, max_context: int, *, seed: int, scale: float, vocab_siz
         else:
             max_new = rng.randint(64, 256)
             prompt_len = rng.randint(8, max_context // 8)
-        requests.append(WorkloadRequest(
-            uuid=f"{name}-r{i}",
-            prompt_ids=[rng.randrange(1, vocab_size) for _ in range(prompt_len)],
-            max_new_tokens=max_new,
-            arrival_step=(i // wave) * 60 + rng.randint(0, 8),
-        ))
+        requests.append(
+            WorkloadRequest(
+                uuid=f"{name}-r{i}",
+                prompt_ids=[rng.randrange(1, vocab_size) for _ in range(prompt_len)],
+                max_new_tokens=max_new,
+                arrival_step=(i // wave) * 60 + rng.randint(0, 8),
+            )
+        )
     full = -(-max_context // page_size)
-    cache = CacheConfig(page_size=page_size, num_gpu_pages=round(full * 1.1 * max(1.0, scale)),
-                        num_host_pages=round(full * 0.15 * max(1.0, scale)), watermark=0.02)
-    return Workload(name=name, seed=seed, cache=cache, engine=EngineConfig(max_num_seqs=max(16, round(16 * scale))),
-                    requests=requests)
+    cache = CacheConfig(
+        page_size=page_size,
+        num_gpu_pages=round(full * 1.1 * max(1.0, scale)),
+        num_host_pages=round(full * 0.15 * max(1.0, scale)),
+        watermark=0.02,
+    )
+    return Workload(
+        name=name,
+        seed=seed,
+        cache=cache,
+        engine=EngineConfig(max_num_seqs=max(16, round(16 * scale))),
+        requests=requests,
+    )
 
 
 def _smoke_trace(*, seed: int, scale: float, vocab_size: int) -> Workload:
     rng = random.Random(f"smoke:{seed}")
     requests = [
-        WorkloadRequest(uuid=f"smoke-r{i}", prompt_ids=[rng.randrange(1, vocab_size) for _ in range(rng.randint(3, 40))],
-                        max_new_tokens=rng.randint(4, 24), arrival_step=i)
+        WorkloadRequest(
+            uuid=f"smoke-r{i}",
+            prompt_ids=[rng.randrange(1, vocab_size) for _ in range(rng.randint(3, 40))],
+            max_new_tokens=rng.randint(4, 24),
+            arrival_step=i,
+        )
         for i in range(max(2, round(8 * scale)))
     ]
-    cache = CacheConfig(page_size=4, num_gpu_pages=round(24 * max(1.0, scale)), num_host_pages=round(16 * max(1.0, scale)),
-                        watermark=0.05)
-    return Workload(name="smoke", seed=seed, cache=cache, engine=EngineConfig(max_num_seqs=8), requests=requests)
+    cache = CacheConfig(
+        page_size=4,
+        num_gpu_pages=round(24 * max(1.0, scale)),
+        num_host_pages=round(16 * max(1.0, scale)),
+        watermark=0.05,
+    )
+    return Workload(
+        name="smoke", seed=seed, cache=cache, engine=EngineConfig(max_num_seqs=8), requests=requests
+    )
 
 
 BUILTIN_WORKLOADS = ("smoke", "L2-2048", "L2-4096")
 
 
-def builtin_workload(name: str, *, seed: int = 0, scale: float = 1.0, vocab_size: int = 512) -> Workload:
+def builtin_workload(
+    name: str, *, seed: int = 0, scale: float = 1.0, vocab_size: int = 512
+) -> Workload:
     """A named, seeded trace; ``scale`` grows request count and pools (e.g. for a GPU)."""
     if type(scale) not in (int, float) or not 0 < scale <= MAX_SCALE:
         raise WorkloadError(f"scale must be a number in (0, {MAX_SCALE:g}], got {scale!r}")
     if type(vocab_size) is not int or vocab_size < 2:
-        raise WorkloadError(f"vocab_size must be an integer >= 2 (token ids are drawn from [1, vocab_size)), "
-                            f"got {vocab_size!r}")
+        raise WorkloadError(
+            "vocab_size must be an integer >= 2 (token ids are drawn from [1, vocab_size)), "
+            f"got {vocab_size!r}"
+        )
     if name == "smoke":
         return _smoke_trace(seed=seed, scale=scale, vocab_size=vocab_size)
     if name in ("L2-2048", "L2-4096"):
-        return _l2_trace(name, int(name.split("-")[1]), seed=seed, scale=scale, vocab_size=vocab_size)
-    raise WorkloadError(f"unknown workload {name!r}; built-in workloads are {', '.join(BUILTIN_WORKLOADS)}, "
-                        f"or give the path of a workload JSON file")
+        return _l2_trace(
+            name, int(name.split("-")[1]), seed=seed, scale=scale, vocab_size=vocab_size
+        )
+    raise WorkloadError(
+        f"unknown workload {name!r}; built-in workloads are {', '.join(BUILTIN_WORKLOADS)}, "
+        "or give the path of a workload JSON file"
+    )
 
 
-def load_workload(spec: str, *, seed: int = 0, scale: float = 1.0, vocab_size: int = 512) -> Workload:
-    """A built-in name, or a JSON file validated strictly against :class:`Workload` (its cache and engine too: no
-    ``true``, ``"16"`` or ``16.0`` where an integer belongs)."""
+def load_workload(
+    spec: str, *, seed: int = 0, scale: float = 1.0, vocab_size: int = 512
+) -> Workload:
+    """A built-in name, or a JSON file validated strictly against :class:`Workload` (its cache and
+    engine too: no ``true``, ``"16"`` or ``16.0`` where an integer belongs)."""
     if spec in BUILTIN_WORKLOADS:
         return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)
     if not spec:
-        raise WorkloadError(f"no workload named (an empty string); name a built-in workload "
-                            f"({', '.join(BUILTIN_WORKLOADS)}) or a workload JSON file")
+        raise WorkloadError(
+            "no workload named (an empty string); name a built-in workload "
+            f"({', '.join(BUILTIN_WORKLOADS)}) or a workload JSON file"
+        )
     path = Path(spec)
     if not path.suffix and not path.exists():
-        return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)  # raises: unknown name
+        # raises: unknown name
+        return builtin_workload(spec, seed=seed, scale=scale, vocab_size=vocab_size)
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is not content
+        # a byte-order mark, as some editors write, is not content
+        text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise WorkloadError(f"workload file {spec!r} does not exist") from None
     except UnicodeDecodeError as exc:
-        raise WorkloadError(f"workload file {spec!r} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raise WorkloadError(
+            f"workload file {spec!r} is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
     except OSError as exc:
         raise WorkloadError(f"workload file {spec!r} cannot be read: {exc.strerror}") from None
     try:
         return Workload.model_validate(json.loads(text), strict=True)
     except json.JSONDecodeError as exc:
-        raise WorkloadError(f"workload file {spec!r} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+        raise WorkloadError(
+            f"workload file {spec!r} is not valid JSON: {exc.msg} (line {exc.lineno}, column"
+            f" {exc.colno})"
+        ) from None
     except RecursionError:
-        raise WorkloadError(f"workload file {spec!r} nests arrays or objects too deeply to parse") from None
+        raise WorkloadError(
+            f"workload file {spec!r} nests arrays or objects too deeply to parse"
+        ) from None
     except ValidationError as exc:
-        raise WorkloadError(f"workload file {spec!r} is invalid: {validation_summary(exc)}") from None
+        raise WorkloadError(
+            f"workload file {spec!r} is invalid: {validation_summary(exc)}"
+        ) from None

@@ -6,7 +6,7 @@
     host pool [num_host_pages, L, 2, page_size, kv_heads, head_dim]  CPU, pinned with CUDA
 
     store: GPU pages of a request -> its host pages   (synchronous; eviction)
-    load : its host pages -> GPU pages                 (async, on the pool's own copy queue; migration)
+    load : its host pages -> GPU pages                 (async, on the pool's copy queue; migration)
 
 A pool without a tensor is bookkeeping-only (null-model runs, forks). A forked
 host pool records the copies it would issue instead of issuing them; the real
@@ -35,17 +35,22 @@ class GpuKvBackend(Protocol):
     def allocate_pages(self, uuid: str, n: int) -> list[int]: ...
     def release_pages(self, uuid: str) -> None: ...
     def free_pages(self) -> int: ...
-    def peek_free_pages(self, n: int) -> list[int]: ...  # what allocate_pages(_, n) would return; no mutation
+
+    # what allocate_pages(_, n) would return; no mutation
+    def peek_free_pages(self, n: int) -> list[int]: ...
 
 
 class HostKvBackend(Protocol):
     def allocate_pages(self, uuid: str, n: int) -> list[int]: ...
     def load_to_gpu_async(self, uuid: str, page_ids: list[int]) -> AsyncHandle: ...
-    def peek_free_pages(self, n: int) -> list[int]: ...  # what allocate_pages(_, n) would return; no mutation
+
+    # what allocate_pages(_, n) would return; no mutation
+    def peek_free_pages(self, n: int) -> list[int]: ...
 
 
 class CopyOp(NamedTuple):
-    """One batched page copy: ``kind`` is ``store`` (GPU->host) or ``load`` (a NamedTuple, like PoolEvent)."""
+    """One batched page copy: ``kind`` is ``store`` (GPU->host) or ``load`` (a NamedTuple, like
+    PoolEvent)."""
 
     kind: str
     uuid: str
@@ -83,7 +88,8 @@ class _KvPool:
         self.pages.take_pages(uuid, page_ids)
 
     def take_pages_for(self, grants: Grants) -> None:
-        """Give each owner exactly its page ids, all validated first (plan application). Mutates the pool."""
+        """Give each owner exactly its page ids, all validated first (plan application). Mutates the
+        pool."""
         self.pages.take_pages_for(grants)
 
     def release_pages(self, uuid: str) -> None:
@@ -115,10 +121,16 @@ class _KvPool:
 class GpuKvPool(_KvPool):
     """GPU tier: satisfies :class:`GpuKvBackend`."""
 
-    def __init__(self, num_pages: int, tensor: torch.Tensor | None = None, *, pages: PagePool | ForkedPagePool | None = None):
+    def __init__(
+        self,
+        num_pages: int,
+        tensor: torch.Tensor | None = None,
+        *,
+        pages: PagePool | ForkedPagePool | None = None,
+    ):
         super().__init__(pages if pages is not None else PagePool("gpu", num_pages), tensor)
 
-    def fork(self) -> "GpuKvPool":
+    def fork(self) -> GpuKvPool:
         """Bookkeeping-only overlay (no tensor); valid while this pool is unchanged."""
         return GpuKvPool(self.num_pages, None, pages=self.pages.fork())
 
@@ -126,17 +138,27 @@ class GpuKvPool(_KvPool):
 class HostKvPool(_KvPool):
     """Host tier: satisfies :class:`HostKvBackend`; issues every copy between tiers."""
 
-    def __init__(self, num_pages: int, tensor: torch.Tensor | None, gpu: GpuKvPool, *, pages: PagePool | ForkedPagePool | None = None):
+    def __init__(
+        self,
+        num_pages: int,
+        tensor: torch.Tensor | None,
+        gpu: GpuKvPool,
+        *,
+        pages: PagePool | ForkedPagePool | None = None,
+    ):
         super().__init__(pages if pages is not None else PagePool("host", num_pages), tensor)
         self.gpu = gpu
-        self.copy_queue = AsyncCopyQueue() if tensor is not None else None  # this pool's loads, in issue order
+        # this pool's loads, in issue order
+        self.copy_queue = AsyncCopyQueue() if tensor is not None else None
         self.copies: list[CopyOp] | None = [] if self.is_fork else None
-        # While copies are recorded: id of each load handle this pool returned -> (the request its load is for, the
-        # handle: held, so that its id is not reused by another object while the op is compared).
+        # While copies are recorded: id of each load handle this pool returned -> (the request its
+        # load is for, the handle: held, so that its id is not reused by another object while the op
+        # is compared).
         self.load_handles: dict[int, tuple[str, AsyncHandle]] | None = {} if self.is_fork else None
 
     def record_copies(self, on: bool) -> None:
-        """Start (fresh lists) or stop recording the copies issued and the load handles returned. Mutates both."""
+        """Start (fresh lists) or stop recording the copies issued and the load handles returned.
+        Mutates both."""
         self.copies, self.load_handles = ([], {}) if on else (None, None)
 
     def store_from_gpu(self, uuid: str, gpu_page_ids: list[int]) -> None:
@@ -146,7 +168,9 @@ class HostKvPool(_KvPool):
         """
         host_page_ids = list(self.pages_of(uuid))
         if len(host_page_ids) != len(gpu_page_ids):
-            raise ValueError(f"store {uuid}: {len(gpu_page_ids)} GPU pages but {len(host_page_ids)} host pages")
+            raise ValueError(
+                f"store {uuid}: {len(gpu_page_ids)} GPU pages but {len(host_page_ids)} host pages"
+            )
         self._record(CopyOp("store", uuid, tuple(gpu_page_ids), tuple(host_page_ids)))
         if self.tensor is not None and self.gpu.tensor is not None:
             copy_pages(self.gpu.tensor, gpu_page_ids, self.tensor, host_page_ids)
@@ -158,13 +182,19 @@ class HostKvPool(_KvPool):
         """
         host_page_ids = list(self.pages_of(uuid))
         if len(host_page_ids) != len(page_ids):
-            raise ValueError(f"load {uuid}: {len(page_ids)} GPU pages but {len(host_page_ids)} host pages")
+            raise ValueError(
+                f"load {uuid}: {len(page_ids)} GPU pages but {len(host_page_ids)} host pages"
+            )
         self._record(CopyOp("load", uuid, tuple(host_page_ids), tuple(page_ids)))
         if self.tensor is None or self.gpu.tensor is None:
             return self._issued(CompletedHandle())
-        return self._issued(self.copy_queue.copy_pages_async(self.tensor, host_page_ids, self.gpu.tensor, list(page_ids)))
+        return self._issued(
+            self.copy_queue.copy_pages_async(
+                self.tensor, host_page_ids, self.gpu.tensor, list(page_ids)
+            )
+        )
 
-    def fork(self, gpu_fork: GpuKvPool) -> "HostKvPool":
+    def fork(self, gpu_fork: GpuKvPool) -> HostKvPool:
         """Bookkeeping-only overlay bound to ``gpu_fork``; records copies, issues none."""
         return HostKvPool(self.num_pages, None, gpu_fork, pages=self.pages.fork())
 

@@ -1,15 +1,13 @@
 """``BATCHGEN_WORKER_KV_*``: parsed once into a validated config, and the path it picks.
 
-==================================== ===================== ===================== ===========================================
-variable                             values                default               meaning
-==================================== ===================== ===================== ===========================================
-BATCHGEN_WORKER_KV_PATH              plan, legacy          plan                  authoritative KV path
-BATCHGEN_WORKER_KV_COMPARE           off, log, raise       off                   shadow the other path; log or raise
-BATCHGEN_WORKER_KV_COMPARE_SAMPLE    float in (0, 1]       1.0                   fraction of steps compared (seeded)
-BATCHGEN_WORKER_KV_COMPARE_LOG       path                  kv-divergences.jsonl  divergence log (JSON Lines)
-BATCHGEN_WORKER_KV_COMPARE_OPS       comma list of ops     all                   ops compared: poll,release,evict,migrate,alloc
-BATCHGEN_WORKER_KV_LOAD_FAILURE      recompute, fail       (engine: recompute)   after a load's last retry: recompute or fail
-==================================== ===================== ===================== ===========================================
+Variables (``GATE_FLAGS``; the README's flags table says what each means)::
+
+    BATCHGEN_WORKER_KV_PATH            plan, legacy      default plan
+    BATCHGEN_WORKER_KV_COMPARE         off, log, raise   default off
+    BATCHGEN_WORKER_KV_COMPARE_SAMPLE  float in (0, 1]   default 1.0
+    BATCHGEN_WORKER_KV_COMPARE_LOG     path              default kv-divergences.jsonl
+    BATCHGEN_WORKER_KV_COMPARE_OPS     comma list        default: all five ops
+    BATCHGEN_WORKER_KV_LOAD_FAILURE    recompute, fail   default: the engine config's
 
 Precedence: default < environment < CLI option. An unknown name in the family
 (a typo) or a bad value (in the environment even where an option overrides it)
@@ -34,9 +32,17 @@ KV_OPS = ("poll", "release", "evict", "migrate", "alloc")
 GATE_FLAGS = {
     "path": ("BATCHGEN_WORKER_KV_PATH", "--kv-path", "plan, legacy"),
     "compare": ("BATCHGEN_WORKER_KV_COMPARE", "--kv-compare", "off, log, raise"),
-    "compare_sample": ("BATCHGEN_WORKER_KV_COMPARE_SAMPLE", "--kv-compare-sample", "a float in (0, 1]"),
+    "compare_sample": (
+        "BATCHGEN_WORKER_KV_COMPARE_SAMPLE",
+        "--kv-compare-sample",
+        "a float in (0, 1]",
+    ),
     "compare_log": ("BATCHGEN_WORKER_KV_COMPARE_LOG", "--kv-compare-log", "a file path"),
-    "compare_ops": ("BATCHGEN_WORKER_KV_COMPARE_OPS", "--kv-compare-ops", f"a comma list of {', '.join(KV_OPS)}"),
+    "compare_ops": (
+        "BATCHGEN_WORKER_KV_COMPARE_OPS",
+        "--kv-compare-ops",
+        f"a comma list of {', '.join(KV_OPS)}",
+    ),
     "load_failure": ("BATCHGEN_WORKER_KV_LOAD_FAILURE", "--kv-load-failure", "recompute, fail"),
 }
 
@@ -53,7 +59,8 @@ class KvGateConfig(BaseModel):
     compare_sample: float = Field(default=1.0, gt=0.0, le=1.0)
     compare_log: str = Field(default="kv-divergences.jsonl", min_length=1)
     compare_ops: tuple[str, ...] = KV_OPS
-    load_failure: Literal["recompute", "fail"] | None = None  # None: keep the engine config's policy
+    # None: keep the engine config's policy
+    load_failure: Literal["recompute", "fail"] | None = None
 
     @field_validator("compare_ops", mode="before")
     @classmethod
@@ -71,7 +78,9 @@ class KvGateConfig(BaseModel):
         path = Path(value)
         if path.is_dir():
             raise ValueError(f"{value} is a directory")
-        blocker = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+        blocker = next(
+            (parent for parent in path.parents if parent.exists() and not parent.is_dir()), None
+        )
         if blocker is not None:
             raise ValueError(f"{blocker} is not a directory")
         return value
@@ -81,11 +90,14 @@ class KvGateConfig(BaseModel):
         return "legacy" if self.path == "plan" else "plan"
 
 
-def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = None) -> KvGateConfig:
+def gate_config(
+    environ: Mapping[str, str], cli: Mapping[str, object] | None = None
+) -> KvGateConfig:
     """Parse the gate family from ``environ``, then apply CLI values (not None) on top."""
     known = {env for env, _, _ in GATE_FLAGS.values()}
     for name in environ:
-        upper = name.upper()  # names are case-sensitive: batchgen_worker_kv_path would be ignored, unnoticed
+        # names are case-sensitive: batchgen_worker_kv_path would be ignored, unnoticed
+        upper = name.upper()
         if name in known or not upper.startswith("BATCHGEN_"):
             continue
         # In the family, or a typo of its prefix (BATCHGEN_WORKERS_KV_PATH) close to a valid name.
@@ -93,14 +105,21 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
         close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=cutoff)
         if upper.startswith(ENV_PREFIX) or close:
             case_only = upper != name and upper in known  # the right name, in the wrong case
-            hint = f" (did you mean {close[0]}?{' names are upper-case' if case_only else ''})" if close else ""
-            raise GateError(f"unknown variable {name}{hint}; valid names: {', '.join(sorted(known))}")
+            hint = (
+                f" (did you mean {close[0]}?{' names are upper-case' if case_only else ''})"
+                if close
+                else ""
+            )
+            raise GateError(
+                f"unknown variable {name}{hint}; valid names: {', '.join(sorted(known))}"
+            )
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
     for field, (env, _, _) in GATE_FLAGS.items():
         if env in environ:
             values[field], sources[field] = environ[env], env
-    from_environment = _validated(values, sources)  # a bad value there is refused even where an option overrides it
+    # a bad value there is refused even where an option overrides it
+    from_environment = _validated(values, sources)
     overrides = {field: value for field, value in (cli or {}).items() if value is not None}
     unknown = [field for field in cli or {} if field not in GATE_FLAGS]
     if unknown:
@@ -113,8 +132,8 @@ def gate_config(environ: Mapping[str, str], cli: Mapping[str, object] | None = N
 
 
 def _validated(values: Mapping[str, object], sources: Mapping[str, str]) -> KvGateConfig:
-    """``KvGateConfig(**values)``, or GateError naming the first bad value's source (variable or option), the
-    allowed values and the closest one."""
+    """``KvGateConfig(**values)``, or GateError naming the first bad value's source (variable or
+    option), the allowed values and the closest one."""
     try:
         return KvGateConfig(**values)
     except ValidationError as exc:
@@ -132,7 +151,9 @@ def _validated(values: Mapping[str, object], sources: Mapping[str, str]) -> KvGa
             close = difflib.get_close_matches(str(values.get(field)).lower(), choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         reason = error["msg"].removeprefix("Value error, ")
-        raise GateError(f"{source}={values.get(field)!r} is invalid ({reason}); allowed: {allowed}{hint}") from None
+        raise GateError(
+            f"{source}={values.get(field)!r} is invalid ({reason}); allowed: {allowed}{hint}"
+        ) from None
 
 
 def kv_path_class(name: str) -> type:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from batchgen.kv.target import KvTarget
 from batchgen.engine.state import Phase, RequestState
+from batchgen.kv.target import KvTarget
 
 
 class LegacyKvPath:
@@ -41,7 +41,8 @@ class LegacyKvPath:
         self.state = target.state
         self.gpu_kv = target.gpu_kv
         self.host_kv = target.host_kv
-        self._drop_pending_kv_append = target.drop_pending_append  # the one way to drop one (see KvTarget)
+        # the one way to drop one (see KvTarget)
+        self._drop_pending_kv_append = target.drop_pending_append
         self.cache_config = target.cache_config
         self.engine_config = target.engine_config
         self._kv_watermark_pages = self.cache_config.watermark_pages
@@ -72,7 +73,8 @@ class LegacyKvPath:
                 req.load_started_step = self.state.step
                 stats.loads += 1
                 continue
-            req.drain_load()  # a timed-out load's copy may still be writing into the GPU pages freed next
+            # a timed-out load's copy may still be writing into the GPU pages freed next
+            req.drain_load()
             self.gpu_kv.release_pages(uuid)
             self.host_kv.release_pages(uuid)
             req.gpu_page_ids, req.host_page_ids = (), ()

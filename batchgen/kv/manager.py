@@ -17,21 +17,41 @@ import math
 
 from batchgen.kv.backends import GpuKvBackend, HostKvBackend
 from batchgen.kv.plans import (
-    AllocPlan, AllocRequest, Destination, DoesNotFit, EvictionPlan, EvictionRequest, KvSnapshot, LoadStart,
-    MigrationPlan, MigrationRequest, PageGrant, PollAction, PollPlan, PollRequest,
-    ReleasePlan, ReleaseRequest, Victim,
+    AllocPlan,
+    AllocRequest,
+    Destination,
+    DoesNotFit,
+    EvictionPlan,
+    EvictionRequest,
+    KvSnapshot,
+    LoadStart,
+    MigrationPlan,
+    MigrationRequest,
+    PageGrant,
+    PollAction,
+    PollPlan,
+    PollRequest,
+    ReleasePlan,
+    ReleaseRequest,
+    Victim,
 )
 
-
-# Enum members as module constants: ``PollAction.X`` is a class attribute lookup of ~0.1 us on Python 3.11.
-COMPLETE, RETRY, FAIL, RECOMPUTE_LOAD = PollAction.COMPLETE, PollAction.RETRY, PollAction.FAIL, PollAction.RECOMPUTE
+# Enum members as module constants: ``PollAction.X`` is a class attribute lookup of ~0.1 us on
+# Python 3.11.
+COMPLETE, RETRY, FAIL, RECOMPUTE_LOAD = (
+    PollAction.COMPLETE,
+    PollAction.RETRY,
+    PollAction.FAIL,
+    PollAction.RECOMPUTE,
+)
 TO_HOST, TO_RECOMPUTE = Destination.HOST, Destination.RECOMPUTE
-NO_VICTIMS, NO_LOADS = EvictionPlan(()), MigrationPlan(())  # plans are immutable: the empty ones are shared
+# plans are immutable: the empty ones are shared
+NO_VICTIMS, NO_LOADS = EvictionPlan(()), MigrationPlan(())
 
 
 def eviction_watermark_pages(snapshot: KvSnapshot) -> int:
-    """GPU pages to keep free; a pure function of the snapshot (``config.watermark_pages``'s rule: the plan
-    layer imports nothing outside its plans and backend Protocols)."""
+    """GPU pages to keep free; a pure function of the snapshot (``config.watermark_pages``'s rule:
+    the plan layer imports nothing outside its plans and backend Protocols)."""
     geometry = snapshot.geometry
     return math.ceil(geometry.watermark * geometry.num_gpu_pages)
 
@@ -48,7 +68,8 @@ class KVCacheManager:
 
     def plan_poll(self, req: PollRequest) -> PollPlan:
         uuids, errors = req.uuids, req.errors
-        if errors.count(None) == len(errors):  # every load landed: all complete, no reasons (errors is all None)
+        # every load landed: all complete, no reasons (errors is all None)
+        if errors.count(None) == len(errors):
             return PollPlan.new(uuids, (COMPLETE,) * len(uuids), errors)
         geometry = req.snapshot.geometry
         actions, reasons = [], []
@@ -82,9 +103,11 @@ class KVCacheManager:
         uuids, num_tokens, gpu_page_ids = running.uuids, running.num_tokens, running.gpu_page_ids
         up = page_size - 1
         chosen: list[tuple[int, Destination]] = []
-        for i in reversed(range(len(running.uuids))):  # youngest first: the columns keep arrival order
+        # youngest first: the columns keep arrival order
+        for i in reversed(range(len(running.uuids))):
             num_pages = len(gpu_page_ids[i])
-            demand -= (num_tokens[i] + up) // page_size - num_pages  # the victim's share of the demand
+            # the victim's share of the demand
+            demand -= (num_tokens[i] + up) // page_size - num_pages
             free_gpu += num_pages
             if free_host >= num_pages:
                 free_host -= num_pages
@@ -93,7 +116,8 @@ class KVCacheManager:
                 chosen.append((i, TO_RECOMPUTE))
             if free_gpu - demand >= watermark:
                 break
-        host_ids = tuple(self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host))  # sliced per victim
+        # sliced per victim
+        host_ids = tuple(self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host))
         victims, start = [], 0
         for i, destination in chosen:
             page_ids = gpu_page_ids[i]
@@ -118,14 +142,18 @@ class KVCacheManager:
             if swapped_step == snapshot.step:
                 continue
             num_pages = len(swapped.host_page_ids[i])
-            if num_active >= snapshot.geometry.max_num_seqs or free - demand - num_pages < watermark:
+            if (
+                num_active >= snapshot.geometry.max_num_seqs
+                or free - demand - num_pages < watermark
+            ):
                 break
             chosen.append(i)
             num_active += 1
             free -= num_pages
         if not chosen:
             return NO_LOADS
-        gpu_ids = tuple(self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free))  # sliced per load
+        # sliced per load
+        gpu_ids = tuple(self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free))
         loads, start = [], 0
         for i in chosen:
             host_page_ids = swapped.host_page_ids[i]
@@ -141,7 +169,10 @@ class KVCacheManager:
         free = snapshot.num_free_gpu_pages
         served: list[tuple[str, int]] = []
         not_fitting = []
-        for uuid, num_tokens, page_ids in zip(needing.uuids, needing.num_tokens, needing.gpu_page_ids):  # batch order
+        # batch order
+        for uuid, num_tokens, page_ids in zip(
+            needing.uuids, needing.num_tokens, needing.gpu_page_ids
+        ):
             need = (num_tokens + up) // page_size - len(page_ids)  # pages its tokens lack
             if need < 0:
                 need = 0  # admitted into the pages it holds
@@ -152,9 +183,10 @@ class KVCacheManager:
             free -= need
         if not served:
             return AllocPlan.new((), tuple(not_fitting))
-        page_ids = tuple(self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free))  # sliced per grant
+        # sliced per grant
+        page_ids = tuple(self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free))
         grants, start = [], 0
         for uuid, need in served:
-            grants.append(PageGrant(uuid, page_ids[start:start + need]))
+            grants.append(PageGrant(uuid, page_ids[start : start + need]))
             start += need
         return AllocPlan.new(tuple(grants), tuple(not_fitting))

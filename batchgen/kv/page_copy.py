@@ -133,16 +133,19 @@ class CopyHandle:
 class AsyncCopyQueue:
     """Where one owner's async copies run: one worker thread (CPU), one side stream per CUDA device.
 
-    Both are created on first use. The thread ends once the queue is garbage (its executor's own rule).
-    """
+    Both are created on first use. The thread ends once the queue is garbage (its executor's own
+    rule)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._side_streams: dict[int, torch.cuda.Stream] = {}
 
-    def copy_pages_async(self, src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]) -> CopyHandle:
-        """Start ``copy_pages`` behind every copy issued to this queue before it, and return its handle.
+    def copy_pages_async(
+        self, src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]
+    ) -> CopyHandle:
+        """Start ``copy_pages`` behind every copy issued to this queue before it, and return its
+        handle.
 
         Mutates ``dst`` once the copy runs. Until ``done()``, the caller must not
         write the ``src`` pages nor read or write the ``dst`` pages. Copy failures,
@@ -162,7 +165,8 @@ class AsyncCopyQueue:
     def issue_on_side_stream(
         self, src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]
     ) -> CopyHandle:
-        """Enqueue the copy behind the current stream's work; mutates ``dst`` on the GPU timeline."""
+        """Enqueue the copy behind the current stream's work; mutates ``dst`` on the GPU
+        timeline."""
         try:
             device = _cuda_device(src, dst)
             side_stream = self._side_stream(device)
@@ -181,7 +185,8 @@ class AsyncCopyQueue:
         return CopyHandle(finished)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The device's side stream: taken from torch's pool once, then kept for every async copy."""
+        """The device's side stream: taken from torch's pool once, then kept for every async
+        copy."""
         with self._lock:
             if device.index not in self._side_streams:
                 self._side_streams[device.index] = torch.cuda.Stream(device)
@@ -215,11 +220,17 @@ def _issue_copies(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Seq
     if src.is_cuda and dst.is_cuda:
         _copy_within_device(src, torch.from_numpy(src_index), dst, torch.from_numpy(dst_index))
     elif src.is_cuda or dst.is_cuda:
-        runs = _runs(src_index, dst_index, key_is_dst=src.is_cuda, max_run_pages=_max_run_pages(src))
+        runs = _runs(
+            src_index, dst_index, key_is_dst=src.is_cuda, max_run_pages=_max_run_pages(src)
+        )
         _copy_runs(src, dst, *runs)
     else:
         key_is_dst = _num_runs(dst_index) <= _num_runs(src_index)
-        _copy_runs(src, dst, *_runs(src_index, dst_index, key_is_dst=key_is_dst, max_run_pages=len(src_index)))
+        _copy_runs(
+            src,
+            dst,
+            *_runs(src_index, dst_index, key_is_dst=key_is_dst, max_run_pages=len(src_index)),
+        )
 
 
 def _copy_within_device(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: Tensor) -> None:
@@ -231,17 +242,24 @@ def _copy_within_device(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: 
         dst.index_copy_(0, dst_index[chunk], src.index_select(0, src_index[chunk]))
 
 
-def _copy_runs(src: Tensor, dst: Tensor, runs: list[_Run], sorted_src_index: Tensor, sorted_dst_index: Tensor) -> None:
+def _copy_runs(
+    src: Tensor, dst: Tensor, runs: list[_Run], sorted_src_index: Tensor, sorted_dst_index: Tensor
+) -> None:
     """One call per run (see the module's table), small CPU runs page by page; mutates ``dst``."""
     on_cpu = not (src.is_cuda or dst.is_cuda)
     min_parallel_pages = CPU_PARALLEL_MIN_BYTES / (src[0].numel() * src.element_size())
-    sorted_src_ids, sorted_dst_ids = (sorted_src_index.tolist(), sorted_dst_index.tolist()) if on_cpu else ((), ())
-    if not all(run.src_is_consecutive and run.dst_is_consecutive for run in runs):  # only gathers/scatters read them
+    sorted_src_ids, sorted_dst_ids = (
+        (sorted_src_index.tolist(), sorted_dst_index.tolist()) if on_cpu else ((), ())
+    )
+    # only gathers/scatters read them
+    if not all(run.src_is_consecutive and run.dst_is_consecutive for run in runs):
         sorted_src_index = _on_device(sorted_src_index, src.device)
         sorted_dst_index = _on_device(sorted_dst_index, dst.device)
     for run in runs:
         if on_cpu and run.num_pages < min_parallel_pages:
-            for src_id, dst_id in zip(sorted_src_ids[run.start : run.stop], sorted_dst_ids[run.start : run.stop]):
+            for src_id, dst_id in zip(
+                sorted_src_ids[run.start : run.stop], sorted_dst_ids[run.start : run.stop]
+            ):
                 dst[dst_id].copy_(src[src_id])
             continue
         src_slice = src[run.src_start : run.src_start + run.num_pages]
@@ -251,7 +269,11 @@ def _copy_runs(src: Tensor, dst: Tensor, runs: list[_Run], sorted_src_index: Ten
         elif run.dst_is_consecutive:
             _gather(src, sorted_src_index[run.start : run.stop], dst_slice)
         else:
-            dst.index_copy_(0, sorted_dst_index[run.start : run.stop], src_slice.to(dst.device, non_blocking=True))
+            dst.index_copy_(
+                0,
+                sorted_dst_index[run.start : run.stop],
+                src_slice.to(dst.device, non_blocking=True),
+            )
 
 
 def _gather(src: Tensor, src_index: Tensor, out: Tensor) -> None:
@@ -267,10 +289,15 @@ def _gather(src: Tensor, src_index: Tensor, out: Tensor) -> None:
         return
     page_numel = src[0].numel()
     rows_per_page = 1
-    while page_numel // rows_per_page > CPU_GATHER_ROW_ELEMENTS and page_numel % (2 * rows_per_page) == 0:
+    while (
+        page_numel // rows_per_page > CPU_GATHER_ROW_ELEMENTS
+        and page_numel % (2 * rows_per_page) == 0
+    ):
         rows_per_page *= 2
     row_index = (src_index[:, None] * rows_per_page + torch.arange(rows_per_page)).flatten()
-    torch.index_select(src.view(len(src) * rows_per_page, -1), 0, row_index, out=out.view(len(row_index), -1))
+    torch.index_select(
+        src.view(len(src) * rows_per_page, -1), 0, row_index, out=out.view(len(row_index), -1)
+    )
 
 
 def _runs(
@@ -306,7 +333,9 @@ def _runs(
     return runs, torch.from_numpy(src_ids), torch.from_numpy(dst_ids)
 
 
-def _is_consecutive_between(page_ids: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+def _is_consecutive_between(
+    page_ids: np.ndarray, starts: np.ndarray, stops: np.ndarray
+) -> np.ndarray:
     """Per run, whether ``page_ids[start:stop]`` counts up by one."""
     breaks = np.zeros(len(page_ids), dtype=np.int64)
     breaks[1:] = page_ids[1:] != page_ids[:-1] + 1
@@ -326,22 +355,27 @@ def _checked_ids(
     """The ids as int64 arrays, after checking the pools and ids fit together; mutates nothing."""
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
         raise ValueError(
-            f"pages differ: src is {src.dtype}{list(src.shape[1:])}, dst is {dst.dtype}{list(dst.shape[1:])}"
+            f"pages differ: src is {src.dtype}{list(src.shape[1:])}, dst is"
+            f" {dst.dtype}{list(dst.shape[1:])}"
         )
     if not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("pools must be contiguous tensors (page outermost)")
     if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
         raise ValueError("src and dst share memory; copy_pages moves pages between two pools")
     if src.is_cuda and dst.is_cuda and src.device != dst.device:
-        raise ValueError(f"src is on {src.device} and dst on {dst.device}; copies between GPUs are not supported")
+        raise ValueError(
+            f"src is on {src.device} and dst on {dst.device}; copies between GPUs are not supported"
+        )
     src_index, dst_index = _int_array(src_ids), _int_array(dst_ids)
     if len(src_index) != len(dst_index):
         raise ValueError(f"src_ids has {len(src_index)} ids but dst_ids has {len(dst_index)}")
     for name, index, pool in (("src_ids", src_index, src), ("dst_ids", dst_index, dst)):
         if len(index) and (index.min() < 0 or index.max() >= pool.shape[0]):
             position = int(np.flatnonzero((index < 0) | (index >= pool.shape[0]))[0])
-            raise ValueError(f"{name}[{position}] = {index[position]} is outside the pool's pages "
-                             f"0..{pool.shape[0] - 1}")
+            raise ValueError(
+                f"{name}[{position}] = {index[position]} is outside the pool's pages "
+                f"0..{pool.shape[0] - 1}"
+            )
     if len(np.unique(dst_index)) != len(dst_index):
         seen: set[int] = set()
         position = next(p for p, i in enumerate(dst_index.tolist()) if i in seen or seen.add(i))
@@ -350,7 +384,8 @@ def _checked_ids(
 
 
 def _int_array(ids: Sequence[int]) -> np.ndarray:
-    """``ids`` as an int64 array; TypeError (from ``operator.index``) for an id that is not an integer."""
+    """``ids`` as an int64 array; TypeError (from ``operator.index``) for an id that is not an
+    integer."""
     array = np.asarray(ids)
     if array.ndim == 1 and array.dtype.kind in "iu":  # the common case, checked in C
         return array.astype(np.int64, copy=False)

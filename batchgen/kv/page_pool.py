@@ -36,8 +36,8 @@ class PageOwnershipError(ValueError):
 
 
 class PoolEvent(NamedTuple):
-    """One allocator mutation: ``kind`` is ``alloc`` or ``release`` (a NamedTuple: journals hold one per
-    page grant, and compare mode compares them, so they are built and compared in C)."""
+    """One allocator mutation: ``kind`` is ``alloc`` or ``release`` (a NamedTuple: journals hold one
+    per page grant, and compare mode compares them, so they are built and compared in C)."""
 
     kind: str
     uuid: str
@@ -47,45 +47,63 @@ class PoolEvent(NamedTuple):
 Grants = Sequence[tuple[str, Sequence[int]]]  # (owner, the page ids it is given), in order
 
 
-def _refused_grant(pool: "PagePool | ForkedPagePool", grants: Grants) -> PageOwnershipError | None:
-    """The error naming the first grant whose ids are not all in range, free in ``pool``, and named once
-    (within it, or by an earlier grant); None when every grant is good. Pure."""
+def _refused_grant(pool: PagePool | ForkedPagePool, grants: Grants) -> PageOwnershipError | None:
+    """The error naming the first grant whose ids are not all in range, free in ``pool``, and named
+    once (within it, or by an earlier grant); None when every grant is good. Pure."""
     earlier: set[int] = set()
     for index, (_, page_ids) in enumerate(grants):
         not_int = next((page_id for page_id in page_ids if type(page_id) is not int), None)
         if not_int is not None:
-            return PageOwnershipError(pool.name, f"page id {not_int!r} is not an int", index, not_int)
+            return PageOwnershipError(
+                pool.name, f"page id {not_int!r} is not an int", index, not_int
+            )
         if len(set(page_ids)) != len(page_ids):
             duplicate = next(p for i, p in enumerate(page_ids) if p in page_ids[:i])
-            return PageOwnershipError(pool.name, f"page ids {list(page_ids)} name a page twice", index, duplicate)
+            return PageOwnershipError(
+                pool.name, f"page ids {list(page_ids)} name a page twice", index, duplicate
+            )
         for page_id in page_ids:
             if not 0 <= page_id < pool.num_pages:
-                return PageOwnershipError(pool.name, f"page {page_id} is out of range [0, {pool.num_pages})",
-                                          index, page_id)
+                return PageOwnershipError(
+                    pool.name,
+                    f"page {page_id} is out of range [0, {pool.num_pages})",
+                    index,
+                    page_id,
+                )
             if page_id in earlier:
-                return PageOwnershipError(pool.name, f"page {page_id} is granted twice", index, page_id)
+                return PageOwnershipError(
+                    pool.name, f"page {page_id} is granted twice", index, page_id
+                )
             if not pool.is_free(page_id):
                 return PageOwnershipError(pool.name, f"page {page_id} is not free", index, page_id)
         earlier.update(page_ids)
     return None
 
 
-PAGE_ID_TYPES = frozenset({int})  # the one type a page id may have (not bool, not a float that is integral)
+# the one type a page id may have (not bool, not a float that is integral)
+PAGE_ID_TYPES = frozenset({int})
 
 
-def _check_grants(pool: "PagePool | ForkedPagePool", grants: Grants, all_ids: list[int]) -> None:
-    """Raise the error of :func:`_refused_grant` unless every grant is good; ``all_ids``: every id of ``grants``,
-    in order. Pure."""
-    if PAGE_ID_TYPES.issuperset(map(type, all_ids)) and len(set(all_ids)) == len(all_ids) and pool.all_free(all_ids):
+def _check_grants(pool: PagePool | ForkedPagePool, grants: Grants, all_ids: list[int]) -> None:
+    """Raise the error of :func:`_refused_grant` unless every grant is good; ``all_ids``: every id
+    of ``grants``, in order. Pure."""
+    if (
+        PAGE_ID_TYPES.issuperset(map(type, all_ids))
+        and len(set(all_ids)) == len(all_ids)
+        and pool.all_free(all_ids)
+    ):
         return  # the common case, checked in C; _refused_grant names what is wrong
     error = _refused_grant(pool, grants)
     if error is None:  # the bulk check and the one per grant disagree: a bug in the pool
-        raise AssertionError(f"{pool.name}: grants {list(grants)} refused in bulk, accepted one by one")
+        raise AssertionError(
+            f"{pool.name}: grants {list(grants)} refused in bulk, accepted one by one"
+        )
     raise error
 
 
-def _check_can_allocate(pool: "PagePool | ForkedPagePool", n: int) -> None:
-    """ValueError for a negative ``n``, OutOfPages when ``pool`` has fewer than ``n`` pages free. Pure."""
+def _check_can_allocate(pool: PagePool | ForkedPagePool, n: int) -> None:
+    """ValueError for a negative ``n``, OutOfPages when ``pool`` has fewer than ``n`` pages free.
+    Pure."""
     if n < 0:
         raise ValueError(f"{pool.name}: cannot allocate {n} pages")
     if n > pool.num_free:
@@ -115,7 +133,7 @@ class PagePool:
     def peek_free_pages(self, n: int) -> list[int]:
         """The ids ``allocate_pages(_, n)`` would return now."""
         _check_can_allocate(self, n)
-        return self._queue[self._head:self._head + n]
+        return self._queue[self._head : self._head + n]
 
     def pages_of(self, uuid: str) -> tuple[int, ...]:
         return tuple(self._owned.get(uuid, ()))
@@ -127,7 +145,11 @@ class PagePool:
         """Every id in range and free (one C-level pass)."""
         if not page_ids:
             return True
-        return min(page_ids) >= 0 and max(page_ids) < self.num_pages and all(map(self._free_flags.__getitem__, page_ids))
+        return (
+            min(page_ids) >= 0
+            and max(page_ids) < self.num_pages
+            and all(map(self._free_flags.__getitem__, page_ids))
+        )
 
     def owner_ids(self) -> list[str]:
         return [uuid for uuid, pages in self._owned.items() if pages]
@@ -160,12 +182,15 @@ class PagePool:
             all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
         if not all_ids:
             return
-        if self._queue[self._head:self._head + len(all_ids)] == all_ids and PAGE_ID_TYPES.issuperset(map(type, all_ids)):
-            self._head += len(all_ids)  # the queue head (what a plan peeked): in range, free and distinct already
+        if self._queue[
+            self._head : self._head + len(all_ids)
+        ] == all_ids and PAGE_ID_TYPES.issuperset(map(type, all_ids)):
+            # the queue head (what a plan peeked): in range, free and distinct already
+            self._head += len(all_ids)
         else:
             _check_grants(self, grants, all_ids)
             taken = set(all_ids)
-            self._queue = [p for p in self._queue[self._head:] if p not in taken]
+            self._queue = [p for p in self._queue[self._head :] if p not in taken]
             self._head = 0
         self._compact()
         self._version += 1
@@ -195,7 +220,7 @@ class PagePool:
             self.journal.append(PoolEvent("release", uuid, tuple(page_ids)))
         return page_ids
 
-    def fork(self) -> "ForkedPagePool":
+    def fork(self) -> ForkedPagePool:
         """A bookkeeping-only overlay; valid while this pool is unchanged."""
         return ForkedPagePool(self)
 
@@ -203,13 +228,18 @@ class PagePool:
     def check_integrity(self, live_uuids: Collection[str] | None = None) -> None:
         """Raise AssertionError unless free + owned == total, no page is owned
         twice or both free and owned, and (when given) every owner is live."""
-        free = self._queue[self._head:]
+        free = self._queue[self._head :]
         owned = [p for pages in self._owned.values() for p in pages]
         seen = free + owned
         assert len(seen) == self.num_pages, (
-            f"{self.name}: free {len(free)} + owned {len(owned)} != total {self.num_pages}")
-        assert len(set(seen)) == self.num_pages, f"{self.name}: a page is free and owned, or owned twice"
-        assert all(self._free_flags[p] for p in free), f"{self.name}: free-queue page not marked free"
+            f"{self.name}: free {len(free)} + owned {len(owned)} != total {self.num_pages}"
+        )
+        assert len(set(seen)) == self.num_pages, (
+            f"{self.name}: a page is free and owned, or owned twice"
+        )
+        assert all(self._free_flags[p] for p in free), (
+            f"{self.name}: free-queue page not marked free"
+        )
         assert not any(self._free_flags[p] for p in owned), f"{self.name}: owned page marked free"
         if live_uuids is not None:
             dead = sorted(set(self.owner_ids()) - set(live_uuids))
@@ -217,8 +247,8 @@ class PagePool:
 
     # ---- internals ---------------------------------------------------------------
     def _assign(self, uuid: str, page_ids: Sequence[int]) -> None:
-        """Mark ``page_ids`` (already off the free queue) owned by ``uuid``; :meth:`take_pages_for` does the same
-        for all its grants in one pass. Mutates the pool."""
+        """Mark ``page_ids`` (already off the free queue) owned by ``uuid``; :meth:`take_pages_for`
+        does the same for all its grants in one pass. Mutates the pool."""
         if not page_ids:  # nothing changes: forks stay valid, no empty owner entry
             return
         self._version += 1
@@ -230,7 +260,7 @@ class PagePool:
 
     def _compact(self) -> None:
         if self._head > 4096 and self._head * 2 > len(self._queue):
-            del self._queue[:self._head]
+            del self._queue[: self._head]
             self._head = 0
 
 
@@ -252,12 +282,14 @@ class ForkedPagePool:
         self._taken: set[int] = set()  # base-free pages the fork handed out
         self._tail: list[int] = []  # pages released in the fork, FIFO
         self._released: set[str] = set()  # owners whose base pages the fork released
-        self._added: dict[str, list[int]] = {}  # pages the fork gave each owner (after its release, if any)
+        # pages the fork gave each owner (after its release, if any)
+        self._added: dict[str, list[int]] = {}
         self.journal: list[PoolEvent] = []
 
     @property
     def num_free(self) -> int:
-        if self._base._version != self._base_version:  # _check_base, inlined: legacy alloc asks per request
+        # _check_base, inlined: legacy alloc asks per request
+        if self._base._version != self._base_version:
             self._check_base()
         return self._num_free
 
@@ -269,7 +301,7 @@ class ForkedPagePool:
             if queue[i] not in self._taken:
                 out.append(queue[i])
             i += 1
-        out.extend(self._tail[:n - len(out)])
+        out.extend(self._tail[: n - len(out)])
         return out
 
     def pages_of(self, uuid: str) -> tuple[int, ...]:
@@ -328,7 +360,8 @@ class ForkedPagePool:
         queue = self._base._queue
         while self._cursor < len(queue) and queue[self._cursor] in self._taken:
             self._cursor += 1
-        self._added.setdefault(uuid, []).extend(page_ids)  # what it touches: not the owner's whole page list
+        # what it touches: not the owner's whole page list
+        self._added.setdefault(uuid, []).extend(page_ids)
         self.journal.append(PoolEvent("alloc", uuid, tuple(page_ids)))
 
     def _check_base(self) -> None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.config import CacheConfig, EngineConfig, ModelConfig
-from batchgen.kv.backends import GpuKvPool, HostKvPool
 from batchgen.engine.state import WorkerState
+from batchgen.kv.backends import GpuKvPool, HostKvPool
 
 
 @dataclass(slots=True)
@@ -33,9 +33,9 @@ class KvTarget:
     shared_pending: bool = False  # a fork: pending_appends is the worker's, never written
 
     def record_op(self, on: bool) -> None:
-        """Start (fresh, empty records) or stop recording what one KV op writes: both pools' journals, the
-        copies issued and load handles returned, the requests written (each as it was before) and the pending
-        appends dropped. Mutates those records."""
+        """Start (fresh, empty records) or stop recording what one KV op writes: both pools'
+        journals, the copies issued and load handles returned, the requests written (each as it was
+        before) and the pending appends dropped. Mutates those records."""
         self.gpu_kv.pages.journal = [] if on else None
         self.host_kv.pages.journal = [] if on else None
         self.host_kv.record_copies(on)
@@ -43,7 +43,8 @@ class KvTarget:
         self.dropped = set() if on else None
 
     def drop_pending_append(self, uuid: str) -> None:
-        """Discard ``uuid``'s pending K/V, if any. Mutates ``pending_appends`` (a fork: ``dropped`` only)."""
+        """Discard ``uuid``'s pending K/V, if any. Mutates ``pending_appends`` (a fork: ``dropped``
+        only)."""
         if uuid not in self.pending_appends or (self.shared_pending and uuid in self.dropped):
             return
         if not self.shared_pending:

@@ -26,7 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.config import ModelConfig
-from batchgen.model.paged_kv import KVSlots, gather_kv, gather_kv_slots, locate_slots, page_table_tensor
+from batchgen.model.paged_kv import (
+    KVSlots,
+    gather_kv,
+    gather_kv_slots,
+    locate_slots,
+    page_table_tensor,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,16 +40,20 @@ class SeqInput:
     """One sequence's work in a forward."""
 
     token_ids: Sequence[int]  # the new tokens of this sequence this step (all its uncached tokens)
-    start_pos: int  # tokens already cached in pages; the new tokens are positions [start_pos, start_pos+len)
-    page_ids: Sequence[int]  # the sequence's page table; pages cover at least start_pos+len positions
+    # tokens already cached in pages; the new tokens are positions [start_pos, start_pos+len)
+    start_pos: int
+    # the sequence's page table; pages cover at least start_pos+len positions
+    page_ids: Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardOutput:
-    """What a forward produced; ``logits`` and ``new_kv`` follow the order of the input sequences."""
+    """What a forward produced; ``logits`` and ``new_kv`` follow the order of the input
+    sequences."""
 
     logits: Tensor  # [num_seqs, vocab_size] float32: logits of each sequence's LAST new token
-    new_kv: list[Tensor]  # per seq: [num_layers, 2, n_new, num_kv_heads, head_dim] in kv_pages.dtype (K after RoPE)
+    # per seq: [num_layers, 2, n_new, num_kv_heads, head_dim] in kv_pages.dtype (K after RoPE)
+    new_kv: list[Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +75,8 @@ class _DecodeBatch:
     """All one-token sequences with a cached history, attended as one padded batch of B rows."""
 
     rows: Tensor  # [B] packed row of each decode token
-    key_slots: KVSlots  # [B, T] slots of keys 0..T-1; T = longest context, padding repeats start_pos - 1
+    # [B, T] slots of keys 0..T-1; T = longest context, padding repeats start_pos - 1
+    key_slots: KVSlots
     new_key_columns: Tensor  # [B] column where the new token's own K/V go (its start_pos)
     key_mask: Tensor  # [B, 1, 1, T] True where a key may be attended
 
@@ -93,11 +104,15 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE; ``inv_freq`` is a float32 buffer computed on CPU, not in state dicts."""
+    """Default (unscaled) RoPE; ``inv_freq`` is a float32 buffer computed on CPU, not in state
+    dicts."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64, device="cpu").float() / config.head_dim
+        exponents = (
+            torch.arange(0, config.head_dim, 2, dtype=torch.int64, device="cpu").float()
+            / config.head_dim
+        )
         self.register_buffer("inv_freq", 1.0 / (config.rope_theta**exponents), persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -138,9 +153,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, plan: _AttentionPlan, kv_pages: Tensor, layer: int
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        plan: _AttentionPlan,
+        kv_pages: Tensor,
+        layer: int,
     ) -> tuple[Tensor, Tensor]:
-        """Attention output [N, hidden] and this layer's new K/V [2, N, kv_heads, head_dim]; reads ``kv_pages`` only."""
+        """Attention output [N, hidden] and this layer's new K/V [2, N, kv_heads, head_dim]; reads
+        ``kv_pages`` only."""
         num_rows = x.shape[0]
         q = apply_rope(self.q_proj(x).view(num_rows, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(num_rows, self.num_kv_heads, self.head_dim), cos, sin)
@@ -156,7 +178,8 @@ class LlamaAttention(nn.Module):
 
 
 def _attend_one(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Tensor:
-    """One sequence: q [n, heads, d] over k, v [S, kv_heads, d]; causal when ``key_mask`` [n, S] is None."""
+    """One sequence: q [n, heads, d] over k, v [S, kv_heads, d]; causal when ``key_mask`` [n, S] is
+    None."""
     num_heads = q.shape[1]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
@@ -169,12 +192,16 @@ def _attend_one(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Ten
 
 
 def _expand_kv_heads(x: Tensor, num_heads: int) -> Tensor:
-    """[S, kv_heads, d] -> [heads, S, d]; kv head j serves query heads j*g .. j*g+g-1 (HF ``repeat_kv``)."""
+    """[S, kv_heads, d] -> [heads, S, d]; kv head j serves query heads j*g .. j*g+g-1 (HF
+    ``repeat_kv``)."""
     return x.repeat_interleave(num_heads // x.shape[1], dim=1).transpose(0, 1)
 
 
-def _attend_extend(q: Tensor, k: Tensor, v: Tensor, span: _Span, kv_pages: Tensor, layer: int) -> Tensor:
-    """A sequence with cached history and several new tokens: new token i sees keys 0..start_pos+i."""
+def _attend_extend(
+    q: Tensor, k: Tensor, v: Tensor, span: _Span, kv_pages: Tensor, layer: int
+) -> Tensor:
+    """A sequence with cached history and several new tokens: new token i sees keys
+    0..start_pos+i."""
     cached_k, cached_v = gather_kv(kv_pages, span.page_ids, span.start_pos, layer)
     keys = torch.cat((cached_k.to(k.dtype), k[span.rows]))
     values = torch.cat((cached_v.to(v.dtype), v[span.rows]))
@@ -183,14 +210,18 @@ def _attend_extend(q: Tensor, k: Tensor, v: Tensor, span: _Span, kv_pages: Tenso
     return _attend_one(q[span.rows], keys, values, key_mask)
 
 
-def _attend_decodes(q: Tensor, k: Tensor, v: Tensor, decodes: _DecodeBatch, kv_pages: Tensor, layer: int) -> Tensor:
-    """All decode tokens in one SDPA: each row's query heads are folded under their kv head, so no K/V copy per head."""
+def _attend_decodes(
+    q: Tensor, k: Tensor, v: Tensor, decodes: _DecodeBatch, kv_pages: Tensor, layer: int
+) -> Tensor:
+    """All decode tokens in one SDPA: each row's query heads are folded under their kv head, so no
+    K/V copy per head."""
     keys, values = gather_kv_slots(kv_pages, decodes.key_slots, layer)  # fresh [B, T, kv_heads, d]
     batch_rows = torch.arange(keys.shape[0], device=keys.device)
     keys[batch_rows, decodes.new_key_columns] = k[decodes.rows].to(keys.dtype)
     values[batch_rows, decodes.new_key_columns] = v[decodes.rows].to(values.dtype)
     num_batch, num_kv_heads, head_dim = keys.shape[0], keys.shape[2], keys.shape[3]
-    grouped_q = q[decodes.rows].view(num_batch, num_kv_heads, -1, head_dim)  # [B, kv_heads, group, d]
+    # [B, kv_heads, group, d]
+    grouped_q = q[decodes.rows].view(num_batch, num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
         grouped_q,
         keys.to(q.dtype).transpose(1, 2),
@@ -209,10 +240,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: Tensor, cos: Tensor, sin: Tensor, plan: _AttentionPlan, kv_pages: Tensor, layer: int
+        self,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        plan: _AttentionPlan,
+        kv_pages: Tensor,
+        layer: int,
     ) -> tuple[Tensor, Tensor]:
         """New hidden [N, hidden] and this layer's new K/V [2, N, kv_heads, head_dim]."""
-        attn_out, new_kv = self.self_attn(self.input_layernorm(hidden), cos, sin, plan, kv_pages, layer)
+        attn_out, new_kv = self.self_attn(
+            self.input_layernorm(hidden), cos, sin, plan, kv_pages, layer
+        )
         hidden = hidden + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), new_kv
 
@@ -226,9 +265,15 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(
-        self, token_ids: Tensor, positions: Tensor, plan: _AttentionPlan, kv_pages: Tensor, output_rows: Tensor
+        self,
+        token_ids: Tensor,
+        positions: Tensor,
+        plan: _AttentionPlan,
+        kv_pages: Tensor,
+        output_rows: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        """Final-normed hidden of ``output_rows`` and new K/V [layers, 2, N, kv_heads, head_dim] in the pages' dtype."""
+        """Final-normed hidden of ``output_rows`` and new K/V [layers, 2, N, kv_heads, head_dim] in
+        the pages' dtype."""
         hidden = self.embed_tokens(token_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         layer_kvs = []
@@ -247,29 +292,40 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """With ``tie_word_embeddings``, make ``lm_head.weight`` the embedding Parameter itself; mutates lm_head."""
+        """With ``tie_word_embeddings``, make ``lm_head.weight`` the embedding Parameter itself;
+        mutates lm_head."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqInput], kv_pages: Tensor) -> ForwardOutput:
-        """Logits of each sequence's last new token and the new tokens' K/V; reads ``kv_pages``, never writes it."""
+        """Logits of each sequence's last new token and the new tokens' K/V; reads ``kv_pages``,
+        never writes it."""
         device = self.model.embed_tokens.weight.device
         spans = _pack(seqs, page_size=kv_pages.shape[3])
-        token_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)), device=device)
+        token_ids = torch.tensor(
+            list(itertools.chain.from_iterable(s.token_ids for s in seqs)), device=device
+        )
         num_new = [span.num_new for span in spans]
-        pos_offsets = torch.tensor([span.start_pos - span.row_start for span in spans], device=device)
+        pos_offsets = torch.tensor(
+            [span.start_pos - span.row_start for span in spans], device=device
+        )
         positions = torch.arange(len(token_ids), device=device) + pos_offsets.repeat_interleave(
             torch.tensor(num_new, device=device), output_size=len(token_ids)
         )
-        last_rows = torch.tensor([span.row_start + span.num_new - 1 for span in spans], device=device)
+        last_rows = torch.tensor(
+            [span.row_start + span.num_new - 1 for span in spans], device=device
+        )
         plan = _plan_attention(spans, kv_pages.shape[3], device)
         hidden, new_kv = self.model(token_ids, positions, plan, kv_pages, last_rows)
-        return ForwardOutput(logits=self.lm_head(hidden).float(), new_kv=list(new_kv.split(num_new, dim=2)))
+        return ForwardOutput(
+            logits=self.lm_head(hidden).float(), new_kv=list(new_kv.split(num_new, dim=2))
+        )
 
 
 def _pack(seqs: Sequence[SeqInput], page_size: int) -> list[_Span]:
-    """Rows of each sequence in the packed batch; checks every sequence is non-empty and covered by its pages."""
+    """Rows of each sequence in the packed batch; checks every sequence is non-empty and covered by
+    its pages."""
     if not seqs:
         raise ValueError("forward needs at least one sequence")
     spans, row_start = [], 0
@@ -280,7 +336,8 @@ def _pack(seqs: Sequence[SeqInput], page_size: int) -> list[_Span]:
             raise ValueError(f"sequence {index} has no new tokens")
         if len(seq.page_ids) * page_size < end_pos:
             raise ValueError(
-                f"sequence {index}: {len(seq.page_ids)} pages of {page_size} do not cover positions [0, {end_pos})"
+                f"sequence {index}: {len(seq.page_ids)} pages of {page_size} do not cover positions"
+                f" [0, {end_pos})"
             )
         spans.append(_Span(row_start, num_new, seq.start_pos, seq.page_ids))
         row_start += num_new
@@ -297,13 +354,15 @@ def _plan_attention(spans: list[_Span], page_size: int, device: torch.device) ->
 
 
 def _plan_decodes(spans: list[_Span], page_size: int, device: torch.device) -> _DecodeBatch:
-    """Pad all decode contexts to the longest; padding re-reads a cached slot (never an unwritten one) and is masked."""
+    """Pad all decode contexts to the longest; padding re-reads a cached slot (never an unwritten
+    one) and is masked."""
     start_pos = torch.tensor([s.start_pos for s in spans], device=device)
     num_table_pages = max(len(s.page_ids) for s in spans)
     page_tables = page_table_tensor(
         [list(s.page_ids) + [0] * (num_table_pages - len(s.page_ids)) for s in spans], device
     )
-    key_columns = torch.arange(max(s.start_pos for s in spans) + 1, device=device)[None, :]  # [1, T]
+    # [1, T]
+    key_columns = torch.arange(max(s.start_pos for s in spans) + 1, device=device)[None, :]
     cached_positions = torch.minimum(key_columns, start_pos[:, None] - 1)  # [B, T]
     return _DecodeBatch(
         rows=torch.tensor([s.row_start for s in spans], device=device),

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from batchgen.config import DTYPE_SIZES, TINY_MODELS, ModelConfig, validation_summary
 from batchgen.model.llama import LlamaForCausalLM
 
-SUPPORTED_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}  # config's dtype names are torch's
+# config's dtype names are torch's
+SUPPORTED_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
 INIT_STD = 0.02
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,13 +31,15 @@ MAX_NAMES_IN_MESSAGE = 5
 
 
 class ModelLoadError(ValueError):
-    """A model spec that cannot be loaded; the message names the path or name, what was wrong, what is allowed."""
+    """A model spec that cannot be loaded; the message names the path or name, what was wrong, what
+    is allowed."""
 
 
 def load_model(
     spec: str, *, device: str | torch.device = "cpu", dtype: str = "float32", seed: int = 0
 ) -> LlamaForCausalLM:
-    """Load ``spec``: a ``TINY_MODELS`` name (weights drawn from ``seed``) or an HF-format model directory.
+    """Load ``spec``: a ``TINY_MODELS`` name (weights drawn from ``seed``) or an HF-format model
+    directory.
 
     A directory holds ``config.json`` and either ``model.safetensors`` or shards listed
     in ``model.safetensors.index.json``. Raises ``ModelLoadError`` for anything it cannot load.
@@ -59,30 +62,42 @@ def load_model(
         for name, tensor in weights:
             _assign_parameter(model, name, tensor.to(device=device, dtype=torch_dtype))
     except torch.OutOfMemoryError as error:
-        raise ModelLoadError(_no_memory(spec, num_bytes, dtype, f"the {torch.device(device).type} allocator refused "
-                                                                f"({error})")) from None
+        raise ModelLoadError(
+            _no_memory(
+                spec,
+                num_bytes,
+                dtype,
+                f"the {torch.device(device).type} allocator refused ({error})",
+            )
+        ) from None
     except RuntimeError as error:
-        if "can't allocate memory" not in str(error):  # the CPU allocator's words for it (a ulimit, say)
+        # the CPU allocator's words for it (a ulimit, say)
+        if "can't allocate memory" not in str(error):
             raise
-        raise ModelLoadError(_no_memory(spec, num_bytes, dtype, "the CPU allocator refused")) from None
+        raise ModelLoadError(
+            _no_memory(spec, num_bytes, dtype, "the CPU allocator refused")
+        ) from None
     model.tie_weights()
     return model.to(device).requires_grad_(False).eval()
 
 
 def _check_memory(spec: str, num_bytes: int, dtype: str, device: torch.device) -> None:
-    """ModelLoadError when ``device`` has less memory available than the weights take (the OS would kill the
-    process, without a word, part way through). Linux's MemAvailable on the CPU, the free memory on a GPU;
-    no check where neither is known."""
+    """ModelLoadError when ``device`` has less memory available than the weights take (the OS would
+    kill the process, without a word, part way through). Linux's MemAvailable on the CPU, the free
+    memory on a GPU; no check where neither is known."""
     available = device_memory_available(device)
     if available is not None and num_bytes > available:
-        raise ModelLoadError(_no_memory(spec, num_bytes, dtype, f"{available / 2**30:.1f} GiB is available on "
-                                                                f"{device.type}"))
+        raise ModelLoadError(
+            _no_memory(
+                spec, num_bytes, dtype, f"{available / 2**30:.1f} GiB is available on {device.type}"
+            )
+        )
 
 
 def device_memory_available(device: torch.device) -> int | None:
-    """Bytes ``device`` has available: Linux's MemAvailable for the CPU; for a GPU its free memory plus what torch's
-    caching allocator holds unused (a previous worker's freed pools, which the next allocation reuses); None where
-    neither is known."""
+    """Bytes ``device`` has available: Linux's MemAvailable for the CPU; for a GPU its free memory
+    plus what torch's caching allocator holds unused (a previous worker's freed pools, which the
+    next allocation reuses); None where neither is known."""
     if device.type == "cuda" and torch.cuda.is_available():
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + cached
@@ -90,7 +105,8 @@ def device_memory_available(device: torch.device) -> int | None:
 
 
 def host_memory_available() -> int | None:
-    """Bytes of host memory available (Linux's MemAvailable), or None where /proc/meminfo does not say."""
+    """Bytes of host memory available (Linux's MemAvailable), or None where /proc/meminfo does not
+    say."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -102,8 +118,11 @@ def host_memory_available() -> int | None:
 
 
 def _no_memory(spec: str, num_bytes: int, dtype: str, why: str) -> str:
-    return (f"{spec}: not enough memory for its weights ({num_bytes / 2**30:.1f} GiB in {dtype}): {why}; "
-            f"allowed: a smaller model or dtype (--dtype bfloat16 halves float32), or a machine with more memory")
+    return (
+        f"{spec}: not enough memory for its weights ({num_bytes / 2**30:.1f} GiB in {dtype}):"
+        f" {why}; allowed: a smaller model or dtype (--dtype bfloat16 halves float32), or a machine"
+        " with more memory"
+    )
 
 
 def _parse_dtype(dtype: str) -> torch.dtype:
@@ -113,13 +132,15 @@ def _parse_dtype(dtype: str) -> torch.dtype:
 
 
 def _meta_model(config: ModelConfig) -> LlamaForCausalLM:
-    """The model with parameters on the meta device (no memory, no init); the RoPE buffer is on CPU."""
+    """The model with parameters on the meta device (no memory, no init); the RoPE buffer is on
+    CPU."""
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
 
 def _expected_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
-    """Every parameter to fill, in module order; a tied ``lm_head.weight`` is not listed (it is the embedding)."""
+    """Every parameter to fill, in module order; a tied ``lm_head.weight`` is not listed (it is the
+    embedding)."""
     return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
@@ -145,7 +166,9 @@ def _seeded_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> Iterator[t
         elif name.endswith(".bias"):
             yield name, torch.zeros(shape)
         else:
-            draws = torch.randint(-half_range, half_range, shape, generator=generator, dtype=torch.int32)
+            draws = torch.randint(
+                -half_range, half_range, shape, generator=generator, dtype=torch.int32
+            )
             yield name, draws.to(torch.float32) * scale
 
 
@@ -154,7 +177,9 @@ def _model_directory(spec: str) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise ModelLoadError(f"{spec}: is a file; a model directory holds {CONFIG_FILE} and *.safetensors")
+        raise ModelLoadError(
+            f"{spec}: is a file; a model directory holds {CONFIG_FILE} and *.safetensors"
+        )
     if os.sep in spec or spec.startswith("."):
         raise ModelLoadError(f"{spec}: directory does not exist")
     raise ModelLoadError(
@@ -166,7 +191,9 @@ def _model_directory(spec: str) -> Path:
 def _read_config(directory: Path) -> ModelConfig:
     path = directory / CONFIG_FILE
     if not path.is_file():
-        raise ModelLoadError(f"{path}: missing; a model directory needs {CONFIG_FILE} next to its safetensors files")
+        raise ModelLoadError(
+            f"{path}: missing; a model directory needs {CONFIG_FILE} next to its safetensors files"
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -181,32 +208,50 @@ def _read_config(directory: Path) -> ModelConfig:
     except KeyError as error:
         raise ModelLoadError(f"{path}: missing key {error.args[0]!r}") from error
     except ValidationError as error:
-        raise ModelLoadError(f"{path}: invalid model config: {validation_summary(error, names=ModelConfig.HF_KEYS)}") from None
+        raise ModelLoadError(
+            f"{path}: invalid model config: {validation_summary(error, names=ModelConfig.HF_KEYS)}"
+        ) from None
     except (ValueError, TypeError) as error:
         raise ModelLoadError(f"{path}: invalid model config: {error}") from error
 
 
 def _normalised_hf_config(raw: dict, path: Path) -> dict:
-    """Reject what the decoder does not implement; lift transformers-5 ``rope_parameters.rope_theta`` to the top."""
+    """Reject what the decoder does not implement; lift transformers-5
+    ``rope_parameters.rope_theta`` to the top."""
     if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported; allowed: 'silu'")
+        raise ModelLoadError(
+            f"{path}: hidden_act {raw['hidden_act']!r} is not supported; allowed: 'silu'"
+        )
     if raw.get("use_sliding_window"):
-        raise ModelLoadError(f"{path}: use_sliding_window is not supported; allowed: full attention on every layer")
-    if raw.get("model_type") == "mistral" and raw.get("sliding_window") is not None:  # Mistral has no on/off switch
-        raise ModelLoadError(f"{path}: sliding_window {raw['sliding_window']!r} is not supported; allowed: null "
-                             f"(full attention on every layer)")
+        raise ModelLoadError(
+            f"{path}: use_sliding_window is not supported; allowed: full attention on every layer"
+        )
+    # Mistral has no on/off switch
+    if raw.get("model_type") == "mistral" and raw.get("sliding_window") is not None:
+        raise ModelLoadError(
+            f"{path}: sliding_window {raw['sliding_window']!r} is not supported; allowed: null "
+            "(full attention on every layer)"
+        )
     rope_key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     rope = raw.get(rope_key) or {}
     if not isinstance(rope, dict):
-        raise ModelLoadError(f"{path}: {rope_key} must be a JSON object or null, got {type(rope).__name__}")
+        raise ModelLoadError(
+            f"{path}: {rope_key} must be a JSON object or null, got {type(rope).__name__}"
+        )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ModelLoadError(f"{path}: rope_type {rope_type!r} is not supported; allowed: 'default' (unscaled RoPE)")
-    for key, factor in (("partial_rotary_factor", raw.get("partial_rotary_factor")),
-                        (f"{rope_key}.partial_rotary_factor", rope.get("partial_rotary_factor"))):
+        raise ModelLoadError(
+            f"{path}: rope_type {rope_type!r} is not supported; allowed: 'default' (unscaled RoPE)"
+        )
+    for key, factor in (
+        ("partial_rotary_factor", raw.get("partial_rotary_factor")),
+        (f"{rope_key}.partial_rotary_factor", rope.get("partial_rotary_factor")),
+    ):
         if factor is not None and not (type(factor) in (int, float) and factor == 1):
-            raise ModelLoadError(f"{path}: {key} {factor!r} is not supported; allowed: 1 or null (RoPE on every "
-                                 f"dimension of a head)")
+            raise ModelLoadError(
+                f"{path}: {key} {factor!r} is not supported; allowed: 1 or null (RoPE on every "
+                "dimension of a head)"
+            )
     if "rope_theta" not in raw and "rope_theta" in rope:
         return {**raw, "rope_theta": rope["rope_theta"]}
     return raw
@@ -215,7 +260,8 @@ def _normalised_hf_config(raw: dict, path: Path) -> dict:
 def _checkpoint_weights(
     directory: Path, shapes: dict[str, tuple[int, ...]], config: ModelConfig
 ) -> Iterator[tuple[str, Tensor]]:
-    """Check every tensor's presence and shape first (headers only), then yield the expected tensors one at a time."""
+    """Check every tensor's presence and shape first (headers only), then yield the expected tensors
+    one at a time."""
     files = _safetensors_files(directory)
     found = _tensor_shapes(files)
     ignored = {name for name in found if name.endswith(IGNORED_TENSOR_SUFFIX)}
@@ -235,10 +281,22 @@ def _safetensors_files(directory: Path) -> list[Path]:
                 f"or model-0000x-of-0000y.safetensors shards listed in {INDEX_FILE}"
             )
         return files
-    not_an_index = f"{index_path}: not a safetensors index (needs a 'weight_map' object of tensor -> shard file names)"
+    not_an_index = (
+        f"{index_path}: not a safetensors index (needs a 'weight_map' object of tensor -> shard"
+        " file names)"
+    )
     try:
-        shard_names = sorted(set(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"].values()))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError, AttributeError) as error:
+        shard_names = sorted(
+            set(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"].values())
+        )
+    except (
+        json.JSONDecodeError,
+        UnicodeDecodeError,
+        RecursionError,
+        KeyError,
+        TypeError,
+        AttributeError,
+    ) as error:
         raise ModelLoadError(not_an_index) from error
     if not all(isinstance(name, str) for name in shard_names):
         raise ModelLoadError(not_an_index)
@@ -255,21 +313,25 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors header names of weig
 
 
 def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in ``files``, read from the headers only; rejects non-float tensors, and a
-    tensor found in two files (which one the model would get is not defined)."""
+    """Name -> shape of every tensor in ``files``, read from the headers only; rejects non-float
+    tensors, and a tensor found in two files (which one the model would get is not defined)."""
     shapes, found_in = {}, {}
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as reader:
                 for name in reader.keys():
                     if name in found_in:
-                        raise ModelLoadError(f"{file}: tensor {name} is also in {found_in[name].name}; each tensor "
-                                             f"must be in exactly one safetensors file")
+                        raise ModelLoadError(
+                            f"{file}: tensor {name} is also in {found_in[name].name}; each tensor "
+                            "must be in exactly one safetensors file"
+                        )
                     found_in[name] = file
                     header = reader.get_slice(name)
                     if header.get_dtype() not in FLOAT_DTYPES:
-                        raise ModelLoadError(f"{file}: tensor {name} has dtype {header.get_dtype()}; "
-                                             f"weights must be one of {', '.join(FLOAT_DTYPES)}")
+                        raise ModelLoadError(
+                            f"{file}: tensor {name} has dtype {header.get_dtype()}; "
+                            f"weights must be one of {', '.join(FLOAT_DTYPES)}"
+                        )
                     shapes[name] = tuple(header.get_shape())
         except SafetensorError as error:
             raise ModelLoadError(f"{file}: not a readable safetensors file ({error})") from error
@@ -277,7 +339,10 @@ def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 
 def _check_names_and_shapes(
-    directory: Path, found: dict[str, tuple[int, ...]], ignored: set[str], expected: dict[str, tuple[int, ...]]
+    directory: Path,
+    found: dict[str, tuple[int, ...]],
+    ignored: set[str],
+    expected: dict[str, tuple[int, ...]],
 ) -> None:
     missing = [name for name in expected if name not in found]
     if missing:
@@ -294,11 +359,14 @@ def _check_names_and_shapes(
     for name, shape in expected.items():
         if found[name] != shape:
             raise ModelLoadError(
-                f"{directory}: tensor {name} has shape {list(found[name])}, expected {list(shape)} from {CONFIG_FILE}"
+                f"{directory}: tensor {name} has shape {list(found[name])}, expected {list(shape)}"
+                f" from {CONFIG_FILE}"
             )
 
 
-def _read_tensors(files: list[Path], expected: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, Tensor]]:
+def _read_tensors(
+    files: list[Path], expected: dict[str, tuple[int, ...]]
+) -> Iterator[tuple[str, Tensor]]:
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as reader:
             for name in reader.keys():

@@ -31,11 +31,15 @@ class NullModel:
 
     def __init__(self, config: ModelConfig):
         if config.vocab_size < 2:
-            raise ValueError(f"NullModel needs vocab_size >= 2 (sampling takes a top-2), got {config.vocab_size}")
+            raise ValueError(
+                f"NullModel needs vocab_size >= 2 (sampling takes a top-2), got {config.vocab_size}"
+            )
         self._eos_ids = frozenset(config.eos_token_ids)
         if self._eos_ids.issuperset(range(config.vocab_size)):
-            raise ValueError(f"NullModel needs a token that is not EOS, but every id of the vocabulary "
-                             f"({config.vocab_size}) is one")
+            raise ValueError(
+                "NullModel needs a token that is not EOS, but every id of the vocabulary "
+                f"({config.vocab_size}) is one"
+            )
         self.config = config
 
     def next_token(self, last_token_id: int, position: int) -> int:
@@ -54,7 +58,9 @@ class NullModel:
         for index, seq in enumerate(seqs):
             if not seq.token_ids:
                 raise ValueError(f"sequence {index} has no new tokens")
-            tokens.append(self.next_token(seq.token_ids[-1], seq.start_pos + len(seq.token_ids) - 1))
+            tokens.append(
+                self.next_token(seq.token_ids[-1], seq.start_pos + len(seq.token_ids) - 1)
+            )
         logits = torch.zeros(len(seqs), self.config.vocab_size, dtype=torch.float32)
         logits[torch.arange(len(seqs)), torch.tensor(tokens)] = 1.0
         return ForwardOutput(logits=logits, new_kv=[None] * len(seqs))

@@ -29,7 +29,8 @@ K_INDEX, V_INDEX = 0, 1
 
 
 def kv_page_shape(config: ModelConfig, page_size: int, num_pages: int) -> tuple[int, ...]:
-    """Shape of a tier's page tensor: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``."""
+    """Shape of a tier's page tensor: ``[num_pages, num_layers, 2, page_size, num_kv_heads,
+    head_dim]``."""
     return (num_pages, config.num_layers, 2, page_size, config.num_kv_heads, config.head_dim)
 
 
@@ -47,7 +48,8 @@ def page_table_tensor(page_ids: Sequence[int], device: torch.device) -> Tensor:
 
 
 def locate_slots(page_table: Tensor, positions: Tensor, page_size: int) -> KVSlots:
-    """Slots of ``positions`` [..., T] given ``page_table`` [..., num_table_pages] (same leading dims).
+    """Slots of ``positions`` [..., T] given ``page_table`` [..., num_table_pages] (same leading
+    dims).
 
     Pure; positions must lie inside the pages the table covers.
     """
@@ -63,8 +65,11 @@ def gather_kv_slots(kv_pages: Tensor, slots: KVSlots, layer: int) -> tuple[Tenso
     return kv[..., K_INDEX, :, :], kv[..., V_INDEX, :, :]
 
 
-def gather_kv(kv_pages: Tensor, page_ids: Sequence[int], num_tokens: int, layer: int) -> tuple[Tensor, Tensor]:
-    """K and V of positions ``[0, num_tokens)`` of one layer, each ``[num_tokens, num_kv_heads, head_dim]``.
+def gather_kv(
+    kv_pages: Tensor, page_ids: Sequence[int], num_tokens: int, layer: int
+) -> tuple[Tensor, Tensor]:
+    """K and V of positions ``[0, num_tokens)`` of one layer, each ``[num_tokens, num_kv_heads,
+    head_dim]``.
 
     Pure read of ``kv_pages``.
     """
@@ -76,7 +81,8 @@ def gather_kv(kv_pages: Tensor, page_ids: Sequence[int], num_tokens: int, layer:
 
 
 def write_kv(kv_pages: Tensor, page_ids: Sequence[int], start_pos: int, new_kv: Tensor) -> None:
-    """Write ``new_kv`` [num_layers, 2, n, num_kv_heads, head_dim] into positions ``[start_pos, start_pos + n)``.
+    """Write ``new_kv`` [num_layers, 2, n, num_kv_heads, head_dim] into positions ``[start_pos,
+    start_pos + n)``.
 
     Mutates ``kv_pages`` at exactly those n slots of every layer, nothing else.
     ``new_kv`` is converted to the pages' dtype and device.

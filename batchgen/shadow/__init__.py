@@ -1,1 +1,2 @@
-"""Compare mode for the KV ops: the binding of ``compare`` to the KV paths, canonical forms, replay, minimize, validation and the pytest plugin."""
+"""Compare mode for the KV ops: the binding of ``compare`` to the KV paths, canonical forms, replay,
+minimize, validation and the pytest plugin."""

@@ -47,16 +47,25 @@ from dataclasses import dataclass
 from functools import partial
 from operator import methodcaller
 
-from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor
-from batchgen.kv.plan_path import PlanKvPath
-from batchgen.shadow.forms import (
-    canonical_copies, canonical_events, canonical_form, canonical_kv, canonical_result, canonical_stats, classify,
-    detach_fork, differing_requests, exception_kind, fork_target, pre_state,
-)
 from batchgen.kv.gate import KvGateConfig, build_kv_path, kv_path_class
+from batchgen.kv.plan_path import PlanKvPath
 from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
-
+from batchgen.shadow.forms import (
+    canonical_copies,
+    canonical_events,
+    canonical_form,
+    canonical_kv,
+    canonical_result,
+    canonical_stats,
+    classify,
+    detach_fork,
+    differing_requests,
+    exception_kind,
+    fork_target,
+    pre_state,
+)
+from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor
 
 _EVICT, _MIGRATE = methodcaller("evict"), methodcaller("migrate")  # the op on a path, called in C
 _NO_OP = ("", None, None)
@@ -101,19 +110,24 @@ class _ShadowRun:
 
     fork: KvTarget  # the shadow's post-state, its pools' journals and copies included
     result: object  # what the shadow path's op returned
-    free_pages: tuple[int, int]  # the fork's free GPU and host pages after the op (readable only until the
+    # the fork's free GPU and host pages after the op (readable only until the
+    free_pages: tuple[int, int]
     # authoritative path changes the worker's pools)
 
 
 def wrote_nothing(target: KvTarget, written, dropped) -> bool:
-    """Whether an op that wrote ``written`` and dropped ``dropped`` on ``target`` changed no request, pending
-    append, pool page or copy (its pools journal and its host pool records copies). Pure."""
+    """Whether an op that wrote ``written`` and dropped ``dropped`` on ``target`` changed no
+    request, pending append, pool page or copy (its pools journal and its host pool records copies).
+    Pure."""
     host = target.host_kv
-    return not (written or dropped or target.gpu_kv.pages.journal or host.pages.journal or host.copies)
+    return not (
+        written or dropped or target.gpu_kv.pages.journal or host.pages.journal or host.copies
+    )
 
 
 def _quiet_form(target: KvTarget, result) -> dict:
-    """The canonical form of an op that wrote nothing: every other part equals the pre-state's, on both sides."""
+    """The canonical form of an op that wrote nothing: every other part equals the pre-state's, on
+    both sides."""
     return {"stats": canonical_stats(target), "result": canonical_result(result)}
 
 
@@ -125,9 +139,16 @@ class KvCompare:
     gives the A/A noise check.
     """
 
-    def __init__(self, target: KvTarget, gate: KvGateConfig, *, shadow_path: str | None = None,
-                 faults: str | None = None):
-        """``faults``: the fault SPEC the worker runs under, recorded with each divergence (for minimize)."""
+    def __init__(
+        self,
+        target: KvTarget,
+        gate: KvGateConfig,
+        *,
+        shadow_path: str | None = None,
+        faults: str | None = None,
+    ):
+        """``faults``: the fault SPEC the worker runs under, recorded with each divergence (for
+        minimize)."""
         self.target = target
         self.faults = faults
         self.gate = gate
@@ -137,31 +158,42 @@ class KvCompare:
             self.authoritative = _RecordingPlanKvPath(target)
         else:
             self.authoritative = build_kv_path(gate.path, target)
-        self._requests = PlanKvPath(target)  # builds the replay context when neither side's plan path does
+        # builds the replay context when neither side's plan path does
+        self._requests = PlanKvPath(target)
         if self.shadow_path == "plan":
             self._new_shadow_path = partial(_RecordingPlanKvPath, geometry=self._requests.geometry)
         else:
-            self._new_shadow_path = kv_path_class(self.shadow_path)  # resolved once: no import per op
+            # resolved once: no import per op
+            self._new_shadow_path = kv_path_class(self.shadow_path)
         self._shadow_request = None  # the op request the shadow plan path built on the fork
         self.sink = JsonlSink(gate.compare_log)
         self.seed = 0
         self.run_id = self.workload = self.workload_source = ""
         self.scale = 1.0
-        self._written: dict = {}  # what the last authoritative step wrote: uuid -> the request before it
-        self._op: tuple = _NO_OP  # while an op is compared: (name, the op on a path, its request builder)
+        # what the last authoritative step wrote: uuid -> the request before it
+        self._written: dict = {}
+        # while an op is compared: (name, the op on a path, its request builder)
+        self._op: tuple = _NO_OP
         self._summary: RunSummary | None = None  # the current run's summary, once it ended
         self.executor = self.begin_run("unnamed", seed=0)
 
     # ---- runs ----------------------------------------------------------------------------
-    def begin_run(self, workload: str, *, seed: int, source: str | None = None, scale: float = 1.0) -> ShadowExecutor:
+    def begin_run(
+        self, workload: str, *, seed: int, source: str | None = None, scale: float = 1.0
+    ) -> ShadowExecutor:
         """Start counting a new run (one workload). Mutates self."""
         self.run_id = f"{workload}-{uuid_lib.uuid4().hex[:8]}"
         self.workload, self.seed = workload, seed
         self.workload_source, self.scale = source or workload, scale
         self._summary = None
         self.executor = ShadowExecutor(
-            mode=self.gate.compare, sample=self.gate.compare_sample, seed=seed, ops=self.gate.compare_ops,
-            classify=classify, exception_kind=exception_kind, on_divergence=self._record,
+            mode=self.gate.compare,
+            sample=self.gate.compare_sample,
+            seed=seed,
+            ops=self.gate.compare_ops,
+            classify=classify,
+            exception_kind=exception_kind,
+            on_divergence=self._record,
         )
         return self.executor
 
@@ -170,17 +202,29 @@ class KvCompare:
         ``stopped_by``: why the run stopped before its work was done (None: it was done)."""
         if self._summary is None:
             self._summary = RunSummary.from_stats(
-                self.executor.stats(), run_id=self.run_id, workload=self.workload, seed=self.seed,
-                authoritative=self.authoritative_path, shadow=self.shadow_path, stopped_by=stopped_by)
+                self.executor.stats(),
+                run_id=self.run_id,
+                workload=self.workload,
+                seed=self.seed,
+                authoritative=self.authoritative_path,
+                shadow=self.shadow_path,
+                stopped_by=stopped_by,
+            )
             self.sink.write(self._summary)
         return self._summary
 
     # ---- the KvPath interface ---------------------------------------------------------------
     def poll(self, observed: Mapping[str, str | None]) -> None:
-        self._compare("poll", methodcaller("poll", observed), partial(self._requests.poll_request, observed))
+        self._compare(
+            "poll", methodcaller("poll", observed), partial(self._requests.poll_request, observed)
+        )
 
     def release(self, uuids: Sequence[str]) -> None:
-        self._compare("release", methodcaller("release", uuids), partial(self._requests.release_request, uuids))
+        self._compare(
+            "release",
+            methodcaller("release", uuids),
+            partial(self._requests.release_request, uuids),
+        )
 
     def evict(self) -> None:
         self._compare("evict", _EVICT, self._requests.eviction_request)
@@ -189,13 +233,16 @@ class KvCompare:
         self._compare("migrate", _MIGRATE, self._requests.migration_request)
 
     def allocate(self, batch: Sequence[str]) -> list[str]:
-        return self._compare("alloc", methodcaller("allocate", batch), partial(self._requests.alloc_request, batch))
+        return self._compare(
+            "alloc", methodcaller("allocate", batch), partial(self._requests.alloc_request, batch)
+        )
 
     # ---- internals -------------------------------------------------------------------------
     def _compare(self, op: str, call: Callable, request: Callable):
-        """Run ``call`` (the op on a path) on the authoritative path, and, when the executor samples this
-        step, on the shadow path on a fork, and compare. ``request`` builds the op request (the replay
-        context) when no plan path builds it. Mutates what the op mutates, and this op's ``_op``."""
+        """Run ``call`` (the op on a path) on the authoritative path, and, when the executor samples
+        this step, on the shadow path on a fork, and compare. ``request`` builds the op request (the
+        replay context) when no plan path builds it. Mutates what the op mutates, and this op's
+        ``_op``."""
         step = self.target.state.step
         if not self.executor.should_compare(op, step):
             return call(self.authoritative)
@@ -206,9 +253,15 @@ class KvCompare:
             self.authoritative.last_request = None
         try:
             return self.executor.run_both(
-                op, step, context=self._context, fork=self._fork, shadow=self._run_shadow,
-                authoritative=self._run_authoritative, canonicalize=self._canonicalize,
-                shadow_path=self.shadow_path, authoritative_path=self.authoritative_path,
+                op,
+                step,
+                context=self._context,
+                fork=self._fork,
+                shadow=self._run_shadow,
+                authoritative=self._run_authoritative,
+                canonicalize=self._canonicalize,
+                shadow_path=self.shadow_path,
+                authoritative_path=self.authoritative_path,
             )
         finally:  # journaling ends with the op, whatever failed
             self.target.record_op(False)
@@ -230,19 +283,23 @@ class KvCompare:
         return _ShadowRun(fork, result, (fork.gpu_kv.free_pages(), fork.host_kv.free_pages()))
 
     def _run_authoritative(self):
-        """The authoritative path on the worker, its pools journaling and its state recording the requests
-        it writes (``WorkerState.written``) and the pending appends it drops, until ``_compare`` ends."""
+        """The authoritative path on the worker, its pools journaling and its state recording the
+        requests it writes (``WorkerState.written``) and the pending appends it drops, until
+        ``_compare`` ends."""
         self.target.record_op(True)
         self._written = self.target.state.written
         return self._op[1](self.authoritative)
 
-    def _canonicalize(self, seen: Observation, shadow_seen: Observation) -> tuple[dict | None, dict | None]:
-        """Both canonical forms, once both post-states exist (compare mode's harness, not either path).
+    def _canonicalize(
+        self, seen: Observation, shadow_seen: Observation
+    ) -> tuple[dict | None, dict | None]:
+        """Both canonical forms, once both post-states exist (compare mode's harness, not either
+        path).
 
         Only requests whose post-states differ are canonicalised (on both sides); journals and copy
-        lists equal on both sides are canonicalised once and shared. When neither side wrote anything
-        both forms are only counters and result. Pure, but for the fork's request view (``detach_fork``).
-        """
+        lists equal on both sides are canonicalised once and shared. When neither side wrote
+        anything both forms are only counters and result. Pure, but for the fork's request view
+        (``detach_fork``)."""
         target, written, dropped = self.target, self._written, self.target.dropped
         gpu, host = target.gpu_kv, target.host_kv
         shadow: _ShadowRun | None = shadow_seen.value
@@ -250,22 +307,51 @@ class KvCompare:
             if shadow is None:
                 return None, None
             fork = shadow.fork
-            return None, canonical_form(fork, shadow.result, shadow.free_pages, canonical_events(fork.gpu_kv.journal),
-                                        canonical_events(fork.host_kv.journal), canonical_copies(fork.host_kv.copies))
+            return None, canonical_form(
+                fork,
+                shadow.result,
+                shadow.free_pages,
+                canonical_events(fork.gpu_kv.journal),
+                canonical_events(fork.host_kv.journal),
+                canonical_copies(fork.host_kv.copies),
+            )
         if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
-            return canonical_kv(target, list(written), seen.value, gpu.journal, host.journal, host.copies), None
+            return (
+                canonical_kv(
+                    target, list(written), seen.value, gpu.journal, host.journal, host.copies
+                ),
+                None,
+            )
         fork, result = shadow.fork, seen.value
-        if wrote_nothing(fork, fork.state.written, fork.dropped) and wrote_nothing(target, written, dropped):
+        if wrote_nothing(fork, fork.state.written, fork.dropped) and wrote_nothing(
+            target, written, dropped
+        ):
             return _quiet_form(target, result), _quiet_form(fork, shadow.result)
         gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
-        host_events, fork_host_events = _shared(host.journal, fork.host_kv.journal, canonical_events)
+        host_events, fork_host_events = _shared(
+            host.journal, fork.host_kv.journal, canonical_events
+        )
         copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
         detach_fork(fork, written, dropped)
         differing = differing_requests(fork, target, written, dropped)
-        theirs = canonical_form(fork, shadow.result, shadow.free_pages, fork_gpu_events, fork_host_events, fork_copies,
-                                differing)
-        mine = canonical_form(target, result, (gpu.free_pages(), host.free_pages()), gpu_events, host_events, copies,
-                              differing)
+        theirs = canonical_form(
+            fork,
+            shadow.result,
+            shadow.free_pages,
+            fork_gpu_events,
+            fork_host_events,
+            fork_copies,
+            differing,
+        )
+        mine = canonical_form(
+            target,
+            result,
+            (gpu.free_pages(), host.free_pages()),
+            gpu_events,
+            host_events,
+            copies,
+            differing,
+        )
         return mine, theirs
 
     def _context(self) -> tuple:
@@ -281,7 +367,8 @@ class KvCompare:
         return op, request()
 
     def _replay_request(self, context: tuple):
-        """The op request of a recorded divergence (None if its plan path raised before building it)."""
+        """The op request of a recorded divergence (None if its plan path raised before building
+        it)."""
         op, request = context
         if request is not None:
             return request
@@ -295,18 +382,35 @@ class KvCompare:
             "op": op,
             "request_type": type(request).__name__,
             "request": to_jsonable(request),
-            "pre_state": None if request is None else to_jsonable(pre_state(op, request, self.target, self._written)),
-            "pools": {name: (seen.value or {}).get("pools") for name, seen in
-                      (("authoritative", comparison.authoritative), ("shadow", comparison.shadow))},
+            "pre_state": (
+                None
+                if request is None
+                else to_jsonable(pre_state(op, request, self.target, self._written))
+            ),
+            "pools": {
+                name: (seen.value or {}).get("pools")
+                for name, seen in (
+                    ("authoritative", comparison.authoritative),
+                    ("shadow", comparison.shadow),
+                )
+            },
             "kv_path": self.authoritative_path,
             "shadow_path": self.shadow_path,
             "workload_source": self.workload_source,
             "scale": self.scale,
-            "vocab_size": self.target.model_config.vocab_size,  # built-in traces draw their token ids (and so their
+            # built-in traces draw their token ids (and so their
+            "vocab_size": self.target.model_config.vocab_size,
             # lengths, through the generator) from it
-            "engine": self.target.engine_config.model_dump(mode="json"),  # overrides (--kv-load-*) included
+            # overrides (--kv-load-*) included
+            "engine": self.target.engine_config.model_dump(mode="json"),
             "faults": self.faults,
         }
-        record = DivergenceRecord.from_comparison(comparison, run_id=self.run_id, workload=self.workload,
-                                                  seed=self.seed, replay=replay, created_at=time.time())
+        record = DivergenceRecord.from_comparison(
+            comparison,
+            run_id=self.run_id,
+            workload=self.workload,
+            seed=self.seed,
+            replay=replay,
+            created_at=time.time(),
+        )
         self.sink.write(record)

@@ -42,22 +42,24 @@ from typing import Protocol
 
 from pydantic import ValidationError
 
-from compare import DivergenceRecord, ddmin, read_log, wildcard, write_atomic
 from batchgen.config import TINY_MODELS, EngineConfig, validation_summary
-from batchgen.model.loader import load_model
-from batchgen.shadow.replay import kv_paths
-from batchgen.engine.runner import run_workload
 from batchgen.engine.faults import FaultInjector, FaultSpec, FaultSpecError
-from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.runner import run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest, load_workload
+from batchgen.kv.gate import KvGateConfig
+from batchgen.model.loader import load_model
+from batchgen.shadow.replay import kv_paths
+from compare import DivergenceRecord, ddmin, read_log, wildcard, write_atomic
 
 _STEP_FIELDS = (("max_new_tokens", 1), ("arrival_step", 0), ("abort_step", 0))  # (field, floor)
-TINY_VOCAB = TINY_MODELS["tiny"].vocab_size  # the candidates' model; also a record's vocabulary when it names none
+# the candidates' model; also a record's vocabulary when it names none
+TINY_VOCAB = TINY_MODELS["tiny"].vocab_size
 
 
 class MinimizeError(ValueError):
-    """The record cannot be minimized: its payload names no valid workload, engine config or fault SPEC."""
+    """The record cannot be minimized: its payload names no valid workload, engine config or fault
+    SPEC."""
 
 
 class NotReproduced(MinimizeError):
@@ -65,14 +67,23 @@ class NotReproduced(MinimizeError):
 
 
 class WorkerFactory(Protocol):
-    """Builds the worker one candidate workload runs on, with the gate, shadow path and faults given."""
+    """Builds the worker one candidate workload runs on, with the gate, shadow path and faults
+    given."""
 
-    def __call__(self, workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str,
-                 faults: FaultInjector | None) -> Worker: ...
+    def __call__(
+        self,
+        workload: Workload,
+        *,
+        kv_gate: KvGateConfig,
+        shadow_path: str,
+        faults: FaultInjector | None,
+    ) -> Worker: ...
 
 
-TestCallback = Callable[[int, "int | None"], None]  # (candidates run, fewest requests of one that diverged)
-InterruptCallback = Callable[["MinimizeResult"], None]  # the smallest diverging workload, when interrupted
+# (candidates run, fewest requests of one that diverged)
+TestCallback = Callable[[int, "int | None"], None]
+# the smallest diverging workload, when interrupted
+InterruptCallback = Callable[["MinimizeResult"], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +96,9 @@ class DivergenceSignature:
 
     @classmethod
     def of(cls, record: DivergenceRecord) -> DivergenceSignature:
-        return cls(record.op, record.kind, tuple(sorted({wildcard(path) for path in record.field_paths})))
+        return cls(
+            record.op, record.kind, tuple(sorted({wildcard(path) for path in record.field_paths}))
+        )
 
     @property
     def slug(self) -> str:
@@ -102,53 +115,80 @@ class MinimizeResult:
     kv_path: str  # the authoritative path the divergence needs
     shadow_path: str
     faults: str | None = None  # the fault SPEC the divergence needs (None: none)
-    stopped_by: str | None = None  # "max_tests", "interrupted": ended early, maybe not minimal (None: 1-minimal)
+    # "max_tests", "interrupted": ended early, maybe not minimal (None: 1-minimal)
+    stopped_by: str | None = None
 
 
 def tiny_worker_factory() -> WorkerFactory:
-    """Workers over one tiny model (loaded here, shared) with the workload's cache and engine configs."""
+    """Workers over one tiny model (loaded here, shared) with the workload's cache and engine
+    configs."""
     model = load_model("tiny")
 
-    def make_worker(workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str,
-                    faults: FaultInjector | None) -> Worker:
-        return Worker(model, cache_config=workload.cache, engine_config=workload.engine, kv_gate=kv_gate,
-                      shadow_path=shadow_path, faults=faults)
+    def make_worker(
+        workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str, faults: FaultInjector | None
+    ) -> Worker:
+        return Worker(
+            model,
+            cache_config=workload.cache,
+            engine_config=workload.engine,
+            kv_gate=kv_gate,
+            shadow_path=shadow_path,
+            faults=faults,
+        )
 
     return make_worker
 
 
-def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory | None = None,
-                        max_tests: int = 400, on_test: TestCallback | None = None,
-                        on_interrupt: InterruptCallback | None = None) -> MinimizeResult:
+def minimize_divergence(
+    record: DivergenceRecord,
+    *,
+    make_worker: WorkerFactory | None = None,
+    max_tests: int = 400,
+    on_test: TestCallback | None = None,
+    on_interrupt: InterruptCallback | None = None,
+) -> MinimizeResult:
     """Delta-debug the record's workload down to a minimal one with the same divergence.
 
-    Runs at most ``max_tests`` candidate workloads, calling ``on_test(num_tests, smallest)`` after each
-    (``smallest``: the fewest requests of a candidate that diverged so far, None before one has). When the budget
-    runs out first, returns the smallest diverging candidate so far with ``stopped_by="max_tests"``. When a
-    KeyboardInterrupt (Ctrl-C, or SIGTERM's ``Terminated``) ends the search after a candidate diverged, calls
-    ``on_interrupt`` with that smallest candidate (``stopped_by="interrupted"``), then lets the interrupt
-    propagate. Raises NotReproduced when the full workload does not diverge as recorded, MinimizeError
-    (ReplayError for its KV paths) when the record's payload is not usable. Writes only temporary logs, removed
-    before it returns.
-    """
+    Runs at most ``max_tests`` candidate workloads, calling ``on_test(num_tests, smallest)`` after
+    each (``smallest``: the fewest requests of a candidate that diverged so far, None before one
+    has). When the budget runs out first, returns the smallest diverging candidate so far with
+    ``stopped_by="max_tests"``. When a KeyboardInterrupt (Ctrl-C, or SIGTERM's ``Terminated``) ends
+    the search after a candidate diverged, calls ``on_interrupt`` with that smallest candidate
+    (``stopped_by="interrupted"``), then lets the interrupt propagate. Raises NotReproduced when the
+    full workload does not diverge as recorded, MinimizeError (ReplayError for its KV paths) when
+    the record's payload is not usable. Writes only temporary logs, removed before it returns."""
     if max_tests < 1:
-        raise ValueError(f"max_tests must be >= 1 (the full workload is run first), not {max_tests}")
+        raise ValueError(
+            f"max_tests must be >= 1 (the full workload is run first), not {max_tests}"
+        )
     replay = record.replay
     scale = replay.get("scale", 1.0)
     workload, faults, (kv_path, shadow_path) = recorded_run(record)
     signature = DivergenceSignature.of(record)
     name = f"{workload.name}-min"
     with tempfile.TemporaryDirectory(prefix="batchgen-minimize-") as log_dir:
-        search = _Search(signature, make_worker or tiny_worker_factory(), kv_path, shadow_path,
-                         Path(log_dir), replay["workload_source"], scale, faults, min_steps=record.step + 1,
-                         max_tests=max_tests, on_test=on_test)
+        search = _Search(
+            signature,
+            make_worker or tiny_worker_factory(),
+            kv_path,
+            shadow_path,
+            Path(log_dir),
+            replay["workload_source"],
+            scale,
+            faults,
+            min_steps=record.step + 1,
+            max_tests=max_tests,
+            on_test=on_test,
+        )
         try:
             if not search.fails(workload):
                 raise NotReproduced(
-                    f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed {record.seed}, "
-                    f"scale {scale}{', faults ' + faults.to_spec() if faults else ''}) shows no {signature.kind} "
-                    f"divergence at "
-                    f"{', '.join(signature.field_paths) or 'no field path'}")
+                    f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed"
+                    f" {record.seed}, scale"
+                    f" {scale}{', faults ' + faults.to_spec() if faults else ''}) shows no"
+                    f" {signature.kind} divergence at"
+                    f" {', '.join(signature.field_paths) or 'no field path'}"
+                )
             try:
                 _shrink_steps(search, workload, _shrink_requests(search, workload))
             except _OutOfTests:
@@ -161,26 +201,33 @@ def minimize_divergence(record: DivergenceRecord, *, make_worker: WorkerFactory 
 
 
 def recorded_run(record: DivergenceRecord) -> tuple[Workload, FaultSpec | None, tuple[str, str]]:
-    """What the search reruns: the record's workload (``recorded_workload``), fault SPEC and KV paths
-    (authoritative, shadow). MinimizeError, or ReplayError for the paths, when one is not usable. Reads the
-    workload file a record names; mutates nothing."""
+    """What the search reruns: the record's workload (``recorded_workload``), fault SPEC and KV
+    paths (authoritative, shadow). MinimizeError, or ReplayError for the paths, when one is not
+    usable. Reads the workload file a record names; mutates nothing."""
     return recorded_workload(record), _fault_spec(record.replay), kv_paths(record.replay)
 
 
 def recorded_workload(record: DivergenceRecord) -> Workload:
-    """The workload of the record's run (its source, seed, scale, vocabulary and engine config), with its token
-    ids folded into the tiny model's vocabulary."""
+    """The workload of the record's run (its source, seed, scale, vocabulary and engine config),
+    with its token ids folded into the tiny model's vocabulary."""
     replay = record.replay
     source = replay.get("workload_source")
     if not isinstance(source, str) or not source:
-        raise MinimizeError(f"the record's workload_source must be a workload name or file, not {source!r}")
-    workload = load_workload(source, seed=record.seed, scale=replay.get("scale", 1.0),
-                             vocab_size=replay.get("vocab_size", TINY_VOCAB))
+        raise MinimizeError(
+            f"the record's workload_source must be a workload name or file, not {source!r}"
+        )
+    workload = load_workload(
+        source,
+        seed=record.seed,
+        scale=replay.get("scale", 1.0),
+        vocab_size=replay.get("vocab_size", TINY_VOCAB),
+    )
     return _in_tiny_vocabulary(_with_engine(workload, replay))
 
 
 def _in_tiny_vocabulary(workload: Workload) -> Workload:
-    """The workload with each token id folded into the tiny model's vocabulary (ids in [1, TINY_VOCAB)).
+    """The workload with each token id folded into the tiny model's vocabulary (ids in [1,
+    TINY_VOCAB)).
 
     The run that diverged may have had a larger vocabulary (a checkpoint, the 7B geometry); the
     candidates run on the tiny model, whose KV decisions depend on the requests' lengths and steps,
@@ -188,20 +235,27 @@ def _in_tiny_vocabulary(workload: Workload) -> Workload:
     """
     if all(token < TINY_VOCAB for req in workload.requests for token in req.prompt_ids):
         return workload
-    folded = [req.model_copy(update={"prompt_ids": [1 + (token - 1) % (TINY_VOCAB - 1) for token in req.prompt_ids]})
-              for req in workload.requests]
+    folded = [
+        req.model_copy(
+            update={"prompt_ids": [1 + (token - 1) % (TINY_VOCAB - 1) for token in req.prompt_ids]}
+        )
+        for req in workload.requests
+    ]
     return workload.model_copy(update={"requests": folded})
 
 
 def _with_engine(workload: Workload, replay: dict) -> Workload:
-    """The workload with the engine config the recorded run had (its overrides included), when recorded."""
+    """The workload with the engine config the recorded run had (its overrides included), when
+    recorded."""
     engine = replay.get("engine")
     if engine is None:
         return workload
     try:
         return workload.model_copy(update={"engine": EngineConfig.model_validate(engine)})
     except ValidationError as error:
-        raise MinimizeError(f"the recorded engine config is not valid: {validation_summary(error)}") from None
+        raise MinimizeError(
+            f"the recorded engine config is not valid: {validation_summary(error)}"
+        ) from None
 
 
 def _fault_spec(replay: dict) -> FaultSpec | None:
@@ -217,39 +271,60 @@ def _fault_spec(replay: dict) -> FaultSpec | None:
         raise MinimizeError(f"the recorded fault SPEC is not valid: {error}") from None
 
 
-# ddmin's own budget: never reached, the search counts the candidates (ddmin's count includes cached verdicts)
+# ddmin's own budget: never reached, the search counts the candidates (ddmin's count includes cached
+# verdicts)
 _UNBOUNDED = sys.maxsize
 
 
 def _shrink_requests(search: _Search, workload: Workload) -> list[WorkloadRequest]:
-    """The request pass: ddmin over the workload's requests. Returns the 1-minimal requests it finds (the search
-    holds them as its smallest)."""
-    return ddmin(workload.requests, lambda subset: search.fails(_with_requests(workload, subset)),
-                 max_tests=_UNBOUNDED)
+    """The request pass: ddmin over the workload's requests. Returns the 1-minimal requests it finds
+    (the search holds them as its smallest)."""
+    return ddmin(
+        workload.requests,
+        lambda subset: search.fails(_with_requests(workload, subset)),
+        max_tests=_UNBOUNDED,
+    )
 
 
 def _shrink_steps(search: _Search, workload: Workload, requests: list[WorkloadRequest]) -> None:
-    """The step pass: every step field of ``requests`` at its floor if that still fails, else ddmin over the units.
-    The search keeps the smallest candidate that diverged."""
+    """The step pass: every step field of ``requests`` at its floor if that still fails, else ddmin
+    over the units. The search keeps the smallest candidate that diverged."""
     if search.fails(_with_steps(workload, requests, [])):
         return
-    ddmin(_step_units(requests), lambda kept: search.fails(_with_steps(workload, requests, kept)),
-          max_tests=_UNBOUNDED, interchangeable=True)  # a unit is a count: any one will do
+    ddmin(
+        _step_units(requests),
+        lambda kept: search.fails(_with_steps(workload, requests, kept)),
+        max_tests=_UNBOUNDED,
+        interchangeable=True,
+    )  # a unit is a count: any one will do
 
 
 class _Search:
-    """Runs candidate workloads, at most ``max_tests``, remembers each verdict and the smallest candidate that
-    diverged. Mutates only itself and its log dir."""
+    """Runs candidate workloads, at most ``max_tests``, remembers each verdict and the smallest
+    candidate that diverged. Mutates only itself and its log dir."""
 
-    def __init__(self, signature: DivergenceSignature, make_worker: WorkerFactory, kv_path: str, shadow_path: str,
-                 log_dir: Path, source: str, scale: float, faults: FaultSpec | None, *, min_steps: int = 0,
-                 max_tests: int, on_test: TestCallback | None = None):
+    def __init__(
+        self,
+        signature: DivergenceSignature,
+        make_worker: WorkerFactory,
+        kv_path: str,
+        shadow_path: str,
+        log_dir: Path,
+        source: str,
+        scale: float,
+        faults: FaultSpec | None,
+        *,
+        min_steps: int = 0,
+        max_tests: int,
+        on_test: TestCallback | None = None,
+    ):
         self.signature = signature
         self.make_worker = make_worker
         self.kv_path, self.shadow_path = kv_path, shadow_path
         self.log_dir, self.source, self.scale = log_dir, source, scale
         self.faults = faults
-        self.min_steps = min_steps  # steps the recorded run took to diverge: a candidate may take as many
+        # steps the recorded run took to diverge: a candidate may take as many
+        self.min_steps = min_steps
         self.max_tests = max_tests
         self.num_tests = 0
         self.smallest: Workload | None = None  # the candidate that diverged with the smallest _size
@@ -257,8 +332,8 @@ class _Search:
         self._verdicts: dict[str, bool] = {}
 
     def fails(self, workload: Workload) -> bool:
-        """Whether ``workload`` diverges with the signature: its verdict, run once. _OutOfTests when it would be
-        the candidate after ``max_tests``."""
+        """Whether ``workload`` diverges with the signature: its verdict, run once. _OutOfTests when
+        it would be the candidate after ``max_tests``."""
         if not workload.requests:  # nothing runs, nothing diverges
             return False
         key = workload.model_dump_json()
@@ -269,17 +344,27 @@ class _Search:
         return self._verdicts[key]
 
     def result(self, name: str, *, stopped_by: str | None = None) -> MinimizeResult:
-        """The smallest candidate that diverged, renamed ``name``, as a MinimizeResult. Needs one to have."""
-        return MinimizeResult(self.smallest.model_copy(update={"name": name}), self.signature, self.num_tests,
-                              self.kv_path, self.shadow_path, self.faults.to_spec() if self.faults else None,
-                              stopped_by)
+        """The smallest candidate that diverged, renamed ``name``, as a MinimizeResult. Needs one to
+        have."""
+        return MinimizeResult(
+            self.smallest.model_copy(update={"name": name}),
+            self.signature,
+            self.num_tests,
+            self.kv_path,
+            self.shadow_path,
+            self.faults.to_spec() if self.faults else None,
+            stopped_by,
+        )
 
     def _run(self, workload: Workload) -> bool:
         self.num_tests += 1
         log = self.log_dir / f"candidate-{self.num_tests}.jsonl"
         gate = KvGateConfig(path=self.kv_path, compare="log", compare_log=str(log))
-        injector = FaultInjector(self.faults) if self.faults is not None else None  # fresh: the schedule replays
-        worker = self.make_worker(workload, kv_gate=gate, shadow_path=self.shadow_path, faults=injector)
+        # fresh: the schedule replays
+        injector = FaultInjector(self.faults) if self.faults is not None else None
+        worker = self.make_worker(
+            workload, kv_gate=gate, shadow_path=self.shadow_path, faults=injector
+        )
         num_logged = 0
 
         def stop_once_seen(num_released: int, num_requests: int) -> None:
@@ -292,8 +377,14 @@ class _Search:
 
         seen = False
         try:
-            run_workload(worker, workload, on_step=stop_once_seen, max_steps=max(_step_limit(workload), self.min_steps),
-                         source=self.source, scale=self.scale)
+            run_workload(
+                worker,
+                workload,
+                on_step=stop_once_seen,
+                max_steps=max(_step_limit(workload), self.min_steps),
+                source=self.source,
+                scale=self.scale,
+            )
         except _Seen:
             seen = True
         except Exception:  # a crash or a stall: the log still says what diverged before it
@@ -305,14 +396,19 @@ class _Search:
         if seen and (self.smallest is None or _size(workload) < _size(self.smallest)):
             self.smallest = workload
         if self.on_test is not None:
-            self.on_test(self.num_tests, len(self.smallest.requests) if self.smallest is not None else None)
+            self.on_test(
+                self.num_tests, len(self.smallest.requests) if self.smallest is not None else None
+            )
         return seen
 
     def _logged(self, log: Path) -> bool:
         if not log.exists():
             return False
-        return any(isinstance(record, DivergenceRecord) and DivergenceSignature.of(record) == self.signature
-                   for record in read_log(log).records)
+        return any(
+            isinstance(record, DivergenceRecord)
+            and DivergenceSignature.of(record) == self.signature
+            for record in read_log(log).records
+        )
 
 
 class _Seen(Exception):
@@ -331,7 +427,14 @@ def _size(workload: Workload) -> tuple[int, int]:
 def _step_limit(workload: Workload) -> int:
     """Steps after which a candidate counts as stalled: generous for any run that makes progress."""
     reqs = workload.requests
-    return 4 * (max(r.arrival_step for r in reqs) + sum(r.max_new_tokens + (r.abort_step or 0) for r in reqs)) + 64
+    return (
+        4
+        * (
+            max(r.arrival_step for r in reqs)
+            + sum(r.max_new_tokens + (r.abort_step or 0) for r in reqs)
+        )
+        + 64
+    )
 
 
 def _with_requests(workload: Workload, requests: Sequence[WorkloadRequest]) -> Workload:
@@ -349,18 +452,27 @@ def _step_units(requests: Sequence[WorkloadRequest]) -> list[tuple[int, str]]:
     return units
 
 
-def _with_steps(workload: Workload, requests: Sequence[WorkloadRequest], units: Sequence[tuple[int, str]]) -> Workload:
+def _with_steps(
+    workload: Workload, requests: Sequence[WorkloadRequest], units: Sequence[tuple[int, str]]
+) -> Workload:
     """``requests`` with each step field at its floor plus the units kept for it."""
     kept = Counter(units)
-    shrunk = [req.model_copy(update={field: floor + kept[index, field] for field, floor in _STEP_FIELDS
-                                     if getattr(req, field) is not None})
-              for index, req in enumerate(requests)]
+    shrunk = [
+        req.model_copy(
+            update={
+                field: floor + kept[index, field]
+                for field, floor in _STEP_FIELDS
+                if getattr(req, field) is not None
+            }
+        )
+        for index, req in enumerate(requests)
+    ]
     return _with_requests(workload, shrunk)
 
 
-# ---- the regression test ----------------------------------------------------------------------------
+# ---- the regression test -------------------------------------------------------------------------
 _TEST_TEMPLATE = '''\
-"""Regression test written by batchgen.shadow.minimize: fails until the KV divergence below is fixed."""
+"""Regression test written by batchgen minimize: fails until the KV divergence below is fixed."""
 
 # The workload makes the shadow path diverge from the authoritative one:
 #   authoritative: {kv_path}
@@ -384,7 +496,8 @@ FAULTS = {faults_literal}  # the fault SPEC the divergence needs (None: none)
 
 def test_no_{slug}_divergence(tmp_path):
     workload = load_workload(str(WORKLOAD))
-    gate = KvGateConfig(path={kv_path_literal}, compare="raise", compare_ops=({op_literal},),  # this op's divergence only
+    # compare="raise" on this op alone: the test fails at this divergence
+    gate = KvGateConfig(path={kv_path_literal}, compare="raise", compare_ops=({op_literal},),
                         compare_log=str(tmp_path / "kv-divergences.jsonl"))
     worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
                     kv_gate=gate, shadow_path={shadow_path_literal},
@@ -394,9 +507,12 @@ def test_no_{slug}_divergence(tmp_path):
 '''
 
 
-def write_regression(result: MinimizeResult, workload_path: str | Path, test_path: str | Path) -> None:
-    """Write the minimal workload (JSON) and a pytest file that replays it in compare mode ``raise``, comparing
-    the signature's op only (a divergence of another op, another bug's, does not fail it).
+def write_regression(
+    result: MinimizeResult, workload_path: str | Path, test_path: str | Path
+) -> None:
+    """Write the minimal workload (JSON) and a pytest file that replays it in compare mode
+    ``raise``, comparing the signature's op only (a divergence of another op, another bug's, does
+    not fail it).
 
     Both files are replaced atomically. The test names the workload by its path
     relative to the test file, is named after the signature
@@ -408,30 +524,42 @@ def write_regression(result: MinimizeResult, workload_path: str | Path, test_pat
 
 
 def write_regression_into(out_dir: str | Path, result: MinimizeResult) -> tuple[Path, Path]:
-    """:func:`write_regression` into ``out_dir`` as ``<slug>.json`` and ``test_kv_<slug>.py``, or with ``_2``,
-    ``_3``... when those files hold another regression (one with the same signature from another record or
-    direction): nothing is overwritten but the same files again. Returns the workload and test paths."""
+    """:func:`write_regression` into ``out_dir`` as ``<slug>.json`` and ``test_kv_<slug>.py``, or
+    with ``_2``, ``_3``... when those files hold another regression (one with the same signature
+    from another record or direction): nothing is overwritten but the same files again. Returns the
+    workload and test paths."""
     out_dir, slug = Path(out_dir), result.signature.slug
     for number in itertools.count(1):
         name = slug if number == 1 else f"{slug}_{number}"
         workload_path, test_path = out_dir / f"{name}.json", out_dir / f"test_kv_{name}.py"
         files = _regression_files(result, workload_path, test_path)
-        if all(not path.exists() or path.read_text(encoding="utf-8") == text for path, text in files.items()):
+        if all(
+            not path.exists() or path.read_text(encoding="utf-8") == text
+            for path, text in files.items()
+        ):
             write_regression(result, workload_path, test_path)
             return workload_path, test_path
 
 
-def _regression_files(result: MinimizeResult, workload_path: Path, test_path: Path) -> dict[Path, str]:
+def _regression_files(
+    result: MinimizeResult, workload_path: Path, test_path: Path
+) -> dict[Path, str]:
     """The text of the workload file and of the test file :func:`write_regression` writes. Pure."""
     relative = Path(os.path.relpath(workload_path.resolve(), test_path.resolve().parent)).as_posix()
     signature = result.signature
     source = _TEST_TEMPLATE.format(
-        slug=signature.slug, op=_comment(signature.op), kind=_comment(signature.kind),
-        kv_path=_comment(result.kv_path), shadow_path=_comment(result.shadow_path),
-        paths="\n#                  ".join(map(_comment, signature.field_paths)) or "(none: a side raised)",
-        workload_literal=json.dumps(relative), kv_path_literal=json.dumps(result.kv_path),
+        slug=signature.slug,
+        op=_comment(signature.op),
+        kind=_comment(signature.kind),
+        kv_path=_comment(result.kv_path),
+        shadow_path=_comment(result.shadow_path),
+        paths="\n#                  ".join(map(_comment, signature.field_paths))
+        or "(none: a side raised)",
+        workload_literal=json.dumps(relative),
+        kv_path_literal=json.dumps(result.kv_path),
         op_literal=json.dumps(signature.op),
-        shadow_path_literal=json.dumps(result.shadow_path),  # a JSON string is a Python string literal
+        # a JSON string is a Python string literal
+        shadow_path_literal=json.dumps(result.shadow_path),
         faults_literal=json.dumps(result.faults) if result.faults is not None else "None",
     )
     return {workload_path: result.workload.model_dump_json(indent=2) + "\n", test_path: source}

@@ -57,7 +57,9 @@ def compare_outputs(
     return problems
 
 
-def compare_exact(reference: Mapping[str, RequestOutput], candidate: Mapping[str, RequestOutput]) -> list[str]:
+def compare_exact(
+    reference: Mapping[str, RequestOutput], candidate: Mapping[str, RequestOutput]
+) -> list[str]:
     """Every way ``candidate`` differs from ``reference`` in uuids, tokens, phase
     or finish reason, with no near-tie allowance (for runs that batch identically)."""
     problems = _uuid_problems(reference, candidate)
@@ -67,14 +69,18 @@ def compare_exact(reference: Mapping[str, RequestOutput], candidate: Mapping[str
             continue
         position = first_difference(ref.output_ids, cand.output_ids)
         if position is not None:
-            problems.append(f"{uuid}: tokens differ from position {position} ({len(ref.output_ids)} tokens in "
-                            f"the reference, {len(cand.output_ids)} in the candidate)")
+            problems.append(
+                f"{uuid}: tokens differ from position {position} ({len(ref.output_ids)} tokens in "
+                f"the reference, {len(cand.output_ids)} in the candidate)"
+            )
         if (ref.phase, ref.finish_reason) != (cand.phase, cand.finish_reason):
             problems.append(_ending_problem(ref, cand))
     return problems
 
 
-def compare_request(reference: RequestOutput, candidate: RequestOutput, *, tolerance: float) -> list[str]:
+def compare_request(
+    reference: RequestOutput, candidate: RequestOutput, *, tolerance: float
+) -> list[str]:
     """How one request's candidate output differs from its reference; empty when they agree."""
     uuid = reference.uuid
     position = first_difference(reference.output_ids, candidate.output_ids)
@@ -82,8 +88,8 @@ def compare_request(reference: RequestOutput, candidate: RequestOutput, *, toler
         token_problems = []
     elif position >= min(len(reference.output_ids), len(candidate.output_ids)):
         token_problems = [
-            f"{uuid}: {len(reference.output_ids)} tokens in the reference, {len(candidate.output_ids)} in the "
-            f"candidate (equal up to position {position})"
+            f"{uuid}: {len(reference.output_ids)} tokens in the reference,"
+            f" {len(candidate.output_ids)} in the candidate (equal up to position {position})"
         ]
     else:
         tie_problem = near_tie_problem(reference, candidate, position, tolerance=tolerance)
@@ -96,7 +102,8 @@ def compare_request(reference: RequestOutput, candidate: RequestOutput, *, toler
 
 
 def first_difference(reference_ids: tuple[int, ...], candidate_ids: tuple[int, ...]) -> int | None:
-    """The first position where the token sequences differ (a length difference counts); None if equal."""
+    """The first position where the token sequences differ (a length difference counts); None if
+    equal."""
     for position, (ref_token, cand_token) in enumerate(zip(reference_ids, candidate_ids)):
         if ref_token != cand_token:
             return position
@@ -105,29 +112,46 @@ def first_difference(reference_ids: tuple[int, ...], candidate_ids: tuple[int, .
     return None
 
 
-def near_tie_problem(reference: RequestOutput, candidate: RequestOutput, position: int, *,
-                     tolerance: float) -> str | None:
+def near_tie_problem(
+    reference: RequestOutput, candidate: RequestOutput, position: int, *, tolerance: float
+) -> str | None:
     """None when the differing tokens at ``position`` are a near-tie, else why not."""
     ref_token, cand_token = reference.output_ids[position], candidate.output_ids[position]
-    where = f"{reference.uuid}: token {position} is {ref_token} in the reference, {cand_token} in the candidate"
+    where = (
+        f"{reference.uuid}: token {position} is {ref_token} in the reference, {cand_token} in the"
+        " candidate"
+    )
     if position >= len(reference.output_logprobs) or position >= len(candidate.output_logprobs):
         return f"{where}, and a run has no logprobs there to judge a near-tie"
     ref_top, cand_top = reference.output_logprobs[position], candidate.output_logprobs[position]
-    if ref_token not in ref_top.top_ids or cand_token not in ref_top.top_ids or ref_token not in cand_top.top_ids:
-        return (f"{where}; not a near-tie: reference top-2 {list(ref_top.top_ids)}, "
-                f"candidate top-2 {list(cand_top.top_ids)}")
+    if (
+        ref_token not in ref_top.top_ids
+        or cand_token not in ref_top.top_ids
+        or ref_token not in cand_top.top_ids
+    ):
+        return (
+            f"{where}; not a near-tie: reference top-2 {list(ref_top.top_ids)}, "
+            f"candidate top-2 {list(cand_top.top_ids)}"
+        )
     logprob = dict(zip(ref_top.top_ids, ref_top.top_logprobs))
     gap = abs(logprob[ref_token] - logprob[cand_token])
     if gap >= tolerance:
-        return f"{where}; not a near-tie: reference logprob gap {gap:.3g} >= tolerance {tolerance:.3g}"
+        return (
+            f"{where}; not a near-tie: reference logprob gap {gap:.3g} >= tolerance {tolerance:.3g}"
+        )
     return None
 
 
-def _uuid_problems(reference: Mapping[str, RequestOutput], candidate: Mapping[str, RequestOutput]) -> list[str]:
-    return ([f"{uuid}: missing from the candidate run" for uuid in reference if uuid not in candidate]
-            + [f"{uuid}: not in the reference run" for uuid in candidate if uuid not in reference])
+def _uuid_problems(
+    reference: Mapping[str, RequestOutput], candidate: Mapping[str, RequestOutput]
+) -> list[str]:
+    return [
+        f"{uuid}: missing from the candidate run" for uuid in reference if uuid not in candidate
+    ] + [f"{uuid}: not in the reference run" for uuid in candidate if uuid not in reference]
 
 
 def _ending_problem(reference: RequestOutput, candidate: RequestOutput) -> str:
-    return (f"{reference.uuid}: ended {reference.phase.value}/{reference.finish_reason} in the reference, "
-            f"{candidate.phase.value}/{candidate.finish_reason} in the candidate")
+    return (
+        f"{reference.uuid}: ended {reference.phase.value}/{reference.finish_reason} in the"
+        f" reference, {candidate.phase.value}/{candidate.finish_reason} in the candidate"
+    )

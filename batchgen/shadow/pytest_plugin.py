@@ -29,27 +29,41 @@ COMPARE_ENV = GATE_FLAGS["compare"][0]
 LOG_ENV = GATE_FLAGS["compare_log"][0]
 LOG_NAME = "kv-divergences.jsonl"
 _LOG_PATH = pytest.StashKey[Path]()
-_EARLIER = pytest.StashKey["int | None"]()  # divergences the log held before the session (None: unreadable)
+# divergences the log held before the session (None: unreadable)
+_EARLIER = pytest.StashKey["int | None"]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("batchgen", "batchgen KV compare mode")
-    group.addoption("--kv-compare", choices=MODES, default="off",
-                    help="run every Worker a test builds (without an explicit kv_gate) in KV compare mode: "
-                         "log divergences, or raise on the first (default: off)")
-    group.addoption("--kv-compare-log", metavar="PATH", default=None,
-                    help=f"divergence log of --kv-compare (default: {LOG_NAME} in pytest's base temp dir)")
+    group.addoption(
+        "--kv-compare",
+        choices=MODES,
+        default="off",
+        help=(
+            "run every Worker a test builds (without an explicit kv_gate) in KV compare mode: "
+            "log divergences, or raise on the first (default: off)"
+        ),
+    )
+    group.addoption(
+        "--kv-compare-log",
+        metavar="PATH",
+        default=None,
+        help=f"divergence log of --kv-compare (default: {LOG_NAME} in pytest's base temp dir)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A ``--kv-compare-log`` no worker could write to (empty, a directory, a path under a file, a file that is
-    not a divergence log) is a usage error, not an error in every test that builds a worker."""
+    """A ``--kv-compare-log`` no worker could write to (empty, a directory, a path under a file, a
+    file that is not a divergence log) is a usage error, not an error in every test that builds a
+    worker."""
     option = config.getoption("kv_compare_log")
     if config.getoption("kv_compare") == "off" or option is None:
         return
     if not option:
-        raise pytest.UsageError("--kv-compare-log is empty; name a file (or leave the option out for "
-                                f"{LOG_NAME} in pytest's base temp dir)")
+        raise pytest.UsageError(
+            "--kv-compare-log is empty; name a file (or leave the option out for "
+            f"{LOG_NAME} in pytest's base temp dir)"
+        )
     from compare import RecordError, check_log_file  # only sessions that log pay for the import
 
     try:
@@ -61,18 +75,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _batchgen_kv_compare(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Set the compare-mode variables for the whole session, before any other fixture of any scope builds a
-    worker (restored after). Notes how many divergences the log held already, so the summary counts this
-    session's own."""
+    """Set the compare-mode variables for the whole session, before any other fixture of any scope
+    builds a worker (restored after). Notes how many divergences the log held already, so the
+    summary counts this session's own."""
     config = request.config
     mode = config.getoption("kv_compare")
     if mode == "off":
         yield
         return
     option = config.getoption("kv_compare_log")
-    log = Path(option).resolve() if option else tmp_path_factory.getbasetemp() / LOG_NAME  # a test may chdir
+    # a test may chdir
+    log = Path(option).resolve() if option else tmp_path_factory.getbasetemp() / LOG_NAME
     config.stash[_LOG_PATH] = log
-    config.stash[_EARLIER] = _num_divergences(log)  # None when the log cannot be read: the tests run anyway
+    # None when the log cannot be read: the tests run anyway
+    config.stash[_EARLIER] = _num_divergences(log)
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv(COMPARE_ENV, mode)
         monkeypatch.setenv(LOG_ENV, str(log))
@@ -83,7 +99,8 @@ def _num_divergences(log: Path) -> int | None:
     """Divergence records in ``log`` (0 when there is none yet); None when it cannot be read."""
     if not log.exists():
         return 0
-    from compare import DivergenceRecord, RecordError, read_log  # only sessions that log pay for the import
+    # only sessions that log pay for the import
+    from compare import DivergenceRecord, RecordError, read_log
 
     try:
         return sum(isinstance(record, DivergenceRecord) for record in read_log(log).records)
@@ -98,7 +115,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         return
     now, earlier = _num_divergences(log), config.stash[_EARLIER]
     if now is None or earlier is None:
-        terminalreporter.write_line(f"kv-compare: divergences go to {log}, which holds lines that are not records: "
-                                    f"`batchgen report {log}` says which")
+        terminalreporter.write_line(
+            f"kv-compare: divergences go to {log}, which holds lines that are not records: "
+            f"`batchgen report {log}` says which"
+        )
         return
     terminalreporter.write_line(f"kv-compare: {now - earlier} divergences in {log}")

@@ -51,18 +51,31 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from compare import DivergenceRecord, Observation, compare_observations, diff
 from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig, validation_summary
-from batchgen.kv.plan_path import PlanKvPath
+from batchgen.engine.state import (
+    DONE_PHASES,
+    Phase,
+    Request,
+    RequestState,
+    TokenLogprobs,
+    WorkerState,
+)
 from batchgen.kv.backends import CompletedHandle, GpuKvPool, HostKvPool
-from batchgen.shadow.forms import canonical_kv, classify, exception_kind, fork_target, op_scope
 from batchgen.kv.gate import build_kv_path
+from batchgen.kv.page_pool import PageOwnershipError, PagePool
+from batchgen.kv.plan_path import PlanKvPath
 from batchgen.kv.plans import (
-    OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, decode_demand, from_json, to_jsonable,
+    OP_REQUEST_TYPES,
+    KvGeometry,
+    KvPreState,
+    RequestKvView,
+    decode_demand,
+    from_json,
+    to_jsonable,
 )
 from batchgen.kv.target import KvTarget
-from batchgen.kv.page_pool import PagePool, PageOwnershipError
-from batchgen.engine.state import DONE_PHASES, Phase, Request, RequestState, TokenLogprobs, WorkerState
+from batchgen.shadow.forms import canonical_kv, classify, exception_kind, fork_target, op_scope
+from compare import DivergenceRecord, Observation, compare_observations, diff
 
 PLACEHOLDER_OWNER = "<replay:not-in-scope>"  # owns the pages held outside the op's scope
 _REORDER_OWNER = "<replay:reorder>"
@@ -99,28 +112,40 @@ def op_request(record: DivergenceRecord):
     op = replay.get("op")
     cls = OP_REQUEST_TYPES.get(op)
     if cls is None:
-        raise ReplayError(f"record of step {record.step}: unknown op {op!r}; known: {', '.join(OP_REQUEST_TYPES)}")
-    if replay.get("request_type") == "NoneType":  # what compare mode records when no request was built
-        raise ReplayError(f"{op} step {record.step}: the plan path raised before building its op request, so the "
-                          f"record holds no pre-state to replay ({record.exception}); `batchgen minimize` reruns its "
-                          f"workload instead")
+        raise ReplayError(
+            f"record of step {record.step}: unknown op {op!r}; known: {', '.join(OP_REQUEST_TYPES)}"
+        )
+    # what compare mode records when no request was built
+    if replay.get("request_type") == "NoneType":
+        raise ReplayError(
+            f"{op} step {record.step}: the plan path raised before building its op request, so the"
+            f" record holds no pre-state to replay ({record.exception}); `batchgen minimize` reruns"
+            " its workload instead"
+        )
     if replay.get("request_type") != cls.__name__:
-        raise ReplayError(f"op {op!r} needs a {cls.__name__}, the record holds {replay.get('request_type')!r}")
+        raise ReplayError(
+            f"op {op!r} needs a {cls.__name__}, the record holds {replay.get('request_type')!r}"
+        )
     request = _in_current_form(op, replay.get("request"))
     return _from_record(cls, request, f"op {op!r}: the recorded request")
 
 
 def _in_current_form(op: str, request):
-    """``request`` (a recorded op request, as JSON) as this version builds it, when it comes from an older log:
-    an evict or migrate request gets the decode demand of its RUNNING columns, and a poll request whose loads
-    all landed drops its retries (no longer read). Anything else, a malformed request included, as it is, for
-    validation to name what is wrong. Pure."""
+    """``request`` (a recorded op request, as JSON) as this version builds it, when it comes from an
+    older log: an evict or migrate request gets the decode demand of its RUNNING columns, and a poll
+    request whose loads all landed drops its retries (no longer read). Anything else, a malformed
+    request included, as it is, for validation to name what is wrong. Pure."""
     if not isinstance(request, dict):
         return request
     if op == "poll":
         errors, retries = request.get("errors"), request.get("num_load_retries")
-        if (type(errors) is list and type(retries) is list and retries and len(retries) == len(errors)
-                and all(error is None for error in errors)):
+        if (
+            type(errors) is list
+            and type(retries) is list
+            and retries
+            and len(retries) == len(errors)
+            and all(error is None for error in errors)
+        ):
             return {**request, "num_load_retries": []}
         return request
     if op not in ("evict", "migrate") or "decode_demand" in request:
@@ -141,14 +166,18 @@ def _in_current_form(op: str, request):
 
 def recorded_pre_state(record: DivergenceRecord) -> KvPreState:
     """The op's pre-state as the record holds it. Pure."""
-    return _from_record(KvPreState, record.replay.get("pre_state"), f"op {record.op!r}: the recorded pre-state")
+    return _from_record(
+        KvPreState, record.replay.get("pre_state"), f"op {record.op!r}: the recorded pre-state"
+    )
 
 
 def _from_record(cls, value, what: str):
     try:
         return from_json(cls, json.dumps(value))
     except ValidationError as error:
-        raise ReplayError(f"{what} is not a valid {cls.__name__}: {validation_summary(error)}") from None
+        raise ReplayError(
+            f"{what} is not a valid {cls.__name__}: {validation_summary(error)}"
+        ) from None
 
 
 def rebuild_target(record: DivergenceRecord) -> KvTarget:
@@ -158,13 +187,24 @@ def rebuild_target(record: DivergenceRecord) -> KvTarget:
     geometry = snapshot.geometry
     model_config, cache_config, engine_config = _configs(geometry)
     state = WorkerState(step=snapshot.step)
-    for view in sorted(views, key=lambda v: v.arrival_index):  # the worker's requests keep arrival order
+    # the worker's requests keep arrival order
+    for view in sorted(views, key=lambda v: v.arrival_index):
         state.requests[view.uuid] = _request_state(view, snapshot.step)
     state.num_submitted = max((view.arrival_index for view in views), default=-1) + 1
-    gpu_pages = _pool("gpu", geometry.num_gpu_pages, {v.uuid: v.gpu_page_ids for v in views},
-                      snapshot.num_free_gpu_pages, _allocated_ids(record.replay, "gpu"))
-    host_pages = _pool("host", geometry.num_host_pages, {v.uuid: v.host_page_ids for v in views},
-                       snapshot.num_free_host_pages, _allocated_ids(record.replay, "host"))
+    gpu_pages = _pool(
+        "gpu",
+        geometry.num_gpu_pages,
+        {v.uuid: v.gpu_page_ids for v in views},
+        snapshot.num_free_gpu_pages,
+        _allocated_ids(record.replay, "gpu"),
+    )
+    host_pages = _pool(
+        "host",
+        geometry.num_host_pages,
+        {v.uuid: v.host_page_ids for v in views},
+        snapshot.num_free_host_pages,
+        _allocated_ids(record.replay, "host"),
+    )
     gpu = GpuKvPool(geometry.num_gpu_pages, None, pages=gpu_pages)
     host = HostKvPool(geometry.num_host_pages, None, gpu, pages=host_pages)
     pending: dict[str, None] = {}  # the KV ops only test membership and drop entries
@@ -186,8 +226,14 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     kv_path, shadow_path = kv_paths(record.replay)
     authoritative = _observe(kv_path, lambda: _run_authoritative(authoritative_target, kv_path, op))
     shadow = _observe(shadow_path, lambda: _run_shadow(shadow_target, shadow_path, op))
-    comparison = compare_observations(record.replay["op"], record.step, authoritative, shadow, classify=classify,
-                                      exception_kind=exception_kind)
+    comparison = compare_observations(
+        record.replay["op"],
+        record.step,
+        authoritative,
+        shadow,
+        classify=classify,
+        exception_kind=exception_kind,
+    )
     paths = comparison.field_paths
     reproduced = comparison.kind == record.kind and paths == tuple(record.field_paths)
     detail = comparison.diff.detail if comparison.diff is not None else {}
@@ -201,22 +247,29 @@ def _bind(op: str, request) -> _BoundOp:
 
     if op == "poll":
         observed = dict(zip(request.uuids, request.errors))
-        return _BoundOp(lambda path: path.poll(observed), lambda plan: plan.poll_request(observed), scope)
+        return _BoundOp(
+            lambda path: path.poll(observed), lambda plan: plan.poll_request(observed), scope
+        )
     if op == "release":
         uuids = list(request.uuids)
-        return _BoundOp(lambda path: path.release(uuids), lambda plan: plan.release_request(uuids), scope)
+        return _BoundOp(
+            lambda path: path.release(uuids), lambda plan: plan.release_request(uuids), scope
+        )
     if op == "evict":
         return _BoundOp(lambda path: path.evict(), lambda plan: plan.eviction_request(), scope)
     if op == "migrate":
         return _BoundOp(lambda path: path.migrate(), lambda plan: plan.migration_request(), scope)
     batch = list(request.batch)
-    return _BoundOp(lambda path: path.allocate(batch), lambda plan: plan.alloc_request(batch), scope)
+    return _BoundOp(
+        lambda path: path.allocate(batch), lambda plan: plan.alloc_request(batch), scope
+    )
 
 
 def _run_authoritative(target: KvTarget, path: str, op: _BoundOp) -> dict:
     """The op on ``target`` itself, its pools journaling; mutates ``target``."""
     scope = op.scope(target.state)
-    target.record_op(True)  # the requests before the op wrote them, too: canonical_kv names their load handles
+    # the requests before the op wrote them, too: canonical_kv names their load handles
+    target.record_op(True)
     gpu, host = target.gpu_kv, target.host_kv
     result = op.run(build_kv_path(path, target))
     return canonical_kv(target, scope, result, gpu.journal, host.journal, host.copies)
@@ -227,7 +280,9 @@ def _run_shadow(target: KvTarget, path: str, op: _BoundOp) -> dict:
     scope = op.scope(target.state)
     fork = fork_target(target)
     result = op.run(build_kv_path(path, fork))
-    return canonical_kv(fork, scope, result, fork.gpu_kv.journal, fork.host_kv.journal, fork.host_kv.copies)
+    return canonical_kv(
+        fork, scope, result, fork.gpu_kv.journal, fork.host_kv.journal, fork.host_kv.copies
+    )
 
 
 def _observe(path: str, run: Callable[[], dict]) -> Observation:
@@ -241,14 +296,16 @@ def _check_request(record: DivergenceRecord, recorded, rebuilt) -> None:
     """ReplayError unless the rebuilt pre-state yields the recorded op request."""
     if rebuilt != recorded:
         paths = diff(to_jsonable(recorded), to_jsonable(rebuilt)).paths
-        raise ReplayError(f"{record.op} step {record.step}: the rebuilt pre-state gives a different op request "
-                          f"at {', '.join(paths[:10])}")
+        raise ReplayError(
+            f"{record.op} step {record.step}: the rebuilt pre-state gives a different op request "
+            f"at {', '.join(paths[:10])}"
+        )
 
 
 # ---- rebuilding the pre-state ------------------------------------------------------------------
 def kv_paths(replay: dict) -> tuple[str, str]:
-    """A record's authoritative and shadow KV paths (``replay``: its payload); ReplayError unless each is plan or
-    legacy. Pure."""
+    """A record's authoritative and shadow KV paths (``replay``: its payload); ReplayError unless
+    each is plan or legacy. Pure."""
     paths = replay.get("kv_path"), replay.get("shadow_path")
     for key, path in zip(("kv_path", "shadow_path"), paths):
         if path not in ("plan", "legacy"):
@@ -259,22 +316,42 @@ def kv_paths(replay: dict) -> tuple[str, str]:
 def _configs(geometry: KvGeometry) -> tuple[ModelConfig, CacheConfig, EngineConfig]:
     dtype = next((name for name, size in DTYPE_SIZES.items() if size == geometry.dtype_size), None)
     if dtype is None:
-        raise ReplayError(f"no cache dtype has {geometry.dtype_size}-byte elements; known: {DTYPE_SIZES}")
+        raise ReplayError(
+            f"no cache dtype has {geometry.dtype_size}-byte elements; known: {DTYPE_SIZES}"
+        )
     try:
         return _valid_configs(geometry, dtype)
     except ValidationError as error:
-        raise ReplayError(f"the recorded geometry is not valid: {validation_summary(error)}") from None
+        raise ReplayError(
+            f"the recorded geometry is not valid: {validation_summary(error)}"
+        ) from None
 
 
-def _valid_configs(geometry: KvGeometry, dtype: str) -> tuple[ModelConfig, CacheConfig, EngineConfig]:
-    model = ModelConfig(vocab_size=2, hidden_size=geometry.num_kv_heads * geometry.head_dim, intermediate_size=1,
-                        num_layers=geometry.num_layers, num_heads=geometry.num_kv_heads,
-                        num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
-                        max_context=geometry.num_gpu_pages * geometry.page_size)
-    cache = CacheConfig(page_size=geometry.page_size, num_gpu_pages=geometry.num_gpu_pages,
-                        num_host_pages=geometry.num_host_pages, dtype=dtype, watermark=geometry.watermark)
-    engine = EngineConfig(max_num_seqs=geometry.max_num_seqs, max_load_retries=geometry.max_load_retries,
-                          load_failure=geometry.load_failure)
+def _valid_configs(
+    geometry: KvGeometry, dtype: str
+) -> tuple[ModelConfig, CacheConfig, EngineConfig]:
+    model = ModelConfig(
+        vocab_size=2,
+        hidden_size=geometry.num_kv_heads * geometry.head_dim,
+        intermediate_size=1,
+        num_layers=geometry.num_layers,
+        num_heads=geometry.num_kv_heads,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        max_context=geometry.num_gpu_pages * geometry.page_size,
+    )
+    cache = CacheConfig(
+        page_size=geometry.page_size,
+        num_gpu_pages=geometry.num_gpu_pages,
+        num_host_pages=geometry.num_host_pages,
+        dtype=dtype,
+        watermark=geometry.watermark,
+    )
+    engine = EngineConfig(
+        max_num_seqs=geometry.max_num_seqs,
+        max_load_retries=geometry.max_load_retries,
+        load_failure=geometry.load_failure,
+    )
     return model, cache, engine
 
 
@@ -284,28 +361,44 @@ NO_LOGPROBS = TokenLogprobs((0, 0), (0.0, 0.0))  # of each rebuilt output token:
 def _request_state(view: RequestKvView, step: int) -> RequestState:
     phases = [phase.value for phase in Phase]
     if view.phase not in phases:
-        raise ReplayError(f"request {view.uuid}: unknown phase {view.phase!r}; known: {', '.join(phases)}")
+        raise ReplayError(
+            f"request {view.uuid}: unknown phase {view.phase!r}; known: {', '.join(phases)}"
+        )
     phase = Phase(view.phase)
-    num_prompt_tokens = view.num_tokens if view.num_prompt_tokens is None else view.num_prompt_tokens
+    num_prompt_tokens = (
+        view.num_tokens if view.num_prompt_tokens is None else view.num_prompt_tokens
+    )
     if not 1 <= num_prompt_tokens <= view.num_tokens:
-        raise ReplayError(f"request {view.uuid}: num_prompt_tokens {num_prompt_tokens} is not in [1, num_tokens = "
-                          f"{view.num_tokens}]")
+        raise ReplayError(
+            f"request {view.uuid}: num_prompt_tokens {num_prompt_tokens} is not in [1, num_tokens ="
+            f" {view.num_tokens}]"
+        )
     had_load = phase is Phase.LOADING or bool(view.gpu_page_ids and view.host_page_ids)
     num_outputs = view.num_tokens - num_prompt_tokens
     return RequestState(
-        Request(view.uuid, (0,) * num_prompt_tokens, max_new_tokens=num_outputs + 1), view.arrival_index, phase,
-        output_ids=[0] * num_outputs, output_logprobs=[NO_LOGPROBS] * num_outputs,
-        num_cached_tokens=view.num_cached_tokens, gpu_page_ids=tuple(view.gpu_page_ids),
-        host_page_ids=tuple(view.host_page_ids), load_handle=CompletedHandle() if had_load else None,
-        load_started_step=step - 1 if had_load else None, num_load_retries=view.num_load_retries,
+        Request(view.uuid, (0,) * num_prompt_tokens, max_new_tokens=num_outputs + 1),
+        view.arrival_index,
+        phase,
+        output_ids=[0] * num_outputs,
+        output_logprobs=[NO_LOGPROBS] * num_outputs,
+        num_cached_tokens=view.num_cached_tokens,
+        gpu_page_ids=tuple(view.gpu_page_ids),
+        host_page_ids=tuple(view.host_page_ids),
+        load_handle=CompletedHandle() if had_load else None,
+        load_started_step=step - 1 if had_load else None,
+        num_load_retries=view.num_load_retries,
         swapped_step=view.swapped_step,
     )
 
 
 def _served_last_step(view: RequestKvView) -> bool:
     """Whether a request still holds last step's K/V as a pending append (inferred)."""
-    return (Phase(view.phase) in DONE_PHASES and 0 < view.num_cached_tokens == view.num_tokens - 1
-            and bool(view.gpu_page_ids) and not view.host_page_ids)
+    return (
+        Phase(view.phase) in DONE_PHASES
+        and 0 < view.num_cached_tokens == view.num_tokens - 1
+        and bool(view.gpu_page_ids)
+        and not view.host_page_ids
+    )
 
 
 def _allocated_ids(replay: dict, tier: str) -> list[int]:
@@ -320,15 +413,25 @@ def _allocated_ids(replay: dict, tier: str) -> list[int]:
     legacy_is_shadow = shadow_path == "legacy" and kv_path != "legacy"
     sides = ("shadow", "authoritative") if legacy_is_shadow else ("authoritative", "shadow")
     pools = replay.get("pools") or {}
-    if not isinstance(pools, dict) or not all(isinstance(pools.get(side) or {}, dict) for side in sides):
-        raise ReplayError(f"the record's pools must map authoritative and shadow to their pools' events, not "
-                          f"{pools!r}")
+    if not isinstance(pools, dict) or not all(
+        isinstance(pools.get(side) or {}, dict) for side in sides
+    ):
+        raise ReplayError(
+            "the record's pools must map authoritative and shadow to their pools' events, not "
+            f"{pools!r}"
+        )
     ids: list[int] = []
     for side in sides:
         for event in (pools.get(side) or {}).get(tier, ()):
-            if not isinstance(event, dict) or "kind" not in event or not _is_id_list(event.get("page_ids")):
-                raise ReplayError(f"the record's {side} {tier} pool events are not records with a kind and page ids "
-                                  f"({event!r}); a log written by an older batchgen cannot be replayed")
+            if (
+                not isinstance(event, dict)
+                or "kind" not in event
+                or not _is_id_list(event.get("page_ids"))
+            ):
+                raise ReplayError(
+                    f"the record's {side} {tier} pool events are not records with a kind and page"
+                    f" ids ({event!r}); a log written by an older batchgen cannot be replayed"
+                )
             if event["kind"] == "alloc":
                 ids.extend(event["page_ids"])
     return list(dict.fromkeys(ids))
@@ -338,8 +441,13 @@ def _is_id_list(value) -> bool:
     return isinstance(value, list) and all(type(page_id) is int for page_id in value)
 
 
-def _pool(name: str, num_pages: int, owned: dict[str, Sequence[int]], num_free: int,
-          first_free: Sequence[int]) -> PagePool:
+def _pool(
+    name: str,
+    num_pages: int,
+    owned: dict[str, Sequence[int]],
+    num_free: int,
+    first_free: Sequence[int],
+) -> PagePool:
     """A pool whose owners are ``owned`` and whose free queue starts with ``first_free``."""
     pool = PagePool(name, num_pages)
     try:
@@ -350,7 +458,10 @@ def _pool(name: str, num_pages: int, owned: dict[str, Sequence[int]], num_free: 
         raise ReplayError(f"the recorded page tables are inconsistent: {error}") from None
     unowned = [page_id for page_id in range(num_pages) if pool.is_free(page_id)]
     if num_free > len(unowned):
-        raise ReplayError(f"{name}: {num_free} free pages recorded, but the scope leaves only {len(unowned)} unowned")
+        raise ReplayError(
+            f"{name}: {num_free} free pages recorded, but the scope leaves only {len(unowned)}"
+            " unowned"
+        )
     head = [page_id for page_id in first_free if pool.is_free(page_id)]
     free = list(dict.fromkeys([*head, *unowned]))[:num_free]
     held_elsewhere = sorted(set(unowned) - set(free))

@@ -2,15 +2,18 @@
 
 Nine runs, one model::
 
-    role         worker                            workload   pool                     checks (every run: pools
-                                                                                       consistent after every step)
-    -----------  --------------------------------  ---------  -----------------------  ----------------------------
-    legacy/plan  one worker per direction runs      L2-2048    L2-4096's (see below)    evicted; clean after; no
-    plan/legacy  both workloads in compare mode     L2-4096                             divergence; tokens ==
-    plan/plan    "log" (authoritative/shadow path;                                      reference's
-                 plan/plan is the A/A noise check)
-    reference    a fresh worker per workload        both       every request fits       no eviction, load, recompute
-    fresh        a fresh worker, plan path          L2-4096    the shared workers'      == each direction's L2-4096
+    role         worker                          workload  pool             checks (and, every
+                                                                                run: pools sound
+                                                                                after every step)
+    -----------  ------------------------------  --------  ---------------  -----------------------
+    legacy/plan  one worker per direction runs   L2-2048   L2-4096's        evicted; clean after; no
+    plan/legacy  both workloads in compare mode  L2-4096   (see below)      divergence; tokens ==
+    plan/plan    "log" (authoritative/shadow;                               reference's
+                 plan/plan: the A/A check)
+    reference    a fresh worker per workload     both      every request    no eviction, load,
+                                                           fits             recompute
+    fresh        a fresh worker, plan path       L2-4096   the shared       == each direction's
+                                                           workers'         L2-4096
 
 A direction's worker serves with its authoritative path and shadows every KV op
 of every step with the other path on a bookkeeping fork; plan/plan shadows the
@@ -42,31 +45,55 @@ from pathlib import Path
 
 import torch
 
-from compare import DivergenceRecord, LogWriteError, Report, RunSummary, aggregate, read_log
 from batchgen.config import CacheConfig, EngineConfig, watermark_pages
-from batchgen.model.loader import SUPPORTED_DTYPES
-from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
 from batchgen.engine.runner import RunResult, run_workload
-from batchgen.shadow.validation_report import (DIRECTIONS, PARTIAL_LOG, KvDirection, ValidationReport, ValidationRun,
-                                        complete_log, reports_directory, write_reports)
-from batchgen.kv.gate import KvGateConfig
 from batchgen.engine.worker import RequestError, Worker
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, WorkloadError, load_workload
+from batchgen.kv.gate import KvGateConfig
+from batchgen.model.loader import SUPPORTED_DTYPES
+from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
+from batchgen.shadow.validation_report import (
+    DIRECTIONS,
+    PARTIAL_LOG,
+    KvDirection,
+    ValidationReport,
+    ValidationRun,
+    complete_log,
+    reports_directory,
+    write_reports,
+)
+from compare import DivergenceRecord, LogWriteError, Report, RunSummary, aggregate, read_log
 
-# Built-in names or workload files, run in this order on each shared worker (the last one's pool and engine).
+# Built-in names or workload files, run in this order on each shared worker (the last one's pool and
+# engine).
 BACK_TO_BACK_WORKLOADS = ("L2-2048", "L2-4096")
-# Counters that must match between a shared and the fresh L2-4096 run (peaks are lifetime maxima, so not these).
-SAME_RUN_COUNTERS = ("steps", "evictions", "loads", "load_failures", "recompute_preemptions", "tokens_generated")
+# Counters that must match between a shared and the fresh L2-4096 run (peaks are lifetime maxima, so
+# not these).
+SAME_RUN_COUNTERS = (
+    "steps",
+    "evictions",
+    "loads",
+    "load_failures",
+    "recompute_preemptions",
+    "tokens_generated",
+)
 _MAX_NAMED_PATHS = 3  # field paths a divergence failure line names
 
 # on_progress(label of the run, requests released, requests in the workload)
 ProgressCallback = Callable[[str, int, int], None]
 
 
-def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: str | torch.device = "cpu",
-                          reports_dir: str | Path | None = None,
-                          on_progress: ProgressCallback | None = None) -> ValidationReport:
-    """Run the back-to-back validation on ``model`` (already on ``device``) in every direction and judge it.
+def validate_back_to_back(
+    model,
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    device: str | torch.device = "cpu",
+    reports_dir: str | Path | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> ValidationReport:
+    """Run the back-to-back validation on ``model`` (already on ``device``) in every direction and
+    judge it.
 
     Builds its own workers (explicit gates: the ``BATCHGEN_WORKER_KV_*`` environment
     does not apply). Writes the divergence log and its reports into ``reports_dir``
@@ -76,30 +103,43 @@ def validate_back_to_back(model, *, seed: int = 0, scale: float = 1.0, device: s
     serve the traces); every check that fails is a line in ``failures``.
     """
     started = time.perf_counter()
-    workloads = tuple(load_workload(name, seed=seed, scale=scale, vocab_size=model.config.vocab_size)
-                      for name in BACK_TO_BACK_WORKLOADS)
+    workloads = tuple(
+        load_workload(name, seed=seed, scale=scale, vocab_size=model.config.vocab_size)
+        for name in BACK_TO_BACK_WORKLOADS
+    )
     dtype = _dtype_name(model)
     cache = workloads[-1].cache.model_copy(update={"dtype": dtype})
     tolerance = NEAR_TIE_TOLERANCES[dtype]
     with reports_directory(reports_dir) as directory:
-        sources = {workload.name: _source(spec) for spec, workload in zip(BACK_TO_BACK_WORKLOADS, workloads)}
+        sources = {
+            workload.name: _source(spec)
+            for spec, workload in zip(BACK_TO_BACK_WORKLOADS, workloads)
+        }
         session = _Session(model, device, directory / PARTIAL_LOG, sources, on_progress)
         for direction in DIRECTIONS:
             session.run_back_to_back(direction, workloads, cache, workloads[-1].engine, scale)
         if session.shared:
             session.check_against_references(workloads, dtype, tolerance)
             session.check_against_fresh(workloads[-1], cache)
-        session.log = complete_log(directory)  # an interrupted validation leaves the last log and reports as they were
+        # an interrupted validation leaves the last log and reports as they were
+        session.log = complete_log(directory)
         compare = aggregate(session.read_log())
         written = _write_reports(session, directory, compare) if reports_dir is not None else {}
-    return ValidationReport(cache=cache, near_tie_tolerance=tolerance, workloads=tuple(w.name for w in workloads),
-                            runs=tuple(session.runs), failures=list(session.failures), compare=compare,
-                            reports=written, wall_s=time.perf_counter() - started)
+    return ValidationReport(
+        cache=cache,
+        near_tie_tolerance=tolerance,
+        workloads=tuple(w.name for w in workloads),
+        runs=tuple(session.runs),
+        failures=list(session.failures),
+        compare=compare,
+        reports=written,
+        wall_s=time.perf_counter() - started,
+    )
 
 
 def _write_reports(session: _Session, directory: Path, compare: Report) -> dict[str, str]:
-    """``write_reports``; a report that cannot be written (a full disk, say) is a failure of the validation, not
-    a crash: the summary is still printed. Mutates ``session.failures``."""
+    """``write_reports``; a report that cannot be written (a full disk, say) is a failure of the
+    validation, not a crash: the summary is still printed. Mutates ``session.failures``."""
     try:
         return write_reports(directory, compare)
     except OSError as error:
@@ -118,18 +158,34 @@ class _Session:
     on_progress: ProgressCallback | None
     runs: list[ValidationRun] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
-    shared: dict[KvDirection, dict[str, RunResult]] = field(default_factory=dict)  # direction -> workload -> run
+    # direction -> workload -> run
+    shared: dict[KvDirection, dict[str, RunResult]] = field(default_factory=dict)
 
     # ---- the three kinds of run ----------------------------------------------------------------
-    def run_back_to_back(self, direction: KvDirection, workloads: tuple[Workload, ...], cache: CacheConfig,
-                         engine: EngineConfig, scale: float) -> None:
-        """Every workload in turn on one compare-mode worker; stops at the first run that breaks it."""
+    def run_back_to_back(
+        self,
+        direction: KvDirection,
+        workloads: tuple[Workload, ...],
+        cache: CacheConfig,
+        engine: EngineConfig,
+        scale: float,
+    ) -> None:
+        """Every workload in turn on one compare-mode worker; stops at the first run that breaks
+        it."""
         gate = KvGateConfig(path=direction.authoritative, compare="log", compare_log=str(self.log))
-        worker = Worker(self.model, cache_config=cache, engine_config=engine, kv_gate=gate,
-                        shadow_path=direction.shadow, device=self.device)
+        worker = Worker(
+            self.model,
+            cache_config=cache,
+            engine_config=engine,
+            kv_gate=gate,
+            shadow_path=direction.shadow,
+            device=self.device,
+        )
         try:
             for workload in workloads:
-                result = self.run(direction.role, worker, workload, direction=direction, scale=scale)
+                result = self.run(
+                    direction.role, worker, workload, direction=direction, scale=scale
+                )
                 if result is None:  # the worker's state is broken; later runs would only repeat it
                     return
                 self.shared.setdefault(direction, {})[workload.name] = result
@@ -138,11 +194,15 @@ class _Session:
         finally:
             try:
                 worker.kv_compare.sink.close()
-            except LogWriteError as error:  # its records may not all be on disk: the log vouches for nothing
+            # its records may not all be on disk: the log vouches for nothing
+            except LogWriteError as error:
                 self.failures.append(f"{direction.role}: divergence log {error}")
 
-    def check_against_references(self, workloads: tuple[Workload, ...], dtype: str, tolerance: float) -> None:
-        """Each workload on a pool that never evicts; every direction's tokens must match it (near-ties allowed)."""
+    def check_against_references(
+        self, workloads: tuple[Workload, ...], dtype: str, tolerance: float
+    ) -> None:
+        """Each workload on a pool that never evicts; every direction's tokens must match it
+        (near-ties allowed)."""
         for workload in workloads:
             roomy = workload.with_cache(**_no_eviction_pool(workload, dtype))
             reference = self.run("reference", self.plain_worker(roomy.cache, roomy.engine), roomy)
@@ -151,10 +211,16 @@ class _Session:
             self.check_no_eviction(reference)
             for direction, results in self.shared.items():
                 if workload.name in results:
-                    self.compare(reference, results[workload.name], f"{workload.name} {direction.role}", tolerance)
+                    self.compare(
+                        reference,
+                        results[workload.name],
+                        f"{workload.name} {direction.role}",
+                        tolerance,
+                    )
 
     def check_against_fresh(self, last: Workload, cache: CacheConfig) -> None:
-        """The last workload on a fresh worker (plan path); every direction's run of it must be this run."""
+        """The last workload on a fresh worker (plan path); every direction's run of it must be this
+        run."""
         fresh = self.run("fresh", self.plain_worker(cache, last.engine), last)
         if fresh is None:
             return
@@ -163,28 +229,57 @@ class _Session:
                 self.check_same_run(fresh, results[last.name], f"{last.name} {direction.role}")
 
     def plain_worker(self, cache: CacheConfig, engine: EngineConfig) -> Worker:
-        """A worker on the default (plan) path with compare mode off, whatever the environment says."""
-        return Worker(self.model, cache_config=cache, engine_config=engine, kv_gate=KvGateConfig(), device=self.device)
+        """A worker on the default (plan) path with compare mode off, whatever the environment
+        says."""
+        return Worker(
+            self.model,
+            cache_config=cache,
+            engine_config=engine,
+            kv_gate=KvGateConfig(),
+            device=self.device,
+        )
 
-    def run(self, role: str, worker: Worker, workload: Workload, *, direction: KvDirection | None = None,
-            scale: float = 1.0) -> RunResult | None:
-        """Run ``workload`` on ``worker``, checking its pools after every step; None (and a failure) if a
-        check failed or the worker raised mid-run. A compare run carries its label as its workload name."""
+    def run(
+        self,
+        role: str,
+        worker: Worker,
+        workload: Workload,
+        *,
+        direction: KvDirection | None = None,
+        scale: float = 1.0,
+    ) -> RunResult | None:
+        """Run ``workload`` on ``worker``, checking its pools after every step; None (and a failure)
+        if a check failed or the worker raised mid-run. A compare run carries its label as its
+        workload name."""
         label = f"{workload.name} {role}"
-        on_step = None if self.on_progress is None else (lambda done, total: self.on_progress(label, done, total))
+        on_step = (
+            None
+            if self.on_progress is None
+            else (lambda done, total: self.on_progress(label, done, total))
+        )
         named = workload if direction is None else workload.model_copy(update={"name": label})
         try:
-            result = run_workload(worker, named, check_integrity=True, on_step=on_step,
-                                  source=self.sources.get(workload.name), scale=scale)
+            result = run_workload(
+                worker,
+                named,
+                check_integrity=True,
+                on_step=on_step,
+                source=self.sources.get(workload.name),
+                scale=scale,
+            )
         except (RequestError, WorkloadError):
             raise  # bad input, not a failed check
         except AssertionError as error:
-            self.failures.append(f"{label}: integrity check failed at step {worker.state.step}: {_first_line(error)}")
+            self.failures.append(
+                f"{label}: integrity check failed at step {worker.state.step}: {_first_line(error)}"
+            )
             self.end_compare_run(label, worker, direction)
             return None
         except Exception as error:  # e.g. a plan the applier rejected on the authoritative path
-            self.failures.append(f"{label}: raised at step {worker.state.step}: {type(error).__name__}: "
-                                 f"{_first_line(error)}")
+            self.failures.append(
+                f"{label}: raised at step {worker.state.step}: {type(error).__name__}: "
+                f"{_first_line(error)}"
+            )
             self.end_compare_run(label, worker, direction)
             return None
         self.runs.append(ValidationRun.from_result(role, workload.name, result, direction))
@@ -193,67 +288,98 @@ class _Session:
         return result
 
     def end_compare_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:
-        """Judge the divergences of a compare run that broke off (its summary: the one the runner wrote as it
-        stopped)."""
+        """Judge the divergences of a compare run that broke off (its summary: the one the runner
+        wrote as it stopped)."""
         if worker.kv_compare is not None:
             self.check_divergences(label, direction, worker.kv_compare.end_run())
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_divergences(self, label: str, direction: KvDirection, summary: RunSummary) -> None:
-        """No divergence and no harness error in one compare run; a failure names the first divergence."""
+        """No divergence and no harness error in one compare run; a failure names the first
+        divergence."""
         if summary.harness_errors:
-            self.failures.append(f"{label}: {_plural(summary.harness_errors, 'compare harness error')} "
-                                 f"(the comparison itself failed; see the warnings)")
+            self.failures.append(
+                f"{label}: {_plural(summary.harness_errors, 'compare harness error')} "
+                "(the comparison itself failed; see the warnings)"
+            )
         num_divergences = sum(summary.divergences.values())
         if not num_divergences:
             return
         by_op = ", ".join(f"{op}: {n}" for op, n in sorted(summary.divergences.items()) if n)
-        noise = " (A/A noise check: both sides run the same path)" if direction.is_noise_check else ""
+        noise = (
+            " (A/A noise check: both sides run the same path)" if direction.is_noise_check else ""
+        )
         first = self.first_divergence(summary.run_id)
         self.failures.append(
-            f"{label}: {_plural(num_divergences, 'divergence')} of the {direction.shadow} shadow from the "
-            f"authoritative {direction.authoritative} path{noise} ({by_op}); first: {_describe(first)}")
+            f"{label}: {_plural(num_divergences, 'divergence')} of the {direction.shadow} shadow"
+            f" from the authoritative {direction.authoritative} path{noise} ({by_op}); first:"
+            f" {_describe(first)}"
+        )
 
     def check_clean(self, label: str, worker: Worker, result: RunResult) -> None:
         """After a run: nothing held, nothing in flight, no request state, pools consistent."""
-        leftovers = {"GPU pages held": result.leaked_gpu_pages, "host pages held": result.leaked_host_pages,
-                     "loads in flight": result.loads_in_flight, "live requests": result.live_requests}
-        self.failures += [f"{label}: {count} {what} after the run (expected 0)"
-                          for what, count in leftovers.items() if count]
+        leftovers = {
+            "GPU pages held": result.leaked_gpu_pages,
+            "host pages held": result.leaked_host_pages,
+            "loads in flight": result.loads_in_flight,
+            "live requests": result.live_requests,
+        }
+        self.failures += [
+            f"{label}: {count} {what} after the run (expected 0)"
+            for what, count in leftovers.items()
+            if count
+        ]
         try:
             worker.check_integrity()
         except AssertionError as error:
-            self.failures.append(f"{label}: integrity check failed after the run: {_first_line(error)}")
+            self.failures.append(
+                f"{label}: integrity check failed after the run: {_first_line(error)}"
+            )
 
     def check_evicted(self, label: str, result: RunResult) -> None:
         if result.stats.evictions == 0:
             self.failures.append(
-                f"{label}: never evicted to host (recompute preemptions: {result.stats.recompute_preemptions}), "
-                f"so the run did not exercise the host tier; use a larger --scale")
+                f"{label}: never evicted to host (recompute preemptions:"
+                f" {result.stats.recompute_preemptions}), so the run did not exercise the host"
+                " tier; use a larger --scale"
+            )
 
     def check_no_eviction(self, reference: RunResult) -> None:
         stats = reference.stats
         if stats.evictions or stats.loads or stats.recompute_preemptions:
             self.failures.append(
-                f"{reference.workload} reference: its pool was meant to avoid all KV pressure but it saw "
-                f"{stats.evictions} evictions, {stats.loads} loads, {stats.recompute_preemptions} recomputes")
+                f"{reference.workload} reference: its pool was meant to avoid all KV pressure but"
+                f" it saw {stats.evictions} evictions, {stats.loads} loads,"
+                f" {stats.recompute_preemptions} recomputes"
+            )
 
-    def compare(self, reference: RunResult, shared: RunResult, label: str, tolerance: float) -> None:
+    def compare(
+        self, reference: RunResult, shared: RunResult, label: str, tolerance: float
+    ) -> None:
         """A shared run's tokens vs the no-eviction reference, near-ties allowed."""
-        self.failures += [f"{label} vs reference: {problem}"
-                          for problem in compare_outputs(reference.outputs, shared.outputs, tolerance=tolerance)]
+        self.failures += [
+            f"{label} vs reference: {problem}"
+            for problem in compare_outputs(reference.outputs, shared.outputs, tolerance=tolerance)
+        ]
 
     def check_same_run(self, fresh: RunResult, shared: RunResult, label: str) -> None:
-        """A shared worker's run of the last workload must be the fresh worker's: tokens, steps and counters."""
+        """A shared worker's run of the last workload must be the fresh worker's: tokens, steps and
+        counters."""
         label = f"{label} vs fresh"
-        self.failures += [f"{label}: {problem}" for problem in compare_exact(fresh.outputs, shared.outputs)]
+        self.failures += [
+            f"{label}: {problem}" for problem in compare_exact(fresh.outputs, shared.outputs)
+        ]
         fresh_counters, shared_counters = _run_counters(fresh), _run_counters(shared)
-        self.failures += [f"{label}: {name} {shared_counters[name]} on the shared worker, {value} on a fresh one"
-                          for name, value in fresh_counters.items() if shared_counters[name] != value]
+        self.failures += [
+            f"{label}: {name} {shared_counters[name]} on the shared worker, {value} on a fresh one"
+            for name, value in fresh_counters.items()
+            if shared_counters[name] != value
+        ]
 
     # ---- the log ---------------------------------------------------------------------------------
     def read_log(self) -> tuple:
-        """Every record the compare runs logged (none when nothing was logged); a torn line is a failure."""
+        """Every record the compare runs logged (none when nothing was logged); a torn line is a
+        failure."""
         if not self.log.exists():
             return ()
         result = read_log(self.log)
@@ -263,8 +389,14 @@ class _Session:
     def first_divergence(self, run_id: str) -> DivergenceRecord | None:
         if not self.log.exists():
             return None
-        return next((record for record in read_log(self.log).records
-                     if isinstance(record, DivergenceRecord) and record.run_id == run_id), None)
+        return next(
+            (
+                record
+                for record in read_log(self.log).records
+                if isinstance(record, DivergenceRecord) and record.run_id == run_id
+            ),
+            None,
+        )
 
 
 def _describe(record: DivergenceRecord | None) -> str:
@@ -275,12 +407,14 @@ def _describe(record: DivergenceRecord | None) -> str:
     if not record.field_paths:
         return f"{where}: {record.exception}"
     more = len(record.field_paths) - _MAX_NAMED_PATHS
-    return (f"{where} at {', '.join(record.field_paths[:_MAX_NAMED_PATHS])}"
-            + (f" (+{more} more)" if more > 0 else ""))
+    return f"{where} at {', '.join(record.field_paths[:_MAX_NAMED_PATHS])}" + (
+        f" (+{more} more)" if more > 0 else ""
+    )
 
 
 def _source(name: str) -> str:
-    """How ``replay``/``minimize`` reload a workload: its built-in name, or its file's absolute path."""
+    """How ``replay``/``minimize`` reload a workload: its built-in name, or its file's absolute
+    path."""
     return name if name in BUILTIN_WORKLOADS else str(Path(name).resolve())
 
 
@@ -290,7 +424,9 @@ def _no_eviction_pool(workload: Workload, dtype: str) -> dict:
     No host pages: a run that never evicts never uses them.
     """
     cache = workload.cache
-    num_needed = sum(cache.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in workload.requests)
+    num_needed = sum(
+        cache.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in workload.requests
+    )
     num_pages = num_needed
     while num_pages - watermark_pages(cache.watermark, num_pages) < num_needed:
         num_pages += 1

@@ -1,4 +1,5 @@
-"""What the back-to-back validation (``batchgen.shadow.validation``) reports, and the report files it writes.
+"""What the back-to-back validation (``batchgen.shadow.validation``) reports, and the report files
+it writes.
 
 Holds the compare-mode directions it runs (``KvDirection``, ``DIRECTIONS``), one
 run's record (``ValidationRun``), the verdict (``ValidationReport``), and the
@@ -15,14 +16,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from compare import Report, write_atomic
-from compare.report import render_json, render_junit, render_markdown
 from batchgen.config import CacheConfig
 from batchgen.engine.runner import RunResult
+from compare import Report, write_atomic
+from compare.report import render_json, render_junit, render_markdown
 
-# Report kind -> file name in the reports directory; the log comes first, the rest are rendered from it.
-REPORT_FILES = {"jsonl": "divergences.jsonl", "md": "divergences.md", "junit": "divergences.xml",
-                "json": "divergences.json"}
+# Report kind -> file name in the reports directory; the log comes first, the rest are rendered from
+# it.
+REPORT_FILES = {
+    "jsonl": "divergences.jsonl",
+    "md": "divergences.md",
+    "junit": "divergences.xml",
+    "json": "divergences.json",
+}
 _RENDERERS = {"md": render_markdown, "junit": render_junit, "json": render_json}
 
 
@@ -43,12 +49,17 @@ class KvDirection:
         return self.authoritative == self.shadow
 
 
-DIRECTIONS = (KvDirection("legacy", "plan"), KvDirection("plan", "legacy"), KvDirection("plan", "plan"))
+DIRECTIONS = (
+    KvDirection("legacy", "plan"),
+    KvDirection("plan", "legacy"),
+    KvDirection("plan", "plan"),
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ValidationRun:
-    """One run of the validation: who ran what, and ``RunResult.summary()`` of it (plus its compare counts)."""
+    """One run of the validation: who ran what, and ``RunResult.summary()`` of it (plus its compare
+    counts)."""
 
     role: str  # a direction's role ("legacy/plan", ...), "reference" or "fresh"
     workload: str
@@ -57,29 +68,43 @@ class ValidationRun:
     shadow_path: str | None = None  # None: compare mode off
 
     @classmethod
-    def from_result(cls, role: str, workload: str, result: RunResult, direction: KvDirection | None) -> ValidationRun:
-        """The run's summary under its workload's own name, with its compare counts in compare mode."""
+    def from_result(
+        cls, role: str, workload: str, result: RunResult, direction: KvDirection | None
+    ) -> ValidationRun:
+        """The run's summary under its workload's own name, with its compare counts in compare
+        mode."""
         summary = {**result.summary(), "workload": workload}
         compared = result.compare_summary
         if compared is not None:
-            summary |= {"steps_compared": dict(compared.steps_compared),
-                        "divergences": sum(compared.divergences.values()),
-                        "divergences_by_op": dict(compared.divergences), "harness_errors": compared.harness_errors}
+            summary |= {
+                "steps_compared": dict(compared.steps_compared),
+                "divergences": sum(compared.divergences.values()),
+                "divergences_by_op": dict(compared.divergences),
+                "harness_errors": compared.harness_errors,
+            }
         if direction is None:
             return cls(role, workload, summary)
-        return cls(role, workload, summary, kv_path=direction.authoritative, shadow_path=direction.shadow)
+        return cls(
+            role, workload, summary, kv_path=direction.authoritative, shadow_path=direction.shadow
+        )
 
     @property
     def label(self) -> str:
         return f"{self.workload} {self.role}"
 
     def to_dict(self) -> dict:
-        return {"role": self.role, "kv_path": self.kv_path, "shadow_path": self.shadow_path, **self.summary}
+        return {
+            "role": self.role,
+            "kv_path": self.kv_path,
+            "shadow_path": self.shadow_path,
+            **self.summary,
+        }
 
 
 @dataclass(frozen=True)
 class ValidationReport:
-    """The verdict: ``ok`` when ``failures`` is empty; each failure names the run and what failed."""
+    """The verdict: ``ok`` when ``failures`` is empty; each failure names the run and what
+    failed."""
 
     cache: CacheConfig  # the shared (and fresh) workers' pool
     near_tie_tolerance: float
@@ -87,7 +112,8 @@ class ValidationReport:
     runs: tuple[ValidationRun, ...]
     failures: list[str]
     compare: Report  # aggregated over every compare run's log records
-    reports: dict[str, str]  # report kind -> file written; empty when no reports directory was given
+    # report kind -> file written; empty when no reports directory was given
+    reports: dict[str, str]
     wall_s: float
 
     @property
@@ -120,17 +146,19 @@ class ValidationReport:
 
 
 def compare_overhead(report: Report) -> float | None:
-    """Harness time over authoritative time on compared steps (None before anything was compared)."""
+    """Harness time over authoritative time on compared steps (None before anything was
+    compared)."""
     if report.authoritative_seconds <= 0:
         return None
     return round(report.compare_seconds / report.authoritative_seconds, 3)
 
 
 def write_reports(directory: Path, compare: Report) -> dict[str, str]:
-    """Render ``compare`` next to its log in ``directory``, each file replaced atomically; kind -> path.
+    """Render ``compare`` next to its log in ``directory``, each file replaced atomically; kind ->
+    path.
 
-    OSError naming the report (its ``filename``) that could not be written; it and the ones after it keep
-    their last version."""
+    OSError naming the report (its ``filename``) that could not be written; it and the ones after it
+    keep their last version."""
     written = {"jsonl": str(directory / REPORT_FILES["jsonl"])}
     for kind, render in _RENDERERS.items():
         path = directory / REPORT_FILES[kind]
@@ -142,13 +170,15 @@ def write_reports(directory: Path, compare: Report) -> dict[str, str]:
     return written
 
 
-PARTIAL_LOG = REPORT_FILES["jsonl"] + ".partial"  # the log while the runs write it; renamed once they are done
+# the log while the runs write it; renamed once they are done
+PARTIAL_LOG = REPORT_FILES["jsonl"] + ".partial"
 
 
 @contextlib.contextmanager
 def reports_directory(reports_dir: str | Path | None) -> Iterator[Path]:
-    """``reports_dir`` (created, an earlier interrupted run's partial log removed; the last complete log and
-    its reports stay until new ones replace them), or a temporary directory for the log alone."""
+    """``reports_dir`` (created, an earlier interrupted run's partial log removed; the last complete
+    log and its reports stay until new ones replace them), or a temporary directory for the log
+    alone."""
     if reports_dir is None:
         with tempfile.TemporaryDirectory(prefix="batchgen-validate-") as temporary:
             yield Path(temporary)
@@ -160,8 +190,8 @@ def reports_directory(reports_dir: str | Path | None) -> Iterator[Path]:
 
 
 def complete_log(directory: Path) -> Path:
-    """Move the finished partial log (if any run logged) to its name, replacing the last one. Mutates
-    ``directory``; returns the log's path."""
+    """Move the finished partial log (if any run logged) to its name, replacing the last one.
+    Mutates ``directory``; returns the log's path."""
     log = directory / REPORT_FILES["jsonl"]
     partial = directory / PARTIAL_LOG
     if partial.exists():

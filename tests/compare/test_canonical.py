@@ -46,7 +46,10 @@ class Snapshot(BaseModel):
 
 def test_turns_a_slotted_frozen_dataclass_into_a_dict_of_its_fields():
     assert canonicalize(Request("r1", Phase.RUNNING, (4, 9))) == {
-        "request_id": "r1", "phase": "RUNNING", "gpu_pages": [4, 9]}
+        "request_id": "r1",
+        "phase": "RUNNING",
+        "gpu_pages": [4, 9],
+    }
 
 
 def test_turns_mappings_into_keyed_with_string_keys_in_sorted_order():
@@ -59,8 +62,10 @@ def test_keeps_fields_as_plain_dicts_and_id_maps_as_keyed():
     out = canonicalize(State({"r1": Request("r1", Phase.SWAPPED, ())}, {3, 1}))
     assert type(out) is dict
     assert type(out["requests"]) is Keyed
-    assert out == {"requests": {"r1": {"request_id": "r1", "phase": "SWAPPED", "gpu_pages": []}},
-                   "free_pages": [1, 3]}
+    assert out == {
+        "requests": {"r1": {"request_id": "r1", "phase": "SWAPPED", "gpu_pages": []}},
+        "free_pages": [1, 3],
+    }
 
 
 def test_names_enums_and_int_enums_by_their_name():
@@ -103,8 +108,10 @@ def test_rejects_mapping_keys_that_render_as_the_same_string():
 
 
 def test_flattens_fields_with_dots_ids_in_brackets_and_list_indexes():
-    canonical = {"requests": Keyed({"r17": {"gpu_pages": [4, 9, 12, 13], "phase": "RUNNING"}}),
-                 "stats": {"num_free": 3}}
+    canonical = {
+        "requests": Keyed({"r17": {"gpu_pages": [4, 9, 12, 13], "phase": "RUNNING"}}),
+        "stats": {"num_free": 3},
+    }
     assert flatten(canonical) == {
         "requests[r17].gpu_pages[0]": 4,
         "requests[r17].gpu_pages[1]": 9,
@@ -117,7 +124,10 @@ def test_flattens_fields_with_dots_ids_in_brackets_and_list_indexes():
 
 def test_keeps_empty_containers_as_leaves_so_absent_differs_from_empty():
     assert flatten({"pages": [], "requests": Keyed(), "meta": {}}) == {
-        "pages": [], "requests": {}, "meta": {}}
+        "pages": [],
+        "requests": {},
+        "meta": {},
+    }
     assert (flatten({"pages": []}), flatten({})) == ({"pages": []}, {"": {}})
 
 
@@ -133,8 +143,9 @@ def test_wildcards_every_bracketed_component():
 
 _plain = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=4), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -157,17 +168,24 @@ def test_a_flag_of_no_single_name_keeps_its_value():
 
 def test_a_set_holding_nan_canonicalises_the_same_whatever_its_insertion_order():
     nan = float("nan")
-    members = [0.0, 8.0, 16.0, nan]  # 0, 8 and 16 share a slot of a small set: iteration follows insertion
+    # 0, 8 and 16 share a slot of a small set: iteration follows insertion
+    members = [0.0, 8.0, 16.0, nan]
     sets = [set(order) for order in itertools.permutations(members)]
-    assert len({tuple(map(str, members)) for members in sets}) > 1  # the sets iterate in different orders
+    # the sets iterate in different orders
+    assert len({tuple(map(str, members)) for members in sets}) > 1
     assert len({json.dumps(canonicalize(members)) for members in sets}) == 1
 
 
-def test_a_bracketed_key_holding_brackets_or_backslashes_is_escaped_and_wildcards_as_one_component():
+def test_a_key_holding_brackets_or_backslashes_is_escaped_and_wildcards_as_one_component():
     keys = ["a]b", "a\\]b", "a[0]", "c\\", "plain"]
     paths = list(flatten({"requests": Keyed({key: {"x": 1} for key in keys})}))
-    assert paths == ["requests[a\\]b].x", "requests[a\\\\\\]b].x", "requests[a[0\\]].x", "requests[c\\\\].x",
-                     "requests[plain].x"]
+    assert paths == [
+        "requests[a\\]b].x",
+        "requests[a\\\\\\]b].x",
+        "requests[a[0\\]].x",
+        "requests[c\\\\].x",
+        "requests[plain].x",
+    ]
     assert len(set(paths)) == len(keys)  # escaped, distinct keys stay distinct paths
     assert {wildcard(path) for path in paths} == {"requests[*].x"}
     assert wildcard("meta[a[0\\]].gpu_pages[3]") == "meta[*].gpu_pages[*]"

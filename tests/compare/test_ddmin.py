@@ -15,8 +15,10 @@ def test_finds_the_known_minimal_subset():
 
 
 def test_keeps_the_original_order():
-    assert ddmin(["evict", "alloc", "poll", "migrate", "release"],
-                 needs("migrate", "alloc")) == ["alloc", "migrate"]
+    assert ddmin(["evict", "alloc", "poll", "migrate", "release"], needs("migrate", "alloc")) == [
+        "alloc",
+        "migrate",
+    ]
 
 
 def test_shrinks_to_a_single_item():
@@ -25,7 +27,7 @@ def test_shrinks_to_a_single_item():
 
 def test_finds_an_order_dependent_failure():
     def alloc_after_release(items):
-        return "release" in items and "alloc" in items[items.index("release"):]
+        return "release" in items and "alloc" in items[items.index("release") :]
 
     ops = ["poll", "alloc", "release", "evict", "migrate", "alloc", "poll"]
     assert ddmin(ops, alloc_after_release) == ["release", "alloc"]
@@ -62,8 +64,11 @@ def test_stops_at_the_test_budget_with_a_warning_and_the_smallest_failure_so_far
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 30).flatmap(
-    lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1), min_size=1, max_size=4))))
+@given(
+    st.integers(1, 30).flatmap(
+        lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1), min_size=1, max_size=4))
+    )
+)
 def test_returns_a_one_minimal_subsequence(case):
     n, required = case
     result = ddmin(list(range(n)), needs(*required))

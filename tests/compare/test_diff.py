@@ -12,13 +12,16 @@ diff_module = importlib.import_module("compare.diff")
 
 
 def _state(**pages):
-    return {"requests": Keyed({rid: {"gpu_pages": list(p)} for rid, p in pages.items()}),
-            "stats": {"num_steps": 1}}
+    return {
+        "requests": Keyed({rid: {"gpu_pages": list(p)} for rid, p in pages.items()}),
+        "stats": {"num_steps": 1},
+    }
 
 
 def _forbid(name):
     def forbidden(*args, **kwargs):
         raise AssertionError(f"{name} must not run")
+
     return forbidden
 
 
@@ -31,15 +34,21 @@ def test_takes_the_fast_path_for_equal_forms_without_flattening_or_deepdiff(monk
 def test_lists_changed_added_and_removed_leaf_paths_sorted():
     result = diff(_state(r1=[1, 2], r2=[5]), _state(r1=[1, 3, 4], r3=[6]))
     assert not result.equal
-    assert result.paths == ("requests[r1].gpu_pages[1]", "requests[r1].gpu_pages[2]",
-                            "requests[r2].gpu_pages[0]", "requests[r3].gpu_pages[0]")
+    assert result.paths == (
+        "requests[r1].gpu_pages[1]",
+        "requests[r1].gpu_pages[2]",
+        "requests[r2].gpu_pages[0]",
+        "requests[r3].gpu_pages[0]",
+    )
 
 
 def test_explains_a_difference_with_json_safe_deepdiff_detail():
     result = diff({"phase": "RUNNING", "pages": [1]}, {"phase": "SWAPPED", "pages": []})
     assert json.loads(json.dumps(result.detail)) == result.detail
     assert result.detail["values_changed"]["root['phase']"] == {
-        "old_value": "RUNNING", "new_value": "SWAPPED"}
+        "old_value": "RUNNING",
+        "new_value": "SWAPPED",
+    }
     assert result.detail["dictionary_item_removed"] == {"root['pages[0]']": 1}
     assert result.paths == ("pages[0]", "phase")  # the emptied list is named by the item it lost
 
@@ -66,8 +75,9 @@ def test_drops_differences_at_paths_matching_an_ignore_glob():
 
 
 def test_reads_brackets_in_ignore_globs_literally():
-    result = diff(_state(r1=[1], r2=[2]), _state(r1=[9], r2=[8]),
-                  ignore=["requests[*].gpu_pages[0]"])
+    result = diff(
+        _state(r1=[1], r2=[2]), _state(r1=[9], r2=[8]), ignore=["requests[*].gpu_pages[0]"]
+    )
     assert result == Diff(equal=True)
 
 
@@ -93,13 +103,24 @@ def test_bounds_the_detail_and_counts_the_omitted_paths(extra):
     assert result.detail["omitted_paths"] == extra
 
 
-@pytest.mark.parametrize(("expected", "actual", "path"), [
-    ({"a.b": 1}, {"a": {"b": 1}}, "<root>"),  # a dotted key and nesting flatten to the same path
-    (Keyed({"0": 5}), [5], "<root>"),  # an id "0" and list index 0 both render [0]
-    ({"x": [1, 2]}, {"x": Keyed({"0": 1, "1": 2})}, "x"),
-    ({"r": Keyed({"a": {"n": [1, {"b": 2}]}})}, {"r": Keyed({"a": {"n": [1, {"b.c": 2}]}})},
-     ("r[a].n[1].b", "r[a].n[1].b.c")),  # differs in a leaf path too: reported as those leaves, no shape
-])
+@pytest.mark.parametrize(
+    ("expected", "actual", "path"),
+    [
+        (
+            {"a.b": 1},
+            {"a": {"b": 1}},
+            "<root>",
+        ),  # a dotted key and nesting flatten to the same path
+        (Keyed({"0": 5}), [5], "<root>"),  # an id "0" and list index 0 both render [0]
+        ({"x": [1, 2]}, {"x": Keyed({"0": 1, "1": 2})}, "x"),
+        (
+            {"r": Keyed({"a": {"n": [1, {"b": 2}]}})},
+            {"r": Keyed({"a": {"n": [1, {"b.c": 2}]}})},
+            # differs in a leaf path too: reported as those leaves, no shape
+            ("r[a].n[1].b", "r[a].n[1].b.c"),
+        ),
+    ],
+)
 def test_reports_forms_that_differ_only_where_flattened_paths_collide(expected, actual, path):
     outcome = diff(expected, actual)
     assert not outcome.equal
@@ -111,11 +132,22 @@ def test_reports_forms_that_differ_only_where_flattened_paths_collide(expected, 
         assert "structure" in outcome.detail["shape"]
 
 
-@pytest.mark.parametrize(("expected", "actual", "ignore", "path"), [
-    ({"t": 1, "a.b": 1}, {"t": 2, "a": {"b": 1}}, ["t"], "<root>"),  # the ignored leaf hid the shape
-    ({"a": {"x.y": 1}, "z": {"p.q": 2}}, {"a": {"x": {"y": 1}}, "z": {"p": {"q": 2}}}, ["a*"], "z"),
-])
-def test_an_ignored_difference_does_not_hide_a_shape_difference_elsewhere(expected, actual, ignore, path):
+@pytest.mark.parametrize(
+    ("expected", "actual", "ignore", "path"),
+    [
+        # the ignored leaf hid the shape
+        ({"t": 1, "a.b": 1}, {"t": 2, "a": {"b": 1}}, ["t"], "<root>"),
+        (
+            {"a": {"x.y": 1}, "z": {"p.q": 2}},
+            {"a": {"x": {"y": 1}}, "z": {"p": {"q": 2}}},
+            ["a*"],
+            "z",
+        ),
+    ],
+)
+def test_an_ignored_difference_does_not_hide_a_shape_difference_elsewhere(
+    expected, actual, ignore, path
+):
     assert diff(expected, actual, ignore=ignore).paths == (path,)
 
 
@@ -138,21 +170,28 @@ def test_a_keyed_against_a_plain_dict_names_only_the_leaf_that_differs():
     assert outcome.paths == ("m[j]",)
 
 
-@pytest.mark.parametrize(("expected", "actual", "ignore"), [
-    ({"stats": {"a": 1}}, {"stats": {"b": 1}}, ["stats.*"]),
-    ({"stats": {}}, {"stats": {"b": 1}}, ["stats.*"]),  # a key added to an empty mapping, as to a full one
-    ({"m": Keyed({"a": 1})}, {"m": Keyed({"a": 1, "b": 2})}, ["m[*]"]),
-    ({"m": Keyed()}, {"m": Keyed({"a": 1})}, ["m[*]"]),
-    ({"m": [1]}, {"m": [1, 2]}, ["m[*]"]),  # a list item added, as a key
-    ({"stats": Keyed({"0": 1}), "n": 1}, {"stats": [1], "n": 1}, ["stats"]),  # a glob covers what is beneath
-    ({"stats": Keyed({"0": 1})}, {"stats": Keyed({"0": 2})}, ["stats"]),
-])
+@pytest.mark.parametrize(
+    ("expected", "actual", "ignore"),
+    [
+        ({"stats": {"a": 1}}, {"stats": {"b": 1}}, ["stats.*"]),
+        # a key added to an empty mapping, as to a full one
+        ({"stats": {}}, {"stats": {"b": 1}}, ["stats.*"]),
+        ({"m": Keyed({"a": 1})}, {"m": Keyed({"a": 1, "b": 2})}, ["m[*]"]),
+        ({"m": Keyed()}, {"m": Keyed({"a": 1})}, ["m[*]"]),
+        ({"m": [1]}, {"m": [1, 2]}, ["m[*]"]),  # a list item added, as a key
+        # a glob covers what is beneath
+        ({"stats": Keyed({"0": 1}), "n": 1}, {"stats": [1], "n": 1}, ["stats"]),
+        ({"stats": Keyed({"0": 1})}, {"stats": Keyed({"0": 2})}, ["stats"]),
+    ],
+)
 def test_an_ignore_glob_covers_everything_beneath_its_path(expected, actual, ignore):
     assert diff(expected, actual, ignore=ignore).equal
 
 
 def test_an_ignore_glob_leaves_what_it_does_not_cover():
-    assert diff({"m": [1], "n": {}}, {"m": [1, 2], "n": {"k": 1}}, ignore=["m[*]"]).paths == ("n.k",)
+    assert diff({"m": [1], "n": {}}, {"m": [1, 2], "n": {"k": 1}}, ignore=["m[*]"]).paths == (
+        "n.k",
+    )
     assert diff({"m": [1, 5]}, {"m": [1]}, ignore=["m[0]"]).paths == ("m[1]",)
 
 
@@ -160,5 +199,7 @@ def test_explains_leaves_json_cannot_hold_by_their_repr():
     outcome = diff({"day": date(2024, 1, 1), "z": 1j}, {"day": date(2024, 1, 2), "z": 2j})
     assert outcome.paths == ("day", "z")
     assert outcome.detail["values_changed"]["root['day']"] == {
-        "old_value": "datetime.date(2024, 1, 1)", "new_value": "datetime.date(2024, 1, 2)"}
+        "old_value": "datetime.date(2024, 1, 1)",
+        "new_value": "datetime.date(2024, 1, 2)",
+    }
     assert json.loads(json.dumps(outcome.detail)) == outcome.detail

@@ -23,21 +23,41 @@ REGENERATE = "python -m compare.records docs/divergence.schema.json"
 
 
 def make_divergence(**changes):
-    fields = dict(run_id="run-1", workload="L2-2048", seed=7, step=12, op="alloc",
-                  authoritative="plan", shadow="legacy", kind="state",
-                  field_paths=["requests[r17].gpu_pages[3]"],
-                  diff={"values_changed": {"root['requests[r17].gpu_pages[3]']":
-                                           {"old_value": 13, "new_value": 14}}},
-                  exception=None, replay={"input": {"num_tokens": 3}, "pre": [1, 2.5, None]},
-                  created_at=1732900000.125)
+    fields = dict(
+        run_id="run-1",
+        workload="L2-2048",
+        seed=7,
+        step=12,
+        op="alloc",
+        authoritative="plan",
+        shadow="legacy",
+        kind="state",
+        field_paths=["requests[r17].gpu_pages[3]"],
+        diff={
+            "values_changed": {
+                "root['requests[r17].gpu_pages[3]']": {"old_value": 13, "new_value": 14}
+            }
+        },
+        exception=None,
+        replay={"input": {"num_tokens": 3}, "pre": [1, 2.5, None]},
+        created_at=1732900000.125,
+    )
     return DivergenceRecord(**(fields | changes))
 
 
 def make_summary(**changes):
-    fields = dict(run_id="run-1", workload="L2-2048", seed=7, authoritative="plan",
-                  shadow="legacy", steps_compared={"alloc": 40, "evict": 3},
-                  divergences={"alloc": 1}, harness_errors=0, compare_seconds=0.5,
-                  authoritative_seconds=2.0)
+    fields = dict(
+        run_id="run-1",
+        workload="L2-2048",
+        seed=7,
+        authoritative="plan",
+        shadow="legacy",
+        steps_compared={"alloc": 40, "evict": 3},
+        divergences={"alloc": 1},
+        harness_errors=0,
+        compare_seconds=0.5,
+        authoritative_seconds=2.0,
+    )
     return RunSummary(**(fields | changes))
 
 
@@ -58,28 +78,37 @@ def test_stamps_records_with_their_type_and_the_current_schema_version():
 
 def test_names_the_found_and_supported_versions_for_an_unknown_schema_version():
     data = json.loads(make_summary().model_dump_json()) | {"schema_version": 7}
-    with pytest.raises(RecordError, match=r"unsupported schema_version 7 in a run_summary "
-                                          r"record; this reader supports 1"):
+    with pytest.raises(
+        RecordError,
+        match=r"unsupported schema_version 7 in a run_summary " r"record; this reader supports 1",
+    ):
         parse_record(json.dumps(data))
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", "not JSON"),
-    ("[1, 2]", "expected a JSON object, found list"),
-    ('{"record_type": "verdict", "schema_version": 1}',
-     "unknown record_type 'verdict'; known: 'divergence', 'run_summary'"),
-    ('{"record_type": "divergence"}', "a divergence record without schema_version"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "expected a JSON object, found list"),
+        (
+            '{"record_type": "verdict", "schema_version": 1}',
+            "unknown record_type 'verdict'; known: 'divergence', 'run_summary'",
+        ),
+        ('{"record_type": "divergence"}', "a divergence record without schema_version"),
+    ],
+)
 def test_says_what_is_wrong_with_a_line_that_is_not_a_record(line, message):
     with pytest.raises(RecordError, match=message.replace("[", r"\[")):
         parse_record(line)
 
 
 def test_refuses_a_string_holding_an_unpaired_surrogate_and_reads_a_paired_one():
-    line = make_divergence(workload="L2-\U0001F600").model_dump_json()
-    assert parse_record(line.replace("\U0001F600", "\\ud83d\\ude00")).workload == "L2-\U0001F600"
-    with pytest.raises(RecordError, match=r"unpaired surrogate \\ud83d, which is no Unicode character"):
-        parse_record(line.replace("\U0001F600", "\\ud83d"))
+    line = make_divergence(workload="L2-\U0001f600").model_dump_json()
+    assert parse_record(line.replace("\U0001f600", "\\ud83d\\ude00")).workload == "L2-\U0001f600"
+    with pytest.raises(
+        RecordError, match=r"unpaired surrogate \\ud83d, which is no Unicode character"
+    ):
+        parse_record(line.replace("\U0001f600", "\\ud83d"))
 
 
 def test_names_missing_and_unexpected_fields():
@@ -95,12 +124,15 @@ def test_names_missing_and_unexpected_fields():
     assert "colour: extra inputs are not permitted" in message
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"schema_version": True}, "unsupported schema_version True"),
-    ({"step": True}, "step: input should be a valid integer"),
-    ({"step": "7"}, "step: input should be a valid integer"),
-    ({"seed": 1.0}, "seed: input should be a valid integer"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"schema_version": True}, "unsupported schema_version True"),
+        ({"step": True}, "step: input should be a valid integer"),
+        ({"step": "7"}, "step: input should be a valid integer"),
+        ({"seed": 1.0}, "seed: input should be a valid integer"),
+    ],
+)
 def test_reads_fields_as_the_schema_types_them_not_as_python_would_coerce_them(change, message):
     data = json.loads(make_divergence().model_dump_json()) | change
     with pytest.raises(RecordError, match=message):
@@ -113,10 +145,17 @@ def test_a_whole_number_of_seconds_is_still_a_float():
 
 
 def test_builds_a_divergence_record_from_a_diverged_comparison():
-    comparison = Comparison("evict", 3, Observation("plan", {"a": 1}),
-                            Observation("legacy", exception=KeyError("r17")), None, "exception")
-    record = DivergenceRecord.from_comparison(comparison, run_id="run-1", workload="L2-4096",
-                                              seed=1, replay={"pre": 1}, created_at=5.0)
+    comparison = Comparison(
+        "evict",
+        3,
+        Observation("plan", {"a": 1}),
+        Observation("legacy", exception=KeyError("r17")),
+        None,
+        "exception",
+    )
+    record = DivergenceRecord.from_comparison(
+        comparison, run_id="run-1", workload="L2-4096", seed=1, replay={"pre": 1}, created_at=5.0
+    )
     assert (record.op, record.step, record.kind) == ("evict", 3, "exception")
     assert (record.authoritative, record.shadow) == ("plan", "legacy")
     assert record.exception == "legacy raised KeyError: 'r17'"
@@ -125,10 +164,17 @@ def test_builds_a_divergence_record_from_a_diverged_comparison():
 
 def test_carries_the_paths_and_detail_of_a_value_divergence():
     outcome = diff({"pages": [1]}, {"pages": [2]})
-    comparison = Comparison("alloc", 1, Observation("plan", {"pages": [1]}),
-                            Observation("legacy", {"pages": [2]}), outcome, "state")
-    record = DivergenceRecord.from_comparison(comparison, run_id="r", workload="w", seed=0,
-                                              replay={}, created_at=0.0)
+    comparison = Comparison(
+        "alloc",
+        1,
+        Observation("plan", {"pages": [1]}),
+        Observation("legacy", {"pages": [2]}),
+        outcome,
+        "state",
+    )
+    record = DivergenceRecord.from_comparison(
+        comparison, run_id="r", workload="w", seed=0, replay={}, created_at=0.0
+    )
     assert record.field_paths == ["pages[0]"]
     assert record.diff == outcome.detail
     assert record.exception is None
@@ -137,17 +183,29 @@ def test_carries_the_paths_and_detail_of_a_value_divergence():
 def test_refuses_to_record_a_matched_comparison():
     seen = Observation("plan", {})
     with pytest.raises(ValueError, match="matched"):
-        DivergenceRecord.from_comparison(Comparison("alloc", 1, seen, seen, None, None),
-                                         run_id="r", workload="w", seed=0, replay={},
-                                         created_at=0.0)
+        DivergenceRecord.from_comparison(
+            Comparison("alloc", 1, seen, seen, None, None),
+            run_id="r",
+            workload="w",
+            seed=0,
+            replay={},
+            created_at=0.0,
+        )
 
 
 def test_builds_a_run_summary_from_executor_stats():
     executor = ShadowExecutor(mode="log")
-    executor.run("alloc", 0, authoritative=lambda: 1, shadow=lambda forked: 2,
-                 shadow_path="legacy", authoritative_path="plan")
-    summary = RunSummary.from_stats(executor.stats(), run_id="r", workload="w", seed=0,
-                                    authoritative="plan", shadow="legacy")
+    executor.run(
+        "alloc",
+        0,
+        authoritative=lambda: 1,
+        shadow=lambda forked: 2,
+        shadow_path="legacy",
+        authoritative_path="plan",
+    )
+    summary = RunSummary.from_stats(
+        executor.stats(), run_id="r", workload="w", seed=0, authoritative="plan", shadow="legacy"
+    )
     assert (summary.steps_compared, summary.divergences) == ({"alloc": 1}, {"alloc": 1})
     assert parse_record(summary.model_dump_json()) == summary
 
@@ -155,7 +213,8 @@ def test_builds_a_run_summary_from_executor_stats():
 def test_checked_in_schema_matches_the_record_models():
     assert SCHEMA_FILE.exists(), f"missing {SCHEMA_FILE}; generate it with: {REGENERATE}"
     assert json.loads(SCHEMA_FILE.read_text()) == json_schema(), (
-        f"{SCHEMA_FILE} is stale; regenerate it with: {REGENERATE}")
+        f"{SCHEMA_FILE} is stale; regenerate it with: {REGENERATE}"
+    )
 
 
 def test_schema_covers_both_record_types_by_discriminator():
@@ -166,8 +225,12 @@ def test_schema_covers_both_record_types_by_discriminator():
 
 def test_writes_the_schema_file_from_the_command_line(tmp_path):
     target = tmp_path / "docs" / "schema.json"
-    done = subprocess.run([sys.executable, "-m", "compare.records", str(target)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "compare.records", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (done.returncode, done.stderr) == (0, "")
     assert json.loads(target.read_text()) == json_schema()
 

@@ -18,17 +18,36 @@ from compare.report import (
 
 
 def divergence(step, paths, *, op="alloc", workload="L2-2048", run_id="run-a", kind="state"):
-    return DivergenceRecord(run_id=run_id, workload=workload, seed=0, step=step, op=op,
-                            authoritative="plan", shadow="legacy", kind=kind,
-                            field_paths=paths, diff={}, exception=None, replay={},
-                            created_at=0.0)
+    return DivergenceRecord(
+        run_id=run_id,
+        workload=workload,
+        seed=0,
+        step=step,
+        op=op,
+        authoritative="plan",
+        shadow="legacy",
+        kind=kind,
+        field_paths=paths,
+        diff={},
+        exception=None,
+        replay={},
+        created_at=0.0,
+    )
 
 
 def summary(workload, run_id, steps_compared, *, harness_errors=0):
-    return RunSummary(run_id=run_id, workload=workload, seed=0, authoritative="plan",
-                      shadow="legacy", steps_compared=steps_compared, divergences={},
-                      harness_errors=harness_errors, compare_seconds=1.0,
-                      authoritative_seconds=4.0)
+    return RunSummary(
+        run_id=run_id,
+        workload=workload,
+        seed=0,
+        authoritative="plan",
+        shadow="legacy",
+        steps_compared=steps_compared,
+        divergences={},
+        harness_errors=harness_errors,
+        compare_seconds=1.0,
+        authoritative_seconds=4.0,
+    )
 
 
 RECORDS = [
@@ -49,8 +68,11 @@ def test_totals_compared_steps_divergences_runs_and_harness_errors():
 
 
 def test_counts_compared_steps_and_divergences_per_op():
-    assert aggregate(RECORDS).ops == (OpStats("alloc", 300, 3), OpStats("evict", 70, 1),
-                                      OpStats("migrate", 10, 0))
+    assert aggregate(RECORDS).ops == (
+        OpStats("alloc", 300, 3),
+        OpStats("evict", 70, 1),
+        OpStats("migrate", 10, 0),
+    )
 
 
 def test_counts_each_divergence_once_per_wildcarded_field_path():
@@ -58,12 +80,17 @@ def test_counts_each_divergence_once_per_wildcarded_field_path():
     assert (pages.op, pages.path, pages.count) == ("alloc", "requests[*].gpu_pages[*]", 3)
     assert (pages.first_step, pages.last_step) == (2, 9)
     assert (pages.workloads, pages.kinds) == (("L2-2048", "L2-4096"), ("state",))
-    assert pages.samples == (PathSample("run-a", "L2-2048", 5, "requests[r17].gpu_pages[3]"),
-                             PathSample("run-a", "L2-2048", 9, "requests[r4].gpu_pages[0]"),
-                             PathSample("run-b", "L2-4096", 2, "requests[r8].gpu_pages[1]"))
+    assert pages.samples == (
+        PathSample("run-a", "L2-2048", 5, "requests[r17].gpu_pages[3]"),
+        PathSample("run-a", "L2-2048", 9, "requests[r4].gpu_pages[0]"),
+        PathSample("run-b", "L2-4096", 2, "requests[r8].gpu_pages[1]"),
+    )
     assert (free.path, free.count) == ("free_pages[*]", 1)
-    assert (exception.op, exception.path, exception.kinds) == ("evict", "<exception>",
-                                                               ("exception",))
+    assert (exception.op, exception.path, exception.kinds) == (
+        "evict",
+        "<exception>",
+        ("exception",),
+    )
 
 
 def test_keeps_a_bounded_sample_per_field_path_in_log_order():
@@ -76,8 +103,9 @@ def test_keeps_a_bounded_sample_per_field_path_in_log_order():
 def test_counts_compared_and_diverged_steps_per_workload_and_op():
     pairs = aggregate(RECORDS + [divergence(1, ["x"], op="poll", workload="smoke")]).pairs
     assert pairs == (
-        PairStats("L2-2048", "alloc", 100, 2, (("requests[*].gpu_pages[*]", 2),
-                                               ("free_pages[*]", 1))),
+        PairStats(
+            "L2-2048", "alloc", 100, 2, (("requests[*].gpu_pages[*]", 2), ("free_pages[*]", 1))
+        ),
         PairStats("L2-2048", "evict", 20, 0, ()),
         PairStats("L2-4096", "alloc", 200, 1, (("requests[*].gpu_pages[*]", 1),)),
         PairStats("L2-4096", "evict", 50, 1, (("<exception>", 1),)),
@@ -92,10 +120,13 @@ def test_renders_text_tables_with_the_headline_ops_and_field_paths():
     assert "2 runs, 2 harness errors; compare overhead 2 s on 8 s authoritative (0.25x)" in text
     assert "requests[*].gpu_pages[*]" in text
     assert "requests[r17].gpu_pages[3]" in text and "(L2-2048 step 5)" in text
-    assert [line for line in text.splitlines() if line.startswith("│ ") and line.endswith("% │")] == [
+    assert [
+        line for line in text.splitlines() if line.startswith("│ ") and line.endswith("% │")
+    ] == [
         "│ alloc   │      300 │           3 │ 1.00% │",
         "│ evict   │       70 │           1 │ 1.43% │",
-        "│ migrate │       10 │           0 │ 0.00% │"]
+        "│ migrate │       10 │           0 │ 0.00% │",
+    ]
 
 
 def test_renders_markdown_with_the_headline_and_a_table_per_op_and_per_field_path():
@@ -103,17 +134,24 @@ def test_renders_markdown_with_the_headline_and_a_table_per_op_and_per_field_pat
     lines = markdown.splitlines()
     assert lines[0] == "### 4 divergences in 380 compared ops, 2 harness errors"
     assert "| alloc | 300 | 3 | 1.00% |" in lines
-    assert ("| alloc | `requests[*].gpu_pages[*]` | 3 | 2-9 | L2-2048, L2-4096 | state | "
-            "`requests[r17].gpu_pages[3]` (L2-2048 step 5) |") in lines
+    assert (
+        "| alloc | `requests[*].gpu_pages[*]` | 3 | 2-9 | L2-2048, L2-4096 | state | "
+        "`requests[r17].gpu_pages[3]` (L2-2048 step 5) |" in lines
+    )
 
 
 def test_markdown_keeps_backticks_and_line_breaks_of_ids_inside_their_cells():
     records = [divergence(7, ["requests[a`b].phase", "requests[`c].phase"], workload="w\r\nz")]
     lines = render_markdown(aggregate(records)).splitlines()
-    assert lines[-1] == ("| alloc | `requests[*].phase` | 1 | 7 | w  z | state | ``requests[a`b].phase`` "
-                         "(w  z step 7) |")
-    assert render_markdown(aggregate([divergence(7, ["`c"])])).splitlines()[-1] == (
-        "| alloc | `` `c `` | 1 | 7 | L2-2048 | state | `` `c `` (L2-2048 step 7) |")
+    assert (
+        lines[-1]
+        == "| alloc | `requests[*].phase` | 1 | 7 | w  z | state | ``requests[a`b].phase`` "
+        "(w  z step 7) |"
+    )
+    assert (
+        render_markdown(aggregate([divergence(7, ["`c"])])).splitlines()[-1]
+        == "| alloc | `` `c `` | 1 | 7 | L2-2048 | state | `` `c `` (L2-2048 step 7) |"
+    )
 
 
 def test_limits_the_markdown_field_path_table_and_says_how_many_were_left_out():
@@ -135,8 +173,14 @@ def test_renders_junit_with_a_failing_testcase_per_diverging_workload_and_op():
     [suite] = suites.findall("testsuite")
     assert (suite.get("tests"), suite.get("failures")) == ("6", "4")
     cases = {case.get("name"): case.find("failure") for case in suite.findall("testcase")}
-    assert list(cases) == ["L2-2048.alloc", "L2-2048.evict", "L2-4096.alloc", "L2-4096.evict",
-                           "L2-4096.migrate", "harness"]
+    assert list(cases) == [
+        "L2-2048.alloc",
+        "L2-2048.evict",
+        "L2-4096.alloc",
+        "L2-4096.evict",
+        "L2-4096.migrate",
+        "harness",
+    ]
     assert cases["harness"].get("message") == "2 harness errors: the ops they hit were not compared"
     assert cases["L2-2048.evict"] is None
     failure = cases["L2-2048.alloc"]
@@ -154,16 +198,20 @@ def test_junit_and_headline_name_no_harness_case_when_the_harness_never_failed()
 
 
 def test_junit_escapes_characters_xml_cannot_hold_so_the_document_stays_readable():
-    records = [divergence(1, ["requests[r1].phase\x1b"], workload="w\x00<&>\x7f\ufffe"),
-               summary("w\x00<&>\x7f\ufffe", "run-a", {"alloc": 4})]
+    records = [
+        divergence(1, ["requests[r1].phase\x1b"], workload="w\x00<&>\x7f\ufffe"),
+        summary("w\x00<&>\x7f\ufffe", "run-a", {"alloc": 4}),
+    ]
     [case] = ET.fromstring(render_junit(aggregate(records))).iter("testcase")
     assert case.get("name") == "w\\x00<&>\x7f\\ufffe.alloc"
     assert case.find("failure").text == "1 x requests[*].phase\\x1b"
 
 
 def test_text_writes_control_characters_of_ids_as_escapes_not_to_the_terminal():
-    records = [divergence(1, ["requests[r1].phase\x1b[2J"], workload="w\x1b]0;title\x07\x9b"),
-               summary("w\x1b]0;title\x07\x9b", "run-a", {"alloc": 4})]
+    records = [
+        divergence(1, ["requests[r1].phase\x1b[2J"], workload="w\x1b]0;title\x07\x9b"),
+        summary("w\x1b]0;title\x07\x9b", "run-a", {"alloc": 4}),
+    ]
     text = render_text(aggregate(records), width=400)
     assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", text)
     assert "requests[*].phase\\x1b[2J" in text
@@ -174,7 +222,10 @@ def test_renders_json_with_every_count():
     data = json.loads(render_json(aggregate(RECORDS)))
     assert (data["num_compared"], data["num_divergences"]) == (380, 4)
     assert data["paths"][0]["path"] == "requests[*].gpu_pages[*]"
-    assert data["paths"][0]["samples"][0] == {"run_id": "run-a", "workload": "L2-2048",
-                                              "step": 5, "path": "requests[r17].gpu_pages[3]"}
-    assert data["pairs"][0]["top_paths"] == [["requests[*].gpu_pages[*]", 2],
-                                             ["free_pages[*]", 1]]
+    assert data["paths"][0]["samples"][0] == {
+        "run_id": "run-a",
+        "workload": "L2-2048",
+        "step": 5,
+        "path": "requests[r17].gpu_pages[3]",
+    }
+    assert data["pairs"][0]["top_paths"] == [["requests[*].gpu_pages[*]", 2], ["free_pages[*]", 1]]

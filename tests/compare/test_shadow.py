@@ -19,6 +19,7 @@ OTHER = {"pages": [1, 3]}
 def raising(error):
     def call(*args, **kwargs):
         raise error
+
     return call
 
 
@@ -31,13 +32,20 @@ def make(mode="log", **options):
 
 
 def run(executor, *, auth=SAME, shadow=SAME, op="alloc", step=0, **kwargs):
-    """One step where the authoritative path returns "result" canonicalised as ``auth`` and the shadow
-    returns ``shadow`` (already canonical); either raises its value if an exception."""
+    """One step where the authoritative path returns "result" canonicalised as ``auth`` and the
+    shadow returns ``shadow`` (already canonical); either raises its value if an exception."""
     authoritative = raising(auth) if isinstance(auth, BaseException) else lambda: "result"
     other = raising(shadow) if isinstance(shadow, BaseException) else lambda forked: shadow
     kwargs.setdefault("canonicalize", lambda seen, other_seen: (auth, other_seen.value))
-    return executor.run(op, step, authoritative=authoritative, shadow=other,
-                        shadow_path="legacy", authoritative_path="plan", **kwargs)
+    return executor.run(
+        op,
+        step,
+        authoritative=authoritative,
+        shadow=other,
+        shadow_path="legacy",
+        authoritative_path="plan",
+        **kwargs,
+    )
 
 
 def test_returns_the_authoritative_result_when_the_paths_agree():
@@ -63,20 +71,31 @@ def test_runs_context_fork_shadow_authoritative_then_canonicalize():
     def canonicalize(seen, shadow_seen):
         order.append(("canonicalize", seen.value, shadow_seen.value))
         return SAME, SAME
-    executor.run("alloc", 0,
-                 authoritative=lambda: order.append("authoritative") or "result",
-                 shadow=lambda forked: order.append(("shadow", forked)) or "shadow result",
-                 fork=lambda: order.append("fork") or "the fork",
-                 canonicalize=canonicalize,
-                 context=lambda: order.append("context"),
-                 shadow_path="legacy", authoritative_path="plan")
-    assert order == ["context", "fork", ("shadow", "the fork"), "authoritative",
-                     ("canonicalize", "result", "shadow result")]
+
+    executor.run(
+        "alloc",
+        0,
+        authoritative=lambda: order.append("authoritative") or "result",
+        shadow=lambda forked: order.append(("shadow", forked)) or "shadow result",
+        fork=lambda: order.append("fork") or "the fork",
+        canonicalize=canonicalize,
+        context=lambda: order.append("context"),
+        shadow_path="legacy",
+        authoritative_path="plan",
+    )
+    assert order == [
+        "context",
+        "fork",
+        ("shadow", "the fork"),
+        "authoritative",
+        ("canonicalize", "result", "shadow result"),
+    ]
 
 
 def test_compares_the_canonical_forms_not_the_raw_results():
     executor, recorder = make()
-    assert run(executor, auth=SAME, shadow=SAME) == "result"  # "result" vs SAME raw; SAME vs SAME canonical
+    # "result" vs SAME raw; SAME vs SAME canonical
+    assert run(executor, auth=SAME, shadow=SAME) == "result"
     assert recorder.divergences == []
     run(executor, auth=SAME, shadow=OTHER)
     [(comparison, _)] = recorder.divergences
@@ -87,8 +106,15 @@ def test_a_failing_fork_is_a_harness_error_and_the_authoritative_path_runs_alone
     executor, recorder = make("raise")
     error = MemoryError("no room for a fork")
     called = []
-    result = executor.run("alloc", 0, authoritative=lambda: "result", shadow=lambda forked: called.append(forked),
-                          fork=raising(error), shadow_path="legacy", authoritative_path="plan")
+    result = executor.run(
+        "alloc",
+        0,
+        authoritative=lambda: "result",
+        shadow=lambda forked: called.append(forked),
+        fork=raising(error),
+        shadow_path="legacy",
+        authoritative_path="plan",
+    )
     assert result == "result"
     assert called == []
     assert recorder.harness_errors == [("fork", error)]
@@ -135,7 +161,7 @@ def test_a_fatal_harness_hook_leaves_the_authoritative_exception_unchanged():
     assert executor.stats().num_harness_errors == 1
 
 
-def test_hooks_that_raise_the_authoritative_exception_again_leave_its_traceback_and_context_unchanged():
+def test_hooks_raising_the_authoritative_exception_again_leave_its_traceback_and_context():
     def kind(error):  # the usual way to classify an exception: by the handler that catches it
         try:
             raise error
@@ -146,21 +172,29 @@ def test_hooks_that_raise_the_authoritative_exception_again_leave_its_traceback_
         try:
             raise RuntimeError("no form for an exception")
         except RuntimeError:
-            raise seen.exception  # its context becomes this RuntimeError
+            raise seen.exception  # noqa: B904 (its context becomes this RuntimeError)
 
     def authoritative():
         raise KeyError("r17")
 
     outer = RuntimeError("being handled by the caller")
     for hooks in ({"exception_kind": kind}, {"canonicalize": canonicalize}):
-        executor, recorder = make(exception_kind=hooks.get("exception_kind", lambda error: "exception"))
+        executor, recorder = make(
+            exception_kind=hooks.get("exception_kind", lambda error: "exception")
+        )
         try:
             raise outer
         except RuntimeError:
             with pytest.raises(KeyError) as raised:
-                executor.run("alloc", 0, authoritative=authoritative, shadow=lambda forked: SAME,
-                             canonicalize=hooks.get("canonicalize", lambda seen, shadow_seen: (None, SAME)),
-                             shadow_path="legacy", authoritative_path="plan")
+                executor.run(
+                    "alloc",
+                    0,
+                    authoritative=authoritative,
+                    shadow=lambda forked: SAME,
+                    canonicalize=hooks.get("canonicalize", lambda seen, shadow_seen: (None, SAME)),
+                    shadow_path="legacy",
+                    authoritative_path="plan",
+                )
         names = [entry.name for entry in traceback.extract_tb(raised.value.__traceback__)]
         assert names[1:] == ["run", "run_both", "authoritative"]
         assert raised.value.__context__ is outer
@@ -186,11 +220,14 @@ def test_an_unprintable_shadow_exception_still_raises_divergence_error_in_raise_
         run(executor, shadow=Unprintable())
 
 
-@pytest.mark.parametrize("error, text", [
-    (KeyError("r17"), "KeyError: 'r17'"),
-    (KeyboardInterrupt(), "KeyboardInterrupt"),  # Ctrl-C: no message, no dangling colon
-    (Unprintable(), "Unprintable: <unprintable>"),
-])
+@pytest.mark.parametrize(
+    "error, text",
+    [
+        (KeyError("r17"), "KeyError: 'r17'"),
+        (KeyboardInterrupt(), "KeyboardInterrupt"),  # Ctrl-C: no message, no dangling colon
+        (Unprintable(), "Unprintable: <unprintable>"),
+    ],
+)
 def test_an_exception_is_named_by_its_type_and_message(error, text):
     assert exception_text(error) == text
 
@@ -203,10 +240,15 @@ def test_canonicalize_sees_the_exception_of_a_side_that_raised_and_its_form_is_i
     def canonicalize(authoritative, shadow):
         seen.append((authoritative.value, shadow.exception))
         return SAME, "ignored: the shadow raised"
+
     run(executor, shadow=error, canonicalize=canonicalize)
     assert seen == [("result", error)]
     [(comparison, _)] = recorder.divergences
-    assert (comparison.kind, comparison.shadow.value, comparison.authoritative.value) == ("exception", None, SAME)
+    assert (comparison.kind, comparison.shadow.value, comparison.authoritative.value) == (
+        "exception",
+        None,
+        SAME,
+    )
 
 
 def test_passes_the_captured_context_to_on_divergence():
@@ -287,8 +329,9 @@ def test_raises_divergence_error_naming_op_step_kind_and_paths_in_raise_mode():
 
 
 def test_names_value_divergences_with_the_classifier():
-    executor, recorder = make(classify=lambda paths: "copies" if paths[0].startswith("copies")
-                              else "state")
+    executor, recorder = make(
+        classify=lambda paths: "copies" if paths[0].startswith("copies") else "state"
+    )
     run(executor, auth={"copies": [1]}, shadow={"copies": [2]})
     assert recorder.divergences[0][0].kind == "copies"
 
@@ -325,7 +368,9 @@ def test_funnels_a_failing_diff_and_still_returns_the_result(monkeypatch):
 
 
 def test_equal_forms_match_without_running_diff(monkeypatch):
-    monkeypatch.setattr(importlib.import_module("compare.observation"), "diff", raising(AssertionError("diff ran")))
+    monkeypatch.setattr(
+        importlib.import_module("compare.observation"), "diff", raising(AssertionError("diff ran"))
+    )
     executor, recorder = make("raise")
     assert run(executor) == "result"
     assert (recorder.harness_errors, recorder.divergences) == ([], [])
@@ -342,7 +387,9 @@ class _Incomparable:
 def test_forms_that_cannot_be_compared_are_a_harness_error():
     executor, recorder = make("raise")
     assert run(executor, auth=_Incomparable()) == "result"
-    assert [(operation, str(error)) for operation, error in recorder.harness_errors] == [("compare", "cannot compare")]
+    assert [(operation, str(error)) for operation, error in recorder.harness_errors] == [
+        ("compare", "cannot compare")
+    ]
     assert (executor.stats().num_harness_errors, executor.stats().num_compared) == (1, {})
 
 
@@ -356,16 +403,32 @@ def test_leaves_that_agree_in_unequal_forms_are_a_match():
 
 def test_run_refuses_an_unknown_hook_even_when_the_step_is_not_sampled():
     executor, _ = make(sample=0.0)
-    with pytest.raises(TypeError, match=r"unknown hooks \['forks'\]; allowed: \['canonicalize', 'context', 'fork'\]"):
-        executor.run("alloc", 0, authoritative=lambda: "result", shadow=lambda forked: None, forks=lambda: None,
-                     shadow_path="legacy", authoritative_path="plan")
+    with pytest.raises(
+        TypeError,
+        match=r"unknown hooks \['forks'\]; allowed: \['canonicalize', 'context', 'fork'\]",
+    ):
+        executor.run(
+            "alloc",
+            0,
+            authoritative=lambda: "result",
+            shadow=lambda forked: None,
+            forks=lambda: None,
+            shadow_path="legacy",
+            authoritative_path="plan",
+        )
 
 
 def test_run_both_compares_whatever_the_sampling_says():
     executor, recorder = make(sample=0.0, ops={"evict"})
-    result = executor.run_both("alloc", 3, authoritative=lambda: "result", shadow=lambda forked: OTHER,
-                               canonicalize=lambda seen, other_seen: (SAME, other_seen.value),
-                               shadow_path="legacy", authoritative_path="plan")
+    result = executor.run_both(
+        "alloc",
+        3,
+        authoritative=lambda: "result",
+        shadow=lambda forked: OTHER,
+        canonicalize=lambda seen, other_seen: (SAME, other_seen.value),
+        shadow_path="legacy",
+        authoritative_path="plan",
+    )
     assert result == "result"
     assert [comparison.step for comparison, _ in recorder.divergences] == [3]
     assert executor.stats().num_divergences == {"alloc": 1}
@@ -382,8 +445,9 @@ def test_a_raising_harness_hook_makes_harness_errors_fatal():
     def fail(operation, error):
         raise error
 
-    executor = ShadowExecutor(mode="log", classify=raising(RuntimeError("classifier bug")),
-                              on_harness_error=fail)
+    executor = ShadowExecutor(
+        mode="log", classify=raising(RuntimeError("classifier bug")), on_harness_error=fail
+    )
     with pytest.raises(RuntimeError, match="classifier bug"):
         run(executor, shadow=OTHER)
 
@@ -396,7 +460,9 @@ def test_a_fatal_harness_hook_is_called_and_counted_once_for_a_broken_classifier
         calls.append(operation)
         raise error
 
-    executor = ShadowExecutor(mode="log", on_harness_error=fail, **{namer: raising(RuntimeError("classifier bug"))})
+    executor = ShadowExecutor(
+        mode="log", on_harness_error=fail, **{namer: raising(RuntimeError("classifier bug"))}
+    )
     with pytest.raises(RuntimeError, match="classifier bug"):
         run(executor, shadow=OTHER if namer == "classify" else KeyError("r17"))
     assert calls == [namer]
@@ -406,11 +472,16 @@ def test_a_fatal_harness_hook_is_called_and_counted_once_for_a_broken_classifier
 def test_never_calls_shadow_or_context_for_ops_outside_the_filter():
     executor, _ = make(ops={"evict"})
     called = []
-    result = executor.run("alloc", 0, authoritative=lambda: "result",
-                          shadow=lambda forked: called.append("shadow"),
-                          fork=lambda: called.append("fork"),
-                          context=lambda: called.append("context"),
-                          shadow_path="legacy", authoritative_path="plan")
+    result = executor.run(
+        "alloc",
+        0,
+        authoritative=lambda: "result",
+        shadow=lambda forked: called.append("shadow"),
+        fork=lambda: called.append("fork"),
+        context=lambda: called.append("context"),
+        shadow_path="legacy",
+        authoritative_path="plan",
+    )
     assert result == "result"
     assert called == []
     assert (executor.stats().num_compared, executor.stats().authoritative_seconds) == ({}, 0.0)
@@ -423,7 +494,9 @@ def test_samples_steps_as_a_function_of_seed_and_step_only():
     picked = {key for key in keys if first.should_compare(*key)}
     assert picked == {key for key in reversed(keys) if second.should_compare(*key)}
     assert 0.2 < len(picked) / len(keys) < 0.4
-    assert {step for op, step in picked if op == "alloc"} == {step for op, step in picked if op == "evict"}
+    assert {step for op, step in picked if op == "alloc"} == {
+        step for op, step in picked if op == "evict"
+    }
     other_seed, _ = make(sample=0.3, seed=2)
     assert picked != {key for key in keys if other_seed.should_compare(*key)}
     assert all(make(sample=1.0)[0].should_compare(*key) for key in keys)
@@ -435,9 +508,16 @@ def test_reports_no_divergence_when_one_path_is_compared_with_itself():
 
     def path():  # one path on both sides
         return {"pages": [1, 2], "free": {3: "x"}}
+
     for step in range(5):
-        executor.run("alloc", step, authoritative=path, shadow=lambda forked: path(),
-                     shadow_path="legacy", authoritative_path="legacy")
+        executor.run(
+            "alloc",
+            step,
+            authoritative=path,
+            shadow=lambda forked: path(),
+            shadow_path="legacy",
+            authoritative_path="legacy",
+        )
     assert recorder.divergences == []
     assert executor.stats().num_compared == {"alloc": 5}
 
@@ -461,9 +541,14 @@ def test_measures_shadow_authoritative_and_harness_time_with_the_injected_clock(
         now[0] += seconds
         return value
 
-    executor.run("alloc", 0, authoritative=lambda: advance(5.0, SAME),
-                 shadow=lambda forked: advance(2.0, OTHER), shadow_path="legacy",
-                 authoritative_path="plan")
+    executor.run(
+        "alloc",
+        0,
+        authoritative=lambda: advance(5.0, SAME),
+        shadow=lambda forked: advance(2.0, OTHER),
+        shadow_path="legacy",
+        authoritative_path="plan",
+    )
     comparison = recorder.divergences[0][0]
     assert (comparison.shadow.duration_s, comparison.authoritative.duration_s) == (2.0, 5.0)
     stats = executor.stats()
@@ -481,9 +566,16 @@ def test_counts_the_time_of_an_interrupted_authoritative_path_as_authoritative()
     def shadow(forked):
         now[0] += 2.0
         return SAME
+
     with pytest.raises(KeyboardInterrupt):
-        executor.run("alloc", 0, authoritative=interrupted, shadow=shadow, shadow_path="legacy",
-                     authoritative_path="plan")
+        executor.run(
+            "alloc",
+            0,
+            authoritative=interrupted,
+            shadow=shadow,
+            shadow_path="legacy",
+            authoritative_path="plan",
+        )
     stats = executor.stats()
     assert (stats.compare_seconds, stats.authoritative_seconds) == (2.0, 5.0)
 
@@ -523,8 +615,13 @@ def test_compare_package_never_imports_batchgen():
     package = Path(shadow_module.__file__).parent
     for source in sorted(package.glob("*.py")):
         for node in ast.walk(ast.parse(source.read_text())):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(name.split(".")[0] == "batchgen" for name in names), source.name
 
 

@@ -17,16 +17,36 @@ from compare.sink import JsonlSink, LogReadResult, LogWriteError, read_log, read
 
 
 def make_record(step, payload=""):
-    return DivergenceRecord(run_id="run-1", workload="L2-2048", seed=0, step=step, op="alloc",
-                            authoritative="plan", shadow="legacy", kind="state",
-                            field_paths=[f"requests[r{step}].gpu_pages[0]"], diff={},
-                            exception=None, replay={"payload": payload}, created_at=1.0)
+    return DivergenceRecord(
+        run_id="run-1",
+        workload="L2-2048",
+        seed=0,
+        step=step,
+        op="alloc",
+        authoritative="plan",
+        shadow="legacy",
+        kind="state",
+        field_paths=[f"requests[r{step}].gpu_pages[0]"],
+        diff={},
+        exception=None,
+        replay={"payload": payload},
+        created_at=1.0,
+    )
 
 
 def make_summary():
-    return RunSummary(run_id="run-1", workload="L2-2048", seed=0, authoritative="plan",
-                      shadow="legacy", steps_compared={"alloc": 3}, divergences={"alloc": 2},
-                      harness_errors=0, compare_seconds=0.1, authoritative_seconds=1.0)
+    return RunSummary(
+        run_id="run-1",
+        workload="L2-2048",
+        seed=0,
+        authoritative="plan",
+        shadow="legacy",
+        steps_compared={"alloc": 3},
+        divergences={"alloc": 2},
+        harness_errors=0,
+        compare_seconds=0.1,
+        authoritative_seconds=1.0,
+    )
 
 
 def write_log(path, records):
@@ -41,7 +61,10 @@ def test_appends_one_line_per_record_creating_parent_directories(tmp_path):
     write_log(path, [make_record(1)])
     lines = path.read_text().splitlines()
     assert [json.loads(line)["record_type"] for line in lines] == [
-        "divergence", "run_summary", "divergence"]
+        "divergence",
+        "run_summary",
+        "divergence",
+    ]
 
 
 def test_opens_the_file_only_on_the_first_write(tmp_path):
@@ -129,7 +152,7 @@ def test_skips_a_torn_last_line_cut_inside_a_multibyte_character(tmp_path):
     write_log(path, [make_record(0)])
     line = make_record(1, "é" * 10).model_dump_json().encode()
     with open(path, "ab") as file:
-        file.write(line[:line.index("é".encode()) + 1])
+        file.write(line[: line.index("é".encode()) + 1])
     result = read_log(path)
     assert (result.num_read, result.num_skipped) == (1, 1)
     assert "invalid UTF-8" in result.warnings[0]
@@ -150,16 +173,21 @@ def test_raises_for_a_whole_last_line_without_a_newline_that_is_no_valid_record(
 
 
 def test_raises_for_a_last_line_without_a_newline_nesting_too_deeply_to_parse(tmp_path):
-    path = tmp_path / "log.jsonl"  # too deep to tell whether it was cut short: named, not skipped as torn
+    # too deep to tell whether it was cut short: named, not skipped as torn
+    path = tmp_path / "log.jsonl"
     path.write_text(make_record(0).model_dump_json() + "\n" + "[" * 100_000)
-    with pytest.raises(RecordError, match=rf"^{path}:2: not JSON this reader can parse: arrays or objects nest"):
+    with pytest.raises(
+        RecordError, match=rf"^{path}:2: not JSON this reader can parse: arrays or objects nest"
+    ):
         read_log(path)
 
 
 def test_raises_naming_file_and_line_for_a_bad_line_before_the_last(tmp_path):
     path = tmp_path / "log.jsonl"
-    path.write_text("\n".join([make_record(0).model_dump_json(), "{oops",
-                               make_record(1).model_dump_json()]) + "\n")
+    path.write_text(
+        "\n".join([make_record(0).model_dump_json(), "{oops", make_record(1).model_dump_json()])
+        + "\n"
+    )
     with pytest.raises(RecordError, match=rf"^{path}:2: not JSON"):
         read_log(path)
 
@@ -198,7 +226,11 @@ def test_ends_a_whole_last_record_without_a_newline_instead_of_dropping_it(tmp_p
     path = tmp_path / "log.jsonl"
     path.write_text(make_record(0).model_dump_json() + "\n" + make_summary().model_dump_json())
     write_log(path, [make_record(1)])
-    assert [record.record_type for record in read_log(path).records] == ["divergence", "run_summary", "divergence"]
+    assert [record.record_type for record in read_log(path).records] == [
+        "divergence",
+        "run_summary",
+        "divergence",
+    ]
     assert not [w for w in recwarn if "cut short" in str(w.message)]
 
 
@@ -216,11 +248,15 @@ def test_keeps_a_last_line_without_a_newline_nesting_too_deeply_to_parse(tmp_pat
     first = make_record(0).model_dump_json() + "\n"
     path.write_text(first + "[" * 100_000)
     write_log(path, [make_record(1)])
-    assert path.read_text() == first + "[" * 100_000 + "\n" + make_record(1).model_dump_json() + "\n"
+    assert (
+        path.read_text() == first + "[" * 100_000 + "\n" + make_record(1).model_dump_json() + "\n"
+    )
     assert not [w for w in recwarn if "cut short" in str(w.message)]
 
 
-def test_a_write_that_fails_part_way_is_cut_off_so_later_records_stay_readable(tmp_path, monkeypatch):
+def test_a_write_that_fails_part_way_is_cut_off_so_later_records_stay_readable(
+    tmp_path, monkeypatch
+):
     path = tmp_path / "log.jsonl"
     sink = JsonlSink(path)
     sink.write(make_record(0))
@@ -245,7 +281,9 @@ def test_a_write_that_fails_part_way_is_cut_off_so_later_records_stay_readable(t
     assert ([record.step for record in result.records], result.num_skipped) == ([0, 2], 0)
 
 
-def test_a_flush_that_fails_at_close_is_a_log_write_error_and_the_file_is_closed(tmp_path, monkeypatch):
+def test_a_flush_that_fails_at_close_is_a_log_write_error_and_the_file_is_closed(
+    tmp_path, monkeypatch
+):
     sink = JsonlSink(tmp_path / "log.jsonl")
     sink.write(make_record(0))
     fd, closed = sink._fd, []
@@ -267,7 +305,8 @@ def test_a_write_interrupted_after_part_of_its_line_is_cut_off(tmp_path, monkeyp
     sink.write(make_record(0))
     real_write = os.write
 
-    def interrupted(fd, data):  # part of the line reaches the file, then Ctrl-C lands before write returns
+    # part of the line reaches the file, then Ctrl-C lands before write returns
+    def interrupted(fd, data):
         real_write(fd, bytes(data[:40]))
         raise KeyboardInterrupt
 
@@ -277,13 +316,22 @@ def test_a_write_interrupted_after_part_of_its_line_is_cut_off(tmp_path, monkeyp
     monkeypatch.setattr(os, "write", real_write)
     sink.write(make_summary())
     sink.close()
-    assert [record.record_type for record in read_log(path).records] == ["divergence", "run_summary"]
+    assert [record.record_type for record in read_log(path).records] == [
+        "divergence",
+        "run_summary",
+    ]
 
 
 def test_non_finite_floats_read_back_as_themselves(tmp_path):
     path = tmp_path / "log.jsonl"
-    write_log(path, [make_record(0).model_copy(update={"replay": {"x": float("inf"), "y": [float("-inf")],
-                                                                   "z": float("nan")}})])
+    write_log(
+        path,
+        [
+            make_record(0).model_copy(
+                update={"replay": {"x": float("inf"), "y": [float("-inf")], "z": float("nan")}}
+            )
+        ],
+    )
     replay = read_log(path).records[0].replay
     assert (replay["x"], replay["y"]) == (float("inf"), [float("-inf")]) and math.isnan(replay["z"])
 
@@ -296,7 +344,10 @@ def test_merges_several_logs_in_order(tmp_path):
         file.write("{")
     result = read_logs([first, second])
     assert [type(record).__name__ for record in result.records] == [
-        "DivergenceRecord", "DivergenceRecord", "RunSummary"]
+        "DivergenceRecord",
+        "DivergenceRecord",
+        "RunSummary",
+    ]
     assert (result.num_read, result.num_skipped, len(result.warnings)) == (3, 1, 1)
 
 
@@ -350,21 +401,33 @@ def test_write_atomic_writes_through_what_is_not_a_regular_file(tmp_path):
     write_atomic(fifo, "through the pipe")
     reader.join(timeout=10)
     assert received == ["through the pipe"]
-    assert stat.S_ISFIFO(fifo.lstat().st_mode)  # still the FIFO, not a regular file put in its place
+    # still the FIFO, not a regular file put in its place
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
     assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
     write_atomic("/dev/null", "discarded")
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
-@pytest.mark.parametrize("content", ['{"name": "smoke", "requests": []}\n', "# notes\nno newline at the end",
-                                     "[" * 100_000 + "\n", "one line and no newline", "\n\nnot a record\n"],
-                         ids=["workload", "text", "deep-json", "one-line-no-newline", "after-blank-lines"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"name": "smoke", "requests": []}\n',
+        "# notes\nno newline at the end",
+        "[" * 100_000 + "\n",
+        "one line and no newline",
+        "\n\nnot a record\n",
+    ],
+    ids=["workload", "text", "deep-json", "one-line-no-newline", "after-blank-lines"],
+)
 def test_a_file_that_is_no_log_is_refused_and_left_as_it_was(tmp_path, content):
     path = tmp_path / "workload.json"
     path.write_text(content)
     sink = JsonlSink(path)
-    with pytest.raises(RecordError, match=r"workload.json: not a divergence log \(its first line is no record\), so "
-                                          r"nothing is appended to it; name a new file or an existing log"):
+    with pytest.raises(
+        RecordError,
+        match=r"workload.json: not a divergence log \(its first line is no record\), so "
+        r"nothing is appended to it; name a new file or an existing log",
+    ):
         sink.write(make_record(0))
     assert path.read_text() == content
     with pytest.raises(RecordError):
