@@ -165,10 +165,6 @@ class CacheConfig(_Frozen):
             )
         return self
 
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages needed to hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.page_size)
-
     @property
     def watermark_pages(self) -> int:
         """GPU pages kept free: ``ceil(watermark * num_gpu_pages)``."""

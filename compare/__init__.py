@@ -8,9 +8,12 @@ nothing of the code it compares (it never imports `batchgen`).
     diff         diff -> Diff                          equal?, differing paths, explanation
     observation  Observation, Comparison               one path's outcome; both compared
     shadow       ShadowExecutor                        run both paths, return the authoritative
+    errors       DivergenceError, HarnessWarning       what the harness raises and warns
+    coverage     Outcome, CoverageCounter              decision outcomes reached, counted
     records      DivergenceRecord, RunSummary          the versioned JSON line schema
     sink         JsonlSink, read_log(s), write_atomic  durable append, tolerant read
-    report       aggregate -> Report, render_*         per op / field path / (workload, op)
+    report       aggregate -> Report                   per op / field path / (workload, op)
+    render       render_text, _markdown, _junit, _json  a report for people and for CI
     minimize     ddmin                                 shrink a failing input
 
 Names are imported on first use (PEP 562), so `python -m compare.records` runs without the
@@ -27,10 +30,13 @@ from compare.diff import diff as diff
 _MODULES = {
     "compare.canonical": ("Keyed", "canonicalize", "flatten", "wildcard"),
     "compare.observation": ("Comparison", "Observation", "compare_observations", "exception_text"),
-    "compare.shadow": ("DivergenceError", "HarnessWarning", "ShadowExecutor", "ShadowStats"),
+    "compare.shadow": ("ShadowExecutor", "ShadowStats"),
+    "compare.errors": ("DivergenceError", "HarnessWarning"),
+    "compare.coverage": ("CoverageCounter", "CoverageRow", "Outcome", "OutcomeTally"),
     "compare.records": (
         "SCHEMA_VERSION",
         "DivergenceRecord",
+        "OutcomeCount",
         "LogRecord",
         "RecordError",
         "RunSummary",
@@ -47,9 +53,10 @@ _MODULES = {
         "read_logs",
         "write_atomic",
     ),
-    "compare.report": (
-        "Report",
-        "aggregate",
+    "compare.report": ("Report", "aggregate"),
+    "compare.render": (
+        "coverage_line",
+        "headline",
         "render_json",
         "render_junit",
         "render_markdown",

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from compare.observation import Comparison
 from compare.shadow import ShadowStats
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (SCHEMA_VERSION,)
 # a \uXXXX escape of a UTF-16 surrogate, paired or not
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -43,7 +43,7 @@ class DivergenceRecord(_Record):
     """One compared step where the shadow path diverged from the authoritative path."""
 
     record_type: Literal["divergence"] = "divergence"
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     run_id: str
     workload: str
     seed: int
@@ -90,11 +90,18 @@ class DivergenceRecord(_Record):
         )
 
 
+class OutcomeCount(_Record):
+    """How often a run reached one decision outcome, and the first step that did."""
+
+    count: int
+    first_step: int
+
+
 class RunSummary(_Record):
     """Totals of one run, written when it ends: the denominators of a report."""
 
     record_type: Literal["run_summary"] = "run_summary"
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     run_id: str
     workload: str
     seed: int
@@ -106,6 +113,8 @@ class RunSummary(_Record):
     compare_seconds: float  # harness time on top of the authoritative path
     authoritative_seconds: float  # time in the authoritative path on compared steps
     # why the run stopped before its work was done ("Type: message"); None: it was done
+    # decision outcome id -> how often the run's compared ops reached it (compare.coverage)
+    coverage: dict[str, OutcomeCount] = {}
     stopped_by: str | None = None
 
     @classmethod
@@ -132,6 +141,10 @@ class RunSummary(_Record):
             harness_errors=stats.num_harness_errors,
             compare_seconds=stats.compare_seconds,
             authoritative_seconds=stats.authoritative_seconds,
+            coverage={
+                outcome: OutcomeCount(count=tally.count, first_step=tally.first_step)
+                for outcome, tally in stats.coverage.items()
+            },
             stopped_by=stopped_by,
         )
 
@@ -200,10 +213,10 @@ def json_schema() -> dict:
 
 
 def write_json_schema(path: str | Path) -> None:
-    """Write `json_schema()` to `path`, atomically (replaces the file)."""
-    from compare.sink import write_atomic  # sink imports this module; import here, not above
-
-    write_atomic(path, json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
+    """Write `json_schema()` to `path` (replaces the file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """Shadow execution: run an authoritative path and a shadow path of one op, compare, report.
 
 `ShadowExecutor.run` returns the authoritative result, always: shadow exceptions are captured,
-failures inside the harness (context capture, fork, canonicalize, diff, classifier, divergence
+failures inside the harness (context capture, fork, canonicalize, diff, classifiers, divergence
 hook) go through one funnel (`on_harness_error`), and an authoritative exception reaches the caller
 unchanged. Only "raise" mode turns a divergence into an error (`DivergenceError`), for tests and CI.
 
@@ -15,48 +15,34 @@ Order of one compared step, and why:
     4. authoritative()  on the real state; its result (or exception) is what the caller gets
     5. canonicalize     both raw observations -> their canonical forms (harness)
     6. compare          exceptions by type; values by equality, `diff` only for a mismatch; classify
-    7. report           on_divergence(comparison, context); DivergenceError in "raise" mode
+    7. outcomes         when both paths returned: the decision outcomes the op reached, counted
+    8. report           on_divergence(comparison, context); DivergenceError in "raise" mode
 
-Only the two paths' own exceptions are observations: a failure in context, fork, canonicalize,
-compare, classify or on_divergence goes to the funnel and never becomes a divergence. Exceptions
-that are not `Exception`s (KeyboardInterrupt, SystemExit, task cancellation) stop the process,
-not the comparison: they propagate from either path and from the harness.
+Exceptions that are not `Exception`s (KeyboardInterrupt, SystemExit, task cancellation) stop the
+process, not the comparison: they propagate from either path and from the harness.
 
 A/A noise check: pass the same path as both `authoritative` and `shadow` (on a fork); every
-divergence it reports is noise (nondeterminism, ids, timings) to ignore or fix, not a bug in the
-other path. Nothing special is needed for it.
+divergence it reports is noise (nondeterminism, ids, timings), not a bug in the other path.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-from compare.observation import Comparison, Observation, compare_observations, exception_text
+from compare.coverage import CoverageCounter, OutcomeTally
+from compare.errors import UNCLASSIFIED, DivergenceError, warn_harness_error
+from compare.observation import Comparison, Observation, compare_observations
 
 R = TypeVar("R")
 F = TypeVar("F")
-
-UNCLASSIFIED = "unclassified"  # the kind recorded when the classifier itself fails
-_MAX_MESSAGE_PATHS = 10
-
-
-class DivergenceError(AssertionError):
-    """Raised in "raise" mode when the shadow path diverges from the authoritative one."""
-
-    def __init__(self, comparison: Comparison) -> None:
-        super().__init__(_describe(comparison))
-        self.comparison = comparison
-
-
-class HarnessWarning(RuntimeWarning):
-    """Emitted by the default `on_harness_error`: the harness failed, the caller did not."""
+_HOOKS = frozenset({"fork", "canonicalize", "context"})  # run's optional callables
+_FAILED = object()  # what `_guard` returns for a hook that raised, where None is a valid result
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,23 +58,10 @@ class ShadowStats:
     num_harness_errors: int
     compare_seconds: float
     authoritative_seconds: float
+    coverage: Mapping[str, OutcomeTally]  # decision outcome id -> how often, first step
 
 
-def _ignore_divergence(comparison: Comparison, context: Any) -> None:
-    """Default `on_divergence`: divergences are only counted."""
-
-
-def _warn_harness_error(operation: str, error: BaseException) -> None:
-    """Default `on_harness_error`: warn and carry on (the executor counts every call)."""
-    message = f"compare harness failed in {operation}: {exception_text(error)}"
-    warnings.warn(message, HarnessWarning, stacklevel=2)
-
-
-def _no_context() -> None:
-    return None
-
-
-def _no_fork() -> None:
+def _no_hook() -> None:
     return None
 
 
@@ -97,24 +70,16 @@ def _as_observed(authoritative: Observation, shadow: Observation) -> tuple[Any, 
     return authoritative.value, shadow.value
 
 
-def _canonical(
-    canonicalize: Callable[[Observation, Observation], tuple[Any, Any]],
-    authoritative: Observation,
-    shadow: Observation,
-) -> tuple[Any, Any]:
-    """Both sides' canonical values (the entry of a side that raised is ignored)."""
-    authoritative_value, shadow_value = canonicalize(authoritative, shadow)
-    return authoritative_value, shadow_value
+def _pair(canonicalize: Callable, authoritative: Observation, shadow: Observation) -> tuple:
+    """``canonicalize``'s two forms (TypeError for anything but a pair)."""
+    authoritative_form, shadow_form = canonicalize(authoritative, shadow)
+    return authoritative_form, shadow_form
 
 
 def _with_value(seen: Observation, value: Any) -> Observation:
-    return (
-        seen if seen.exception is not None else Observation(seen.path, value, None, seen.duration_s)
-    )
-
-
-_HOOKS = frozenset({"fork", "canonicalize", "context"})  # run's optional callables
-_FAILED = object()  # what `_guard` returns for a hook that raised, where None is a valid result
+    if seen.raised:
+        return seen
+    return Observation(seen.path, value, None, seen.duration_s)
 
 
 class ShadowExecutor:
@@ -124,8 +89,10 @@ class ShadowExecutor:
     `DivergenceError`. `sample` in [0, 1] and `seed` pick the compared steps (every op of a picked
     step); `ops` limits comparison to those ops (None: all). `ignore` holds path globs (see
     `compare.diff`). `classify(paths)` names a value divergence, `exception_kind(exc)` an exception
-    divergence. `on_harness_error(operation, error)` receives every failure inside the harness; one
-    that raises makes harness failures fatal (useful in tests). `clock` can be faked in tests."""
+    divergence. `outcomes(op, context)` names the decision outcomes an op reached, once both paths
+    returned (`compare.coverage`). `on_harness_error(operation, error)` receives every failure
+    inside the harness; one that raises makes harness failures fatal (useful in tests). `clock`
+    can be faked in tests."""
 
     def __init__(
         self,
@@ -137,8 +104,9 @@ class ShadowExecutor:
         ignore: Sequence[str] = (),
         classify: Callable[[tuple[str, ...]], str] = lambda paths: "state",
         exception_kind: Callable[[BaseException], str] = lambda error: "exception",
-        on_divergence: Callable[[Comparison, Any], None] = _ignore_divergence,
-        on_harness_error: Callable[[str, BaseException], None] = _warn_harness_error,
+        outcomes: Callable[[str, Any], Iterable[str]] = lambda op, context: (),
+        on_divergence: Callable[[Comparison, Any], None] = lambda comparison, context: None,
+        on_harness_error: Callable[[str, BaseException], None] = warn_harness_error,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if mode not in ("log", "raise"):
@@ -149,29 +117,27 @@ class ShadowExecutor:
             raise ValueError(
                 f"ops must be a collection of op names, not the string {ops!r} (e.g. [{ops!r}])"
             )
-        self._mode = mode
-        self._sample = sample
-        self._seed = seed
+        self._mode, self._sample, self._seed = mode, sample, seed
         self._ops = frozenset(ops) if ops is not None else None
         self._ignore = tuple(ignore)
         self._guarded_classify = partial(self._name, "classify", classify)
         self._guarded_exception_kind = partial(self._name, "exception_kind", exception_kind)
+        self._outcomes = outcomes
         self._on_divergence = on_divergence
         self._on_harness_error = on_harness_error
         self._clock = clock
         self._num_compared: dict[str, int] = {}
         self._num_divergences: dict[str, int] = {}
         self._num_harness_errors = 0
-        # the last error on_harness_error raised (not funnelled again)
-        self._fatal: BaseException | None = None
+        self._fatal: BaseException | None = None  # the last error on_harness_error raised
         self._compare_seconds = 0.0
         self._authoritative_seconds = 0.0
+        self._coverage = CoverageCounter()
 
     def should_compare(self, op: str, step: int) -> bool:
         """Whether (op, step) is compared: the ops filter, then whether the step is sampled, by a
         hash of (seed, step) below `sample` (a sampled step compares all its ops: `sample` is the
-        fraction of steps compared). Deterministic and independent of call order; mutates
-        nothing."""
+        fraction of steps compared). Deterministic and independent of call order. Pure."""
         if self._ops is not None and op not in self._ops:
             return False
         if self._sample >= 1.0:
@@ -202,15 +168,8 @@ class ShadowExecutor:
             )
         if not self.should_compare(op, step):
             return authoritative()
-        return self.run_both(
-            op,
-            step,
-            authoritative=authoritative,
-            shadow=shadow,
-            shadow_path=shadow_path,
-            authoritative_path=authoritative_path,
-            **hooks,
-        )
+        paths = {"shadow_path": shadow_path, "authoritative_path": authoritative_path}
+        return self.run_both(op, step, authoritative=authoritative, shadow=shadow, **paths, **hooks)
 
     def run_both(
         self,
@@ -219,14 +178,14 @@ class ShadowExecutor:
         *,
         authoritative: Callable[[], R],
         shadow: Callable[[F], Any],
-        fork: Callable[[], F] = _no_fork,
+        fork: Callable[[], F] = _no_hook,
         canonicalize: Callable[[Observation, Observation], tuple[Any, Any]] = _as_observed,
-        context: Callable[[], Any] = _no_context,
+        context: Callable[[], Any] = _no_hook,
         shadow_path: str,
         authoritative_path: str,
     ) -> R:
-        """Run one op on both paths and return the authoritative result (`run` without the sampling
-        check: for a caller that asked `should_compare` itself).
+        """Run one op on both paths and return the authoritative result (`run` without the
+        sampling check: for a caller that asked `should_compare` itself).
 
         `authoritative()` returns the result; `shadow(fork())` runs the other path on what
         `fork()` returned; `canonicalize(authoritative, shadow)` maps both raw observations
@@ -234,44 +193,24 @@ class ShadowExecutor:
         ignored. Mutates the executor's counters; whatever the callables mutate is theirs.
         """
         started = self._clock()
-        authoritative_seconds = 0.0
-        comparison = None
+        timer = [0.0]  # the authoritative path's seconds, set however it ends
         try:
             captured = self._guard("context", context, default=None)
             forked = self._guard("fork", fork, default=_FAILED)
             if forked is _FAILED:  # no isolated copy to run the shadow on: nothing is compared
-                authoritative_started = self._clock()
-                try:
-                    return authoritative()
-                finally:
-                    authoritative_seconds = self._clock() - authoritative_started
+                return self._timed(authoritative, timer)
             shadow_seen = self._observe(shadow_path, shadow, forked)
-            authoritative_started = self._clock()
             try:
-                result = authoritative()
+                result = self._timed(authoritative, timer)
             except Exception as error:
-                authoritative_seconds = self._clock() - authoritative_started
-                seen = Observation(authoritative_path, None, error, authoritative_seconds)
-                traceback, context = error.__traceback__, error.__context__
-                try:
-                    self._settle(op, step, seen, shadow_seen, captured, canonicalize)
-                except Exception:
-                    # a fatal on_harness_error: counted; the authoritative exception still wins
-                    pass
-                # a hook that raised it again (`try: raise error`) added its frames and context:
-                # undone
-                error.__traceback__, error.__context__ = traceback, context
+                seen = Observation(authoritative_path, None, error, timer[0])
+                self._settle_raised(op, step, seen, shadow_seen, captured, canonicalize)
                 raise
-            # Ctrl-C, SystemExit: the time until then was still the authoritative path's
-            except BaseException:
-                authoritative_seconds = self._clock() - authoritative_started
-                raise
-            authoritative_seconds = self._clock() - authoritative_started
-            seen = Observation(authoritative_path, result, None, authoritative_seconds)
+            seen = Observation(authoritative_path, result, None, timer[0])
             comparison = self._settle(op, step, seen, shadow_seen, captured, canonicalize)
         finally:
-            self._authoritative_seconds += authoritative_seconds
-            self._compare_seconds += self._clock() - started - authoritative_seconds
+            self._authoritative_seconds += timer[0]
+            self._compare_seconds += self._clock() - started - timer[0]
         if self._mode == "raise" and comparison is not None:
             raise DivergenceError(comparison) from comparison.shadow.exception
         return result
@@ -284,7 +223,16 @@ class ShadowExecutor:
             num_harness_errors=self._num_harness_errors,
             compare_seconds=self._compare_seconds,
             authoritative_seconds=self._authoritative_seconds,
+            coverage=MappingProxyType(self._coverage.tallies()),
         )
+
+    def _timed(self, call: Callable[[], R], timer: list[float]) -> R:
+        """``call()``, its seconds stored in ``timer[0]`` however it ends. Mutates ``timer``."""
+        started = self._clock()
+        try:
+            return call()
+        finally:
+            timer[0] = self._clock() - started
 
     def _observe(self, path: str, run: Callable[[Any], Any], argument: Any) -> Observation:
         started = self._clock()
@@ -293,6 +241,18 @@ class ShadowExecutor:
         except Exception as error:
             return Observation(path, None, error, self._clock() - started)
         return Observation(path, value, None, self._clock() - started)
+
+    def _settle_raised(self, op, step, seen, shadow_seen, captured, canonicalize) -> None:
+        """``_settle`` for an authoritative path that raised: its exception is what the caller
+        gets, unchanged (a fatal on_harness_error is counted, not raised instead; a hook that
+        raised the exception again added frames and context to it: undone)."""
+        error = seen.exception
+        traceback, context = error.__traceback__, error.__context__
+        try:
+            self._settle(op, step, seen, shadow_seen, captured, canonicalize)
+        except Exception:
+            pass
+        error.__traceback__, error.__context__ = traceback, context
 
     def _settle(
         self,
@@ -305,35 +265,39 @@ class ShadowExecutor:
     ) -> Comparison | None:
         """Canonicalize, compare, count, and report a divergence. Returns the comparison of a
         divergence; None when the paths matched or the harness failed (the op then counts as a
-        harness error, not as compared).
-
-        Equal canonical forms of two paths that returned are a match with nothing to explain, so
-        only a mismatch builds observations of the canonical values and runs `diff` (whose verdict
-        starts with the same equality)."""
+        harness error, not as compared). Equal canonical forms of two paths that returned are a
+        match with nothing to explain: only a mismatch builds a comparison and runs `diff`."""
         forms = self._guard(
-            "canonicalize", _canonical, canonicalize, authoritative, shadow, default=_FAILED
+            "canonicalize", _pair, canonicalize, authoritative, shadow, default=_FAILED
         )
         if forms is _FAILED:
             return None
-        if authoritative.exception is None and shadow.exception is None:
-            try:
-                equal = bool(forms[0] == forms[1])
-            except Exception as error:
-                self._funnel("compare", error)
+        both_returned = not authoritative.raised and not shadow.raised
+        if both_returned:
+            equal = self._guard("compare", lambda: bool(forms[0] == forms[1]), default=_FAILED)
+            if equal is _FAILED:
                 return None
             if equal:
-                self._num_compared[op] = self._num_compared.get(op, 0) + 1
+                self._count_compared(op, step, context)
                 return None
         seen = _with_value(authoritative, forms[0]), _with_value(shadow, forms[1])
         comparison = self._guard("compare", self._compare, op, step, *seen, default=None)
         if comparison is None:
             return None
-        self._num_compared[op] = self._num_compared.get(op, 0) + 1
+        self._count_compared(op, step, context if both_returned else _FAILED)
         if comparison.matched:  # equal leaves of unequal forms (NaN, ignored paths)
             return None
         self._num_divergences[op] = self._num_divergences.get(op, 0) + 1
         self._guard("on_divergence", self._on_divergence, comparison, context, default=None)
         return comparison
+
+    def _count_compared(self, op: str, step: int, context: Any) -> None:
+        """Count a compared op, and the outcomes it reached when both paths returned (``context``
+        is ``_FAILED`` when one raised). Mutates the counters."""
+        self._num_compared[op] = self._num_compared.get(op, 0) + 1
+        if context is not _FAILED:
+            reached = self._guard("outcomes", self._outcomes, op, context, default=())
+            self._coverage.add(reached, step)
 
     def _compare(
         self, op: str, step: int, authoritative: Observation, shadow: Observation
@@ -360,8 +324,7 @@ class ShadowExecutor:
         try:
             return call(*args)
         except Exception as error:
-            # a nested guard's failure, already funnelled: on_harness_error raised it
-            if error is self._fatal:
+            if error is self._fatal:  # a nested guard's failure, already funnelled and re-raised
                 raise
             self._funnel(operation, error)
             return default
@@ -374,21 +337,3 @@ class ShadowExecutor:
         except BaseException as fatal:
             self._fatal = fatal
             raise
-
-
-def _describe(comparison: Comparison) -> str:
-    authoritative, shadow = comparison.authoritative, comparison.shadow
-    lines = [
-        f"{comparison.op} step {comparison.step}: {comparison.kind} divergence, "
-        f"shadow {shadow.path!r} vs authoritative {authoritative.path!r}"
-    ]
-    paths = comparison.field_paths
-    if paths:
-        more = len(paths) - _MAX_MESSAGE_PATHS
-        lines.append(
-            "paths: "
-            + ", ".join(paths[:_MAX_MESSAGE_PATHS])
-            + (f" (+{more} more)" if more > 0 else "")
-        )
-    lines += comparison.exceptions
-    return "\n".join(lines)

@@ -1369,7 +1369,7 @@ CASES: tuple[BadInput, ...] = (
         "report div.jsonl",
         (
             "div.jsonl:1: unsupported schema_version 9 in a run_summary record",
-            "this reader supports 1",
+            "this reader supports 2",
         ),
         build=divergence_log(json.dumps({**SUMMARY.model_dump(), "schema_version": 9}) + "\n"),
     ),
@@ -1390,7 +1390,7 @@ CASES: tuple[BadInput, ...] = (
         "a divergence record missing its fields",
         "report div.jsonl",
         ("div.jsonl:1: invalid divergence record", "run_id: field required"),
-        build=divergence_log('{"record_type": "divergence", "schema_version": 1}\n'),
+        build=divergence_log('{"record_type": "divergence", "schema_version": 2}\n'),
     ),
     case(
         "log-invalid-utf8",

@@ -1827,10 +1827,10 @@ def test_report_without_step_summary_variable_writes_no_summary(
         ),
         (
             "SUMMARY_V9",
-            "1: unsupported schema_version 9 in a run_summary record; this reader supports 1",
+            "1: unsupported schema_version 9 in a run_summary record; this reader supports 2",
         ),
         (
-            '{"record_type": "divergence", "schema_version": 1}\n',
+            '{"record_type": "divergence", "schema_version": 2}\n',
             "1: invalid divergence record: run_id: field required",
         ),
     ],

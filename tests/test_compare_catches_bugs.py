@@ -65,7 +65,7 @@ from batchgen.kv.backends import CompletedHandle, HostKvPool
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.manager import KVCacheManager
 from batchgen.kv.page_copy import CopyError
-from batchgen.kv.plan_path import PlanRejected
+from batchgen.kv.appliers import PlanRejected
 from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
 from batchgen.model.loader import load_model

@@ -23,10 +23,12 @@ from batchgen.engine.state import Phase, Request, RequestState
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
 from batchgen.kv import legacy as legacy_kv
-from batchgen.kv import plan_path as kv_apply
+from batchgen.kv import appliers
 from batchgen.kv.gate import KvGateConfig, build_kv_path
 from batchgen.model.loader import load_model
-from batchgen.shadow.forms import KV_FIELDS, add_requests, fork_target
+from batchgen.engine.scheduler import schedule
+from batchgen.shadow.fork import KV_FIELDS, fork_target
+from batchgen.shadow.forms import add_requests
 from compare import Keyed
 
 WRITE_ENTRIES = ("edit", "remove")
@@ -145,7 +147,7 @@ def _output_list_writes(source: str) -> list[str]:
     return [text for _, text in sorted(found)]
 
 
-@pytest.mark.parametrize("module", [legacy_kv, kv_apply], ids=["legacy_kv", "kv_apply"])
+@pytest.mark.parametrize("module", [legacy_kv, appliers], ids=["legacy", "appliers"])
 def test_kv_ops_write_requests_only_through_the_write_entries(module):
     assert _request_writes_outside_edit(inspect.getsource(module)) == []
     assert _output_list_writes(inspect.getsource(module)) == []
@@ -226,7 +228,8 @@ def test_every_op_on_a_fork_leaves_the_worker_as_it_was(path):
         done = [
             u for u, r in worker.state.requests.items() if r.phase.name in ("FINISHED", "FAILED")
         ]
-        batch = worker._schedule()
+        free = worker.gpu_kv.free_pages()
+        batch = schedule(worker.state, free, worker.cache_config, worker.engine_config)
         for op, run in (
             ("poll", lambda kv: kv.poll(observed) if observed else None),
             ("release", lambda kv: kv.release(done) if done else None),

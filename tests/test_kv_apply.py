@@ -32,19 +32,17 @@ from batchgen.engine.state import (
     WorkerState,
 )
 from batchgen.engine.worker import PendingAppend
-from batchgen.kv import plan_path as kv_apply
 from batchgen.kv.backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
 from batchgen.kv.gate import build_kv_path
-from batchgen.kv.plan_path import (
-    PlanKvPath,
+from batchgen.kv.appliers import (
     PlanRejected,
     apply_alloc_plan,
     apply_eviction_plan,
     apply_migration_plan,
     apply_poll_plan,
     apply_release_plan,
-    running_after,
 )
+from batchgen.kv.plan_path import PlanKvPath
 from batchgen.kv.plans import (
     AllocPlan,
     AllocRequest,
@@ -68,7 +66,7 @@ from batchgen.kv.plans import (
     Victim,
 )
 from batchgen.kv.target import KvTarget
-from batchgen.shadow.forms import views_of
+from batchgen.shadow.fork import view_of
 
 CACHE = CacheConfig(page_size=4, num_gpu_pages=12, num_host_pages=8, watermark=0.0)
 ENGINE = EngineConfig(max_num_seqs=8, max_load_retries=1)
@@ -176,12 +174,11 @@ def test_op_requests_hold_the_columns_of_the_requests_each_op_reads():
     snapshot = KvSnapshot(7, path.geometry, num_free_gpu_pages=4, num_free_host_pages=3)
     running = PageColumns(("run0", "run1"), (7, 9), ((0, 1), (2, 3)))
     # run1's 9 tokens need a third page of 4; run0's 7 fit its 2: a decode demand of 1
-    assert path.eviction_request() == EvictionRequest(snapshot, running, decode_demand=1)
+    assert path.eviction_request() == EvictionRequest(snapshot, running)
     assert path.migration_request() == MigrationRequest(
         snapshot,
         SwappedColumns(("swap2", "swap6"), ((0, 1), (4,)), (6, 6)),
         running,
-        decode_demand=1,
         num_loading=1,
     )
     # run0's 7 tokens fit its 2 pages of 4: it needs nothing and is left out of the columns
@@ -191,8 +188,7 @@ def test_op_requests_hold_the_columns_of_the_requests_each_op_reads():
     assert path.poll_request({"load3": "OSError: x"}) == PollRequest(
         snapshot, ("load3",), ("OSError: x",), (0,)
     )
-    # every load landed: no request is read for its retries
-    assert path.poll_request({"load3": None}) == PollRequest(snapshot, ("load3",), (None,), ())
+    assert path.poll_request({"load3": None}) == PollRequest(snapshot, ("load3",), (None,), (0,))
     assert path.release_request(["done5"]) == ReleaseRequest(snapshot, ("done5",))
 
 
@@ -204,106 +200,17 @@ def test_migration_reads_no_running_request_while_nothing_is_swapped():
     assert request.swapped == SwappedColumns((), (), ()) and request.running == PageColumns(
         (), (), ()
     )
-    assert (request.decode_demand, request.num_loading) == (0, 0)
+    assert request.num_loading == 0
 
 
-def _count_page_columns(monkeypatch) -> list:
-    """Record each RUNNING-columns build of the plan path (``kv_apply.page_columns``); returns the
-    record."""
-    calls = []
-    build = kv_apply.page_columns
-    monkeypatch.setattr(
-        kv_apply, "page_columns", lambda scope: calls.append(len(scope)) or build(scope)
+def test_a_request_view_holds_what_a_kv_op_may_read_of_it():
+    requests = make_target().state.requests
+    assert view_of(requests["run1"]) == RequestKvView(
+        "run1", "running", 1, 9, 8, (2, 3), (), 0, None, num_prompt_tokens=8
     )
-    return calls
-
-
-@pytest.mark.parametrize("watermark, evicted", [(0.0, ()), (0.5, ("run1",))])
-def test_migrate_right_after_evict_reads_the_running_columns_evict_left(
-    monkeypatch, watermark, evicted
-):
-    target = make_target()
-    target.cache_config = CACHE.model_copy(update={"watermark": watermark})
-    path = PlanKvPath(target)
-    path.evict()
-    assert [
-        u
-        for u, r in target.state.requests.items()
-        if r.phase is not Phase.RUNNING and u in ("run0", "run1")
-    ] == list(evicted)
-    built = _count_page_columns(monkeypatch)
-    request = path.migration_request()
-    assert built == []  # evict's columns, less its victims
-    still_running = (
-        PageColumns(("run0",), (7,), ((0, 1),))
-        if evicted
-        else PageColumns(("run0", "run1"), (7, 9), ((0, 1), (2, 3)))
+    assert view_of(requests["load3"]) == RequestKvView(
+        "load3", "loading", 3, 5, 4, (4, 5), (2, 3), 0, 5, num_prompt_tokens=4
     )
-    assert request.running == still_running
-    assert request.decode_demand == (0 if evicted else 1)  # run1's missing page leaves with run1
-    # as built afresh
-    assert request == PlanKvPath(target).migration_request() and built == [2 - len(evicted)]
-
-
-@pytest.mark.parametrize(
-    "between", ["a GPU page taken", "a host page taken", "the next step", "a release op"]
-)
-def test_migrate_builds_its_own_columns_when_anything_ran_after_evict(monkeypatch, between):
-    target = make_target()
-    path = PlanKvPath(target)
-    path.evict()
-    if between == "a GPU page taken":
-        target.gpu_kv.allocate_pages("run0", 1)
-        target.state.requests["run0"].gpu_page_ids += (8,)
-    elif between == "a host page taken":
-        target.host_kv.allocate_pages("swap6", 1)
-        target.state.requests["swap6"].host_page_ids += (5,)
-    elif between == "the next step":
-        target.state.step += 1
-    else:
-        path.release(["done5"])
-    built = _count_page_columns(monkeypatch)
-    request = path.migration_request()
-    assert built == [2]
-    assert request == PlanKvPath(target).migration_request()
-
-
-def test_running_after_refuses_victims_that_are_not_the_youngest_running_requests():
-    target = make_target()
-    request = PlanKvPath(target).eviction_request()
-    plan = EvictionPlan((Victim("run0", Destination.RECOMPUTE, (0, 1), ()),))  # the older one
-    after = dataclasses.replace(
-        request.snapshot, num_free_gpu_pages=request.snapshot.num_free_gpu_pages + 2
-    )
-    assert running_after(request, plan, after) is None
-    youngest = EvictionPlan((Victim("run1", Destination.RECOMPUTE, (2, 3), ()),))
-    assert running_after(request, youngest, after) == (PageColumns(("run0",), (7,), ((0, 1),)), 0)
-    # the pages it frees are not free
-    assert running_after(request, youngest, request.snapshot) is None
-
-
-def test_bulk_snapshot_views_equal_per_request_views_in_every_phase():
-    target = make_target()
-    reqs = list(target.state.requests.values())
-    expected = tuple(
-        RequestKvView(
-            r.uuid,
-            r.phase.value,
-            r.arrival_index,
-            r.num_tokens,
-            r.num_cached_tokens,
-            r.gpu_page_ids,
-            r.host_page_ids,
-            r.num_load_retries,
-            r.swapped_step,
-            len(r.request.prompt_ids),
-        )
-        for r in reqs
-    )
-    assert {v.phase for v in expected} == {"running", "swapped", "loading", "waiting", "finished"}
-    assert views_of(reqs) == expected
-    assert repr(views_of(reqs)) == repr(expected)  # RequestKvView records, not bare tuples
-    assert views_of([]) == ()
 
 
 # ---- invalid plans -------------------------------------------------------------------------------
@@ -410,7 +317,7 @@ INVALID = [
         "poll names an id of another type beside the load",
         None,
         poll(PollPlan((3, "load3"), (COMPLETE, COMPLETE), (None, None)), {"load3": None}),
-        "PollPlan.uuids",
+        "PollPlan.uuids[0]",
     ),
     (
         "poll names a load twice",
@@ -616,7 +523,7 @@ INVALID = [
         "evict two requests, one by an unhashable id",
         None,
         evict(EvictionPlan((Victim("run0", DROP, (0, 1), ()), Victim(["run1"], DROP, (2, 3), ())))),
-        "EvictionPlan.victims[1]",
+        "EvictionPlan.victims[1].uuid",
     ),
     # migration
     (

@@ -1,37 +1,29 @@
-"""KVCacheManager: the plan layer's pre-merge checklist, exact plans, JSON round trips.
+"""KVCacheManager: a stateless planner over injected backends; exact plans for exact states.
 
-Checklist item -> tests:
+The plan layer's pre-merge checklist, each item with its tests (the import boundaries are in
+``test_import_boundaries.py``, immutability and JSON in ``test_kv_plans.py``):
 
-- backends by injection, no worker attributes .... test_manager_source_*, test_manager_keeps_only_*
-- no live model/cache config (frozen snapshot) .... test_manager_source_imports_*,
-                                                   test_eviction_reads_*
-- watermark computed from the snapshot ........... test_watermark_*
-- pending appends stay on the worker, stateless .. test_manager_source_never_assigns_*,
-                                                   test_writing_*,
-                                                   test_planning_never_touches_pending_appends
-- returns plans, only the worker applies them .... test_manager_never_mutates_its_backends
+- backends by injection, only read ...... test_manager_keeps_only_its_injected_backends,
+                                          test_manager_never_mutates_its_backends
+- no live config: a frozen snapshot ..... test_watermark_*, test_eviction_reads_*,
+                                          test_engine_config_is_not_what_the_manager_reads
+- stateless ............................. test_the_same_request_planned_twice_gives_equal_plans,
+                                          test_planning_never_touches_pending_appends
 """
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import enum
-import inspect
-import pickle
-from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from test_kv_plans import assert_round_trips
 
 from batchgen.config import TINY_MODELS, EngineConfig
 from batchgen.engine.state import Phase, Request
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
-from batchgen.kv import backends as kv_backends
-from batchgen.kv import manager as kv_manager
 from batchgen.kv import plans as kv_plans
 from batchgen.kv.backends import GpuKvPool, HostKvPool
 from batchgen.kv.gate import KvGateConfig
@@ -44,7 +36,6 @@ from batchgen.kv.plans import (
     EvictionPlan,
     EvictionRequest,
     KvGeometry,
-    KvPreState,
     KvSnapshot,
     LoadStart,
     MigrationPlan,
@@ -59,15 +50,12 @@ from batchgen.kv.plans import (
     RequestKvView,
     SwappedColumns,
     Victim,
-    decode_demand,
-    from_json,
-    to_json,
 )
 from batchgen.model.null_model import NullModel
 
 RUNNING, SWAPPED, LOADING, WAITING = "running", "swapped", "loading", "waiting"
-MANAGER_TREE = ast.parse(Path(inspect.getfile(kv_manager)).read_text(encoding="utf-8"))
 READ_ONLY_BACKEND_METHODS = {"peek_free_pages", "free_pages"}
+MAX_STEPS = 2000  # smoke ends in about 50
 
 
 # ---- factories --------------------------------------------------------------------------
@@ -110,6 +98,7 @@ def view(
         tuple(host),
         retries,
         swapped_step,
+        num_tokens,
     )
 
 
@@ -147,14 +136,13 @@ def page_columns(views) -> PageColumns:
     )
 
 
-def running_columns(snap: KvSnapshot, views) -> tuple[PageColumns, int]:
-    """The RUNNING requests of ``views`` as columns, and their decode demand."""
-    running = page_columns(v for v in views if v.phase == RUNNING)
-    return running, decode_demand(running.num_tokens, running.gpu_page_ids, snap.geometry.page_size)
+def running_columns(views) -> PageColumns:
+    """The RUNNING requests of ``views`` as columns."""
+    return page_columns(v for v in views if v.phase == RUNNING)
 
 
 def eviction_request(snap: KvSnapshot, views) -> EvictionRequest:
-    return EvictionRequest(snap, *running_columns(snap, views))
+    return EvictionRequest(snap, running_columns(views))
 
 
 def migration_request(snap: KvSnapshot, views, num_loading: int) -> MigrationRequest:
@@ -164,7 +152,7 @@ def migration_request(snap: KvSnapshot, views, num_loading: int) -> MigrationReq
         tuple(v.host_page_ids for v in swapped),
         tuple(v.swapped_step for v in swapped),
     )
-    return MigrationRequest(snap, columns, *running_columns(snap, views), num_loading)
+    return MigrationRequest(snap, columns, running_columns(views), num_loading)
 
 
 def alloc_request(snap: KvSnapshot, views, batch: tuple[str, ...]) -> AllocRequest:
@@ -214,230 +202,6 @@ def eviction_setup(num_host: int, *, host_owned=None, host_rotate=0, watermark=0
     return KVCacheManager(gpu_kv=gpu, host_kv=host), eviction_request(snap, EVICTION_VIEWS)
 
 
-# ---- checklist: source rules (AST) ---------------------------------------------------------
-def _functions(tree: ast.AST):
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            yield node
-
-
-def _assigned_targets(node: ast.AST):
-    if isinstance(node, (ast.Assign, ast.Delete)):
-        targets = list(node.targets)
-    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-        targets = [node.target]
-    elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
-        targets = [node.target]
-    elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-        targets = [node.optional_vars]
-    elif isinstance(node, ast.NamedExpr):
-        targets = [node.target]
-    else:
-        return
-    while targets:
-        target = targets.pop()
-        if isinstance(target, (ast.Tuple, ast.List)):
-            targets.extend(target.elts)
-        elif isinstance(target, ast.Starred):
-            targets.append(target.value)
-        elif isinstance(target, (ast.Attribute, ast.Subscript)):
-            yield target
-
-
-def self_writes(tree: ast.AST) -> list[str]:
-    """Assignments to ``self.<x>`` (or deeper) outside ``__init__``, setattr calls, globals."""
-    offences = []
-    for func in _functions(tree):
-        if getattr(func, "name", None) == "__init__":
-            continue
-        for node in ast.walk(func):
-            for target in _assigned_targets(node):
-                base = target.value
-                while isinstance(base, (ast.Attribute, ast.Subscript)):
-                    base = base.value
-                if isinstance(base, ast.Name) and base.id == "self":
-                    offences.append(f"line {node.lineno}: {ast.unparse(target)}")
-            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
-                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
-                if name in ("setattr", "__setattr__", "delattr", "__delattr__"):
-                    offences.append(f"line {node.lineno}: {ast.unparse(node)}")
-            if isinstance(node, (ast.Global, ast.Nonlocal)):
-                offences.append(f"line {node.lineno}: {ast.unparse(node)}")
-    return offences
-
-
-MUTATING_METHODS = (
-    "append",
-    "extend",
-    "pop",
-    "clear",
-    "update",
-    "remove",
-    "insert",
-    "setdefault",
-    "add",
-    "discard",
-)
-
-
-def input_writes(tree: ast.AST) -> list[str]:
-    """Attribute/item assignments, and mutating calls on anything but a local name, outside
-    ``__init__``."""
-    offences = []
-    for func in _functions(tree):
-        if getattr(func, "name", None) == "__init__":
-            continue
-        for node in ast.walk(func):
-            offences += [f"line {node.lineno}: {ast.unparse(t)}" for t in _assigned_targets(node)]
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in MUTATING_METHODS
-            ):
-                receiver = node.func.value
-                if not (
-                    isinstance(receiver, ast.Name)
-                    and receiver.id not in ("self", "req", "snapshot")
-                ):
-                    offences.append(f"line {node.lineno}: {ast.unparse(node)}")
-    return offences
-
-
-WORKER_ATTRIBUTES = {
-    "state",
-    "worker",
-    "_worker",
-    "target",
-    "_pending_kv_append_tensors",
-    "pending_appends",
-    "model_config",
-    "cache_config",
-    "engine_config",
-    "kv_gate",
-    "_kv",
-    "model",
-    "outputs",
-    "stats",
-    "load_handle",
-    "tensor",
-    "_watermark_pages",
-    "_kv_watermark_pages",
-}
-FORBIDDEN_NAMES = (
-    "worker",
-    "target",
-    "state",
-    "CacheConfig",
-    "ModelConfig",
-    "EngineConfig",
-    "TINY_MODELS",
-)
-
-
-def worker_accesses(tree: ast.AST) -> list[str]:
-    """Worker attributes, live configs, and dynamic lookups that could hide either."""
-    offences = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute):
-            if node.attr in WORKER_ATTRIBUTES:
-                offences.append(f"line {node.lineno}: {ast.unparse(node)}")
-            elif node.attr == "requests":  # allowed only as a snapshot's scope
-                base = node.value
-                base_name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
-                if base_name != "snapshot":
-                    offences.append(f"line {node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
-            offences.append(f"line {node.lineno}: {node.id}")
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id in ("getattr", "vars", "globals", "__import__", "eval", "exec")
-        ):
-            offences.append(f"line {node.lineno}: {ast.unparse(node)}")
-    return offences
-
-
-FORBIDDEN_MODULES = (
-    "batchgen.engine.state",
-    "batchgen.engine.worker",
-    "batchgen.kv.legacy",
-    "batchgen.kv.target",
-    "batchgen.kv.plan_path",
-    "batchgen.config",
-    "compare",
-    "importlib",
-)
-ALLOWED_BATCHGEN_MODULES = {"batchgen.kv.plans", "batchgen.kv.backends"}
-
-
-def bad_imports(tree: ast.AST) -> list[str]:
-    """Imports of anything in batchgen but the plans and the backend Protocols."""
-    from batchgen.kv import backends as kv_backends
-
-    offences = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported = [(alias.name, None) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                offences.append(f"line {node.lineno}: relative import")
-            imported = [(node.module or "", alias.name) for alias in node.names]
-        else:
-            continue
-        for module, name in imported:
-            if module.startswith(FORBIDDEN_MODULES) or (
-                module.startswith("batchgen") and module not in ALLOWED_BATCHGEN_MODULES
-            ):
-                offences.append(f"line {node.lineno}: {module}")
-            elif module == "batchgen.kv.backends" and not getattr(
-                getattr(kv_backends, name, None), "_is_protocol", False
-            ):
-                offences.append(f"line {node.lineno}: {name} is not a Protocol")
-    return offences
-
-
-def test_manager_source_never_assigns_to_self_outside_init():
-    assert self_writes(MANAGER_TREE) == []
-
-
-def test_manager_source_never_writes_to_what_it_is_given():
-    assert input_writes(MANAGER_TREE) == []
-
-
-def test_manager_source_never_reaches_into_worker_attributes_or_live_configs():
-    assert worker_accesses(MANAGER_TREE) == []
-
-
-def test_manager_source_imports_only_plans_and_backend_protocols():
-    assert bad_imports(MANAGER_TREE) == []
-    imported = {node.module for node in ast.walk(MANAGER_TREE) if isinstance(node, ast.ImportFrom)}
-    assert "batchgen.kv.backends" in imported  # the backends are typed with the Protocols
-
-
-PLANTED = [
-    (self_writes, "class M:\n    def plan_x(self, req):\n        self.last = req\n"),
-    (self_writes, "class M:\n    def plan_x(self, req):\n        self._cache[req] = 1\n"),
-    (self_writes, "class M:\n    def plan_x(self, req):\n        setattr(self, 'n', 1)\n"),
-    (input_writes, "def plan_x(req):\n    req.snapshot.requests[0] = None\n"),
-    (input_writes, "def plan_x(self, req):\n    self._gpu_kv.pages.journal.append(1)\n"),
-    (worker_accesses, "def plan_x(self, req):\n    return self._gpu_kv.worker.state.requests\n"),
-    (worker_accesses, "def plan_x(self, req, target):\n    return target.cache_config.watermark\n"),
-    (
-        worker_accesses,
-        "def plan_x(self, req):\n    return self._host_kv._pending_kv_append_tensors\n",
-    ),
-    (bad_imports, "from batchgen.config import CacheConfig\n"),
-    (bad_imports, "from batchgen.engine.state import Phase\n"),
-    (bad_imports, "import batchgen.kv.legacy\n"),
-    (bad_imports, "from batchgen.kv.backends import GpuKvPool\n"),
-]
-
-
-@pytest.mark.parametrize(("checker", "source"), PLANTED, ids=lambda v: getattr(v, "__name__", None))
-def test_source_checks_catch_a_planted_violation(checker, source):
-    assert checker(ast.parse(source)) != []
-
-
 def test_manager_keeps_only_its_injected_backends():
     gpu, host = pools(8, 4)
     manager = KVCacheManager(gpu_kv=gpu, host_kv=host)
@@ -450,188 +214,6 @@ def test_manager_keeps_only_its_injected_backends():
     assert vars(manager) == before
     assert list(before) == ["_gpu_kv", "_host_kv"]
     assert before["_gpu_kv"] is gpu and before["_host_kv"] is host
-
-
-# ---- checklist: immutability -----------------------------------------------------------------
-def _one_of_each():
-    snap = KvSnapshot(3, geometry(), 4, 2)
-    running = PageColumns(("a",), (5,), ((1, 2),))
-    swapped = SwappedColumns(("s",), ((0,),), (2,))
-    return [
-        snap.geometry,
-        snap,
-        running,
-        swapped,
-        view("a", RUNNING, 0, 5, gpu=(1, 2)),
-        KvPreState(snap, (view("a", RUNNING, 0, 5, gpu=(1, 2)),)),
-        PollRequest(snap, ("a",), ("boom",), (0,)),
-        ReleaseRequest(snap, ("a",)),
-        EvictionRequest(snap, running, 1),
-        MigrationRequest(snap, swapped, running, 1, 1),
-        AllocRequest(snap, running, ("a",)),
-        PollPlan(("a",), (PollAction.COMPLETE,), (None,)),
-        ReleasePlan(("a",), ("a",)),
-        Victim("a", Destination.HOST, (1, 2), (0, 1)),
-        EvictionPlan(()),
-        LoadStart("a", (3,), (4,)),
-        MigrationPlan(()),
-        PageGrant("a", (5,)),
-        DoesNotFit("a", 3, 1),
-        AllocPlan((), ()),
-    ]
-
-
-@pytest.mark.parametrize("obj", _one_of_each(), ids=lambda o: type(o).__name__)
-def test_writing_to_a_snapshot_view_op_request_or_plan_raises(obj):
-    names = obj._fields if isinstance(obj, tuple) else [f.name for f in dataclasses.fields(obj)]
-    for name in names:
-        with pytest.raises((AttributeError, TypeError)):
-            setattr(obj, name, getattr(obj, name))
-        with pytest.raises((AttributeError, TypeError)):
-            delattr(obj, name)
-    with pytest.raises((AttributeError, TypeError)):
-        obj.extra_field = 1
-
-
-def test_a_record_builds_like_its_dataclass_and_copies_pickles_and_replaces():
-    @kv_plans.record
-    class Point:
-        x: int
-        label: str = "p"
-
-    point = Point(1)
-    assert (point.x, point.label, point, hash(point)) == (
-        1,
-        "p",
-        Point(1, "p"),
-        hash(Point(1, "p")),
-    )
-    assert Point(x=2, label="q") == Point(2, "q") != point
-    assert dataclasses.replace(point, label="r") == Point(1, "r")
-    assert copy.deepcopy(point) == point and copy.copy(point) == point
-    assert repr(point).endswith("Point(x=1, label='p')")
-    with pytest.raises(TypeError):
-        Point()
-    assert (
-        Point.new(1) == point
-        and Point.new(x=2, label="q") == Point(2, "q")
-        and type(Point.new(1)) is Point
-    )
-    for bad in ((), (1, "p", 3)):
-        with pytest.raises(TypeError):
-            Point.new(*bad)
-    for obj in _one_of_each():  # the module's records pickle and round-trip by value
-        assert pickle.loads(pickle.dumps(obj)) == obj
-
-
-@pytest.mark.parametrize(
-    "obj",
-    [obj for obj in _one_of_each() if dataclasses.is_dataclass(obj)],
-    ids=lambda o: type(o).__name__,
-)
-def test_new_builds_the_record_the_class_call_builds_and_it_is_as_frozen(obj):
-    names = [f.name for f in dataclasses.fields(obj)]
-    values = [getattr(obj, name) for name in names]
-    built = type(obj).new(*values)
-    assert type(built) is type(obj)
-    assert (built, hash(built), repr(built)) == (obj, hash(obj), repr(obj))
-    assert type(obj).new(**dict(zip(names, values))) == obj
-    assert pickle.loads(pickle.dumps(built)) == obj and copy.deepcopy(built) == obj
-    for name in names:
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            setattr(built, name, getattr(built, name))
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            delattr(built, name)
-    with pytest.raises((AttributeError, TypeError)):
-        built.extra_field = 1
-
-
-@pytest.mark.parametrize(
-    "declare",
-    [
-        lambda: type(
-            "Factory",
-            (),
-            {"__annotations__": {"x": "list"}, "x": dataclasses.field(default_factory=list)},
-        ),
-        lambda: type(
-            "NoInit",
-            (),
-            {"__annotations__": {"x": "int"}, "x": dataclasses.field(default=0, init=False)},
-        ),
-        lambda: type(
-            "KwOnly", (), {"__annotations__": {"x": "int"}, "x": dataclasses.field(kw_only=True)}
-        ),
-        lambda: type(
-            "PostInit", (), {"__annotations__": {"x": "int"}, "__post_init__": lambda self: None}
-        ),
-    ],
-    ids=["default_factory", "init=False", "kw_only", "__post_init__"],
-)
-def test_a_record_refuses_what_its_init_would_get_wrong(declare):
-    with pytest.raises(TypeError, match=r"need the dataclass's own __init__"):
-        kv_plans.record(declare())
-
-
-@pytest.mark.parametrize(
-    "declare",
-    [
-        lambda: type("FieldNew", (), {"__annotations__": {"new": "int"}}),
-        lambda: type("MethodNew", (), {"__annotations__": {"x": "int"}, "new": lambda: None}),
-    ],
-    ids=["a field", "a method"],
-)
-def test_a_record_refuses_a_class_with_its_own_new(declare):
-    with pytest.raises(TypeError, match=r"has its own 'new'"):
-        kv_plans.record(declare())
-
-
-@pytest.mark.parametrize("name", ["self", "_unfrozen", "_cls"])
-def test_a_record_refuses_a_field_named_as_new_s_own_names(name):
-    with pytest.raises(TypeError, match=rf"fields \['{name}'\] are names new uses itself"):
-        kv_plans.record(type("Clash", (), {"__annotations__": {name: "int"}}))
-
-
-def test_a_record_refuses_a_base_class():
-    @kv_plans.record
-    class Base:
-        x: int
-
-    with pytest.raises(TypeError, match=r"derives from \['Base'\]"):
-        kv_plans.record(type("Derived", (Base,), {"__annotations__": {"y": "int"}}))
-
-
-def declared(suffix: str) -> set[type]:
-    """The classes ``kv_plans`` declares whose names end in ``suffix`` (``Plan``, ``Request``)."""
-    return {
-        cls
-        for cls in vars(kv_plans).values()
-        if isinstance(cls, type)
-        and cls.__module__ == kv_plans.__name__
-        and cls.__name__.endswith(suffix)
-    }
-
-
-def test_the_manager_asks_its_backends_only_what_their_protocols_declare():
-    asked = {
-        (node.value.attr, node.attr)
-        for node in ast.walk(MANAGER_TREE)
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Attribute)
-        and node.value.attr in ("_gpu_kv", "_host_kv")
-    }
-    assert asked  # the manager does ask (which ids an allocation would get)
-    declared = {
-        "_gpu_kv": set(vars(kv_backends.GpuKvBackend)),
-        "_host_kv": set(vars(kv_backends.HostKvBackend)),
-    }
-    assert [(backend, method) for backend, method in asked if method not in declared[backend]] == []
-
-
-def test_every_plan_and_request_class_is_covered_by_the_immutability_test():
-    covered = {type(o) for o in _one_of_each()}
-    assert declared("Plan") | declared("Request") <= covered
-    assert set(kv_plans.OP_REQUEST_TYPES.values()) == declared("Request")
 
 
 # ---- checklist: watermark from the snapshot ---------------------------------------------------
@@ -751,13 +333,6 @@ def assert_plain(obj, where="plan") -> None:
             assert_plain(item, f"{where}[{i}]")
 
 
-def assert_round_trips(obj) -> None:
-    back = from_json(type(obj), to_json(obj))
-    assert back == obj
-    # same classes all the way down (a NamedTuple is not a plain tuple)
-    assert repr(back) == repr(obj)
-
-
 @dataclasses.dataclass
 class AuditedRun:
     gpu_calls: list[str]
@@ -766,6 +341,7 @@ class AuditedRun:
     pending_sizes: list[int]  # pending appends held while planning, per audited plan call
     pending_accesses: list[str]
     stats: object
+    replans: list[tuple[object, object]]  # (plan, the plan of the same request asked again)
 
 
 def _all_requests(path, worker):
@@ -800,7 +376,9 @@ def audited_run() -> AuditedRun:
     gpu_spy, host_spy = SpyBackend(worker.gpu_kv), SpyBackend(worker.host_kv)
     manager = KVCacheManager(gpu_kv=gpu_spy, host_kv=host_spy)
     path = worker._kv
-    run = AuditedRun(gpu_spy.calls, host_spy.calls, [], [], pending.accesses, worker.state.stats)
+    run = AuditedRun(
+        gpu_spy.calls, host_spy.calls, [], [], pending.accesses, worker.state.stats, []
+    )
 
     def audited(name):
         def plan(request):
@@ -822,6 +400,7 @@ def audited_run() -> AuditedRun:
             ) == before, name
             assert request == request_copy, f"{name} changed its request"
             run.pairs.append((request, result))
+            run.replans.append((result, getattr(manager, name)(request)))
             return result
 
         return plan
@@ -841,7 +420,9 @@ def audited_run() -> AuditedRun:
         },
     )()
     arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
-    while arrivals or worker.has_unfinished():
+    for _ in range(MAX_STEPS):  # bounded: a bug that stops the run fails here, not by hanging
+        if not (arrivals or worker.has_unfinished()):
+            break
         while arrivals and arrivals[0].arrival_step <= worker.state.step:
             worker.add_request(arrivals.pop(0).to_request())
         worker.step()
@@ -849,6 +430,8 @@ def audited_run() -> AuditedRun:
             run.pending_sizes.append(len(pending))
             for name, request in _all_requests(path, worker):
                 getattr(path.manager, name)(request)
+    else:
+        pytest.fail(f"smoke still live after {MAX_STEPS} steps")
     return run
 
 
@@ -868,6 +451,13 @@ def test_planning_never_touches_pending_appends(audited_run):
     for request, plan in audited_run.pairs:
         assert_plain(request, type(request).__name__)
         assert_plain(plan, type(plan).__name__)
+
+
+def test_the_same_request_planned_twice_gives_equal_plans(audited_run):
+    assert len(audited_run.replans) == len(audited_run.pairs) > 100
+    assert [first for first, _ in audited_run.replans] == [
+        again for _, again in audited_run.replans
+    ]
 
 
 def test_every_request_and_plan_of_a_run_round_trips_through_json(audited_run):
@@ -1034,11 +624,11 @@ def poll_request(
     )
 
 
-def test_poll_completes_every_load_when_all_landed_without_reading_retries():
+def test_poll_completes_every_load_that_landed():
     snap = KvSnapshot(4, geometry(), 0, 0)
     gpu, host = pools(8, 4)
     plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_poll(
-        PollRequest(snap, ("l2", "l1"), (None, None), ())
+        PollRequest(snap, ("l2", "l1"), (None, None), (0, 1))
     )
     assert plan == PollPlan(("l2", "l1"), (PollAction.COMPLETE,) * 2, (None, None))
 
@@ -1087,131 +677,6 @@ def test_release_releases_and_drops_the_pending_appends_of_exactly_the_done_requ
     snap = KvSnapshot(2, geometry(), 4, 4)
     plan = KVCacheManager(gpu_kv=gpu, host_kv=host).plan_release(ReleaseRequest(snap, ("f", "x")))
     assert plan == ReleasePlan(released=("f", "x"), drop_pending_append_ids=("f", "x"))
-
-
-# ---- JSON round trips (hypothesis) ---------------------------------------------------------------
-uuids = st.text(min_size=1, max_size=12)
-page_ids = st.lists(st.integers(0, 10**6), max_size=6).map(tuple)
-counts = st.integers(0, 10**9)
-geometries = st.builds(
-    KvGeometry,
-    num_layers=st.integers(1, 128),
-    num_kv_heads=st.integers(1, 64),
-    head_dim=st.integers(1, 256),
-    page_size=st.integers(1, 256),
-    dtype_size=st.sampled_from([2, 4]),
-    num_gpu_pages=counts,
-    num_host_pages=counts,
-    watermark=st.floats(0.0, 0.999, allow_nan=False),
-    max_num_seqs=st.integers(1, 10**5),
-    max_load_retries=st.integers(0, 10),
-    load_failure=st.sampled_from(["recompute", "fail"]),
-)
-views = st.builds(
-    RequestKvView,
-    uuid=uuids,
-    phase=st.sampled_from([p.value for p in Phase]),
-    arrival_index=counts,
-    num_tokens=counts,
-    num_cached_tokens=counts,
-    gpu_page_ids=page_ids,
-    host_page_ids=page_ids,
-    num_load_retries=st.integers(0, 10),
-    swapped_step=st.none() | counts,
-)
-snapshots = st.builds(
-    KvSnapshot,
-    step=counts,
-    geometry=geometries,
-    num_free_gpu_pages=counts,
-    num_free_host_pages=counts,
-)
-uuid_tuples = st.lists(uuids, max_size=4).map(tuple)
-columns = st.lists(st.tuples(uuids, counts, page_ids), max_size=4).map(
-    lambda rows: (
-        PageColumns(*(tuple(column) for column in zip(*rows))) if rows else PageColumns((), (), ())
-    )
-)
-swapped_columns = st.lists(st.tuples(uuids, page_ids, counts), max_size=4).map(
-    lambda rows: (
-        SwappedColumns(*(tuple(column) for column in zip(*rows)))
-        if rows
-        else SwappedColumns((), (), ())
-    )
-)
-outcomes = st.lists(st.tuples(uuids, st.none() | st.text(), st.integers(0, 10)), max_size=3)
-op_requests = st.one_of(
-    st.builds(
-        lambda snap, rows: (
-            PollRequest(snap, *(tuple(column) for column in zip(*rows)))
-            if rows
-            else PollRequest(snap, (), (), ())
-        ),
-        snapshots,
-        outcomes,
-    ),
-    st.builds(ReleaseRequest, snapshots, uuid_tuples),
-    st.builds(EvictionRequest, snapshots, columns, counts),
-    st.builds(MigrationRequest, snapshots, swapped_columns, columns, counts, counts),
-    st.builds(AllocRequest, snapshots, columns, uuid_tuples),
-    st.builds(KvPreState, snapshots, st.lists(views, max_size=4).map(tuple)),
-)
-plans = st.one_of(
-    st.lists(st.tuples(uuids, st.sampled_from(PollAction), st.none() | st.text()), max_size=4).map(
-        lambda rows: (
-            PollPlan(*(tuple(column) for column in zip(*rows))) if rows else PollPlan((), (), ())
-        )
-    ),
-    st.builds(ReleasePlan, uuid_tuples, uuid_tuples),
-    st.builds(
-        EvictionPlan,
-        st.lists(
-            st.builds(Victim, uuids, st.sampled_from(Destination), page_ids, page_ids), max_size=4
-        ).map(tuple),
-    ),
-    st.builds(
-        MigrationPlan,
-        st.lists(st.builds(LoadStart, uuids, page_ids, page_ids), max_size=4).map(tuple),
-    ),
-    st.builds(
-        AllocPlan,
-        st.lists(st.builds(PageGrant, uuids, page_ids), max_size=4).map(tuple),
-        st.lists(st.builds(DoesNotFit, uuids, counts, counts), max_size=3).map(tuple),
-    ),
-)
-
-
-@settings(max_examples=50, deadline=None)
-@given(snapshots)
-def test_any_snapshot_round_trips_through_json_exactly(snapshot):
-    assert_round_trips(snapshot)
-
-
-@settings(max_examples=50, deadline=None)
-@given(op_requests)
-def test_any_op_request_round_trips_through_json_exactly(request):
-    assert_round_trips(request)
-
-
-@settings(max_examples=50, deadline=None)
-@given(plans)
-def test_any_plan_round_trips_through_json_exactly(plan):
-    assert_round_trips(plan)
-
-
-def test_round_trips_cover_every_plan_and_request_type():
-    assert {
-        type(plan)
-        for plan in (
-            PollPlan((), (), ()),
-            ReleasePlan((), ()),
-            EvictionPlan(()),
-            MigrationPlan(()),
-            AllocPlan((), ()),
-        )
-    } == declared("Plan")
-    for obj in _one_of_each():
-        assert_round_trips(obj)
 
 
 def test_engine_config_is_not_what_the_manager_reads():

@@ -50,8 +50,8 @@ def test_the_workload_fills_the_gpu_pool_with_anchors_and_overcommits_the_room_t
     assert workload.engine.max_num_seqs == 512 and cache.num_host_pages == 100
     assert anchors[0].prompt_ids == anchors[1].prompt_ids
     usable = cache.num_gpu_pages - 2000  # watermark 0.02
-    anchor_pages = sum(cache.pages_for(len(r.prompt_ids)) for r in anchors)
-    crowd_pages_at_admission = sum(cache.pages_for(len(r.prompt_ids)) for r in crowd)
+    anchor_pages = sum(pages_needed(len(r.prompt_ids), cache.page_size) for r in anchors)
+    crowd_pages_at_admission = sum(pages_needed(len(r.prompt_ids), cache.page_size) for r in crowd)
     assert 0.95 * usable < anchor_pages < usable - crowd_pages_at_admission
     assert all(1 <= len(r.prompt_ids) <= 8 and 16 <= r.max_new_tokens <= 80 for r in crowd)
 

@@ -13,7 +13,9 @@ from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine import worker as worker_module
 from batchgen.engine.runner import RunResult, run_workload
 from batchgen.engine.state import Phase, Request
-from batchgen.engine.worker import PoolAllocationError, RequestError, Worker
+from batchgen.engine.request_checks import RequestError
+from batchgen.engine.worker import Worker
+from batchgen.kv.tiers import PoolAllocationError
 from batchgen.engine.workloads import Workload, WorkloadRequest, builtin_workload
 from batchgen.model import loader
 from batchgen.model.loader import load_model

@@ -30,9 +30,10 @@ def test_l2_trace_reaches_its_context_and_outgrows_its_gpu_pool(name, context):
     assert len(workload.requests) == 32
     assert workload.max_context == context
     demand = sum(
-        workload.cache.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in workload.requests
+        pages_needed(len(r.prompt_ids) + r.max_new_tokens, workload.cache.page_size)
+        for r in workload.requests
     )
-    assert workload.cache.pages_for(context) < workload.cache.num_gpu_pages < demand
+    assert pages_needed(context, workload.cache.page_size) < workload.cache.num_gpu_pages < demand
 
 
 def test_scale_grows_the_request_count_and_the_pools_above_one():

@@ -41,7 +41,7 @@ from batchgen.cli.logs import (
 from batchgen.cli.run import add_run_command
 from batchgen.cli.validate import add_validate_command
 from batchgen.engine.faults import FaultSpecError
-from batchgen.engine.worker import PoolAllocationError, RequestError
+from batchgen.engine.request_checks import RequestError
 from batchgen.engine.workloads import WorkloadError
 from batchgen.exit_codes import (
     EXIT_BAD_INPUT,
@@ -51,9 +51,10 @@ from batchgen.exit_codes import (
     Terminated,
 )
 from batchgen.kv.gate import GateError
+from batchgen.kv.tiers import PoolAllocationError
 from batchgen.model.loader import ModelLoadError
 from batchgen.shadow.minimize import MinimizeError
-from batchgen.shadow.replay import ReplayError
+from batchgen.shadow.rebuild import ReplayError
 from compare import RecordError
 
 __all__ = ["RENDERERS", "build_parser", "main"]

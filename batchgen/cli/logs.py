@@ -33,7 +33,7 @@ from batchgen.shadow.minimize import (
 )
 from batchgen.shadow.replay import ReplayOutcome, replay_record
 from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
-from compare.report import headline, render_json, render_junit, render_markdown, render_text
+from compare.render import headline, render_json, render_junit, render_markdown, render_text
 
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)

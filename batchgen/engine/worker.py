@@ -12,14 +12,12 @@ One step reads as the KV ops in order, then the model::
     forward  model over paged KV -> new K/V become pending appends; sample
 
 The worker owns ``state``, both pools and ``_pending_kv_append_tensors``; the
-KV ops run through the path the gate picked (``kv_gate.build_kv_path``), or
-through compare mode (``kv_compare``).
+KV ops run through the path the gate picked (``batchgen.kv.gate.build_kv_path``),
+or through compare mode (``batchgen.shadow.kv_compare``).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,9 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.config import CacheConfig, EngineConfig
-from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
 from batchgen.engine.faults import FaultInjector
+from batchgen.engine.request_checks import RequestError, check_request
 from batchgen.engine.sampler import sample
+from batchgen.engine.scheduler import schedule
 from batchgen.engine.state import (
     ABORT_REASON,
     DONE_PHASES,
@@ -41,42 +40,11 @@ from batchgen.engine.state import (
 )
 from batchgen.kv.backends import GpuKvPool, HostKvPool
 from batchgen.kv.gate import KvGateConfig, build_kv_path, gate_config
-from batchgen.kv.page_copy import new_page_tensor
+from batchgen.kv.plans import pages_needed
 from batchgen.kv.target import KvTarget
+from batchgen.kv.tiers import tier_tensors
 from batchgen.model.llama import SeqInput
-from batchgen.model.loader import SUPPORTED_DTYPES, device_memory_available
-from batchgen.model.paged_kv import kv_page_shape, write_kv
-
-
-class RequestError(ValueError):
-    """A request was rejected; the worker state is unchanged."""
-
-
-class PoolAllocationError(ValueError):
-    """The KV page pools do not fit in memory."""
-
-
-LOWER_POOLS = "lower num_gpu_pages/num_host_pages (or page_size)"
-
-
-def _check_pool_memory(tiers: dict[str, tuple[int, torch.device]], page_bytes: int) -> None:
-    """PoolAllocationError when the tiers' pages (tier name -> page count, device) need more than a
-    device has available: Linux's MemAvailable for the CPU (both tiers there on a CPU run), the free
-    memory of a GPU; no check where neither is known."""
-    for device in dict.fromkeys(device for _, device in tiers.values()):
-        available = device_memory_available(device)
-        on_device = {
-            name: num_pages
-            for name, (num_pages, tier_device) in tiers.items()
-            if tier_device == device
-        }
-        num_bytes = sum(on_device.values()) * page_bytes
-        if available is not None and num_bytes > available:
-            pages = " + ".join(f"{num_pages} {name}" for name, num_pages in on_device.items())
-            raise PoolAllocationError(
-                f"the KV pools need {num_bytes / 2**30:.1f} GiB on {device} ({pages} pages of"
-                f" {page_bytes} bytes), {available / 2**30:.1f} GiB is available; {LOWER_POOLS}"
-            )
+from batchgen.model.paged_kv import write_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,42 +53,6 @@ class PendingAppend:
 
     start_pos: int
     kv: torch.Tensor | None  # [num_layers, 2, n, kv_heads, head_dim]; None without KV storage
-
-
-def _check_request_types(request: Request) -> None:
-    """RequestError naming the first field of ``request`` whose type the worker cannot use (a float
-    token id would pass the vocabulary check and then fail every later step in the embedding).
-    Pure."""
-    if not isinstance(request, Request):
-        raise RequestError(f"expected a Request, got {type(request).__name__}")
-    uuid = request.uuid
-    if type(uuid) is not str:
-        raise RequestError(f"request uuid {uuid!r}: must be a str, not {type(uuid).__name__}")
-    where = f"request {uuid!r}"
-    prompt = request.prompt_ids
-    if type(prompt) not in (tuple, list):
-        raise RequestError(
-            f"{where}: prompt_ids must be a tuple of ints, not {type(prompt).__name__} (convert an "
-            "array or tensor with tuple(ids.tolist()))"
-        )
-    not_int = [token for token in prompt if not _is_integer(token)]
-    if not_int:
-        raise RequestError(f"{where}: prompt_ids must be ints; got {not_int[:5]!r}")
-    for field, value in (("max_new_tokens", request.max_new_tokens), ("seed", request.seed)):
-        if not _is_integer(value):
-            raise RequestError(
-                f"{where}: {field} must be an int, not {type(value).__name__} {value!r}"
-            )
-    if not isinstance(request.temperature, numbers.Real) or isinstance(request.temperature, bool):
-        raise RequestError(
-            f"{where}: temperature must be a number, not {type(request.temperature).__name__} "
-            f"{request.temperature!r}"
-        )
-
-
-def _is_integer(value) -> bool:
-    """An int, or an integer scalar such as numpy's, but not a bool (True is 1 to Python). Pure."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class Worker:
@@ -164,7 +96,7 @@ class Worker:
         self.device = torch.device(device)
         gpu_tensor = host_tensor = None
         if kv_storage:
-            gpu_tensor, host_tensor = self._page_tensors()
+            gpu_tensor, host_tensor = tier_tensors(self.model_config, cache_config, self.device)
         self.gpu_kv = GpuKvPool(cache_config.num_gpu_pages, gpu_tensor)
         self.host_kv = HostKvPool(cache_config.num_host_pages, host_tensor, self.gpu_kv)
         self.faults = faults
@@ -184,34 +116,6 @@ class Worker:
             )
         else:
             self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
-
-    def _page_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both tiers' page tensors; PoolAllocationError (sizes named) when memory refuses, or
-        would: the tiers are zero-filled, so a pool past the memory available would have the OS kill
-        the process part way."""
-        cache = self.cache_config
-        dtype = SUPPORTED_DTYPES[cache.dtype]
-        shape = kv_page_shape(self.model_config, cache.page_size, cache.num_gpu_pages)
-        host_shape = (cache.num_host_pages, *shape[1:])
-        host = torch.device("cpu")
-        tiers = ((shape, self.device, False), (host_shape, host, self.device.type == "cuda"))
-        page_bytes = math.prod(shape[1:]) * torch.finfo(dtype).bits // 8
-        _check_pool_memory(
-            {"GPU-tier": (shape[0], self.device), "host-tier": (host_shape[0], host)}, page_bytes
-        )
-        tensors = []
-        for tier_shape, device, pinned in tiers:
-            try:
-                tensors.append(
-                    new_page_tensor(tier_shape, dtype=dtype, device=device, pin_memory=pinned)
-                )
-            except (RuntimeError, MemoryError) as error:
-                raise PoolAllocationError(
-                    f"cannot allocate {tier_shape[0]} KV pages"
-                    f" ({tier_shape[0] * page_bytes / 2**30:.1f} GiB) on {device}:"
-                    f" {str(error).splitlines()[0]}; {LOWER_POOLS}"
-                ) from None
-        return tensors[0], tensors[1]
 
     def kv_target(self) -> KvTarget:
         """The worker's live state, pools and pending appends, as the KV ops see them."""
@@ -276,35 +180,20 @@ class Worker:
             self.faults.before_step(self)
         observed = self._observe_loads()
         if observed:
-            self._kv_poll(observed)
+            self._kv.poll(observed)
         done = [r.uuid for r in self.state.requests.values() if r.phase in DONE_PHASES]
         if done:
-            self._kv_release(done)
+            self._kv.release(done)
         self._flush_pending_kv_appends()
-        self._kv_evict()
-        self._kv_migrate()
-        batch = self._schedule()
-        served = self._kv_allocate(batch) if batch else []
+        self._kv.evict()
+        self._kv.migrate()
+        free = self.gpu_kv.free_pages()
+        batch = schedule(self.state, free, self.cache_config, self.engine_config)
+        served = self._kv.allocate(batch) if batch else []
         if served:
             self._forward_and_sample(served)
         self._record_peaks()
         self.state.step += 1
-
-    # ---- KV ops (dispatch point of the gate) ----------------------------------------
-    def _kv_poll(self, observed: dict[str, str | None]) -> None:
-        self._kv.poll(observed)
-
-    def _kv_release(self, uuids: list[str]) -> None:
-        self._kv.release(uuids)
-
-    def _kv_evict(self) -> None:
-        self._kv.evict()
-
-    def _kv_migrate(self) -> None:
-        self._kv.migrate()
-
-    def _kv_allocate(self, batch: list[str]) -> list[str]:
-        return self._kv.allocate(batch)
 
     # ---- worker-side steps -------------------------------------------------------------
     def _observe_loads(self) -> dict[str, str | None]:
@@ -340,37 +229,6 @@ class Worker:
                     tensor, self.state.requests[uuid].gpu_page_ids, pending.start_pos, pending.kv
                 )
         self._pending_kv_append_tensors.clear()
-
-    def _schedule(self) -> list[str]:
-        """RUNNING decodes, then WAITING requests, oldest first, each admitted if it fits: pages
-        above the watermark, a free sequence slot, and tokens within ``max_num_batched_tokens`` less
-        the decodes, which the step's first admitted request may exceed (no chunked prefill: a long
-        prompt runs whole). Pure."""
-        running = self.state.in_phase(Phase.RUNNING)
-        batch = [r.uuid for r in running]
-        if self.state.in_phase(Phase.SWAPPED):
-            return batch  # swapped requests come back before new work is admitted
-        watermark = self.cache_config.watermark_pages
-        page_size = self.cache_config.page_size
-        free = self.gpu_kv.free_pages() - sum(
-            -(-r.num_tokens // page_size) - len(r.gpu_page_ids) for r in running
-        )
-        num_active = len(running) + len(self.state.in_phase(Phase.LOADING))
-        budget = self.engine_config.max_num_batched_tokens - len(running)
-        admitted = 0
-        for req in sorted(self.state.in_phase(Phase.WAITING), key=lambda r: r.arrival_index):
-            if num_active >= self.engine_config.max_num_seqs:
-                break
-            num_pages = self.cache_config.pages_for(req.num_tokens)
-            if free - num_pages < watermark or (admitted and req.num_tokens > budget):
-                # a younger, smaller request may still fit; the oldest goes first when room frees
-                continue
-            batch.append(req.uuid)
-            admitted += 1
-            num_active += 1
-            budget -= req.num_tokens
-            free -= num_pages
-        return batch
 
     def _forward_and_sample(self, served: list[str]) -> None:
         """Forward the served requests, keep their new K/V pending, sample a token each.
@@ -410,41 +268,7 @@ class Worker:
 
     def validate_request(self, request: Request) -> None:
         """Raise RequestError if ``request`` cannot be served by this worker. Pure."""
-        _check_request_types(request)
-        uuid, prompt = request.uuid, request.prompt_ids
-        where = f"request {uuid!r}"
-        if uuid in self.state.requests or uuid in self.state.outputs:
-            raise RequestError(f"{where}: uuid already used; uuids must be unique per worker")
-        if uuid.startswith(FAULT_OWNER_PREFIX):
-            raise RequestError(
-                f"{where}: uuids starting with {FAULT_OWNER_PREFIX!r} are reserved (fault injection"
-                " holds pool pages under them)"
-            )
-        if not prompt:
-            raise RequestError(f"{where}: empty prompt; a prompt needs at least one token")
-        if request.max_new_tokens < 1:
-            raise RequestError(f"{where}: max_new_tokens={request.max_new_tokens}; must be >= 1")
-        if not (math.isfinite(request.temperature) and request.temperature >= 0):
-            raise RequestError(
-                f"{where}: temperature={request.temperature}; must be a finite number >= 0 "
-                "(0 = greedy)"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        total = len(prompt) + request.max_new_tokens
-        if total > self.model_config.max_context:
-            raise RequestError(
-                f"{where}: prompt ({len(prompt)}) + max_new_tokens ({request.max_new_tokens}) ="
-                f" {total} exceeds the model's context of {self.model_config.max_context} tokens"
-            )
-        usable = self.cache_config.num_gpu_pages - self.cache_config.watermark_pages
-        if self.cache_config.pages_for(total) > usable:
-            raise RequestError(
-                f"{where}: needs {self.cache_config.pages_for(total)} KV pages but the GPU pool has"
-                f" {usable} usable pages ({self.cache_config.num_gpu_pages} minus the watermark)"
-            )
+        check_request(request, self.state, self.model_config, self.cache_config)
 
     # ---- integrity -----------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -471,8 +295,7 @@ class Worker:
                     req.host_page_ids
                 ), uuid
             elif req.phase is Phase.RUNNING:
-                assert len(req.gpu_page_ids) >= self.cache_config.pages_for(
-                    req.num_cached_tokens
-                ), uuid
+                num_pages = pages_needed(req.num_cached_tokens, self.cache_config.page_size)
+                assert len(req.gpu_page_ids) >= num_pages, uuid
         stray = set(self._pending_kv_append_tensors) - set(live)
         assert not stray, f"pending appends for released requests: {sorted(stray)}"

@@ -1,27 +1,14 @@
-"""The legacy KV path: methods that mutate state and pools directly.
+"""The legacy KV path: worker methods that mutate state and pools directly.
 
-This is the reference behaviour the plan layer (``kv_manager``) is proven
-against in compare mode, loaded only when the gate asks for it. It reads and
-writes the target's ``state``, ``gpu_kv``, ``host_kv`` and ``pending_appends``:
-the worker's own (authoritative) or a fork's (shadow).
+The reference the plan path is proven against in compare mode, imported only when the gate asks
+for it. It makes the decisions of the policy in ``batchgen.kv.manager``'s docstring, written
+here again on purpose: it is an independent reference copy and shares no transition code with
+the plan path's appliers (compare mode could not see a bug in code both paths ran). It reads and
+writes the target's ``state``, ``gpu_kv``, ``host_kv`` and ``pending_appends``: the worker's own
+(authoritative) or a fork's (shadow).
 
-Policies (shared, by contract, with the plan layer):
-
-- watermark: keep ``ceil(watermark * num_gpu_pages)`` GPU pages free.
-- evict: while free GPU pages minus this step's decode demand is below the
-  watermark, take the youngest RUNNING request (highest arrival index); move its
-  KV to host if the host pool has room, else drop it for recompute.
-- migrate: SWAPPED requests, oldest first, not swapped this step, come back
-  while the pages fit above the watermark and the decode demand; stop at the
-  first that does not fit.
-- alloc: per scheduled request in batch order, pages for all its tokens;
-  a request whose pages do not fit is left out of this step.
-- poll: a completed load makes the request RUNNING and frees its host pages; a
-  failed (or timed-out) one is retried up to ``max_load_retries`` times, then
-  recomputed, or failed when ``load_failure`` is "fail", its copy drained before
-  its pages are freed.
-- release: done requests give back GPU and host pages, have their in-flight
-  load drained and their pending append dropped, and become outputs.
+Every branch carries a ``# decision:`` comment naming the outcomes it decides (the catalog in
+``batchgen.shadow.coverage``).
 """
 
 from __future__ import annotations
@@ -29,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from batchgen.engine.state import Phase, RequestState
+from batchgen.kv.plans import pages_needed
 from batchgen.kv.target import KvTarget
 
 
@@ -48,7 +36,7 @@ class LegacyKvPath:
         self._kv_watermark_pages = self.cache_config.watermark_pages
 
     def _decode_demand(self, req: RequestState) -> int:
-        return self.cache_config.pages_for(req.num_tokens) - len(req.gpu_page_ids)
+        return pages_needed(req.num_tokens, self.cache_config.page_size) - len(req.gpu_page_ids)
 
     # ---- poll --------------------------------------------------------------------
     def poll(self, observed: Mapping[str, str | None]) -> None:
@@ -59,7 +47,7 @@ class LegacyKvPath:
         stats = self.state.stats
         for uuid, error in observed.items():
             req = self.state.edit(uuid)
-            if error is None:
+            if error is None:  # decision: poll.complete
                 req.load_handle = None
                 self.host_kv.release_pages(uuid)
                 req.host_page_ids = ()
@@ -67,6 +55,7 @@ class LegacyKvPath:
                 req.phase = Phase.RUNNING
                 continue
             stats.load_failures += 1
+            # decision: poll.retry, poll.retry.last
             if req.num_load_retries < self.engine_config.max_load_retries:
                 req.num_load_retries += 1
                 req.load_handle = self.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))
@@ -81,7 +70,7 @@ class LegacyKvPath:
             req.num_cached_tokens = 0
             req.num_load_retries = 0
             req.load_started_step = None
-            if self.engine_config.load_failure == "fail":
+            if self.engine_config.load_failure == "fail":  # decision: poll.fail, poll.recompute
                 req.phase, req.finish_reason = Phase.FAILED, f"load failed: {error}"
             else:
                 req.phase = Phase.WAITING
@@ -90,7 +79,7 @@ class LegacyKvPath:
     # ---- release -----------------------------------------------------------------
     def release(self, uuids: Sequence[str]) -> None:
         """Retire done requests. Mutates requests, outputs, pools, pending appends."""
-        for uuid in uuids:
+        for uuid in uuids:  # decision: release.finished, release.failed
             req = self.state.remove(uuid)
             req.drain_load()
             self.gpu_kv.release_pages(uuid)
@@ -107,6 +96,8 @@ class LegacyKvPath:
         running = sorted(self.state.in_phase(Phase.RUNNING), key=lambda r: r.arrival_index)
         demand = sum(self._decode_demand(r) for r in running)
         free = self.gpu_kv.free_pages()
+        # decision: evict.none.no_running, evict.none.above_watermark, evict.none.at_watermark,
+        # evict.stop.above_watermark, evict.stop.at_watermark, evict.all_running
         while running and free - demand < self._kv_watermark_pages:
             victim = running.pop()
             demand -= self._decode_demand(victim)
@@ -116,13 +107,15 @@ class LegacyKvPath:
     def _evict_one(self, victim: RequestState) -> None:
         uuid, num_pages = victim.uuid, len(victim.gpu_page_ids)
         victim = self.state.edit(uuid)
-        if self.host_kv.free_pages() >= num_pages:
+        if (
+            self.host_kv.free_pages() >= num_pages
+        ):  # decision: evict.to_host, evict.to_host.exact_fit
             victim.host_page_ids = tuple(self.host_kv.allocate_pages(uuid, num_pages))
             self.host_kv.store_from_gpu(uuid, list(victim.gpu_page_ids))
             victim.phase = Phase.SWAPPED
             victim.swapped_step = self.state.step
             self.state.stats.evictions += 1
-        else:
+        else:  # decision: evict.to_recompute.host_full
             victim.num_cached_tokens = 0
             victim.phase = Phase.WAITING
             self.state.stats.recompute_preemptions += 1
@@ -141,11 +134,12 @@ class LegacyKvPath:
         free = self.gpu_kv.free_pages()
         swapped = sorted(self.state.in_phase(Phase.SWAPPED), key=lambda r: r.arrival_index)
         for req in swapped:
-            if req.swapped_step == self.state.step:
+            if req.swapped_step == self.state.step:  # decision: migrate.skip.swapped_this_step
                 continue
             num_pages = len(req.host_page_ids)
-            if num_active >= self.engine_config.max_num_seqs:
+            if num_active >= self.engine_config.max_num_seqs:  # decision: migrate.stop.max_num_seqs
                 break
+            # decision: migrate.stop.watermark, migrate.load, migrate.load.exact_fit
             if free - demand - num_pages < self._kv_watermark_pages:
                 break
             req = self.state.edit(req.uuid)
@@ -168,11 +162,12 @@ class LegacyKvPath:
         for uuid in batch:
             req = self.state.requests[uuid]
             need = self._decode_demand(req)
-            if need > self.gpu_kv.free_pages():
+            if need > self.gpu_kv.free_pages():  # decision: alloc.does_not_fit, alloc.exact_fit
                 continue
+            # decision: alloc.admit, alloc.new_page, alloc.none_needed
             if need > 0 or req.phase is not Phase.RUNNING:
                 req = self.state.edit(uuid)
-                if need > 0:
+                if need > 0:  # decision: alloc.admit, alloc.new_page
                     req.gpu_page_ids += tuple(self.gpu_kv.allocate_pages(uuid, need))
                 req.phase = Phase.RUNNING
             served.append(uuid)

@@ -1,14 +1,31 @@
-"""KVCacheManager: the stateless plan layer of the KV ops.
+"""KVCacheManager: the stateless plan layer of the KV ops, and the KV policy, written once.
 
-Each ``plan_*`` method reads one op request (a frozen snapshot plus the op's
-input) and returns a plan; it mutates nothing, neither the request nor the
-backends, and keeps no state after ``__init__``. The only thing it asks a
-backend is which page ids the next allocation would get (``peek_free_pages``,
-a read). The worker applies the plan (``kv_apply``).
+The policy (every other description of it points here)::
 
-The decisions are the legacy path's, by contract (see ``legacy_kv``'s module
-docstring): watermark, youngest-first eviction, oldest-first migration,
-all-or-nothing page grants per request, retry-then-recompute on failed loads.
+    watermark  keep W = ceil(watermark x num_gpu_pages) GPU pages free
+    demand     D = the pages RUNNING requests lack for all their tokens (decode demand)
+    poll       a landed load: RUNNING, its host pages freed; a failed or timed-out one: retried
+               into the same pages while its retries < max_load_retries, then recomputed
+               (WAITING), or FAILED when load_failure is "fail"
+    release    done requests free both tiers, drop their pending appends, become outputs
+    evict      while free - D < W: take the youngest RUNNING request (highest arrival index);
+               store its KV to host if the host pool has its page count free, else drop it for
+               recompute; its pages free up and its share of D leaves with it
+    migrate    SWAPPED requests oldest first, skipping those swapped this step: start a load
+               into new GPU pages while free - D - pages >= W and RUNNING + LOADING (loads just
+               started included) < max_num_seqs; stop at the first that does not
+    alloc      scheduled requests in batch order: each gets pages for all its tokens if they
+               fit in what is free, else it is left out of this step (all or nothing per
+               request); a later, smaller one may still fit
+
+Each ``plan_*`` method reads one op request and returns a plan; it mutates nothing, neither the
+request nor the backends, and keeps nothing after ``__init__``. Page ids come from the backends'
+``peek_free_pages`` (a read): a plan names the ids the next allocation would get. The worker
+applies the plan (``appliers``). The legacy path (``legacy``) implements the same decisions
+independently, as compare mode's reference.
+
+Every branch carries a ``# decision:`` comment naming the outcomes it decides, as ids of the
+catalog in ``batchgen.shadow.coverage`` (a test keeps the two in step).
 """
 
 from __future__ import annotations
@@ -23,10 +40,12 @@ from batchgen.kv.plans import (
     DoesNotFit,
     EvictionPlan,
     EvictionRequest,
+    KvGeometry,
     KvSnapshot,
     LoadStart,
     MigrationPlan,
     MigrationRequest,
+    PageColumns,
     PageGrant,
     PollAction,
     PollPlan,
@@ -34,30 +53,19 @@ from batchgen.kv.plans import (
     ReleasePlan,
     ReleaseRequest,
     Victim,
+    decode_demand,
+    pages_needed,
 )
-
-# Enum members as module constants: ``PollAction.X`` is a class attribute lookup of ~0.1 us on
-# Python 3.11.
-COMPLETE, RETRY, FAIL, RECOMPUTE_LOAD = (
-    PollAction.COMPLETE,
-    PollAction.RETRY,
-    PollAction.FAIL,
-    PollAction.RECOMPUTE,
-)
-TO_HOST, TO_RECOMPUTE = Destination.HOST, Destination.RECOMPUTE
-# plans are immutable: the empty ones are shared
-NO_VICTIMS, NO_LOADS = EvictionPlan(()), MigrationPlan(())
 
 
 def eviction_watermark_pages(snapshot: KvSnapshot) -> int:
-    """GPU pages to keep free; a pure function of the snapshot (``config.watermark_pages``'s rule:
-    the plan layer imports nothing outside its plans and backend Protocols)."""
+    """W, the GPU pages to keep free, computed from the snapshot alone. Pure."""
     geometry = snapshot.geometry
     return math.ceil(geometry.watermark * geometry.num_gpu_pages)
 
 
 def load_failure_reason(error: str) -> str:
-    """The finish reason of a request failed by its load."""
+    """The finish reason of a request failed by its load. Pure."""
     return f"load failed: {error}"
 
 
@@ -67,126 +75,120 @@ class KVCacheManager:
         self._host_kv = host_kv
 
     def plan_poll(self, req: PollRequest) -> PollPlan:
-        uuids, errors = req.uuids, req.errors
-        # every load landed: all complete, no reasons (errors is all None)
-        if errors.count(None) == len(errors):
-            return PollPlan.new(uuids, (COMPLETE,) * len(uuids), errors)
         geometry = req.snapshot.geometry
-        actions, reasons = [], []
-        for error, retries in zip(errors, req.num_load_retries, strict=True):
-            reason = None
-            if error is None:
-                action = COMPLETE
-            elif retries < geometry.max_load_retries:
-                action = RETRY
-            elif geometry.load_failure == "fail":
-                action, reason = FAIL, load_failure_reason(error)
-            else:
-                action = RECOMPUTE_LOAD
-            actions.append(action)
-            reasons.append(reason)
-        return PollPlan.new(uuids, tuple(actions), tuple(reasons))
+        decisions = [
+            _poll_decision(error, retries, geometry)
+            for error, retries in zip(req.errors, req.num_load_retries, strict=True)
+        ]
+        actions = tuple(action for action, _ in decisions)
+        return PollPlan(req.uuids, actions, tuple(reason for _, reason in decisions))
 
     def plan_release(self, req: ReleaseRequest) -> ReleasePlan:
-        return ReleasePlan.new(released=req.uuids, drop_pending_append_ids=req.uuids)
+        # decision: release.finished, release.failed
+        return ReleasePlan(released=req.uuids, drop_pending_append_ids=req.uuids)
 
     def plan_eviction(self, req: EvictionRequest) -> EvictionPlan:
         snapshot, running = req.snapshot, req.running
         page_size = snapshot.geometry.page_size
-        if not running.uuids:
-            return NO_VICTIMS
-        demand = req.decode_demand
-        free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
         watermark = eviction_watermark_pages(snapshot)
-        if free_gpu - demand >= watermark:
-            return NO_VICTIMS  # the watermark holds
-        uuids, num_tokens, gpu_page_ids = running.uuids, running.num_tokens, running.gpu_page_ids
-        up = page_size - 1
+        free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
+        demand = decode_demand(running, page_size)
         chosen: list[tuple[int, Destination]] = []
-        # youngest first: the columns keep arrival order
-        for i in reversed(range(len(running.uuids))):
-            num_pages = len(gpu_page_ids[i])
-            # the victim's share of the demand
-            demand -= (num_tokens[i] + up) // page_size - num_pages
+        i = len(running.uuids)  # the columns keep arrival order: the youngest is last
+        # decision: evict.none.no_running, evict.none.above_watermark, evict.none.at_watermark,
+        # evict.stop.above_watermark, evict.stop.at_watermark, evict.all_running
+        while i > 0 and free_gpu - demand < watermark:
+            i -= 1
+            num_pages = len(running.gpu_page_ids[i])
+            demand -= pages_needed(running.num_tokens[i], page_size) - num_pages
             free_gpu += num_pages
-            if free_host >= num_pages:
+            if free_host >= num_pages:  # decision: evict.to_host, evict.to_host.exact_fit
                 free_host -= num_pages
-                chosen.append((i, TO_HOST))
-            else:
-                chosen.append((i, TO_RECOMPUTE))
-            if free_gpu - demand >= watermark:
-                break
-        # sliced per victim
-        host_ids = tuple(self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host))
-        victims, start = [], 0
-        for i, destination in chosen:
-            page_ids = gpu_page_ids[i]
-            if destination is TO_HOST:
-                end = start + len(page_ids)
-                victims.append(Victim.new(uuids[i], TO_HOST, page_ids, host_ids[start:end]))
-                start = end
-            else:
-                victims.append(Victim.new(uuids[i], TO_RECOMPUTE, page_ids, ()))
-        return EvictionPlan.new(tuple(victims))
+                chosen.append((i, Destination.HOST))
+            else:  # decision: evict.to_recompute.host_full
+                chosen.append((i, Destination.RECOMPUTE))
+        host_ids = _peek(self._host_kv, snapshot.num_free_host_pages - free_host)
+        return EvictionPlan(_victims(running, chosen, host_ids))
 
     def plan_migration(self, req: MigrationRequest) -> MigrationPlan:
         snapshot, swapped = req.snapshot, req.swapped
-        if not swapped.uuids:
-            return NO_LOADS
-        demand = req.decode_demand
-        num_active = len(req.running.uuids) + req.num_loading
         free = snapshot.num_free_gpu_pages
+        demand = decode_demand(req.running, snapshot.geometry.page_size)
+        num_active = len(req.running.uuids) + req.num_loading
         watermark = eviction_watermark_pages(snapshot)
         chosen: list[int] = []
         for i, swapped_step in enumerate(swapped.swapped_steps):  # oldest first: arrival order
-            if swapped_step == snapshot.step:
-                continue
             num_pages = len(swapped.host_page_ids[i])
-            if (
-                num_active >= snapshot.geometry.max_num_seqs
-                or free - demand - num_pages < watermark
-            ):
+            if swapped_step == snapshot.step:  # decision: migrate.skip.swapped_this_step
+                continue
+            if num_active >= snapshot.geometry.max_num_seqs:  # decision: migrate.stop.max_num_seqs
+                break
+            # decision: migrate.stop.watermark, migrate.load, migrate.load.exact_fit
+            if free - demand - num_pages < watermark:
                 break
             chosen.append(i)
             num_active += 1
             free -= num_pages
-        if not chosen:
-            return NO_LOADS
-        # sliced per load
-        gpu_ids = tuple(self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free))
+        gpu_ids = _peek(self._gpu_kv, snapshot.num_free_gpu_pages - free)
         loads, start = [], 0
         for i in chosen:
             host_page_ids = swapped.host_page_ids[i]
             end = start + len(host_page_ids)
-            loads.append(LoadStart.new(swapped.uuids[i], gpu_ids[start:end], host_page_ids))
+            loads.append(LoadStart(swapped.uuids[i], tuple(gpu_ids[start:end]), host_page_ids))
             start = end
-        return MigrationPlan.new(tuple(loads))
+        return MigrationPlan(tuple(loads))
 
     def plan_allocation(self, req: AllocRequest) -> AllocPlan:
-        snapshot, needing = req.snapshot, req.needing
-        page_size = snapshot.geometry.page_size
-        up = page_size - 1
-        free = snapshot.num_free_gpu_pages
+        needing, page_size = req.needing, req.snapshot.geometry.page_size
+        free = req.snapshot.num_free_gpu_pages
         served: list[tuple[str, int]] = []
-        not_fitting = []
-        # batch order
+        not_fitting: list[DoesNotFit] = []
         for uuid, num_tokens, page_ids in zip(
             needing.uuids, needing.num_tokens, needing.gpu_page_ids
         ):
-            need = (num_tokens + up) // page_size - len(page_ids)  # pages its tokens lack
-            if need < 0:
-                need = 0  # admitted into the pages it holds
-            if need > free:
-                not_fitting.append(DoesNotFit.new(uuid, need, free))
+            need = max(0, pages_needed(num_tokens, page_size) - len(page_ids))
+            if need > free:  # decision: alloc.does_not_fit, alloc.exact_fit
+                not_fitting.append(DoesNotFit(uuid, need, free))
                 continue
             served.append((uuid, need))
             free -= need
-        if not served:
-            return AllocPlan.new((), tuple(not_fitting))
-        # sliced per grant
-        page_ids = tuple(self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free))
+        page_ids = _peek(self._gpu_kv, req.snapshot.num_free_gpu_pages - free)
         grants, start = [], 0
         for uuid, need in served:
-            grants.append(PageGrant(uuid, page_ids[start : start + need]))
+            grants.append(PageGrant(uuid, tuple(page_ids[start : start + need])))
             start += need
-        return AllocPlan.new(tuple(grants), tuple(not_fitting))
+        return AllocPlan(tuple(grants), tuple(not_fitting))
+
+
+def _peek(backend: GpuKvBackend | HostKvBackend, num_pages: int) -> list[int]:
+    """The ids the backend's next allocation of ``num_pages`` would get (no call for none)."""
+    return backend.peek_free_pages(num_pages) if num_pages else []
+
+
+def _poll_decision(
+    error: str | None, num_retries: int, geometry: KvGeometry
+) -> tuple[PollAction, str | None]:
+    """The action for one observed load, and the failure reason that goes with FAIL. Pure."""
+    if error is None:  # decision: poll.complete
+        return PollAction.COMPLETE, None
+    if num_retries < geometry.max_load_retries:  # decision: poll.retry, poll.retry.last
+        return PollAction.RETRY, None
+    if geometry.load_failure == "fail":  # decision: poll.fail, poll.recompute
+        return PollAction.FAIL, load_failure_reason(error)
+    return PollAction.RECOMPUTE, None
+
+
+def _victims(
+    running: PageColumns, chosen: list[tuple[int, Destination]], host_ids: list[int]
+) -> tuple[Victim, ...]:
+    """The victims ``chosen`` (column index, destination), in order, each HOST one granted the
+    next of ``host_ids``. Pure."""
+    victims, start = [], 0
+    for i, destination in chosen:
+        gpu_page_ids = running.gpu_page_ids[i]
+        granted = ()
+        if destination is Destination.HOST:  # decision: evict.to_host
+            granted = tuple(host_ids[start : start + len(gpu_page_ids)])
+            start += len(granted)
+        victims.append(Victim(running.uuids[i], destination, gpu_page_ids, granted))
+    return tuple(victims)

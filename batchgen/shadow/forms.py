@@ -1,174 +1,100 @@
-"""A KV op's post-state as compare mode sees it: forks of the worker's state, canonical forms,
-verdict names.
+"""A KV op's post-state as compare mode and replay see it: canonical forms, and verdict names.
 
-A fork shares the requests until it writes them (copy-on-write) and overlays both
-pools; a canonical form is plain comparable data with flattened paths
-(``requests[r17].gpu_page_ids[3]``). ``replay`` builds the same forms from a
-divergence record, so a replayed op is judged exactly as the live one was.
+A canonical form is plain comparable data with flattened paths (``requests[r17].gpu_page_ids[3]``):
+the requests an op wrote, new outputs, pending appends, counters, each pool's allocator events and
+the ordered copy operations. ``replay`` builds the same forms from a divergence record, so a
+replayed op is judged exactly as the live one was.
 """
 
 from __future__ import annotations
 
-import operator
-from collections import ChainMap
-from collections.abc import Collection, Iterable, Mapping, Sequence, Set
-from functools import partial
-from itertools import repeat
-from types import SimpleNamespace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from batchgen.engine.state import Phase, RequestState, WorkerState
-from batchgen.kv.plan_path import PlanRejected
-from batchgen.kv.plans import KvPreState, RequestKvView
+from batchgen.kv.appliers import PlanRejected
 from batchgen.kv.target import KvTarget
-from compare import Keyed
+from batchgen.shadow.fork import detach_fork, differing_requests
+from compare import Keyed, Observation
 
 STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
 
-# The RequestState fields behind canonical_kv's view of a live request (pending appends are checked
-# apart): what KV ops write, and what they read that no KV op should change (num_tokens: page
-# demand; arrival_index: the eviction and migration order).
-KV_FIELDS = (
-    "phase",
-    "num_cached_tokens",
-    "gpu_page_ids",
-    "host_page_ids",
-    "num_load_retries",
-    "swapped_step",
-    "finish_reason",
-    "load_handle",
-    "load_started_step",
-    "num_tokens",
-    "arrival_index",
-)
-_kv_fields = operator.attrgetter(*KV_FIELDS)
-# stands for a request no longer live
-_RELEASED = SimpleNamespace(**{name: None for name in KV_FIELDS})
+
+@dataclass(frozen=True, slots=True)
+class ShadowRun:
+    """What the shadow step of an op leaves for canonicalisation."""
+
+    fork: KvTarget  # the shadow's post-state, its pools' journals and copies included
+    result: object  # what the shadow path's op returned
+    # the fork's free GPU and host pages after the op: readable only until the authoritative path
+    # changes the worker's pools
+    free_pages: tuple[int, int]
 
 
-def fork_target(target: KvTarget) -> KvTarget:
-    """A copy-on-write fork of ``target``: its request dict and requests shared until written
-    (``WorkerState.edit``), pools overlaid, pending appends shared with drops only recorded
-    (``KvTarget.drop_pending_append``). Costs what the op on it writes; the original is never
-    mutated through it."""
-    state = target.state
-    forked = WorkerState(
-        step=state.step,
-        requests=state.requests,
-        stats=state.stats.copy(),
-        num_submitted=state.num_submitted,
-        written={},
-        copy_on_write=True,
+def canonical_pair(target: KvTarget, seen: Observation, shadow: ShadowRun | None) -> tuple:
+    """Both canonical forms of one compared op, once the authoritative path ran on ``target``
+    (``seen``) and the shadow path on its fork (``shadow``; None: it raised). Only requests whose
+    post-states differ are canonicalised, on both sides; journals and copy lists equal on both
+    sides are canonicalised once and shared; when neither side wrote anything both forms are only
+    counters and result (everything else equals the pre-state on both sides). A side that raised
+    gets None (the other's form is still logged). Pure, but for the fork's view
+    (``detach_fork``)."""
+    written, dropped = target.state.written, target.dropped
+    gpu, host = target.gpu_kv, target.host_kv
+    if seen.raised:
+        return None, None if shadow is None else _whole_form(shadow.fork, shadow)
+    if shadow is None:
+        form = canonical_kv(
+            target, list(written), seen.value, gpu.journal, host.journal, host.copies
+        )
+        return form, None
+    fork = shadow.fork
+    if _wrote_nothing(fork) and _wrote_nothing(target):
+        return _quiet_form(target, seen.value), _quiet_form(fork, shadow.result)
+    gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
+    host_events, fork_host_events = _shared(host.journal, fork.host_kv.journal, canonical_events)
+    copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
+    detach_fork(fork, written, dropped)
+    differing = differing_requests(fork, target, written, dropped)
+    theirs = canonical_form(
+        fork, shadow.result, shadow.free_pages, fork_gpu_events, fork_host_events, fork_copies,
+        differing,
+    )  # fmt: skip
+    free_pages = (gpu.free_pages(), host.free_pages())
+    mine = canonical_form(
+        target, seen.value, free_pages, gpu_events, host_events, copies, differing
     )
-    gpu = target.gpu_kv.fork()
-    host = target.host_kv.fork(gpu)
-    return KvTarget(
-        forked,
-        gpu,
-        host,
-        target.pending_appends,
-        target.model_config,
-        target.cache_config,
-        target.engine_config,
-        dropped=set(),
-        shared_pending=True,
+    return mine, theirs
+
+
+def _whole_form(fork: KvTarget, shadow: ShadowRun) -> dict:
+    """The shadow's form when the authoritative path raised: replay reads its journals."""
+    gpu_events = canonical_events(fork.gpu_kv.journal)
+    host_events = canonical_events(fork.host_kv.journal)
+    copies = canonical_copies(fork.host_kv.copies)
+    return canonical_form(fork, shadow.result, shadow.free_pages, gpu_events, host_events, copies)
+
+
+def _wrote_nothing(target: KvTarget) -> bool:
+    """Whether the op on ``target`` changed no request, pending append, pool page or copy (its pools
+    journal and its host pool records copies while an op is compared). Pure."""
+    host = target.host_kv
+    return not (
+        target.state.written
+        or target.dropped
+        or target.gpu_kv.pages.journal
+        or host.pages.journal
+        or host.copies
     )
 
 
-def detach_fork(
-    fork: KvTarget, written: Mapping[str, RequestState], dropped: Collection[str]
-) -> None:
-    """After the worker wrote ``written`` (uuid -> the request before its first write) and dropped
-    the pending appends ``dropped``: let the fork read as its own post-state where it shares state
-    with the worker, by putting those prior states in front (ChainMaps: nothing shared is written),
-    and its record of the requests before it wrote them (``fork.state.written``) name their states
-    before the op. Mutates ``fork.state.requests``, ``fork.state.written`` and
-    ``fork.pending_appends``."""
-    own = fork.state.written
-    prior = {uuid: before for uuid, before in written.items() if uuid not in own}
-    if prior:
-        fork.state.requests = ChainMap(prior, fork.state.requests)
-    # The fork noted the worker's request objects as its "before"; those the worker wrote changed
-    # since.
-    fork.state.written = {uuid: written.get(uuid, before) for uuid, before in own.items()}
-    if dropped:
-        fork.pending_appends = ChainMap(dict.fromkeys(dropped), fork.pending_appends)
+def _quiet_form(target: KvTarget, result) -> dict:
+    return {"stats": canonical_stats(target), "result": canonical_result(result)}
 
 
-def differing_requests(
-    fork: KvTarget, target: KvTarget, written: Iterable[str], dropped: Set[str]
-) -> list[str]:
-    """The requests whose ``canonical_kv`` entries may differ between two post-states of one op:
-    ``fork`` (copy-on-write, its writes in ``fork.state.written`` and ``fork.dropped``, detached:
-    :func:`detach_fork`) and ``target``, which wrote ``written`` and dropped the pending appends
-    ``dropped``. Pure.
-
-    A request neither side wrote is the same object on both; so only the written ones are checked
-    (one C-level field comparison each), those whose pending append one side dropped, and outputs
-    of released ones. A request left out has equal entries on both sides; one named may still turn
-    out equal.
-    """
-    candidates = list(dict.fromkeys([*written, *fork.state.written]))
-    mine = map(_kv_fields, map(fork.state.requests.get, candidates, repeat(_RELEASED)))
-    theirs = map(_kv_fields, map(target.state.requests.get, candidates, repeat(_RELEASED)))
-    differing = [u for u, x, y in zip(candidates, mine, theirs) if x != y]
-    differing += sorted(fork.dropped ^ dropped)
-    gone = [
-        u for u in candidates if u not in fork.state.requests and u not in target.state.requests
-    ]
-    differing += [u for u in gone if _output_key(fork, u) != _output_key(target, u)]
-    return list(dict.fromkeys(differing))
-
-
-def _output_key(target: KvTarget, uuid: str) -> tuple | None:
-    out = target.state.outputs.get(uuid)
-    return None if out is None else (out.phase, out.finish_reason, len(out.output_ids))
-
-
-# One RequestKvView per request: its fields read in C (attrgetter), then the prompt's length.
-_VIEW_FIELDS = operator.attrgetter(
-    "uuid",
-    "phase._value_",
-    "arrival_index",
-    "num_tokens",
-    "num_cached_tokens",
-    "gpu_page_ids",
-    "host_page_ids",
-    "num_load_retries",
-    "swapped_step",
-)
-_new_view = partial(tuple.__new__, RequestKvView)
-_SCOPE_PHASES = {
-    "evict": (Phase.RUNNING,),
-    "migrate": (Phase.RUNNING, Phase.SWAPPED, Phase.LOADING),
-}
-
-
-def views_of(scope: Iterable[RequestState]) -> tuple[RequestKvView, ...]:
-    return tuple([_new_view((*_VIEW_FIELDS(r), len(r.request.prompt_ids))) for r in scope])
-
-
-def op_scope(op: str, request, requests: Mapping[str, RequestState]) -> list[str]:
-    """The requests op may read or write, given its op ``request``: those its input names (poll: the
-    loads observed, release: the done requests, alloc: the batch), or for evict and migrate every
-    request of ``requests`` in the phases they act on. Pure."""
-    phases = _SCOPE_PHASES.get(op)
-    if phases is not None:
-        return [u for u, r in requests.items() if r.phase in phases]
-    return list(request.uuids if op in ("poll", "release") else request.batch)
-
-
-def pre_state(
-    op: str, request, target: KvTarget, written: Mapping[str, RequestState]
-) -> KvPreState:
-    """The op's scope as it was before the op ran on ``target``, which wrote ``written`` (uuid ->
-    the request before its first write), with ``request``'s snapshot. Pure; O(live requests), so
-    built only to log a divergence."""
-    prior = {u: written.get(u, r) for u, r in target.state.requests.items()}
-    prior.update((u, r) for u, r in written.items() if u not in prior)  # taken out by the op
-    scope = sorted(
-        (prior[u] for u in op_scope(op, request, prior)), key=operator.attrgetter("arrival_index")
-    )
-    return KvPreState(request.snapshot, views_of(scope))
+def _shared(mine: list, theirs: list, canonicalize: Callable[[list], list]) -> tuple[list, list]:
+    """Both sides' canonical lists; one list, shared, when the raw ones are equal."""
+    canonical = canonicalize(mine)
+    return canonical, canonical if theirs == mine else canonicalize(theirs)
 
 
 def canonical_kv(
@@ -226,12 +152,9 @@ def canonical_result(result):
     return list(result) if type(result) in (list, tuple) else result
 
 
-_stat_values = operator.attrgetter(*STAT_FIELDS)  # a tuple: STAT_FIELDS names more than one field
-
-
 def canonical_stats(target: KvTarget) -> dict:
-    # built in C: two per compared op
-    return dict(zip(STAT_FIELDS, _stat_values(target.state.stats)))
+    stats = target.state.stats
+    return {name: getattr(stats, name) for name in STAT_FIELDS}
 
 
 # Journal events and copies as records with named fields, so a report's wildcarded paths keep them

@@ -2,141 +2,57 @@
 
 Per compared op (``compare.ShadowExecutor`` fixes the order)::
 
-    context       the op's request (snapshot and the columns the op reads): taken
-                  from the side running the plan path, which builds it anyway
-    fork          fork the worker's state copy-on-write and overlay both pools
-                  (bookkeeping only: no tensors; the forked host pool records the
-                  copies it would issue)
+    context       the op being compared; with no plan path on either side (A/A legacy), its op
+                  request and plan, built now from the pre-state
+    fork          fork the worker's state copy-on-write and overlay both pools (bookkeeping
+                  only: no tensors; the forked host pool records the copies it would issue)
     shadow        run the shadow path on the fork; keep its free page counts
-    authoritative run the authoritative path on the worker, its pools journaling and
-                  its state recording the requests it writes
-    canonicalize  both sides' counters, journals and copy lists (once, shared, when
-                  equal); of the requests either side wrote, those whose post-states
-                  differ, from each side, into both forms
-    compare       canonical forms: differing requests, new outputs, pending appends,
-                  counters, each pool's allocator diff, the ordered copy ops
+    authoritative run the authoritative path on the worker, its pools journaling and its state
+                  recording the requests it writes
+    canonicalize  both post-states into comparable forms (``forms.canonical_pair``: only what
+                  either side wrote)
+    compare       the forms; then, when both paths returned, the decision outcomes the op
+                  reached (``coverage.outcomes_of``, from the plan path's request and plan)
 
-Only the paths' own exceptions are observations: a failure in forking or
-canonicalising is the harness's (counted, warned, never a divergence, never raised
-into the worker).
-
-When neither side wrote anything (no request, pending append, pool page or copy:
-most evict and migrate calls), both forms are only counters and result: every
-other part equals the pre-state on both sides, so the verdict and field paths are
-the same.
-
-A request neither side wrote is the same object in both post-states, and one
-written to the same values has equal canonical entries: leaving them out gives
-the same verdict and field paths as canonicalising the whole scope (what
-``replay`` does). Cost: what the op wrote: on the fork's first write, a shallow
-copy of the request dict (C, a few ns per live request); a copy of each request on
-its first write on either side, the pool journals and copy lists, canonical forms of the requests
-that differ. Both paths' own reads (evict walks every RUNNING request) are theirs.
-Ops the executor does not sample run the authoritative path alone. Divergences go
-to a JSON Lines log with what ``replay`` and ``minimize`` need (the op request, the
-op's full pre-state rebuilt from what the worker wrote, the engine config and fault
-SPEC); each run ends with a summary record.
+Only the paths' own exceptions are observations: a failure in forking or canonicalising is the
+harness's (counted, warned, never a divergence, never raised into the worker). Ops the executor
+does not sample run the authoritative path alone. Divergences go to a JSON Lines log with what
+``replay`` and ``minimize`` need; each run ends with a summary record, decision coverage
+included.
 """
 
 from __future__ import annotations
 
 import time
 import uuid as uuid_lib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from operator import methodcaller
 
 from batchgen.kv.gate import KvGateConfig, build_kv_path, kv_path_class
-from batchgen.kv.plan_path import PlanKvPath
+from batchgen.kv.plan_path import OP_METHODS, PlanKvPath
 from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
-from batchgen.shadow.forms import (
-    canonical_copies,
-    canonical_events,
-    canonical_form,
-    canonical_kv,
-    canonical_result,
-    canonical_stats,
-    classify,
-    detach_fork,
-    differing_requests,
-    exception_kind,
-    fork_target,
-    pre_state,
-)
+from batchgen.shadow.coverage import outcomes_of
+from batchgen.shadow.fork import fork_target, pre_state
+from batchgen.shadow.forms import ShadowRun, canonical_pair, classify, exception_kind
 from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor
 
-_EVICT, _MIGRATE = methodcaller("evict"), methodcaller("migrate")  # the op on a path, called in C
-_NO_OP = ("", None, None)
 
+@dataclass(slots=True)
+class ComparedOp:
+    """The op being compared: the context the executor hands to its hooks. Mutated as it runs."""
 
-def _shared(mine: list, theirs: list, canonicalise: Callable[[list], list]) -> tuple[list, list]:
-    """Both sides' canonical lists; one list, shared, when the raw ones are equal."""
-    canonical = canonicalise(mine)
-    return canonical, canonical if theirs == mine else canonicalise(theirs)
-
-
-class _RecordingPlanKvPath(PlanKvPath):
-    """The plan path, keeping the last op request it built: compare mode's replay context, so
-    that the op's snapshot is built once, not twice."""
-
-    last_request = None
-
-    def poll_request(self, observed):
-        self.last_request = super().poll_request(observed)
-        return self.last_request
-
-    def release_request(self, uuids):
-        self.last_request = super().release_request(uuids)
-        return self.last_request
-
-    def eviction_request(self):
-        self.last_request = super().eviction_request()
-        return self.last_request
-
-    def migration_request(self):
-        self.last_request = super().migration_request()
-        return self.last_request
-
-    def alloc_request(self, batch):
-        self.last_request = super().alloc_request(batch)
-        return self.last_request
-
-
-@dataclass(frozen=True, slots=True)
-class _ShadowRun:
-    """What the shadow step of an op leaves for canonicalisation."""
-
-    fork: KvTarget  # the shadow's post-state, its pools' journals and copies included
-    result: object  # what the shadow path's op returned
-    # the fork's free GPU and host pages after the op (readable only until the
-    free_pages: tuple[int, int]
-    # authoritative path changes the worker's pools)
-
-
-def wrote_nothing(target: KvTarget, written, dropped) -> bool:
-    """Whether an op that wrote ``written`` and dropped ``dropped`` on ``target`` changed no
-    request, pending append, pool page or copy (its pools journal and its host pool records copies).
-    Pure."""
-    host = target.host_kv
-    return not (
-        written or dropped or target.gpu_kv.pages.journal or host.pages.journal or host.copies
-    )
-
-
-def _quiet_form(target: KvTarget, result) -> dict:
-    """The canonical form of an op that wrote nothing: every other part equals the pre-state's, on
-    both sides."""
-    return {"stats": canonical_stats(target), "result": canonical_result(result)}
+    name: str
+    args: tuple
+    shadow: object = None  # the shadow path object, on its fork
+    decision: tuple = (None, None)  # (op request, plan) built beforehand, when no side plans
 
 
 class KvCompare:
     """The KV ops with an authoritative path on the worker and a shadow path on forks.
 
-    Same interface as the paths (poll, release, evict, migrate, allocate).
-    ``shadow_path`` defaults to the other path; passing the authoritative one
-    gives the A/A noise check.
+    Same interface as the paths (poll, release, evict, migrate, allocate). ``shadow_path``
+    defaults to the other path; passing the authoritative one gives the A/A noise check.
     """
 
     def __init__(
@@ -149,40 +65,32 @@ class KvCompare:
     ):
         """``faults``: the fault SPEC the worker runs under, recorded with each divergence (for
         minimize)."""
-        self.target = target
-        self.faults = faults
-        self.gate = gate
+        self.target, self.gate, self.faults = target, gate, faults
         self.authoritative_path = gate.path
         self.shadow_path = shadow_path or gate.shadow_path
-        if gate.path == "plan":
-            self.authoritative = _RecordingPlanKvPath(target)
-        else:
-            self.authoritative = build_kv_path(gate.path, target)
-        # builds the replay context when neither side's plan path does
-        self._requests = PlanKvPath(target)
-        if self.shadow_path == "plan":
-            self._new_shadow_path = partial(_RecordingPlanKvPath, geometry=self._requests.geometry)
-        else:
-            # resolved once: no import per op
-            self._new_shadow_path = kv_path_class(self.shadow_path)
-        self._shadow_request = None  # the op request the shadow plan path built on the fork
+        self.authoritative = build_kv_path(gate.path, target)
+        self._planner = PlanKvPath(target)  # reads the pre-state when neither side plans
+        self._shadow_class = kv_path_class(self.shadow_path)  # resolved once: no import per op
         self.sink = JsonlSink(gate.compare_log)
-        self.seed = 0
+        self.seed, self.scale = 0, 1.0
         self.run_id = self.workload = self.workload_source = ""
-        self.scale = 1.0
-        # what the last authoritative step wrote: uuid -> the request before it
-        self._written: dict = {}
-        # while an op is compared: (name, the op on a path, its request builder)
-        self._op: tuple = _NO_OP
+        self._op: ComparedOp | None = None
         self._summary: RunSummary | None = None  # the current run's summary, once it ended
         self.executor = self.begin_run("unnamed", seed=0)
 
-    # ---- runs ----------------------------------------------------------------------------
+    # ---- runs ------------------------------------------------------------------------------
     def begin_run(
-        self, workload: str, *, seed: int, source: str | None = None, scale: float = 1.0
+        self,
+        workload: str,
+        *,
+        seed: int,
+        source: str | None = None,
+        scale: float = 1.0,
+        run_id: str | None = None,
     ) -> ShadowExecutor:
-        """Start counting a new run (one workload). Mutates self."""
-        self.run_id = f"{workload}-{uuid_lib.uuid4().hex[:8]}"
+        """Start counting a new run (one workload); ``run_id`` defaults to the workload's name and
+        a random suffix. Mutates self."""
+        self.run_id = run_id or f"{workload}-{uuid_lib.uuid4().hex[:8]}"
         self.workload, self.seed = workload, seed
         self.workload_source, self.scale = source or workload, scale
         self._summary = None
@@ -193,6 +101,7 @@ class KvCompare:
             ops=self.gate.compare_ops,
             classify=classify,
             exception_kind=exception_kind,
+            outcomes=self._outcomes,
             on_divergence=self._record,
         )
         return self.executor
@@ -213,44 +122,32 @@ class KvCompare:
             self.sink.write(self._summary)
         return self._summary
 
-    # ---- the KvPath interface ---------------------------------------------------------------
+    # ---- the KV path interface -------------------------------------------------------------
     def poll(self, observed: Mapping[str, str | None]) -> None:
-        self._compare(
-            "poll", methodcaller("poll", observed), partial(self._requests.poll_request, observed)
-        )
+        self._compare("poll", observed)
 
     def release(self, uuids: Sequence[str]) -> None:
-        self._compare(
-            "release",
-            methodcaller("release", uuids),
-            partial(self._requests.release_request, uuids),
-        )
+        self._compare("release", uuids)
 
     def evict(self) -> None:
-        self._compare("evict", _EVICT, self._requests.eviction_request)
+        self._compare("evict")
 
     def migrate(self) -> None:
-        self._compare("migrate", _MIGRATE, self._requests.migration_request)
+        self._compare("migrate")
 
     def allocate(self, batch: Sequence[str]) -> list[str]:
-        return self._compare(
-            "alloc", methodcaller("allocate", batch), partial(self._requests.alloc_request, batch)
-        )
+        return self._compare("alloc", batch)
 
-    # ---- internals -------------------------------------------------------------------------
-    def _compare(self, op: str, call: Callable, request: Callable):
-        """Run ``call`` (the op on a path) on the authoritative path, and, when the executor samples
-        this step, on the shadow path on a fork, and compare. ``request`` builds the op request (the
-        replay context) when no plan path builds it. Mutates what the op mutates, and this op's
-        ``_op``."""
-        step = self.target.state.step
+    # ---- one compared op -------------------------------------------------------------------
+    def _compare(self, op: str, *args):
+        """Run ``op`` on the authoritative path, and, when the executor samples this step, on the
+        shadow path on a fork, and compare. Mutates what the op mutates."""
+        step, method = self.target.state.step, OP_METHODS[op][0]
         if not self.executor.should_compare(op, step):
-            return call(self.authoritative)
-        self._op = (op, call, request)
-        self._shadow_request = None
-        self._written = {}
-        if self.authoritative_path == "plan":
-            self.authoritative.last_request = None
+            return getattr(self.authoritative, method)(*args)
+        self._op = ComparedOp(op, args)
+        if isinstance(self.authoritative, PlanKvPath):
+            self.authoritative.last_request = self.authoritative.last_plan = None
         try:
             return self.executor.run_both(
                 op,
@@ -265,144 +162,77 @@ class KvCompare:
             )
         finally:  # journaling ends with the op, whatever failed
             self.target.record_op(False)
-            self._op = _NO_OP
+            self._op = None
+
+    def _context(self) -> ComparedOp:
+        """The op; with neither side a plan path, its request and plan, planned now (the manager
+        is pure) from the pre-state."""
+        op = self._op
+        if "plan" not in (self.authoritative_path, self.shadow_path):
+            _, build_request, plan = OP_METHODS[op.name]
+            request = getattr(self._planner, build_request)(*op.args)
+            op.decision = (request, getattr(self._planner.manager, plan)(request))
+        return op
 
     def _fork(self) -> tuple[KvTarget, object]:
         """A copy-on-write fork of the worker's target, and the shadow path on it."""
         fork = fork_target(self.target)
-        return fork, self._new_shadow_path(fork)
+        if self._shadow_class is PlanKvPath:
+            self._op.shadow = PlanKvPath(fork, self._planner.geometry)
+        else:
+            self._op.shadow = self._shadow_class(fork)
+        return fork, self._op.shadow
 
-    def _run_shadow(self, forked: tuple[KvTarget, object]) -> _ShadowRun:
+    def _run_shadow(self, forked: tuple[KvTarget, object]) -> ShadowRun:
         """The shadow path's op on its fork; what the canonical forms need of it."""
         fork, path = forked
-        try:
-            result = self._op[1](path)
-        finally:
-            self._shadow_request = getattr(path, "last_request", None)
+        result = getattr(path, OP_METHODS[self._op.name][0])(*self._op.args)
         # The fork's pools can be read only until the authoritative path changes the worker's.
-        return _ShadowRun(fork, result, (fork.gpu_kv.free_pages(), fork.host_kv.free_pages()))
+        return ShadowRun(fork, result, (fork.gpu_kv.free_pages(), fork.host_kv.free_pages()))
 
     def _run_authoritative(self):
         """The authoritative path on the worker, its pools journaling and its state recording the
-        requests it writes (``WorkerState.written``) and the pending appends it drops, until
-        ``_compare`` ends."""
+        requests it writes and the pending appends it drops, until ``_compare`` ends."""
         self.target.record_op(True)
-        self._written = self.target.state.written
-        return self._op[1](self.authoritative)
+        return getattr(self.authoritative, OP_METHODS[self._op.name][0])(*self._op.args)
 
-    def _canonicalize(
-        self, seen: Observation, shadow_seen: Observation
-    ) -> tuple[dict | None, dict | None]:
-        """Both canonical forms, once both post-states exist (compare mode's harness, not either
-        path).
+    def _canonicalize(self, seen: Observation, shadow_seen: Observation) -> tuple:
+        return canonical_pair(self.target, seen, shadow_seen.value)
 
-        Only requests whose post-states differ are canonicalised (on both sides); journals and copy
-        lists equal on both sides are canonicalised once and shared. When neither side wrote
-        anything both forms are only counters and result. Pure, but for the fork's request view
-        (``detach_fork``)."""
-        target, written, dropped = self.target, self._written, self.target.dropped
-        gpu, host = target.gpu_kv, target.host_kv
-        shadow: _ShadowRun | None = shadow_seen.value
-        if seen.raised:  # the record still carries the shadow's form (replay reads its journals)
-            if shadow is None:
-                return None, None
-            fork = shadow.fork
-            return None, canonical_form(
-                fork,
-                shadow.result,
-                shadow.free_pages,
-                canonical_events(fork.gpu_kv.journal),
-                canonical_events(fork.host_kv.journal),
-                canonical_copies(fork.host_kv.copies),
-            )
-        if shadow is None:  # the shadow raised: exceptions are compared, this form is only logged
-            return (
-                canonical_kv(
-                    target, list(written), seen.value, gpu.journal, host.journal, host.copies
-                ),
-                None,
-            )
-        fork, result = shadow.fork, seen.value
-        if wrote_nothing(fork, fork.state.written, fork.dropped) and wrote_nothing(
-            target, written, dropped
-        ):
-            return _quiet_form(target, result), _quiet_form(fork, shadow.result)
-        gpu_events, fork_gpu_events = _shared(gpu.journal, fork.gpu_kv.journal, canonical_events)
-        host_events, fork_host_events = _shared(
-            host.journal, fork.host_kv.journal, canonical_events
-        )
-        copies, fork_copies = _shared(host.copies, fork.host_kv.copies, canonical_copies)
-        detach_fork(fork, written, dropped)
-        differing = differing_requests(fork, target, written, dropped)
-        theirs = canonical_form(
-            fork,
-            shadow.result,
-            shadow.free_pages,
-            fork_gpu_events,
-            fork_host_events,
-            fork_copies,
-            differing,
-        )
-        mine = canonical_form(
-            target,
-            result,
-            (gpu.free_pages(), host.free_pages()),
-            gpu_events,
-            host_events,
-            copies,
-            differing,
-        )
-        return mine, theirs
+    def _decision(self, op: ComparedOp) -> tuple:
+        """(op request, plan) of ``op``, from the side that planned it (None where none did, or
+        its plan path raised before it)."""
+        for path in (self.authoritative, op.shadow):
+            if isinstance(path, PlanKvPath):
+                return path.last_request, path.last_plan
+        return op.decision
 
-    def _context(self) -> tuple:
-        """(op, request or None), before either path runs.
+    def _outcomes(self, op_name: str, op: ComparedOp) -> list[str]:
+        """The decision outcomes a compared op reached (both paths returned)."""
+        request, plan = self._decision(op)
+        target = self.target
+        return outcomes_of(op_name, request, plan, target.state.written, target.dropped)
 
-        The op request is taken, when a divergence is recorded, from a plan path that builds it
-        anyway: the authoritative one, or else the shadow one, whose fork holds the worker's
-        pre-state. With no plan side (A/A legacy) it is built now.
-        """
-        op, _, request = self._op
-        if "plan" in (self.authoritative_path, self.shadow_path):
-            return op, None
-        return op, request()
-
-    def _replay_request(self, context: tuple):
-        """The op request of a recorded divergence (None if its plan path raised before building
-        it)."""
-        op, request = context
-        if request is not None:
-            return request
-        if self.authoritative_path == "plan":
-            return self.authoritative.last_request
-        return self._shadow_request
-
-    def _record(self, comparison, context) -> None:
-        op, request = context[0], self._replay_request(context)
+    def _record(self, comparison, op: ComparedOp) -> None:
+        """Log a divergence with what replay and minimize need. Mutates the log."""
+        request = self._decision(op)[0]
+        pre = None if request is None else pre_state(op.name, request, self.target)
         replay = {
-            "op": op,
+            "op": op.name,
             "request_type": type(request).__name__,
             "request": to_jsonable(request),
-            "pre_state": (
-                None
-                if request is None
-                else to_jsonable(pre_state(op, request, self.target, self._written))
-            ),
+            "pre_state": None if pre is None else to_jsonable(pre),
             "pools": {
-                name: (seen.value or {}).get("pools")
-                for name, seen in (
-                    ("authoritative", comparison.authoritative),
-                    ("shadow", comparison.shadow),
-                )
+                "authoritative": (comparison.authoritative.value or {}).get("pools"),
+                "shadow": (comparison.shadow.value or {}).get("pools"),
             },
             "kv_path": self.authoritative_path,
             "shadow_path": self.shadow_path,
             "workload_source": self.workload_source,
             "scale": self.scale,
-            # built-in traces draw their token ids (and so their
+            # built-in traces draw their token ids, and so their lengths, from it
             "vocab_size": self.target.model_config.vocab_size,
-            # lengths, through the generator) from it
-            # overrides (--kv-load-*) included
-            "engine": self.target.engine_config.model_dump(mode="json"),
+            "engine": self.target.engine_config.model_dump(mode="json"),  # --kv-load-* included
             "faults": self.faults,
         }
         record = DivergenceRecord.from_comparison(

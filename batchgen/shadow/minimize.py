@@ -49,7 +49,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest, load_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
-from batchgen.shadow.replay import kv_paths
+from batchgen.shadow.rebuild import kv_paths
 from compare import DivergenceRecord, ddmin, read_log, wildcard, write_atomic
 
 _STEP_FIELDS = (("max_new_tokens", 1), ("arrival_step", 0), ("abort_step", 0))  # (field, floor)

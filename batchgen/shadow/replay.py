@@ -1,89 +1,25 @@
 """Replay one logged KV divergence offline, from its record alone.
 
-:func:`rebuild_target` turns a :class:`compare.DivergenceRecord`'s ``replay``
-payload back into the op's pre-state; :func:`replay_record` runs the
-authoritative path on one rebuilt target and the shadow path on a fork of
-another (as compare mode does), diffs their canonical forms, and says whether
-the logged divergence came back. Nothing outside the record is read.
-
-What comes from the record and what is synthesised (nothing a KV op's
-canonical result depends on is synthesised, except where noted)::
-
-    record                                  rebuilt as
-    request (the op request, JSON)          the op's input: loads observed, uuids released,
-                                            batch allocated; checked against the rebuilt state
-                                            (from an older log: evict / migrate without
-                                            decode_demand get it summed from the recorded
-                                            RUNNING columns; a poll whose loads all landed
-                                            drops its retries)
-    pre_state.snapshot.geometry             model / cache / engine configs (other model
-                                            fields: any valid values; the KV ops never read them)
-    pre_state.requests (the op's scope,     a RequestState each: phase, page tables, cached
-      as it was before the op)              count, retries, swapped step; prompt and outputs:
-                                            zeros, num_prompt_tokens and the rest of
-                                            num_tokens (a log without num_prompt_tokens:
-                                            all prompt), finish reason None; a
-                                            CompletedHandle as the load of a LOADING request
-                                            (or of a done one holding both tiers' pages),
-                                            issued the step before
-    free counts + pools' alloc events       bookkeeping-only pools: scope pages owned as the
-                                            views say; free queue = ids the sides allocated
-                                            (the legacy side's order, then the other's extras),
-                                            then other unowned ids ascending, cut at the free
-                                            count; every other page owned by PLACEHOLDER_OWNER
-    (not recorded) counters                 zero: a counter divergence has the same path,
-                                            but other absolute values in the diff detail
-    (not recorded) pending appends          poll / release (before the flush) only: a done
-                                            request served last step (0 < cached ==
-                                            num_tokens - 1, GPU pages only). Inferred: a
-                                            request aborted after an unserved step looks the same
-
-The rebuilt target is checked: the op request the plan path builds from it
-must equal the recorded one, or :class:`ReplayError` names the differing fields.
+``replay_record`` rebuilds the op's pre-state twice (``rebuild``), runs the authoritative path on
+one and the shadow path on a fork of the other (as compare mode does), compares their canonical
+forms, and says whether the logged divergence came back. Nothing outside the record is read.
+The rebuilt target is checked first: the op request the plan path builds from it must equal the
+recorded one, or ``ReplayError`` names the differing fields.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from pydantic import ValidationError
-
-from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig, validation_summary
-from batchgen.engine.state import (
-    DONE_PHASES,
-    Phase,
-    Request,
-    RequestState,
-    TokenLogprobs,
-    WorkerState,
-)
-from batchgen.kv.backends import CompletedHandle, GpuKvPool, HostKvPool
 from batchgen.kv.gate import build_kv_path
-from batchgen.kv.page_pool import PageOwnershipError, PagePool
-from batchgen.kv.plan_path import PlanKvPath
-from batchgen.kv.plans import (
-    OP_REQUEST_TYPES,
-    KvGeometry,
-    KvPreState,
-    RequestKvView,
-    decode_demand,
-    from_json,
-    to_jsonable,
-)
+from batchgen.kv.plan_path import OP_METHODS, PlanKvPath
+from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
-from batchgen.shadow.forms import canonical_kv, classify, exception_kind, fork_target, op_scope
+from batchgen.shadow.fork import fork_target, op_scope
+from batchgen.shadow.forms import canonical_kv, classify, exception_kind
+from batchgen.shadow.rebuild import ReplayError, kv_paths, op_request, rebuild_target
 from compare import DivergenceRecord, Observation, compare_observations, diff
-
-PLACEHOLDER_OWNER = "<replay:not-in-scope>"  # owns the pages held outside the op's scope
-_REORDER_OWNER = "<replay:reorder>"
-_PRE_FLUSH_OPS = ("poll", "release")  # ops that run before the worker flushes pending appends
-
-
-class ReplayError(ValueError):
-    """A record whose op cannot be rebuilt (unknown op, inconsistent pre-state)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,142 +33,26 @@ class ReplayOutcome:
     exceptions: tuple[str, ...]  # "<path> raised <Type>: <message>" per side that raised
 
 
-@dataclass(frozen=True, slots=True)
-class _BoundOp:
-    """One op with its recorded input bound: how to run it, build its request, find its scope."""
-
-    run: Callable[[Any], Any]  # KV path -> the op's result
-    build_request: Callable[[PlanKvPath], Any]  # the op request the plan path builds
-    scope: Callable[[WorkerState], list[str]]  # what compare mode forks and canonicalises
-
-
-def op_request(record: DivergenceRecord):
-    """The record's typed op request (snapshot + op input). Pure."""
-    replay = record.replay
-    op = replay.get("op")
-    cls = OP_REQUEST_TYPES.get(op)
-    if cls is None:
-        raise ReplayError(
-            f"record of step {record.step}: unknown op {op!r}; known: {', '.join(OP_REQUEST_TYPES)}"
-        )
-    # what compare mode records when no request was built
-    if replay.get("request_type") == "NoneType":
-        raise ReplayError(
-            f"{op} step {record.step}: the plan path raised before building its op request, so the"
-            f" record holds no pre-state to replay ({record.exception}); `batchgen minimize` reruns"
-            " its workload instead"
-        )
-    if replay.get("request_type") != cls.__name__:
-        raise ReplayError(
-            f"op {op!r} needs a {cls.__name__}, the record holds {replay.get('request_type')!r}"
-        )
-    request = _in_current_form(op, replay.get("request"))
-    return _from_record(cls, request, f"op {op!r}: the recorded request")
-
-
-def _in_current_form(op: str, request):
-    """``request`` (a recorded op request, as JSON) as this version builds it, when it comes from an
-    older log: an evict or migrate request gets the decode demand of its RUNNING columns, and a poll
-    request whose loads all landed drops its retries (no longer read). Anything else, a malformed
-    request included, as it is, for validation to name what is wrong. Pure."""
-    if not isinstance(request, dict):
-        return request
-    if op == "poll":
-        errors, retries = request.get("errors"), request.get("num_load_retries")
-        if (
-            type(errors) is list
-            and type(retries) is list
-            and retries
-            and len(retries) == len(errors)
-            and all(error is None for error in errors)
-        ):
-            return {**request, "num_load_retries": []}
-        return request
-    if op not in ("evict", "migrate") or "decode_demand" in request:
-        return request
-    try:
-        running, page_size = request["running"], request["snapshot"]["geometry"]["page_size"]
-        num_tokens, gpu_page_ids = running["num_tokens"], running["gpu_page_ids"]
-    except (KeyError, TypeError):
-        return request
-    if type(num_tokens) is not list or type(gpu_page_ids) is not list:
-        return request
-    if not all(type(count) is int for count in (page_size, *num_tokens)) or page_size < 1:
-        return request
-    if not all(type(page_ids) is list for page_ids in gpu_page_ids):
-        return request
-    return {**request, "decode_demand": decode_demand(num_tokens, gpu_page_ids, page_size)}
-
-
-def recorded_pre_state(record: DivergenceRecord) -> KvPreState:
-    """The op's pre-state as the record holds it. Pure."""
-    return _from_record(
-        KvPreState, record.replay.get("pre_state"), f"op {record.op!r}: the recorded pre-state"
-    )
-
-
-def _from_record(cls, value, what: str):
-    try:
-        return from_json(cls, json.dumps(value))
-    except ValidationError as error:
-        raise ReplayError(
-            f"{what} is not a valid {cls.__name__}: {validation_summary(error)}"
-        ) from None
-
-
-def rebuild_target(record: DivergenceRecord) -> KvTarget:
-    """A fresh target holding the op's pre-state as the record describes it. Pure."""
-    pre = recorded_pre_state(record)
-    snapshot, views = pre.snapshot, pre.requests
-    geometry = snapshot.geometry
-    model_config, cache_config, engine_config = _configs(geometry)
-    state = WorkerState(step=snapshot.step)
-    # the worker's requests keep arrival order
-    for view in sorted(views, key=lambda v: v.arrival_index):
-        state.requests[view.uuid] = _request_state(view, snapshot.step)
-    state.num_submitted = max((view.arrival_index for view in views), default=-1) + 1
-    gpu_pages = _pool(
-        "gpu",
-        geometry.num_gpu_pages,
-        {v.uuid: v.gpu_page_ids for v in views},
-        snapshot.num_free_gpu_pages,
-        _allocated_ids(record.replay, "gpu"),
-    )
-    host_pages = _pool(
-        "host",
-        geometry.num_host_pages,
-        {v.uuid: v.host_page_ids for v in views},
-        snapshot.num_free_host_pages,
-        _allocated_ids(record.replay, "host"),
-    )
-    gpu = GpuKvPool(geometry.num_gpu_pages, None, pages=gpu_pages)
-    host = HostKvPool(geometry.num_host_pages, None, gpu, pages=host_pages)
-    pending: dict[str, None] = {}  # the KV ops only test membership and drop entries
-    if record.replay["op"] in _PRE_FLUSH_OPS:
-        pending = {view.uuid: None for view in views if _served_last_step(view)}
-    return KvTarget(state, gpu, host, pending, model_config, cache_config, engine_config)
-
-
 def replay_record(record: DivergenceRecord) -> ReplayOutcome:
-    """Run both paths through the record's op, each on its own rebuilt pre-state, and compare.
-
-    Pure function of the record: the targets it mutates are its own. Compares as
-    ``compare.ShadowExecutor`` does (``compare.compare_observations``).
-    """
+    """Run both paths through the record's op, each on its own rebuilt pre-state, and compare as
+    ``compare.ShadowExecutor`` does. Pure function of the record: the targets it mutates are its
+    own."""
     request = op_request(record)
-    op = _bind(record.replay["op"], request)
+    op, args = record.replay["op"], op_arguments(record.replay["op"], request)
     authoritative_target, shadow_target = rebuild_target(record), rebuild_target(record)
-    _check_request(record, request, op.build_request(PlanKvPath(authoritative_target)))
+    build = getattr(PlanKvPath(authoritative_target), OP_METHODS[op][1])
+    _check_request(record, request, build(*args))
     kv_path, shadow_path = kv_paths(record.replay)
-    authoritative = _observe(kv_path, lambda: _run_authoritative(authoritative_target, kv_path, op))
-    shadow = _observe(shadow_path, lambda: _run_shadow(shadow_target, shadow_path, op))
+    authoritative = _observe(
+        kv_path,
+        lambda: _run(authoritative_target, authoritative_target, kv_path, op, args, request),
+    )
+    fork = fork_target(shadow_target)
+    shadow = _observe(
+        shadow_path, lambda: _run(shadow_target, fork, shadow_path, op, args, request)
+    )
     comparison = compare_observations(
-        record.replay["op"],
-        record.step,
-        authoritative,
-        shadow,
-        classify=classify,
-        exception_kind=exception_kind,
+        op, record.step, authoritative, shadow, classify=classify, exception_kind=exception_kind
     )
     paths = comparison.field_paths
     reproduced = comparison.kind == record.kind and paths == tuple(record.field_paths)
@@ -240,49 +60,29 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     return ReplayOutcome(reproduced, comparison.kind, paths, detail, comparison.exceptions)
 
 
-# ---- running one side ------------------------------------------------------------------------
-def _bind(op: str, request) -> _BoundOp:
-    def scope(state: WorkerState) -> list[str]:
-        return op_scope(op, request, state.requests)
-
+def op_arguments(op: str, request) -> tuple:
+    """The arguments the worker passed ``op``, from its recorded op request. Pure."""
     if op == "poll":
-        observed = dict(zip(request.uuids, request.errors))
-        return _BoundOp(
-            lambda path: path.poll(observed), lambda plan: plan.poll_request(observed), scope
-        )
+        return (dict(zip(request.uuids, request.errors)),)
     if op == "release":
-        uuids = list(request.uuids)
-        return _BoundOp(
-            lambda path: path.release(uuids), lambda plan: plan.release_request(uuids), scope
-        )
-    if op == "evict":
-        return _BoundOp(lambda path: path.evict(), lambda plan: plan.eviction_request(), scope)
-    if op == "migrate":
-        return _BoundOp(lambda path: path.migrate(), lambda plan: plan.migration_request(), scope)
-    batch = list(request.batch)
-    return _BoundOp(
-        lambda path: path.allocate(batch), lambda plan: plan.alloc_request(batch), scope
-    )
+        return (list(request.uuids),)
+    if op == "alloc":
+        return (list(request.batch),)
+    return ()
 
 
-def _run_authoritative(target: KvTarget, path: str, op: _BoundOp) -> dict:
-    """The op on ``target`` itself, its pools journaling; mutates ``target``."""
-    scope = op.scope(target.state)
-    # the requests before the op wrote them, too: canonical_kv names their load handles
-    target.record_op(True)
-    gpu, host = target.gpu_kv, target.host_kv
-    result = op.run(build_kv_path(path, target))
-    return canonical_kv(target, scope, result, gpu.journal, host.journal, host.copies)
-
-
-def _run_shadow(target: KvTarget, path: str, op: _BoundOp) -> dict:
-    """The op on a fork of ``target``'s scope, as compare mode runs the shadow path."""
-    scope = op.scope(target.state)
-    fork = fork_target(target)
-    result = op.run(build_kv_path(path, fork))
-    return canonical_kv(
-        fork, scope, result, fork.gpu_kv.journal, fork.host_kv.journal, fork.host_kv.copies
-    )
+def _run(
+    target: KvTarget, path: str, op: str, args: tuple, request, *, on_fork: bool = False
+) -> dict:
+    """``op`` on ``target`` itself, its pools journaling, or on a fork of it; its canonical form
+    over the op's scope. Mutates ``target`` (not on a fork)."""
+    scope = op_scope(op, request, target.state.requests)
+    on = fork_target(target) if on_fork else target
+    if not on_fork:  # the requests before the op wrote them: canonical forms name load handles
+        target.record_op(True)
+    result = getattr(build_kv_path(path, on), OP_METHODS[op][0])(*args)
+    gpu, host = on.gpu_kv, on.host_kv
+    return canonical_kv(on, scope, result, gpu.journal, host.journal, host.copies)
 
 
 def _observe(path: str, run: Callable[[], dict]) -> Observation:
@@ -300,173 +100,3 @@ def _check_request(record: DivergenceRecord, recorded, rebuilt) -> None:
             f"{record.op} step {record.step}: the rebuilt pre-state gives a different op request "
             f"at {', '.join(paths[:10])}"
         )
-
-
-# ---- rebuilding the pre-state ------------------------------------------------------------------
-def kv_paths(replay: dict) -> tuple[str, str]:
-    """A record's authoritative and shadow KV paths (``replay``: its payload); ReplayError unless
-    each is plan or legacy. Pure."""
-    paths = replay.get("kv_path"), replay.get("shadow_path")
-    for key, path in zip(("kv_path", "shadow_path"), paths):
-        if path not in ("plan", "legacy"):
-            raise ReplayError(f"the record's {key} must be plan or legacy, not {path!r}")
-    return paths
-
-
-def _configs(geometry: KvGeometry) -> tuple[ModelConfig, CacheConfig, EngineConfig]:
-    dtype = next((name for name, size in DTYPE_SIZES.items() if size == geometry.dtype_size), None)
-    if dtype is None:
-        raise ReplayError(
-            f"no cache dtype has {geometry.dtype_size}-byte elements; known: {DTYPE_SIZES}"
-        )
-    try:
-        return _valid_configs(geometry, dtype)
-    except ValidationError as error:
-        raise ReplayError(
-            f"the recorded geometry is not valid: {validation_summary(error)}"
-        ) from None
-
-
-def _valid_configs(
-    geometry: KvGeometry, dtype: str
-) -> tuple[ModelConfig, CacheConfig, EngineConfig]:
-    model = ModelConfig(
-        vocab_size=2,
-        hidden_size=geometry.num_kv_heads * geometry.head_dim,
-        intermediate_size=1,
-        num_layers=geometry.num_layers,
-        num_heads=geometry.num_kv_heads,
-        num_kv_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-        max_context=geometry.num_gpu_pages * geometry.page_size,
-    )
-    cache = CacheConfig(
-        page_size=geometry.page_size,
-        num_gpu_pages=geometry.num_gpu_pages,
-        num_host_pages=geometry.num_host_pages,
-        dtype=dtype,
-        watermark=geometry.watermark,
-    )
-    engine = EngineConfig(
-        max_num_seqs=geometry.max_num_seqs,
-        max_load_retries=geometry.max_load_retries,
-        load_failure=geometry.load_failure,
-    )
-    return model, cache, engine
-
-
-NO_LOGPROBS = TokenLogprobs((0, 0), (0.0, 0.0))  # of each rebuilt output token: no KV op reads them
-
-
-def _request_state(view: RequestKvView, step: int) -> RequestState:
-    phases = [phase.value for phase in Phase]
-    if view.phase not in phases:
-        raise ReplayError(
-            f"request {view.uuid}: unknown phase {view.phase!r}; known: {', '.join(phases)}"
-        )
-    phase = Phase(view.phase)
-    num_prompt_tokens = (
-        view.num_tokens if view.num_prompt_tokens is None else view.num_prompt_tokens
-    )
-    if not 1 <= num_prompt_tokens <= view.num_tokens:
-        raise ReplayError(
-            f"request {view.uuid}: num_prompt_tokens {num_prompt_tokens} is not in [1, num_tokens ="
-            f" {view.num_tokens}]"
-        )
-    had_load = phase is Phase.LOADING or bool(view.gpu_page_ids and view.host_page_ids)
-    num_outputs = view.num_tokens - num_prompt_tokens
-    return RequestState(
-        Request(view.uuid, (0,) * num_prompt_tokens, max_new_tokens=num_outputs + 1),
-        view.arrival_index,
-        phase,
-        output_ids=[0] * num_outputs,
-        output_logprobs=[NO_LOGPROBS] * num_outputs,
-        num_cached_tokens=view.num_cached_tokens,
-        gpu_page_ids=tuple(view.gpu_page_ids),
-        host_page_ids=tuple(view.host_page_ids),
-        load_handle=CompletedHandle() if had_load else None,
-        load_started_step=step - 1 if had_load else None,
-        num_load_retries=view.num_load_retries,
-        swapped_step=view.swapped_step,
-    )
-
-
-def _served_last_step(view: RequestKvView) -> bool:
-    """Whether a request still holds last step's K/V as a pending append (inferred)."""
-    return (
-        Phase(view.phase) in DONE_PHASES
-        and 0 < view.num_cached_tokens == view.num_tokens - 1
-        and bool(view.gpu_page_ids)
-        and not view.host_page_ids
-    )
-
-
-def _allocated_ids(replay: dict, tier: str) -> list[int]:
-    """Page ids the sides allocated in ``tier``, in the order the original free queue held them.
-
-    The legacy path allocates straight from the queue head, so its events give the
-    queue's order; the plan path's only do while it is correct. So: the legacy
-    side's ids first (the authoritative's when neither or both sides are legacy),
-    then the other side's extras.
-    """
-    kv_path, shadow_path = kv_paths(replay)
-    legacy_is_shadow = shadow_path == "legacy" and kv_path != "legacy"
-    sides = ("shadow", "authoritative") if legacy_is_shadow else ("authoritative", "shadow")
-    pools = replay.get("pools") or {}
-    if not isinstance(pools, dict) or not all(
-        isinstance(pools.get(side) or {}, dict) for side in sides
-    ):
-        raise ReplayError(
-            "the record's pools must map authoritative and shadow to their pools' events, not "
-            f"{pools!r}"
-        )
-    ids: list[int] = []
-    for side in sides:
-        for event in (pools.get(side) or {}).get(tier, ()):
-            if (
-                not isinstance(event, dict)
-                or "kind" not in event
-                or not _is_id_list(event.get("page_ids"))
-            ):
-                raise ReplayError(
-                    f"the record's {side} {tier} pool events are not records with a kind and page"
-                    f" ids ({event!r}); a log written by an older batchgen cannot be replayed"
-                )
-            if event["kind"] == "alloc":
-                ids.extend(event["page_ids"])
-    return list(dict.fromkeys(ids))
-
-
-def _is_id_list(value) -> bool:
-    return isinstance(value, list) and all(type(page_id) is int for page_id in value)
-
-
-def _pool(
-    name: str,
-    num_pages: int,
-    owned: dict[str, Sequence[int]],
-    num_free: int,
-    first_free: Sequence[int],
-) -> PagePool:
-    """A pool whose owners are ``owned`` and whose free queue starts with ``first_free``."""
-    pool = PagePool(name, num_pages)
-    try:
-        for uuid, page_ids in owned.items():
-            if page_ids:
-                pool.take_pages(uuid, page_ids)
-    except PageOwnershipError as error:
-        raise ReplayError(f"the recorded page tables are inconsistent: {error}") from None
-    unowned = [page_id for page_id in range(num_pages) if pool.is_free(page_id)]
-    if num_free > len(unowned):
-        raise ReplayError(
-            f"{name}: {num_free} free pages recorded, but the scope leaves only {len(unowned)}"
-            " unowned"
-        )
-    head = [page_id for page_id in first_free if pool.is_free(page_id)]
-    free = list(dict.fromkeys([*head, *unowned]))[:num_free]
-    held_elsewhere = sorted(set(unowned) - set(free))
-    if held_elsewhere:
-        pool.take_pages(PLACEHOLDER_OWNER, held_elsewhere)
-    pool.take_pages(_REORDER_OWNER, free)  # the queue is now empty ...
-    pool.release_pages(_REORDER_OWNER)  # ... and refills in ``free``'s order
-    return pool

@@ -46,10 +46,12 @@ from pathlib import Path
 import torch
 
 from batchgen.config import CacheConfig, EngineConfig, watermark_pages
+from batchgen.engine.request_checks import RequestError
 from batchgen.engine.runner import RunResult, run_workload
-from batchgen.engine.worker import RequestError, Worker
+from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, WorkloadError, load_workload
 from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.plans import pages_needed
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
 from batchgen.shadow.validation_report import (
@@ -425,7 +427,8 @@ def _no_eviction_pool(workload: Workload, dtype: str) -> dict:
     """
     cache = workload.cache
     num_needed = sum(
-        cache.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in workload.requests
+        pages_needed(len(r.prompt_ids) + r.max_new_tokens, cache.page_size)
+        for r in workload.requests
     )
     num_pages = num_needed
     while num_pages - watermark_pages(cache.watermark, num_pages) < num_needed:

@@ -19,7 +19,7 @@ from pathlib import Path
 from batchgen.config import CacheConfig
 from batchgen.engine.runner import RunResult
 from compare import Report, write_atomic
-from compare.report import render_json, render_junit, render_markdown
+from compare.render import render_json, render_junit, render_markdown
 
 # Report kind -> file name in the reports directory; the log comes first, the rest are rendered from
 # it.

@@ -80,7 +80,7 @@ def test_names_the_found_and_supported_versions_for_an_unknown_schema_version():
     data = json.loads(make_summary().model_dump_json()) | {"schema_version": 7}
     with pytest.raises(
         RecordError,
-        match=r"unsupported schema_version 7 in a run_summary " r"record; this reader supports 1",
+        match=r"unsupported schema_version 7 in a run_summary " r"record; this reader supports 2",
     ):
         parse_record(json.dumps(data))
 
@@ -220,7 +220,7 @@ def test_checked_in_schema_matches_the_record_models():
 def test_schema_covers_both_record_types_by_discriminator():
     schema = json_schema()
     assert schema["discriminator"]["propertyName"] == "record_type"
-    assert set(schema["$defs"]) == {"DivergenceRecord", "RunSummary"}
+    assert set(schema["$defs"]) == {"DivergenceRecord", "OutcomeCount", "RunSummary"}
 
 
 def test_writes_the_schema_file_from_the_command_line(tmp_path):

@@ -3,18 +3,8 @@ import re
 import xml.etree.ElementTree as ET
 
 from compare.records import DivergenceRecord, RunSummary
-from compare.report import (
-    MAX_SAMPLES,
-    OpStats,
-    PairStats,
-    PathSample,
-    aggregate,
-    headline,
-    render_json,
-    render_junit,
-    render_markdown,
-    render_text,
-)
+from compare.render import headline, render_json, render_junit, render_markdown, render_text
+from compare.report import MAX_SAMPLES, OpStats, PairStats, PathSample, aggregate
 
 
 def divergence(step, paths, *, op="alloc", workload="L2-2048", run_id="run-a", kind="state"):

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from compare.observation import Comparison, Observation, exception_text
-from compare.shadow import UNCLASSIFIED, DivergenceError, HarnessWarning, ShadowExecutor
+from compare.errors import UNCLASSIFIED, DivergenceError, HarnessWarning
+from compare.shadow import ShadowExecutor
 
 shadow_module = importlib.import_module("compare.shadow")
 
@@ -196,7 +197,7 @@ def test_hooks_raising_the_authoritative_exception_again_leave_its_traceback_and
                     authoritative_path="plan",
                 )
         names = [entry.name for entry in traceback.extract_tb(raised.value.__traceback__)]
-        assert names[1:] == ["run", "run_both", "authoritative"]
+        assert names[1:] == ["run", "run_both", "_timed", "authoritative"]
         assert raised.value.__context__ is outer
 
 

@@ -166,9 +166,9 @@ def test_accepts_a_complete_last_line_without_a_newline(tmp_path):
 
 def test_raises_for_a_whole_last_line_without_a_newline_that_is_no_valid_record(tmp_path):
     path = tmp_path / "log.jsonl"  # whole JSON is no write cut short: a newer writer's record, say
-    record = {**json.loads(make_summary().model_dump_json()), "schema_version": 2}
+    record = {**json.loads(make_summary().model_dump_json()), "schema_version": 3}
     path.write_text(make_record(0).model_dump_json() + "\n" + json.dumps(record))
-    with pytest.raises(RecordError, match=rf"^{path}:2: unsupported schema_version 2"):
+    with pytest.raises(RecordError, match=rf"^{path}:2: unsupported schema_version 3"):
         read_log(path)
 
 
@@ -236,7 +236,7 @@ def test_ends_a_whole_last_record_without_a_newline_instead_of_dropping_it(tmp_p
 
 def test_keeps_a_whole_last_line_without_a_newline_that_is_no_valid_record(tmp_path, recwarn):
     path = tmp_path / "log.jsonl"
-    record = json.dumps({**json.loads(make_summary().model_dump_json()), "schema_version": 2})
+    record = json.dumps({**json.loads(make_summary().model_dump_json()), "schema_version": 3})
     path.write_text(record)
     write_log(path, [make_record(1)])
     assert path.read_text() == record + "\n" + make_record(1).model_dump_json() + "\n"

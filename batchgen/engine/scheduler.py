@@ -1,0 +1,44 @@
+"""Which requests run this step: the RUNNING decodes, then the WAITING requests that fit.
+
+No request is admitted while any is SWAPPED: swapped requests come back first. So RUNNING +
+LOADING + SWAPPED never exceeds ``max_num_seqs``, an invariant the KV policy relies on
+(``batchgen.shadow.coverage`` marks migration's ``max_num_seqs`` stop unreachable for it).
+"""
+
+from __future__ import annotations
+
+from batchgen.config import CacheConfig, EngineConfig
+from batchgen.engine.state import Phase, WorkerState
+from batchgen.kv.plans import pages_needed
+
+
+def schedule(
+    state: WorkerState, num_free_gpu_pages: int, cache: CacheConfig, engine: EngineConfig
+) -> list[str]:
+    """The step's batch: every RUNNING request, then WAITING ones, oldest first, each admitted if
+    it fits: pages above the watermark once every decode has its page, a free sequence slot, and
+    tokens within ``max_num_batched_tokens`` less the decodes, which the step's first admitted
+    request may exceed (no chunked prefill: a long prompt runs whole). Pure."""
+    running = state.in_phase(Phase.RUNNING)
+    batch = [r.uuid for r in running]
+    if state.in_phase(Phase.SWAPPED):
+        return batch
+    page_size = cache.page_size
+    free = num_free_gpu_pages - sum(
+        pages_needed(r.num_tokens, page_size) - len(r.gpu_page_ids) for r in running
+    )
+    num_active = len(running) + len(state.in_phase(Phase.LOADING))
+    budget = engine.max_num_batched_tokens - len(running)
+    admitted = 0
+    for req in sorted(state.in_phase(Phase.WAITING), key=lambda r: r.arrival_index):
+        if num_active >= engine.max_num_seqs:
+            break
+        num_pages = pages_needed(req.num_tokens, page_size)
+        if free - num_pages < cache.watermark_pages or (admitted and req.num_tokens > budget):
+            continue  # a younger, smaller request may still fit; the oldest goes first later
+        batch.append(req.uuid)
+        admitted += 1
+        num_active += 1
+        budget -= req.num_tokens
+        free -= num_pages
+    return batch

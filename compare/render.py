@@ -1,0 +1,262 @@
+"""A report for people and for CI: plain text, GitHub markdown, JUnit XML, JSON.
+
+Every renderer is pure and returns a string (write it with ``compare.sink.write_atomic``). Ids
+and paths come from logs, anyone's strings: text escapes control characters, markdown escapes
+table syntax, JUnit escapes what XML cannot hold.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import xml.etree.ElementTree as ET
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from compare.coverage import CoverageRow
+from compare.report import PathStats, Report
+
+_TOP_PATHS = 5  # field paths listed per JUnit failure
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")  # not in XML 1.0
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # what a terminal acts on (not \t, \n)
+
+
+def headline(report: Report) -> str:
+    """ "N divergences in M compared ops" (an op compared at one step counts once), and the harness
+    errors if any."""
+    line = (
+        f"{_plural(report.num_divergences, 'divergence')} in "
+        f"{_plural(report.num_compared, 'compared op')}"
+    )
+    if report.num_harness_errors:
+        line += f", {_plural(report.num_harness_errors, 'harness error')}"
+    return line
+
+
+def coverage_line(report: Report) -> str:
+    """ "decision coverage: R of N required outcomes reached", then those missed, if any."""
+    required = [row for row in report.coverage if row.required]
+    if not required:
+        return f"decision coverage: {_plural(len(report.coverage), 'outcome')} reached"
+    line = f"decision coverage: {len(required) - len(report.unreached)} of {len(required)}"
+    line += " required outcomes reached"
+    if report.unreached:
+        line += f"; never reached: {', '.join(report.unreached)}"
+    if report.unexpected:
+        line += f"; reached but ruled out or unknown: {', '.join(report.unexpected)}"
+    return line
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _rate(divergences: int, compared: int) -> str:
+    return f"{divergences / compared:.2%}" if compared else "n/a"
+
+
+def _steps(stats: PathStats) -> str:
+    if stats.first_step == stats.last_step:
+        return str(stats.first_step)
+    return f"{stats.first_step}-{stats.last_step}"
+
+
+def _first(row: CoverageRow) -> str:
+    return "-" if row.first_workload is None else f"{row.first_workload} step {row.first_step}"
+
+
+def _note(row: CoverageRow) -> str:
+    if row.unreachable is not None:
+        return f"unreachable: {row.unreachable}"
+    return "NOT REACHED" if row.required and not row.count else ""
+
+
+def _overhead(report: Report) -> str:
+    line = f"{_plural(report.num_runs, 'run')}, "
+    line += _plural(report.num_harness_errors, "harness error")
+    if report.authoritative_seconds > 0:
+        line += (
+            f"; compare overhead {report.compare_seconds:.3g} s on "
+            f"{report.authoritative_seconds:.3g} s authoritative "
+            f"({report.compare_seconds / report.authoritative_seconds:.2f}x)"
+        )
+    return line
+
+
+# ---- text ----------------------------------------------------------------------------------
+def render_text(report: Report, *, width: int = 120) -> str:
+    """The report as plain-text rich tables (for terminals and CI logs)."""
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, force_terminal=False)
+    for line in (headline(report), coverage_line(report), _overhead(report)):
+        console.print(_terminal(line))
+    console.print(
+        _table(
+            "By op",
+            ("op", "compared", "divergences", "rate"),
+            [
+                (
+                    s.op,
+                    str(s.num_compared),
+                    str(s.num_divergences),
+                    _rate(s.num_divergences, s.num_compared),
+                )
+                for s in report.ops
+            ],
+        )  # fmt: skip
+    )
+    if report.coverage:
+        columns = ("outcome", "count", "runs", "first reached", "note")
+        rows = [
+            (r.outcome, str(r.count), str(r.num_runs), _first(r), _note(r)) for r in report.coverage
+        ]
+        console.print(_table("Decision coverage", columns, rows))
+    if report.paths:
+        columns = ("op", "field path", "count", "steps", "workloads", "kinds", "example")
+        rows = [
+            (s.op, s.path, str(s.count), _steps(s), ", ".join(s.workloads), ", ".join(s.kinds),
+             f"{s.samples[0].path} ({s.samples[0].workload} step {s.samples[0].step})")
+            for s in report.paths
+        ]  # fmt: skip
+        console.print(_table("By field path", columns, rows))
+    return out.getvalue()
+
+
+def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+    """A rich table; columns holding counts are right-aligned, every cell escaped. Pure."""
+    table = Table(title=title)
+    numeric = {"compared", "divergences", "rate", "count", "runs"}
+    for column in columns:
+        table.add_column(column, justify="right" if column in numeric else "left")
+    for row in rows:
+        table.add_row(*map(_terminal, row))
+    return table
+
+
+def _terminal(text: str) -> Text:
+    """``text`` for a terminal: plain (no rich markup), each control character written as its
+    escape (``\\x1b``), so ids from a log cannot move the cursor or recolour the screen."""
+    return Text(_CONTROL.sub(_escaped, text))
+
+
+def _escaped(match: re.Match) -> str:
+    return match.group().encode("unicode_escape").decode("ascii")
+
+
+# ---- markdown ------------------------------------------------------------------------------
+def render_markdown(report: Report, *, max_paths: int = 50) -> str:
+    """The report as GitHub-flavoured markdown, sized for a job summary: the divergence count,
+    right under it the decision coverage, then the tables."""
+    lines = [f"### {headline(report)}", "", _cell(coverage_line(report)), "", _overhead(report)]
+    lines += ["", "| op | compared | divergences | rate |", "|---|---:|---:|---:|"]
+    lines += [
+        f"| {_cell(s.op)} | {s.num_compared} | {s.num_divergences} | "
+        f"{_rate(s.num_divergences, s.num_compared)} |"
+        for s in report.ops
+    ]
+    if report.coverage:
+        lines += [
+            "",
+            "| outcome | count | runs | first reached | note |",
+            "|---|---:|---:|---|---|",
+        ]
+        lines += [
+            f"| {_code(r.outcome)} | {r.count} | {r.num_runs} | {_cell(_first(r))} | "
+            f"{_cell(_note(r))} |"
+            for r in report.coverage
+        ]
+    if report.paths:
+        lines += ["", "| op | field path | count | steps | workloads | kinds | example |"]
+        lines.append("|---|---|---:|---|---|---|---|")
+        for stats in report.paths[:max_paths]:
+            sample = stats.samples[0]
+            lines.append(
+                f"| {_cell(stats.op)} | {_code(stats.path)} | {stats.count} | "
+                f"{_steps(stats)} | {_cell(', '.join(stats.workloads))} | "
+                f"{_cell(', '.join(stats.kinds))} | {_code(sample.path)} "
+                f"({_cell(sample.workload)} step {sample.step}) |"
+            )
+        if len(report.paths) > max_paths:
+            lines += ["", f"... and {len(report.paths) - max_paths} more field paths."]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    """``text`` for one table cell: pipes escaped, line breaks (\\n and \\r alike) made spaces."""
+    return text.replace("|", "\\|").replace("\n", " ").replace("\r", " ")
+
+
+def _code(text: str) -> str:
+    """``text`` as a code span in a table cell, fenced by more backticks than it holds in a row
+    (a path may hold backticks: ids are anyone's strings)."""
+    fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{_cell(text)}{pad}{fence}"
+
+
+# ---- JUnit ---------------------------------------------------------------------------------
+def render_junit(report: Report) -> str:
+    """JUnit XML. Suite ``compare``: one test case per (workload, op), failing where divergences
+    exist, and a failing ``harness`` case when the harness itself failed (those ops were not
+    compared). Suite ``coverage``: one case per required outcome, failing when no run reached
+    it."""
+    suites = ET.Element("testsuites")
+    _compare_suite(suites, report)
+    required = [row for row in report.coverage if row.required]
+    if required:
+        suite = _suite(suites, "coverage", len(required), len(report.unreached), 0.0)
+        for row in required:
+            case = ET.SubElement(suite, "testcase", classname="coverage", name=_xml(row.outcome))
+            if not row.count:
+                message = f"no compared {row.op} op reached it: {row.meaning}"
+                ET.SubElement(case, "failure", type="not_reached", message=_xml(message))
+    return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def _compare_suite(suites: ET.Element, report: Report) -> None:
+    failed = [pair for pair in report.pairs if pair.num_divergences]
+    harness_failed = report.num_harness_errors > 0
+    num_tests, num_failures = len(report.pairs) + harness_failed, len(failed) + harness_failed
+    suite = _suite(suites, "compare", num_tests, num_failures, report.compare_seconds)
+    properties = ET.SubElement(suite, "properties")
+    errors = str(report.num_harness_errors)
+    ET.SubElement(properties, "property", name="harness_errors", value=errors)
+    for pair in report.pairs:
+        name = _xml(f"{pair.workload}.{pair.op}")
+        case = ET.SubElement(suite, "testcase", classname="compare", name=name)
+        if pair.num_divergences:
+            message = (
+                f"{_plural(pair.num_divergences, 'divergence')} in "
+                f"{_plural(pair.num_compared, 'compared step')}"
+            )
+            failure = ET.SubElement(case, "failure", type="divergence", message=message)
+            top = pair.top_paths[:_TOP_PATHS]
+            failure.text = _xml("\n".join(f"{count} x {path}" for path, count in top))
+    if harness_failed:
+        case = ET.SubElement(suite, "testcase", classname="compare", name="harness")
+        message = (
+            f"{_plural(report.num_harness_errors, 'harness error')}: the ops they hit were not "
+            "compared"
+        )
+        ET.SubElement(case, "failure", type="harness_error", message=message)
+
+
+def _suite(parent: ET.Element, name: str, tests: int, failures: int, seconds: float) -> ET.Element:
+    attributes = {"tests": str(tests), "failures": str(failures), "errors": "0", "skipped": "0"}
+    return ET.SubElement(parent, "testsuite", name=name, **attributes, time=f"{seconds:.3f}")
+
+
+def _xml(text: str) -> str:
+    """``text`` with each character XML 1.0 cannot hold (control characters, say) written as its
+    escape (``\\x1b``): ElementTree would write them raw, making the document unreadable."""
+    return _NOT_XML.sub(_escaped, text)
+
+
+# ---- JSON ----------------------------------------------------------------------------------
+def render_json(report: Report) -> str:
+    """The whole report as JSON (sorted keys, stable across runs)."""
+    return json.dumps(asdict(report), indent=2, sort_keys=True) + "\n"
