@@ -1536,7 +1536,7 @@ CASES: tuple[BadInput, ...] = (
                             "pre_state": to_jsonable(
                                 KvPreState(
                                     _SNAPSHOT,
-                                    (RequestKvView("r0", "flying", 0, 4, 0, (), (), 0, None),),
+                                    (RequestKvView("r0", "flying", 0, 4, 0, (), (), 0, None, 4),),
                                 )
                             ),
                         }

@@ -59,25 +59,20 @@ from batchgen.engine.runner import RunResult, run_workload
 from batchgen.engine.state import Phase, Request, RequestState, WorkerState
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, builtin_workload
+from batchgen.kv import appliers, plan_path
 from batchgen.kv import manager as kv_manager
-from batchgen.kv import plan_path as kv_apply
+from batchgen.kv.appliers import PlanRejected
 from batchgen.kv.backends import CompletedHandle, HostKvPool
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.manager import KVCacheManager
 from batchgen.kv.page_copy import CopyError
-from batchgen.kv.appliers import PlanRejected
 from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
-from batchgen.shadow import kv_compare
-from batchgen.shadow.forms import (
-    add_requests,
-    canonical_result,
-    detach_fork,
-    differing_requests,
-    fork_target,
-)
+from batchgen.shadow import forms, kv_compare
+from batchgen.shadow.fork import detach_fork, differing_requests, fork_target
+from batchgen.shadow.forms import add_requests, canonical_result
 from compare import (
     DivergenceError,
     DivergenceRecord,
@@ -130,7 +125,14 @@ def method_mutant(name: str, old: str, new: str) -> Callable[[pytest.MonkeyPatch
 
 def applier_mutant(name: str, old: str, new: str) -> Callable[[pytest.MonkeyPatch], None]:
     def inject(monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(kv_apply, name, mutate(getattr(kv_apply, name), old, new))
+        monkeypatch.setattr(plan_path, name, mutate(getattr(plan_path, name), old, new))
+
+    return inject
+
+
+def function_mutant(name: str, old: str, new: str) -> Callable[[pytest.MonkeyPatch], None]:
+    def inject(monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(kv_manager, name, mutate(getattr(kv_manager, name), old, new))
 
     return inject
 
@@ -159,7 +161,7 @@ def failing_fast(workload: Workload) -> Workload:
 
 def handle_of_no_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Migration issues each load's copy, then gives the request a finished handle of no copy."""
-    monkeypatch.setattr(kv_apply, "CompletedHandle", CompletedHandle, raising=False)
+    monkeypatch.setattr(appliers, "CompletedHandle", CompletedHandle, raising=False)
     applier_mutant(
         "apply_migration_plan",
         "        req.load_handle = target.host_kv.load_to_gpu_async(load.uuid,"
@@ -297,8 +299,8 @@ BUGS = [
         "alloc-off-by-one-page",
         method_mutant(
             "plan_allocation",
-            "need = (num_tokens + up) // page_size - len(page_ids)",
-            "need = num_tokens // page_size + 1 - len(page_ids)",
+            "need = max(0, pages_needed(num_tokens, page_size) - len(page_ids))",
+            "need = max(0, num_tokens // page_size + 1 - len(page_ids))",
         ),
         frozenset({"alloc"}),
         "invalid_plan",
@@ -308,8 +310,8 @@ BUGS = [
         "alloc-page-ids-reversed",
         method_mutant(
             "plan_allocation",
-            "self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)",
-            "self._gpu_kv.peek_free_pages(snapshot.num_free_gpu_pages - free)[::-1]",
+            "_peek(self._gpu_kv, req.snapshot.num_free_gpu_pages - free)",
+            "_peek(self._gpu_kv, req.snapshot.num_free_gpu_pages - free)[::-1]",
         ),
         frozenset({"alloc"}),
         "state",
@@ -329,7 +331,7 @@ BUGS = [
     ),
     Bug(
         "poll-retries-failed-load-forever",
-        method_mutant("plan_poll", "retries < geometry.max_load_retries", "True"),
+        function_mutant("_poll_decision", "num_retries < geometry.max_load_retries", "True"),
         frozenset({"poll"}),
         "invalid_plan",
         message=r"PollPlan\.actions\[\d+\]: .* has no retries left",
@@ -337,7 +339,7 @@ BUGS = [
     ),
     Bug(
         "poll-never-retries-failed-load",
-        method_mutant("plan_poll", "retries < geometry.max_load_retries", "False"),
+        function_mutant("_poll_decision", "num_retries < geometry.max_load_retries", "False"),
         frozenset({"poll"}),
         "state",
         evidence=("requests[*].phase", "stats.recompute_preemptions"),
@@ -385,8 +387,8 @@ BUGS = [
         "evict-host-page-ids-permuted",
         method_mutant(
             "plan_eviction",
-            "self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)",
-            "self._host_kv.peek_free_pages(snapshot.num_free_host_pages - free_host)[::-1]",
+            "_peek(self._host_kv, snapshot.num_free_host_pages - free_host)",
+            "_peek(self._host_kv, snapshot.num_free_host_pages - free_host)[::-1]",
         ),
         frozenset({"evict"}),
         "state",
@@ -417,8 +419,9 @@ BUGS = [
         "evict-counts-evictions-it-did-not-make",
         applier_mutant(
             "apply_eviction_plan",
-            "    if not plan.victims:\n        return\n",
-            "    if not plan.victims:\n        target.state.stats.evictions += 1\n        return\n",
+            "    check_eviction_plan(target, plan)\n",
+            "    check_eviction_plan(target, plan)\n"
+            "    if not plan.victims:\n        target.state.stats.evictions += 1\n",
         ),
         frozenset({"evict"}),
         "state",
@@ -474,7 +477,7 @@ BUGS = [
     # the load_failure="fail" policy: a request out of retries fails
     Bug(
         "poll-recomputes-when-told-to-fail",
-        method_mutant("plan_poll", 'elif geometry.load_failure == "fail":', "elif False:"),
+        function_mutant("_poll_decision", 'if geometry.load_failure == "fail":', "if False:"),
         frozenset({"poll"}),
         "state",
         evidence=("requests[*].phase", "requests[*].finish_reason"),
@@ -642,7 +645,7 @@ def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_re
     def crash(*args, **kwargs):
         raise RuntimeError(f"injected harness crash in {broken}")
 
-    monkeypatch.setattr(kv_compare, broken, crash)
+    monkeypatch.setattr(kv_compare if broken == "fork_target" else forms, broken, crash)
     with pytest.warns(HarnessWarning, match=broken):
         run = run_compare(tiny, tmp_path / "log.jsonl", [workload], authoritative="plan", mode=mode)
     [result], [summary] = run.results, run.summaries
@@ -666,7 +669,7 @@ def test_journaling_stops_after_every_op_compared_or_not(
     one whose canonical forms crashed, must leave nothing recording (it would grow without
     bound)."""
     if harness_crash:
-        monkeypatch.setattr(kv_compare, "differing_requests", lambda *args: 1 / 0)
+        monkeypatch.setattr(forms, "differing_requests", lambda *args: 1 / 0)
     workload = stress_smoke(1)
     gate = KvGateConfig(
         path="plan", compare="log", compare_sample=0.5, compare_log=str(tmp_path / "log.jsonl")
@@ -752,9 +755,8 @@ def test_an_alloc_answering_with_a_tuple_of_the_same_uuids_is_no_divergence(
 ):
     applier_mutant(
         "apply_alloc_plan",
-        "    return [uuid for uuid in batch if uuid not in left_out] if left_out else list(batch)",
-        "    return tuple(uuid for uuid in batch if uuid not in left_out) if left_out else"
-        " tuple(batch)",
+        "    return [uuid for uuid in request.batch if uuid not in left_out]",
+        "    return tuple(uuid for uuid in request.batch if uuid not in left_out)",
     )(monkeypatch)
     run = run_compare(
         tiny, tmp_path / "log.jsonl", [stress_smoke(0)], authoritative=authoritative, mode="log"
@@ -900,15 +902,15 @@ def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state
     gate = KvGateConfig(path="legacy", compare="log", compare_log=str(tmp_path / "log.jsonl"))
     worker = Worker(tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate)
     built = {}
-    migrate = worker._kv_migrate
+    migrate = worker._kv.migrate
 
     def building_migrate():
         built[worker.state.step] = to_jsonable(
-            kv_apply.PlanKvPath(worker.kv_target()).migration_request()
+            plan_path.PlanKvPath(worker.kv_target()).migration_request()
         )
         return migrate()
 
-    worker._kv_migrate = building_migrate
+    worker._kv.migrate = building_migrate
     run_workload(worker, workload)
     records = [
         r for r in read_log(tmp_path / "log.jsonl").records if isinstance(r, DivergenceRecord)

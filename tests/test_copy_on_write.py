@@ -19,14 +19,14 @@ import pytest
 
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import run_workload
+from batchgen.engine.scheduler import schedule
 from batchgen.engine.state import Phase, Request, RequestState
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
-from batchgen.kv import legacy as legacy_kv
 from batchgen.kv import appliers
+from batchgen.kv import legacy as legacy_kv
 from batchgen.kv.gate import KvGateConfig, build_kv_path
 from batchgen.model.loader import load_model
-from batchgen.engine.scheduler import schedule
 from batchgen.shadow.fork import KV_FIELDS, fork_target
 from batchgen.shadow.forms import add_requests
 from compare import Keyed

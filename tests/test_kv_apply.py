@@ -32,8 +32,6 @@ from batchgen.engine.state import (
     WorkerState,
 )
 from batchgen.engine.worker import PendingAppend
-from batchgen.kv.backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
-from batchgen.kv.gate import build_kv_path
 from batchgen.kv.appliers import (
     PlanRejected,
     apply_alloc_plan,
@@ -42,6 +40,8 @@ from batchgen.kv.appliers import (
     apply_poll_plan,
     apply_release_plan,
 )
+from batchgen.kv.backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
+from batchgen.kv.gate import build_kv_path
 from batchgen.kv.plan_path import PlanKvPath
 from batchgen.kv.plans import (
     AllocPlan,
@@ -174,11 +174,12 @@ def test_op_requests_hold_the_columns_of_the_requests_each_op_reads():
     snapshot = KvSnapshot(7, path.geometry, num_free_gpu_pages=4, num_free_host_pages=3)
     running = PageColumns(("run0", "run1"), (7, 9), ((0, 1), (2, 3)))
     # run1's 9 tokens need a third page of 4; run0's 7 fit its 2: a decode demand of 1
-    assert path.eviction_request() == EvictionRequest(snapshot, running)
+    assert path.eviction_request() == EvictionRequest(snapshot, running, decode_demand=1)
     assert path.migration_request() == MigrationRequest(
         snapshot,
         SwappedColumns(("swap2", "swap6"), ((0, 1), (4,)), (6, 6)),
         running,
+        decode_demand=1,
         num_loading=1,
     )
     # run0's 7 tokens fit its 2 pages of 4: it needs nothing and is left out of the columns
@@ -200,7 +201,7 @@ def test_migration_reads_no_running_request_while_nothing_is_swapped():
     assert request.swapped == SwappedColumns((), (), ()) and request.running == PageColumns(
         (), (), ()
     )
-    assert request.num_loading == 0
+    assert (request.decode_demand, request.num_loading) == (0, 0)
 
 
 def test_a_request_view_holds_what_a_kv_op_may_read_of_it():

@@ -50,6 +50,7 @@ from batchgen.kv.plans import (
     RequestKvView,
     SwappedColumns,
     Victim,
+    decode_demand,
 )
 from batchgen.model.null_model import NullModel
 
@@ -136,13 +137,14 @@ def page_columns(views) -> PageColumns:
     )
 
 
-def running_columns(views) -> PageColumns:
-    """The RUNNING requests of ``views`` as columns."""
-    return page_columns(v for v in views if v.phase == RUNNING)
+def running_columns(snap: KvSnapshot, views) -> tuple[PageColumns, int]:
+    """The RUNNING requests of ``views`` as columns, and their decode demand."""
+    running = page_columns(v for v in views if v.phase == RUNNING)
+    return running, decode_demand(running, snap.geometry.page_size)
 
 
 def eviction_request(snap: KvSnapshot, views) -> EvictionRequest:
-    return EvictionRequest(snap, running_columns(views))
+    return EvictionRequest(snap, *running_columns(snap, views))
 
 
 def migration_request(snap: KvSnapshot, views, num_loading: int) -> MigrationRequest:
@@ -152,7 +154,7 @@ def migration_request(snap: KvSnapshot, views, num_loading: int) -> MigrationReq
         tuple(v.host_page_ids for v in swapped),
         tuple(v.swapped_step for v in swapped),
     )
-    return MigrationRequest(snap, columns, running_columns(views), num_loading)
+    return MigrationRequest(snap, columns, *running_columns(snap, views), num_loading)
 
 
 def alloc_request(snap: KvSnapshot, views, batch: tuple[str, ...]) -> AllocRequest:

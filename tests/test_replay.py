@@ -1,7 +1,7 @@
 import pytest
 
 import batchgen.kv.manager as kv_manager
-import batchgen.kv.plan_path as kv_apply
+import batchgen.kv.plan_path as plan_path
 from batchgen.config import TINY_MODELS
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import run_workload
@@ -24,13 +24,8 @@ from batchgen.kv.plans import (
     Victim,
 )
 from batchgen.model.null_model import NullModel
-from batchgen.shadow.replay import (
-    PLACEHOLDER_OWNER,
-    ReplayError,
-    op_request,
-    rebuild_target,
-    replay_record,
-)
+from batchgen.shadow.rebuild import PLACEHOLDER_OWNER, ReplayError, rebuild_target
+from batchgen.shadow.replay import replay_record
 from compare import DivergenceRecord, read_log
 
 Manager = kv_manager.KVCacheManager
@@ -113,26 +108,6 @@ def test_a_logged_divergence_reproduces_from_its_record_alone(tmp_path, monkeypa
         assert outcome.field_paths == tuple(record.field_paths)
 
 
-@pytest.mark.parametrize("op", ["evict", "migrate"])
-def test_a_record_from_before_decode_demand_replays_with_the_demand_of_its_running_columns(
-    tmp_path, monkeypatch, op
-):
-    inject(monkeypatch, op)
-    records = divergences(tmp_path)
-    assert records
-    for record in records:
-        demand = record.replay["request"]["decode_demand"]
-        old = record.model_copy(deep=True)
-        del old.replay["request"]["decode_demand"]  # as a log written before the field was
-        assert op_request(old) == op_request(record) and op_request(old).decode_demand == demand
-        assert replay_record(old) == replay_record(record) and replay_record(old).reproduced
-    del old.replay["request"]["running"]  # what cannot be summed is left for validation to name
-    with pytest.raises(
-        ReplayError, match=f"op '{op}': the recorded request is not a valid .*Request: .*running"
-    ):
-        op_request(old)
-
-
 @pytest.mark.parametrize(
     "op, change",
     [
@@ -169,13 +144,12 @@ def test_a_record_from_before_decode_demand_replays_with_the_demand_of_its_runni
         ),
     ],
 )
-def test_a_malformed_old_record_is_refused_by_validation_not_by_a_crash(
+def test_a_malformed_record_is_refused_by_validation_not_by_a_crash(
     tmp_path, monkeypatch, op, change
 ):
     inject(monkeypatch, op)
     record = next(r for r in divergences(tmp_path) if op != "poll" or r.replay["request"]["uuids"])
     old = record.model_copy(deep=True)
-    old.replay["request"].pop("decode_demand", None)  # as a log written before the field
     change(old.replay["request"])
     with pytest.raises(
         ReplayError,
@@ -185,22 +159,6 @@ def test_a_malformed_old_record_is_refused_by_validation_not_by_a_crash(
         ),
     ):
         replay_record(old)
-
-
-def test_a_poll_record_from_before_retries_were_dropped_for_landed_loads_replays(
-    tmp_path, monkeypatch
-):
-    inject(monkeypatch, "poll")
-    records = [
-        r for r in divergences(tmp_path) if all(e is None for e in r.replay["request"]["errors"])
-    ]
-    assert records and all(r.replay["request"]["num_load_retries"] == [] for r in records)
-    for record in records:
-        old = record.model_copy(deep=True)
-        # as logged before
-        old.replay["request"]["num_load_retries"] = [0] * len(old.replay["request"]["errors"])
-        assert op_request(old) == op_request(record)
-        assert replay_record(old) == replay_record(record) and replay_record(old).reproduced
 
 
 FAULTS = (
@@ -260,7 +218,7 @@ def test_a_record_whose_plan_path_raised_before_its_request_is_refused_pointing_
 def forgets_generated_tokens(monkeypatch):
     """A recompute eviction that sets the victim's token count back to its prompt's: a field KV ops
     only read."""
-    apply = kv_apply.apply_eviction_plan
+    apply = plan_path.apply_eviction_plan
 
     def buggy(target, plan):
         apply(target, plan)
@@ -270,7 +228,7 @@ def forgets_generated_tokens(monkeypatch):
                 req = target.state.requests[victim.uuid]
                 req.num_tokens = len(req.request.prompt_ids)
 
-    monkeypatch.setattr(kv_apply, "apply_eviction_plan", buggy)
+    monkeypatch.setattr(plan_path, "apply_eviction_plan", buggy)
 
 
 def test_a_divergence_that_depends_on_how_many_tokens_are_prompt_reproduces(tmp_path, monkeypatch):
@@ -291,15 +249,9 @@ def test_a_divergence_that_depends_on_how_many_tokens_are_prompt_reproduces(tmp_
         )
 
 
-def test_a_view_without_its_prompt_length_replays_as_all_prompt_and_a_bad_one_is_refused():
-    old = alloc_record(
-        views=VIEWS, num_free_gpu=5, authoritative_ids=[7, 2], shadow_ids=[7, 9], batch=["a", "b"]
-    )
-    assert {len(view) for view in VIEWS} == {9}  # a log from before num_prompt_tokens
-    a = rebuild_target(old).state.requests["a"]
-    assert (len(a.request.prompt_ids), a.output_ids, a.num_tokens) == (9, [], 9)
+def test_a_view_splits_its_tokens_into_prompt_and_outputs_and_a_bad_split_is_refused():
     split = alloc_record(
-        views=[[*VIEWS[0], 4], VIEWS[1]],
+        views=[[*VIEWS[0][:9], 4], VIEWS[1]],
         num_free_gpu=5,
         authoritative_ids=[7, 2],
         shadow_ids=[7, 9],
@@ -308,7 +260,7 @@ def test_a_view_without_its_prompt_length_replays_as_all_prompt_and_a_bad_one_is
     a = rebuild_target(split).state.requests["a"]
     assert (len(a.request.prompt_ids), len(a.output_ids), a.num_tokens) == (4, 5, 9)
     bad = alloc_record(
-        views=[[*VIEWS[0], 10], VIEWS[1]],
+        views=[[*VIEWS[0][:9], 10], VIEWS[1]],
         num_free_gpu=5,
         authoritative_ids=[7, 2],
         shadow_ids=[7, 9],
@@ -318,6 +270,15 @@ def test_a_view_without_its_prompt_length_replays_as_all_prompt_and_a_bad_one_is
         ReplayError, match=r"request a: num_prompt_tokens 10 is not in \[1, num_tokens = 9\]"
     ):
         rebuild_target(bad)
+    unsplit = alloc_record(
+        views=[VIEWS[0][:9], VIEWS[1]],
+        num_free_gpu=5,
+        authoritative_ids=[7, 2],
+        shadow_ids=[7, 9],
+        batch=["a", "b"],
+    )
+    with pytest.raises(ReplayError, match=r"the recorded pre-state is not a valid KvPreState"):
+        rebuild_target(unsplit)
 
 
 @pytest.mark.parametrize("op", sorted(BUGS))
@@ -409,8 +370,8 @@ def alloc_record(*, views, num_free_gpu, authoritative_ids, shadow_ids, batch):
 
 
 VIEWS = [
-    ["a", "running", 0, 9, 8, [3, 4, 5], [], 0, None],
-    ["b", "waiting", 1, 6, 0, [], [], 0, None],
+    ["a", "running", 0, 9, 8, [3, 4, 5], [], 0, None, 9],
+    ["b", "waiting", 1, 6, 0, [], [], 0, None, 6],
 ]
 
 
@@ -470,7 +431,7 @@ def test_the_rebuilt_requests_match_the_views():
 
 
 def test_a_record_whose_pages_are_owned_twice_is_refused():
-    views = [VIEWS[0], ["b", "running", 1, 6, 5, [5, 6], [], 0, None]]
+    views = [VIEWS[0], ["b", "running", 1, 6, 5, [5, 6], [], 0, None, 6]]
     record = alloc_record(
         views=views, num_free_gpu=5, authoritative_ids=[7], shadow_ids=[7], batch=["a", "b"]
     )

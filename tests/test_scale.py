@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.plans import pages_needed
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SCRIPT = SCRIPTS / "scale_check.py"

@@ -10,13 +10,13 @@ import torch
 from pydantic import ValidationError
 
 from batchgen.config import CacheConfig, EngineConfig
-from batchgen.engine import worker as worker_module
+from batchgen.kv import tiers
+from batchgen.engine.request_checks import RequestError
 from batchgen.engine.runner import RunResult, run_workload
 from batchgen.engine.state import Phase, Request
-from batchgen.engine.request_checks import RequestError
 from batchgen.engine.worker import Worker
-from batchgen.kv.tiers import PoolAllocationError
 from batchgen.engine.workloads import Workload, WorkloadRequest, builtin_workload
+from batchgen.kv.tiers import PoolAllocationError
 from batchgen.model import loader
 from batchgen.model.loader import load_model
 from batchgen.shadow.output_check import compare_exact, compare_outputs
@@ -430,7 +430,7 @@ def test_pools_past_the_memory_available_are_refused_before_any_is_allocated(mod
     what is available would have the OS kill the process part way through."""
     allocated = []
     monkeypatch.setattr(
-        worker_module, "new_page_tensor", lambda *args, **kwargs: allocated.append(args)
+        tiers, "new_page_tensor", lambda *args, **kwargs: allocated.append(args)
     )
     # float32
     page_bytes = (

@@ -14,6 +14,7 @@ from batchgen.engine.workloads import (
     load_workload,
 )
 from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.plans import pages_needed
 from batchgen.model.null_model import NullModel
 
 

@@ -53,7 +53,6 @@ from batchgen.kv.plans import (
     ReleasePlan,
     ReleaseRequest,
     Victim,
-    decode_demand,
     pages_needed,
 )
 
@@ -92,13 +91,13 @@ class KVCacheManager:
         page_size = snapshot.geometry.page_size
         watermark = eviction_watermark_pages(snapshot)
         free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
-        demand = decode_demand(running, page_size)
+        demand = req.decode_demand
         chosen: list[tuple[int, Destination]] = []
-        i = len(running.uuids)  # the columns keep arrival order: the youngest is last
-        # decision: evict.none.no_running, evict.none.above_watermark, evict.none.at_watermark,
-        # evict.stop.above_watermark, evict.stop.at_watermark, evict.all_running
-        while i > 0 and free_gpu - demand < watermark:
-            i -= 1
+        for i in reversed(range(len(running.uuids))):  # youngest first: columns in arrival order
+            # decision: evict.none.no_running, evict.none.above_watermark, evict.none.at_watermark,
+            # evict.stop.above_watermark, evict.stop.at_watermark, evict.all_running
+            if free_gpu - demand >= watermark:
+                break
             num_pages = len(running.gpu_page_ids[i])
             demand -= pages_needed(running.num_tokens[i], page_size) - num_pages
             free_gpu += num_pages
@@ -113,7 +112,7 @@ class KVCacheManager:
     def plan_migration(self, req: MigrationRequest) -> MigrationPlan:
         snapshot, swapped = req.snapshot, req.swapped
         free = snapshot.num_free_gpu_pages
-        demand = decode_demand(req.running, snapshot.geometry.page_size)
+        demand = req.decode_demand
         num_active = len(req.running.uuids) + req.num_loading
         watermark = eviction_watermark_pages(snapshot)
         chosen: list[int] = []

@@ -30,6 +30,7 @@ from batchgen.kv.plans import (
     PollRequest,
     ReleaseRequest,
     SwappedColumns,
+    decode_demand,
 )
 from batchgen.kv.target import KvTarget
 
@@ -108,17 +109,20 @@ class PlanKvPath:
         return ReleaseRequest(self.snapshot(), tuple(uuids))
 
     def eviction_request(self) -> EvictionRequest:
-        return EvictionRequest(self.snapshot(), page_columns(self._in_phase(Phase.RUNNING)))
+        running = page_columns(self._in_phase(Phase.RUNNING))
+        return EvictionRequest(self.snapshot(), running, self._demand(running))
 
     def migration_request(self) -> MigrationRequest:
         """The SWAPPED requests, and the RUNNING ones with the LOADING count when any is
         SWAPPED (with nothing SWAPPED there is nothing to decide, and nothing more to read)."""
         swapped = self._in_phase(Phase.SWAPPED)
         if not swapped:
-            return MigrationRequest(self.snapshot(), swapped_columns(()), page_columns(()), 0)
+            return MigrationRequest(self.snapshot(), swapped_columns(()), page_columns(()), 0, 0)
         running = page_columns(self._in_phase(Phase.RUNNING))
         num_loading = len(self._in_phase(Phase.LOADING))
-        return MigrationRequest(self.snapshot(), swapped_columns(swapped), running, num_loading)
+        return MigrationRequest(
+            self.snapshot(), swapped_columns(swapped), running, self._demand(running), num_loading
+        )
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
         """The scheduled requests the op must act on: those whose tokens run past their last
@@ -130,6 +134,9 @@ class PlanKvPath:
             if req.num_tokens > len(req.gpu_page_ids) * page_size or req.phase is not Phase.RUNNING
         ]
         return AllocRequest(self.snapshot(), page_columns(needing), tuple(batch))
+
+    def _demand(self, running: PageColumns) -> int:
+        return decode_demand(running, self.geometry.page_size)
 
     def _in_phase(self, phase: Phase) -> list[RequestState]:
         return [r for r in self.target.state.requests.values() if r.phase is phase]

@@ -138,6 +138,7 @@ class ReleaseRequest:
 class EvictionRequest:
     snapshot: KvSnapshot
     running: PageColumns  # every RUNNING request, in arrival order
+    decode_demand: int  # of ``running`` (:func:`decode_demand`), summed where the request is built
 
 
 @frozen
@@ -145,6 +146,7 @@ class MigrationRequest:
     snapshot: KvSnapshot
     swapped: SwappedColumns  # every SWAPPED request, in arrival order
     running: PageColumns  # every RUNNING request; empty when nothing is SWAPPED
+    decode_demand: int  # of ``running`` (:func:`decode_demand`)
     num_loading: int  # LOADING requests; 0 when nothing is SWAPPED
 
 

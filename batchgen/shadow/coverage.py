@@ -27,7 +27,6 @@ from batchgen.kv.plans import (
     PollPlan,
     PollRequest,
     ReleaseRequest,
-    decode_demand,
     pages_needed,
 )
 from compare import Outcome
@@ -139,15 +138,16 @@ def eviction_outcomes(request: EvictionRequest, plan: EvictionPlan) -> list[str]
     if not running.uuids:
         return ["evict.none.no_running"]
     page_size = snapshot.geometry.page_size
-    margin = snapshot.num_free_gpu_pages - decode_demand(running, page_size)
-    margin -= eviction_watermark_pages(snapshot)
+    margin = (
+        snapshot.num_free_gpu_pages - request.decode_demand - eviction_watermark_pages(snapshot)
+    )
     if not plan.victims:
         return ["evict.none.at_watermark" if margin == 0 else "evict.none.above_watermark"]
     reached, free_host = [], snapshot.num_free_host_pages
-    index = {uuid: i for i, uuid in enumerate(running.uuids)}
-    for victim in plan.victims:
+    for k, victim in enumerate(plan.victims):
         num_pages = len(victim.gpu_page_ids)
-        margin += pages_needed(running.num_tokens[index[victim.uuid]], page_size)  # pages + share
+        num_tokens = running.num_tokens[_victim_column(running.uuids, k, victim.uuid)]
+        margin += pages_needed(num_tokens, page_size)  # its pages free up, its demand leaves
         if victim.destination is Destination.RECOMPUTE:
             reached.append("evict.to_recompute.host_full")
             continue
@@ -162,15 +162,21 @@ def eviction_outcomes(request: EvictionRequest, plan: EvictionPlan) -> list[str]
     return reached
 
 
+def _victim_column(uuids: tuple[str, ...], k: int, uuid: str) -> int:
+    """The column of the ``k``-th victim: the ``k``-th youngest, as the policy takes them (else
+    wherever it is). Pure."""
+    i = len(uuids) - 1 - k
+    return i if i >= 0 and uuids[i] == uuid else uuids.index(uuid)
+
+
 def migration_outcomes(request: MigrationRequest, plan: MigrationPlan) -> list[str]:
     snapshot, swapped = request.snapshot, request.swapped
     if not swapped.uuids:
         return ["migrate.none.nothing_swapped"]
     reached = []
-    margin = snapshot.num_free_gpu_pages - decode_demand(
-        request.running, snapshot.geometry.page_size
+    margin = (
+        snapshot.num_free_gpu_pages - request.decode_demand - eviction_watermark_pages(snapshot)
     )
-    margin -= eviction_watermark_pages(snapshot)
     num_active = len(request.running.uuids) + request.num_loading
     loaded = iter(plan.loads)
     next_load = next(loaded, None)

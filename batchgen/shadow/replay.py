@@ -43,14 +43,9 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     build = getattr(PlanKvPath(authoritative_target), OP_METHODS[op][1])
     _check_request(record, request, build(*args))
     kv_path, shadow_path = kv_paths(record.replay)
-    authoritative = _observe(
-        kv_path,
-        lambda: _run(authoritative_target, authoritative_target, kv_path, op, args, request),
-    )
-    fork = fork_target(shadow_target)
-    shadow = _observe(
-        shadow_path, lambda: _run(shadow_target, fork, shadow_path, op, args, request)
-    )
+    run = (op, args, request)
+    authoritative = _observe(kv_path, lambda: _run(authoritative_target, kv_path, *run))
+    shadow = _observe(shadow_path, lambda: _run(shadow_target, shadow_path, *run, on_fork=True))
     comparison = compare_observations(
         op, record.step, authoritative, shadow, classify=classify, exception_kind=exception_kind
     )

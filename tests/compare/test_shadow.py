@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from compare.observation import Comparison, Observation, exception_text
 from compare.errors import UNCLASSIFIED, DivergenceError, HarnessWarning
+from compare.observation import Comparison, Observation, exception_text
 from compare.shadow import ShadowExecutor
 
 shadow_module = importlib.import_module("compare.shadow")
