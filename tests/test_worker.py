@@ -10,12 +10,12 @@ import torch
 from pydantic import ValidationError
 
 from batchgen.config import CacheConfig, EngineConfig
-from batchgen.kv import tiers
 from batchgen.engine.request_checks import RequestError
 from batchgen.engine.runner import RunResult, run_workload
 from batchgen.engine.state import Phase, Request
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest, builtin_workload
+from batchgen.kv import tiers
 from batchgen.kv.tiers import PoolAllocationError
 from batchgen.model import loader
 from batchgen.model.loader import load_model
