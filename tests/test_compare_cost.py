@@ -20,6 +20,7 @@ from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plans import (
     EvictionPlan,
     EvictionRequest,
+    KvGeometry,
     KvSnapshot,
     MigrationPlan,
     MigrationRequest,
