@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from batchgen.cli.common import UsageError
+from batchgen.cli.explore import add_explore_command
 from batchgen.cli.logs import (
     RENDERERS,
     add_minimize_command,
@@ -266,4 +267,5 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_command(commands)
     add_replay_command(commands)
     add_minimize_command(commands)
+    add_explore_command(commands)
     return parser

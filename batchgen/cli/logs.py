@@ -23,6 +23,7 @@ from batchgen.cli.common import (
 )
 from batchgen.engine.workloads import Workload
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
+from batchgen.shadow.coverage import CATALOG
 from batchgen.shadow.minimize import (
     MinimizeResult,
     NotReproduced,
@@ -91,6 +92,12 @@ def add_report_command(commands) -> None:
         default=None,
         help="write the report to FILE, replaced atomically, instead of stdout (default: stdout)",
     )
+    parser.add_argument(
+        "--require-coverage",
+        action="store_true",
+        help="also exit 1 when a required decision outcome of an op the logs compared was never "
+        "reached (the report lists them either way)",
+    )
     parser.set_defaults(handler=_report)
 
 
@@ -105,7 +112,7 @@ def _report(args: argparse.Namespace) -> int:
     results = [read_log(path) for path in logs]
     records = [record for result in results for record in result.records]
     unended = [path for path, result in zip(logs, results) if not _ended(result)]
-    report = aggregate(records)
+    report = aggregate(records, CATALOG)
     _print_warnings([warning for result in results for warning in result.warnings])
     _print_warnings(
         [
@@ -127,6 +134,9 @@ def _report(args: argparse.Namespace) -> int:
     if args.format == "md":
         _append_step_summary(text)
     failed = report.num_divergences or report.num_harness_errors or unended or compared_nothing
+    if args.require_coverage and report.unreached:
+        _print_warnings([f"decision coverage: never reached: {', '.join(report.unreached)}"])
+        failed = True
     return EXIT_FAILED if failed else EXIT_OK
 
 

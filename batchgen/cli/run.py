@@ -37,6 +37,7 @@ from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.appliers import PlanRejected
 from batchgen.kv.gate import GATE_FLAGS, KvGateConfig, gate_config
 from batchgen.model.llama import LlamaForCausalLM
+from batchgen.shadow.coverage import unreached_outcomes
 from compare import DivergenceError, LogWriteError
 
 # Gate field -> (metavar, what the option means); the variable, option and allowed values come from
@@ -188,11 +189,14 @@ def _run(args: argparse.Namespace) -> int:
     cli = {field: getattr(args, f"kv_{field}") for field in GATE_FLAGS}
     gate = gate_config(os.environ, cli)
     _warn_unused_compare_settings(gate, cli)
-    injector = FaultInjector(FaultSpec.parse(args.faults)) if args.faults is not None else None
+    if args.faults is not None:
+        FaultSpec.parse(args.faults)  # a bad SPEC stops the run before the model loads
     if args.outputs is not None:  # before the model loads, which can take a minute
         check_outputs_path(args.outputs, _other_files(args, gate))
     workload, model = _workload_and_model(args)
     _warn_scale_ignored(args)
+    faults = args.faults if args.faults is not None else workload.faults  # the option replaces
+    injector = FaultInjector(FaultSpec.parse(faults)) if faults is not None else None
     worker = Worker(
         model,
         cache_config=workload.cache,
@@ -252,7 +256,7 @@ def _run(args: argparse.Namespace) -> int:
             args, workload.name, "outputs file unwritable", f"outputs file {error.strerror}"
         )
     _warn_failed_requests(result)
-    summary = _run_summary(result, worker, args)
+    summary = _run_summary(result, worker, args, faults)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -402,9 +406,11 @@ def _request_outcomes(result: RunResult) -> dict[str, int]:
     }
 
 
-def _run_summary(result: RunResult, worker: Worker, args: argparse.Namespace) -> dict:
+def _run_summary(
+    result: RunResult, worker: Worker, args: argparse.Namespace, faults: str | None
+) -> dict:
     """The run's counters (requests by outcome after their total), what it ran on, its KV path,
-    compare counts (compare mode) and fault counters."""
+    compare counts and decision coverage (compare mode) and the fault SPEC it ran under."""
     gate, engine = worker.kv_gate, worker.engine_config
     counters = result.summary()
     requests = {"requests": counters.pop("requests"), **_request_outcomes(result)}
@@ -431,8 +437,12 @@ def _run_summary(result: RunResult, worker: Worker, args: argparse.Namespace) ->
             "divergences": sum(compared.divergences.values()),
             "divergences_by_op": dict(compared.divergences),
             "harness_errors": compared.harness_errors,
+            "coverage": {
+                outcome: tally.model_dump() for outcome, tally in compared.coverage.items()
+            },
+            "coverage_unreached": list(unreached_outcomes(compared)),
             "compare_log": gate.compare_log,
         }
     if worker.faults is not None:
-        summary |= {"faults": args.faults, "fault_aborts": worker.faults.num_aborts}
+        summary |= {"faults": faults, "fault_aborts": worker.faults.num_aborts}
     return summary

@@ -1,4 +1,5 @@
-"""``batchgen validate``: back-to-back L2-2048 + L2-4096 in compare mode, and its summary."""
+"""``batchgen validate``: L2-2048 + L2-4096 back-to-back and the corpus, in compare mode, and its
+summary."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from rich import box
 from rich.markup import escape
@@ -15,6 +17,7 @@ from batchgen.cli.common import (
     COMPARE_ROWS,
     VALIDATION_ROWS,
     StdoutConsole,
+    UsageError,
     add_model_args,
     add_output_args,
     add_scale_arg,
@@ -29,21 +32,29 @@ from batchgen.cli.common import (
 )
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, gate_config
-from batchgen.shadow.validation import validate_back_to_back
+from batchgen.shadow.validation import (
+    BACK_TO_BACK_WORKLOADS,
+    CORPUS_DIR,
+    corpus_workloads,
+    validate_back_to_back,
+)
 from batchgen.shadow.validation_report import DIRECTIONS, ValidationReport, compare_overhead
+from compare.render import coverage_line
 
 
 # ---- validate ----------------------------------------------------------------------------------
 def add_validate_command(commands) -> None:
     parser = commands.add_parser(
         "validate",
-        help="back-to-back L2-2048 + L2-4096 validation in compare mode, both directions",
+        help="L2-2048 + L2-4096 back-to-back and the corpus in compare mode, every direction",
         description=(
-            "Run L2-2048 then L2-4096 on one worker (L2-4096's cache) in compare mode, once per"
-            " direction: legacy serving with the plan shadowed, plan serving with legacy shadowed,"
-            " and plan shadowed by plan (the A/A noise check). Check that no op diverges, that each"
-            " run leaves nothing behind, that tokens match a no-eviction reference (near-ties"
-            " allowed) and that L2-4096 matches a fresh plan-path worker exactly. The"
+            "Run L2-2048 then L2-4096 on one worker (L2-4096's cache) in compare mode, then each"
+            " corpus workload on a fresh worker, once per direction: legacy serving with the plan"
+            " shadowed, plan serving with legacy shadowed, and plan shadowed by plan (the A/A"
+            " noise check). Check that no op diverges, that each run leaves nothing behind, that"
+            " tokens match a no-eviction reference (near-ties allowed), that L2-4096 matches a"
+            " fresh plan-path worker exactly, and that the runs together reached every required"
+            " decision outcome of the KV policy. The"
             " BATCHGEN_WORKER_KV_* environment does not apply (each variable set is named in a"
             " warning; an unknown name or a bad value still exits 2). Writes the divergence log and"
             " its reports into --reports-dir. Exit 0 when every check passes, 1 when one fails, 2"
@@ -62,6 +73,14 @@ def add_validate_command(commands) -> None:
             "and its .md, .xml (JUnit) and .json reports go (default: %(default)s)"
         ),
     )
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        metavar="DIR",
+        help="the corpus: a directory of workload files run after the L2 traces (default: the "
+        "checked-in corpus, found by batchgen explore); an empty directory runs none, and the "
+        "decision-coverage check then fails for what the L2 traces do not reach",
+    )
     add_output_args(parser)
     parser.set_defaults(handler=_validate)
 
@@ -70,6 +89,9 @@ def _validate(args: argparse.Namespace) -> int:
     _warn_ignored_gates(os.environ)
     # before the model loads, which can take a minute
     check_directory("--reports-dir", args.reports_dir)
+    if args.corpus is not None and not Path(args.corpus).is_dir():
+        raise UsageError(f"--corpus {args.corpus}: not a directory of workload files")
+    corpus_workloads(args.corpus or CORPUS_DIR)  # a bad file stops it before the model loads
     model = model_from_args(args)
     make_directory("--reports-dir", args.reports_dir)
     with progress_bar() as progress:
@@ -79,6 +101,7 @@ def _validate(args: argparse.Namespace) -> int:
             scale=args.scale,
             device=args.device,
             reports_dir=args.reports_dir,
+            corpus_dir=args.corpus,
             on_progress=progress_callback(progress),
         )
     if args.json:
@@ -112,6 +135,8 @@ def _print_validation(report: ValidationReport) -> None:
     roles = [direction.role for direction in DIRECTIONS]
     compare_runs = [run for run in report.runs if run.role in roles]
     check_runs = [run for run in report.runs if run.role not in roles]
+    corpus_runs = [run for run in compare_runs if run.workload not in BACK_TO_BACK_WORKLOADS]
+    compare_runs = [run for run in compare_runs if run.workload in BACK_TO_BACK_WORKLOADS]
     if compare_runs:
         console.print(
             _runs_table(
@@ -122,6 +147,8 @@ def _print_validation(report: ValidationReport) -> None:
         )
     if check_runs:
         console.print(_runs_table("reference and fresh runs", check_runs, VALIDATION_ROWS))
+    for line in _corpus_lines(corpus_runs):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     for line in _compare_lines(report):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     for failure in report.failures:  # one line each, unwrapped, so they grep well
@@ -139,9 +166,23 @@ def _runs_table(title: str, runs: list, rows: dict[str, str]) -> Table:
     return table
 
 
+def _corpus_lines(runs: list) -> list[str]:
+    """One line per direction: how many corpus workloads ran, their compared ops, divergences."""
+    lines = []
+    for role in dict.fromkeys(run.role for run in runs):
+        mine = [run for run in runs if run.role == role]
+        compared = sum(sum(run.summary["steps_compared"].values()) for run in mine)
+        diverged = sum(run.summary["divergences"] for run in mine)
+        lines.append(
+            f"corpus {role}: {len(mine)} workloads, {compared} compared ops, {diverged} divergences"
+        )
+    return lines
+
+
 def _compare_lines(report: ValidationReport) -> list[str]:
     compare, cache = report.compare, report.cache
     lines = [
+        coverage_line(compare),
         f"steps compared: {by_op({s.op: s.num_compared for s in compare.ops})}",
         (
             f"divergences: {compare.num_divergences}"

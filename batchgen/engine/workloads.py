@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from batchgen.config import CacheConfig, EngineConfig, validation_summary
 from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
+from batchgen.engine.faults import FaultSpec
 from batchgen.engine.state import Request
 
 MAX_STEPS = 1_000_000  # bound on any step count in a workload (arrivals, aborts, new tokens)
@@ -76,8 +77,17 @@ class Workload(BaseModel):
     cache: CacheConfig
     engine: EngineConfig = EngineConfig()
     requests: list[WorkloadRequest] = Field(min_length=1)
+    # a fault SPEC (the --faults grammar) the workload runs under; batchgen run --faults replaces it
+    faults: str | None = None
 
     _name_is_text = field_validator("name")(_unicode_text)
+
+    @field_validator("faults")
+    @classmethod
+    def _a_fault_spec(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            FaultSpec.parse(spec)  # FaultSpecError (a ValueError) names the bad part
+        return spec
 
     @model_validator(mode="after")
     def _unique_uuids(self) -> Workload:
@@ -91,6 +101,13 @@ class Workload(BaseModel):
     @property
     def max_context(self) -> int:
         return max(len(r.prompt_ids) + r.max_new_tokens for r in self.requests)
+
+    def to_json(self) -> str:
+        """The workload as a file holds it: fields at their defaults left out, one request per
+        line. Pure."""
+        data = self.model_dump(mode="json", exclude_defaults=True)
+        requests = ",\n".join(f"  {json.dumps(request)}" for request in data.pop("requests"))
+        return f'{json.dumps(data, indent=1)[:-2]},\n "requests": [\n{requests}\n ]\n}}\n'
 
     def with_cache(self, **changes) -> Workload:
         """A copy with cache fields replaced (e.g. a pool large enough to never evict)."""

@@ -29,7 +29,7 @@ from batchgen.kv.plans import (
     ReleaseRequest,
     pages_needed,
 )
-from compare import Outcome
+from compare import Outcome, RunSummary
 
 TIMEOUT_PREFIX = "LoadTimeout"  # how the worker names a load that never completed
 _SCHEDULER_INVARIANT = (
@@ -84,6 +84,17 @@ CATALOG = (
             unreachable=_ALLOC_FITS),
 )  # fmt: skip
 OUTCOMES = {outcome.id: outcome for outcome in CATALOG}
+REQUIRED = tuple(outcome.id for outcome in CATALOG if outcome.unreachable is None)
+
+
+def unreached_outcomes(summary: RunSummary) -> tuple[str, ...]:
+    """The required outcomes of the ops a run compared that it never reached. Pure."""
+    compared = {op for op, count in summary.steps_compared.items() if count}
+    return tuple(
+        outcome
+        for outcome in REQUIRED
+        if OUTCOMES[outcome].op in compared and outcome not in summary.coverage
+    )
 
 
 def outcomes_of(

@@ -562,7 +562,7 @@ def _regression_files(
         shadow_path_literal=json.dumps(result.shadow_path),
         faults_literal=json.dumps(result.faults) if result.faults is not None else "None",
     )
-    return {workload_path: result.workload.model_dump_json(indent=2) + "\n", test_path: source}
+    return {workload_path: result.workload.to_json(), test_path: source}
 
 
 def _comment(text: str) -> str:

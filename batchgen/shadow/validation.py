@@ -1,6 +1,7 @@
-"""Back-to-back validation in compare mode: L2-2048, then L2-4096, on one worker per KV direction.
+"""``batchgen validate``: L2-2048 and L2-4096 back-to-back, then the corpus, in compare mode, in
+every KV direction, judged by what the runs showed and by the decisions they reached.
 
-Nine runs, one model::
+The runs, one model::
 
     role         worker                          workload  pool             checks (and, every
                                                                                 run: pools sound
@@ -10,79 +11,57 @@ Nine runs, one model::
     plan/legacy  both workloads in compare mode  L2-4096   (see below)      divergence; tokens ==
     plan/plan    "log" (authoritative/shadow;                               reference's
                  plan/plan: the A/A check)
-    reference    a fresh worker per workload     both      every request    no eviction, load,
+    the same     a fresh worker per corpus file  corpus    the file's       clean after; no
+    three                                        files                      divergence
+    reference    a fresh worker per workload     both L2   every request    no eviction, load,
                                                            fits             recompute
     fresh        a fresh worker, plan path       L2-4096   the shared       == each direction's
                                                            workers'         L2-4096
 
-A direction's worker serves with its authoritative path and shadows every KV op
-of every step with the other path on a bookkeeping fork; plan/plan shadows the
-plan path with itself, so any divergence it reports is noise in the harness,
-not a bug in either path. The shared workers' cache is L2-4096's: the smallest
-built-in pool that holds L2-4096's longest request, so L2-4096 runs under the
-pressure it was sized for and L2-2048 under less, but still enough to evict
-(checked, not assumed: below scale 1 L2-2048 may stop evicting). The page dtype
-follows the model's dtype, and so does the near-tie tolerance.
+A direction's worker serves with its authoritative path and shadows every KV op of every step
+with the other path on a bookkeeping fork; plan/plan shadows the plan path with itself, so any
+divergence it reports is noise in the harness. The shared workers' cache is L2-4096's, so
+L2-2048 runs under less pressure (still enough to evict: checked). The corpus (``corpus/``, found
+by ``batchgen explore``) reaches the decisions the L2 traces do not: its files carry their own
+pools, engine limits and fault schedules. Together the runs must reach every required outcome of
+the decision catalog (``batchgen.shadow.coverage``), and none the catalog rules out.
 
-"Clean after" means: no GPU or host page held, no load in flight, no live
-request state, and ``worker.check_integrity()`` passes. Comparing against the
-reference allows near-ties (``output_check``); the fresh run batches exactly
-like a shared one, so it must match token for token, counters included.
+"Clean after": no GPU or host page held, no load in flight, no live request, and
+``worker.check_integrity()`` passes. The reference allows near-ties (``output_check``); the fresh
+run batches exactly like a shared one, so it must match token for token, counters included.
 
 Every compare run appends its divergences and its ``RunSummary`` to one log,
-``divergences.jsonl.partial`` in the reports directory, renamed ``divergences.jsonl``
-once every run is done; the markdown, JUnit and JSON reports are then rendered from it
-by ``compare.report`` (``batchgen.shadow.validation_report``). An interrupted validation leaves
-the last complete log and its reports as they were, and its own partial log beside them.
+``divergences.jsonl.partial`` in the reports directory, renamed ``divergences.jsonl`` once every
+run is done; the reports are rendered from it (``validation_report``). An interrupted validation
+leaves the last complete log and its reports as they were.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from batchgen.config import CacheConfig, EngineConfig, watermark_pages
-from batchgen.engine.request_checks import RequestError
-from batchgen.engine.runner import RunResult, run_workload
-from batchgen.engine.worker import Worker
-from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, WorkloadError, load_workload
-from batchgen.kv.gate import KvGateConfig
-from batchgen.kv.plans import pages_needed
+from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.model.loader import SUPPORTED_DTYPES
-from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
+from batchgen.shadow.coverage import CATALOG
+from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES
 from batchgen.shadow.validation_report import (
     DIRECTIONS,
     PARTIAL_LOG,
-    KvDirection,
     ValidationReport,
-    ValidationRun,
     complete_log,
     reports_directory,
     write_reports,
 )
-from compare import DivergenceRecord, LogWriteError, Report, RunSummary, aggregate, read_log
+from batchgen.shadow.validation_session import ProgressCallback, Session
+from compare import Report, aggregate
 
-# Built-in names or workload files, run in this order on each shared worker (the last one's pool and
-# engine).
+# Built-in names or workload files, run in this order on each shared worker (the last one's pool
+# and engine).
 BACK_TO_BACK_WORKLOADS = ("L2-2048", "L2-4096")
-# Counters that must match between a shared and the fresh L2-4096 run (peaks are lifetime maxima, so
-# not these).
-SAME_RUN_COUNTERS = (
-    "steps",
-    "evictions",
-    "loads",
-    "load_failures",
-    "recompute_preemptions",
-    "tokens_generated",
-)
-_MAX_NAMED_PATHS = 3  # field paths a divergence failure line names
-
-# on_progress(label of the run, requests released, requests in the workload)
-ProgressCallback = Callable[[str, int, int], None]
+CORPUS_DIR = Path(__file__).parent / "corpus"  # the checked-in corpus
 
 
 def validate_back_to_back(
@@ -92,45 +71,46 @@ def validate_back_to_back(
     scale: float = 1.0,
     device: str | torch.device = "cpu",
     reports_dir: str | Path | None = None,
+    corpus_dir: str | Path | None = None,
     on_progress: ProgressCallback | None = None,
 ) -> ValidationReport:
-    """Run the back-to-back validation on ``model`` (already on ``device``) in every direction and
-    judge it.
+    """Run the validation on ``model`` (already on ``device``) in every direction and judge it.
 
-    Builds its own workers (explicit gates: the ``BATCHGEN_WORKER_KV_*`` environment
-    does not apply). Writes the divergence log and its reports into ``reports_dir``
-    (replacing earlier ones), or into a temporary directory removed before it
-    returns when None. Raises only for bad input (WorkloadError for a bad scale or
-    workload file, RequestError for a model whose context or vocabulary cannot
-    serve the traces); every check that fails is a line in ``failures``.
+    Builds its own workers (explicit gates: the ``BATCHGEN_WORKER_KV_*`` environment does not
+    apply). Writes the divergence log and its reports into ``reports_dir`` (replacing earlier
+    ones), or into a temporary directory removed before it returns when None. ``corpus_dir``: the
+    corpus's workload files (None: the checked-in corpus; an empty directory: none). Raises only for bad input (WorkloadError for a bad
+    scale or workload file, RequestError for a model whose context or vocabulary cannot serve
+    the traces); every check that fails is a line in ``failures``.
     """
     started = time.perf_counter()
+    vocab_size = model.config.vocab_size
     workloads = tuple(
-        load_workload(name, seed=seed, scale=scale, vocab_size=model.config.vocab_size)
+        load_workload(name, seed=seed, scale=scale, vocab_size=vocab_size)
         for name in BACK_TO_BACK_WORKLOADS
     )
+    corpus_dir = CORPUS_DIR if corpus_dir is None else corpus_dir
+    corpus = corpus_workloads(corpus_dir)
     dtype = _dtype_name(model)
     cache = workloads[-1].cache.model_copy(update={"dtype": dtype})
-    tolerance = NEAR_TIE_TOLERANCES[dtype]
     with reports_directory(reports_dir) as directory:
-        sources = {
-            workload.name: _source(spec)
-            for spec, workload in zip(BACK_TO_BACK_WORKLOADS, workloads)
-        }
-        session = _Session(model, device, directory / PARTIAL_LOG, sources, on_progress)
+        sources = {w.name: _source(spec) for spec, w in zip(BACK_TO_BACK_WORKLOADS, workloads)}
+        sources |= {w.name: str(Path(corpus_dir, f"{w.name}.json").resolve()) for w in corpus}
+        session = Session(model, device, directory / PARTIAL_LOG, sources, on_progress)
         for direction in DIRECTIONS:
             session.run_back_to_back(direction, workloads, cache, workloads[-1].engine, scale)
+            session.run_corpus(direction, corpus)
         if session.shared:
-            session.check_against_references(workloads, dtype, tolerance)
+            session.check_against_references(workloads, dtype, NEAR_TIE_TOLERANCES[dtype])
             session.check_against_fresh(workloads[-1], cache)
-        # an interrupted validation leaves the last log and reports as they were
-        session.log = complete_log(directory)
-        compare = aggregate(session.read_log())
+        session.log = complete_log(directory)  # an interrupted validation leaves the last one
+        compare = aggregate(session.read_log(), CATALOG)
+        session.failures += coverage_failures(compare)
         written = _write_reports(session, directory, compare) if reports_dir is not None else {}
     return ValidationReport(
         cache=cache,
-        near_tie_tolerance=tolerance,
-        workloads=tuple(w.name for w in workloads),
+        near_tie_tolerance=NEAR_TIE_TOLERANCES[dtype],
+        workloads=tuple(w.name for w in (*workloads, *corpus)),
         runs=tuple(session.runs),
         failures=list(session.failures),
         compare=compare,
@@ -139,7 +119,30 @@ def validate_back_to_back(
     )
 
 
-def _write_reports(session: _Session, directory: Path, compare: Report) -> dict[str, str]:
+def corpus_workloads(corpus_dir: str | Path) -> list[Workload]:
+    """The corpus's workload files, by name; each named after its file (its divergences name the
+    file replay and minimize reload). WorkloadError for one that is not a valid workload."""
+    paths = sorted(Path(corpus_dir).glob("*.json"))
+    return [load_workload(str(path)).model_copy(update={"name": path.stem}) for path in paths]
+
+
+def coverage_failures(compare: Report) -> list[str]:
+    """A failure line for the required outcomes no run reached, and one for outcomes reached that
+    the catalog says no run can reach. Pure."""
+    failures = []
+    if compare.unreached:
+        failures.append(
+            f"decision coverage: required outcomes never reached: {', '.join(compare.unreached)}"
+        )
+    if compare.unexpected:
+        failures.append(
+            "decision coverage: outcomes the catalog marks unreachable (or does not list) were "
+            f"reached: {', '.join(compare.unexpected)}; the catalog's reason no longer holds"
+        )
+    return failures
+
+
+def _write_reports(session: Session, directory: Path, compare: Report) -> dict[str, str]:
     """``write_reports``; a report that cannot be written (a full disk, say) is a failure of the
     validation, not a crash: the summary is still printed. Mutates ``session.failures``."""
     try:
@@ -149,304 +152,10 @@ def _write_reports(session: _Session, directory: Path, compare: Report) -> dict[
         return {}
 
 
-@dataclass
-class _Session:
-    """Builds workers, runs them, and collects runs and failures; mutated by every method."""
-
-    model: object
-    device: str | torch.device
-    log: Path  # the compare runs' divergence log
-    sources: dict[str, str]  # workload name -> how replay/minimize reload it
-    on_progress: ProgressCallback | None
-    runs: list[ValidationRun] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    # direction -> workload -> run
-    shared: dict[KvDirection, dict[str, RunResult]] = field(default_factory=dict)
-
-    # ---- the three kinds of run ----------------------------------------------------------------
-    def run_back_to_back(
-        self,
-        direction: KvDirection,
-        workloads: tuple[Workload, ...],
-        cache: CacheConfig,
-        engine: EngineConfig,
-        scale: float,
-    ) -> None:
-        """Every workload in turn on one compare-mode worker; stops at the first run that breaks
-        it."""
-        gate = KvGateConfig(path=direction.authoritative, compare="log", compare_log=str(self.log))
-        worker = Worker(
-            self.model,
-            cache_config=cache,
-            engine_config=engine,
-            kv_gate=gate,
-            shadow_path=direction.shadow,
-            device=self.device,
-        )
-        try:
-            for workload in workloads:
-                result = self.run(
-                    direction.role, worker, workload, direction=direction, scale=scale
-                )
-                if result is None:  # the worker's state is broken; later runs would only repeat it
-                    return
-                self.shared.setdefault(direction, {})[workload.name] = result
-                self.check_clean(f"{workload.name} {direction.role}", worker, result)
-                self.check_evicted(f"{workload.name} {direction.role}", result)
-        finally:
-            try:
-                worker.kv_compare.sink.close()
-            # its records may not all be on disk: the log vouches for nothing
-            except LogWriteError as error:
-                self.failures.append(f"{direction.role}: divergence log {error}")
-
-    def check_against_references(
-        self, workloads: tuple[Workload, ...], dtype: str, tolerance: float
-    ) -> None:
-        """Each workload on a pool that never evicts; every direction's tokens must match it
-        (near-ties allowed)."""
-        for workload in workloads:
-            roomy = workload.with_cache(**_no_eviction_pool(workload, dtype))
-            reference = self.run("reference", self.plain_worker(roomy.cache, roomy.engine), roomy)
-            if reference is None:
-                continue
-            self.check_no_eviction(reference)
-            for direction, results in self.shared.items():
-                if workload.name in results:
-                    self.compare(
-                        reference,
-                        results[workload.name],
-                        f"{workload.name} {direction.role}",
-                        tolerance,
-                    )
-
-    def check_against_fresh(self, last: Workload, cache: CacheConfig) -> None:
-        """The last workload on a fresh worker (plan path); every direction's run of it must be this
-        run."""
-        fresh = self.run("fresh", self.plain_worker(cache, last.engine), last)
-        if fresh is None:
-            return
-        for direction, results in self.shared.items():
-            if last.name in results:
-                self.check_same_run(fresh, results[last.name], f"{last.name} {direction.role}")
-
-    def plain_worker(self, cache: CacheConfig, engine: EngineConfig) -> Worker:
-        """A worker on the default (plan) path with compare mode off, whatever the environment
-        says."""
-        return Worker(
-            self.model,
-            cache_config=cache,
-            engine_config=engine,
-            kv_gate=KvGateConfig(),
-            device=self.device,
-        )
-
-    def run(
-        self,
-        role: str,
-        worker: Worker,
-        workload: Workload,
-        *,
-        direction: KvDirection | None = None,
-        scale: float = 1.0,
-    ) -> RunResult | None:
-        """Run ``workload`` on ``worker``, checking its pools after every step; None (and a failure)
-        if a check failed or the worker raised mid-run. A compare run carries its label as its
-        workload name."""
-        label = f"{workload.name} {role}"
-        on_step = (
-            None
-            if self.on_progress is None
-            else (lambda done, total: self.on_progress(label, done, total))
-        )
-        named = workload if direction is None else workload.model_copy(update={"name": label})
-        try:
-            result = run_workload(
-                worker,
-                named,
-                check_integrity=True,
-                on_step=on_step,
-                source=self.sources.get(workload.name),
-                scale=scale,
-            )
-        except (RequestError, WorkloadError):
-            raise  # bad input, not a failed check
-        except AssertionError as error:
-            self.failures.append(
-                f"{label}: integrity check failed at step {worker.state.step}: {_first_line(error)}"
-            )
-            self.end_compare_run(label, worker, direction)
-            return None
-        except Exception as error:  # e.g. a plan the applier rejected on the authoritative path
-            self.failures.append(
-                f"{label}: raised at step {worker.state.step}: {type(error).__name__}: "
-                f"{_first_line(error)}"
-            )
-            self.end_compare_run(label, worker, direction)
-            return None
-        self.runs.append(ValidationRun.from_result(role, workload.name, result, direction))
-        if result.compare_summary is not None:
-            self.check_divergences(label, direction, result.compare_summary)
-        return result
-
-    def end_compare_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:
-        """Judge the divergences of a compare run that broke off (its summary: the one the runner
-        wrote as it stopped)."""
-        if worker.kv_compare is not None:
-            self.check_divergences(label, direction, worker.kv_compare.end_run())
-
-    # ---- checks ---------------------------------------------------------------------------------
-    def check_divergences(self, label: str, direction: KvDirection, summary: RunSummary) -> None:
-        """No divergence and no harness error in one compare run; a failure names the first
-        divergence."""
-        if summary.harness_errors:
-            self.failures.append(
-                f"{label}: {_plural(summary.harness_errors, 'compare harness error')} "
-                "(the comparison itself failed; see the warnings)"
-            )
-        num_divergences = sum(summary.divergences.values())
-        if not num_divergences:
-            return
-        by_op = ", ".join(f"{op}: {n}" for op, n in sorted(summary.divergences.items()) if n)
-        noise = (
-            " (A/A noise check: both sides run the same path)" if direction.is_noise_check else ""
-        )
-        first = self.first_divergence(summary.run_id)
-        self.failures.append(
-            f"{label}: {_plural(num_divergences, 'divergence')} of the {direction.shadow} shadow"
-            f" from the authoritative {direction.authoritative} path{noise} ({by_op}); first:"
-            f" {_describe(first)}"
-        )
-
-    def check_clean(self, label: str, worker: Worker, result: RunResult) -> None:
-        """After a run: nothing held, nothing in flight, no request state, pools consistent."""
-        leftovers = {
-            "GPU pages held": result.leaked_gpu_pages,
-            "host pages held": result.leaked_host_pages,
-            "loads in flight": result.loads_in_flight,
-            "live requests": result.live_requests,
-        }
-        self.failures += [
-            f"{label}: {count} {what} after the run (expected 0)"
-            for what, count in leftovers.items()
-            if count
-        ]
-        try:
-            worker.check_integrity()
-        except AssertionError as error:
-            self.failures.append(
-                f"{label}: integrity check failed after the run: {_first_line(error)}"
-            )
-
-    def check_evicted(self, label: str, result: RunResult) -> None:
-        if result.stats.evictions == 0:
-            self.failures.append(
-                f"{label}: never evicted to host (recompute preemptions:"
-                f" {result.stats.recompute_preemptions}), so the run did not exercise the host"
-                " tier; use a larger --scale"
-            )
-
-    def check_no_eviction(self, reference: RunResult) -> None:
-        stats = reference.stats
-        if stats.evictions or stats.loads or stats.recompute_preemptions:
-            self.failures.append(
-                f"{reference.workload} reference: its pool was meant to avoid all KV pressure but"
-                f" it saw {stats.evictions} evictions, {stats.loads} loads,"
-                f" {stats.recompute_preemptions} recomputes"
-            )
-
-    def compare(
-        self, reference: RunResult, shared: RunResult, label: str, tolerance: float
-    ) -> None:
-        """A shared run's tokens vs the no-eviction reference, near-ties allowed."""
-        self.failures += [
-            f"{label} vs reference: {problem}"
-            for problem in compare_outputs(reference.outputs, shared.outputs, tolerance=tolerance)
-        ]
-
-    def check_same_run(self, fresh: RunResult, shared: RunResult, label: str) -> None:
-        """A shared worker's run of the last workload must be the fresh worker's: tokens, steps and
-        counters."""
-        label = f"{label} vs fresh"
-        self.failures += [
-            f"{label}: {problem}" for problem in compare_exact(fresh.outputs, shared.outputs)
-        ]
-        fresh_counters, shared_counters = _run_counters(fresh), _run_counters(shared)
-        self.failures += [
-            f"{label}: {name} {shared_counters[name]} on the shared worker, {value} on a fresh one"
-            for name, value in fresh_counters.items()
-            if shared_counters[name] != value
-        ]
-
-    # ---- the log ---------------------------------------------------------------------------------
-    def read_log(self) -> tuple:
-        """Every record the compare runs logged (none when nothing was logged); a torn line is a
-        failure."""
-        if not self.log.exists():
-            return ()
-        result = read_log(self.log)
-        self.failures += [f"divergence log: {warning}" for warning in result.warnings]
-        return result.records
-
-    def first_divergence(self, run_id: str) -> DivergenceRecord | None:
-        if not self.log.exists():
-            return None
-        return next(
-            (
-                record
-                for record in read_log(self.log).records
-                if isinstance(record, DivergenceRecord) and record.run_id == run_id
-            ),
-            None,
-        )
-
-
-def _describe(record: DivergenceRecord | None) -> str:
-    """``op step N, kind at path, path (+k more)``: one divergence on one line."""
-    if record is None:
-        return "not in the log"
-    where = f"{record.op} step {record.step}, {record.kind}"
-    if not record.field_paths:
-        return f"{where}: {record.exception}"
-    more = len(record.field_paths) - _MAX_NAMED_PATHS
-    return f"{where} at {', '.join(record.field_paths[:_MAX_NAMED_PATHS])}" + (
-        f" (+{more} more)" if more > 0 else ""
-    )
-
-
 def _source(name: str) -> str:
     """How ``replay``/``minimize`` reload a workload: its built-in name, or its file's absolute
     path."""
     return name if name in BUILTIN_WORKLOADS else str(Path(name).resolve())
-
-
-def _no_eviction_pool(workload: Workload, dtype: str) -> dict:
-    """Cache fields for a pool that holds every request at full length at once, above the watermark.
-
-    No host pages: a run that never evicts never uses them.
-    """
-    cache = workload.cache
-    num_needed = sum(
-        pages_needed(len(r.prompt_ids) + r.max_new_tokens, cache.page_size)
-        for r in workload.requests
-    )
-    num_pages = num_needed
-    while num_pages - watermark_pages(cache.watermark, num_pages) < num_needed:
-        num_pages += 1
-    return {"num_gpu_pages": num_pages, "num_host_pages": 0, "dtype": dtype}
-
-
-def _run_counters(result: RunResult) -> dict[str, int]:
-    return {name: result.summary()[name] for name in SAME_RUN_COUNTERS}
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def _first_line(error: BaseException) -> str:
-    """The check's own message (pytest appends its assert rewrite on later lines)."""
-    return str(error).partition("\n")[0]
 
 
 def _dtype_name(model) -> str:

@@ -10,6 +10,7 @@ rendered from it by ``compare.report`` (``REPORT_FILES``, ``write_reports``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from collections.abc import Iterator
@@ -132,6 +133,8 @@ class ValidationReport:
             "divergences_by_op": {stats.op: stats.num_divergences for stats in compare.ops},
             "steps_compared": {stats.op: stats.num_compared for stats in compare.ops},
             "harness_errors": compare.num_harness_errors,
+            "coverage": [dataclasses.asdict(row) for row in compare.coverage],
+            "coverage_unreached": list(compare.unreached),
             "compare_seconds": round(compare.compare_seconds, 3),
             "authoritative_seconds": round(compare.authoritative_seconds, 3),
             "compare_overhead": compare_overhead(compare),

@@ -1,0 +1,180 @@
+"""``batchgen explore``: a coverage-guided search for workloads that reach KV decisions.
+
+Each candidate workload (``explore_space``) runs on a fresh bookkeeping-only worker (the
+weightless ``NullModel``: the KV decisions depend on token counts, not on token values) in
+compare mode ``raise``, plan authoritative and legacy shadowed. A candidate that reaches a
+decision outcome no earlier one reached is kept; half the later candidates are mutations of a
+kept one. The search stops when every required outcome is reached, or ``max_runs`` or the time
+budget is spent. The kept candidates are then cut to the fewest that reach everything the search
+reached (greedy set cover, shortest runs first) and written as workload files.
+
+A plain seeded search rather than hypothesis: the goal is a corpus of workloads that is kept and
+replayed, not a failing example to shrink; a seeded loop is deterministic for a given seed and
+budget in runs, and each candidate's coverage comes out of a whole compare-mode run.
+A candidate that diverges is a bug found: it is kept apart, with its divergence log, and reported.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchgen.config import TINY_MODELS
+from batchgen.engine.faults import FaultInjector, FaultSpec
+from batchgen.engine.runner import RunStalled, run_workload
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import Workload
+from batchgen.kv.appliers import PlanRejected
+from batchgen.kv.gate import KvGateConfig
+from batchgen.model.null_model import NullModel
+from batchgen.shadow.coverage import REQUIRED
+from batchgen.shadow.explore_space import mutate, random_params, workload_from
+from compare import DivergenceError
+
+TINY_VOCAB = TINY_MODELS["tiny"].vocab_size  # the corpus replays on the tiny model
+
+
+@dataclass(frozen=True)
+class CandidateRun:
+    """What one candidate's compare-mode run reached, and how it ended."""
+
+    coverage: dict[str, int]  # outcome id -> times reached
+    num_steps: int
+    divergence: str | None = None  # the first divergence, when it diverged (a bug found)
+    stalled: bool = False  # it could not finish (a fault schedule that holds the pools)
+
+
+@dataclass
+class Kept:
+    params: dict
+    workload: Workload
+    run: CandidateRun
+    new_outcomes: tuple[str, ...]  # what it reached first
+
+
+@dataclass
+class ExploreResult:
+    """A finished search: what it kept, reached, missed and found."""
+
+    kept: list[Kept]
+    reached: dict[str, str]  # outcome id -> the workload that reached it first
+    missed: tuple[str, ...]  # required outcomes never reached
+    num_runs: int
+    seconds: float
+    divergences: list[tuple[Path, str]] = field(default_factory=list)  # workload file, divergence
+    num_stalled: int = 0
+
+
+def run_candidate(workload: Workload, log: Path, source: str | None = None) -> CandidateRun:
+    """``workload`` in compare mode ``raise`` (plan authoritative, legacy shadowed) on a fresh
+    bookkeeping-only worker; its divergences go to ``log``, naming ``source`` (the workload's
+    file) for replay and minimize. Mutates ``log``."""
+    gate = KvGateConfig(path="plan", compare="raise", compare_log=str(log))
+    faults = FaultInjector(FaultSpec.parse(workload.faults)) if workload.faults else None
+    worker = Worker(
+        NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache, engine_config=workload.engine,
+        kv_gate=gate, faults=faults, kv_storage=False,
+    )  # fmt: skip
+    divergence, stalled = None, False
+    try:
+        run_workload(worker, workload, source=source or workload.name, max_steps=20_000)
+    except (DivergenceError, PlanRejected) as error:
+        divergence = str(error).splitlines()[0]
+    except RunStalled:
+        stalled = True
+    finally:
+        worker.kv_compare.sink.close()
+    summary = worker.kv_compare.end_run()
+    coverage = {outcome: tally.count for outcome, tally in summary.coverage.items()}
+    return CandidateRun(coverage, worker.state.step, divergence, stalled)
+
+
+def explore(
+    *,
+    seed: int = 0,
+    max_runs: int = 400,
+    time_budget: float | None = None,
+    required: Iterable[str] = REQUIRED,
+    on_run: Callable[[int, int], None] | None = None,
+    log_dir: Path | None = None,
+) -> ExploreResult:
+    """Search until every outcome of ``required`` is reached or the budget is spent.
+    ``on_run(runs done, outcomes reached)`` reports progress; divergence logs go to ``log_dir``
+    (a temporary directory when None)."""
+    rng, required, started = random.Random(seed), set(required), time.monotonic()
+    result = ExploreResult([], {}, (), 0, 0.0)
+    with tempfile.TemporaryDirectory(prefix="batchgen-explore-") as scratch:
+        logs = Path(log_dir or scratch)
+        for index in range(max_runs):
+            if time_budget is not None and time.monotonic() - started > time_budget:
+                break
+            _try_candidate(result, _draw(result.kept, rng), f"explore-{seed}-{index}", logs)
+            if on_run is not None:
+                on_run(result.num_runs, len(result.reached))
+            if required <= result.reached.keys():
+                break
+    result.missed = tuple(sorted(required - result.reached.keys()))
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _draw(kept: list[Kept], rng: random.Random) -> dict:
+    """A mutation of a kept candidate half the time (once there is one), else a fresh one."""
+    if kept and rng.random() < 0.5:
+        return mutate(rng.choice(kept).params, rng)
+    return random_params(rng)
+
+
+def _try_candidate(result: ExploreResult, params: dict, name: str, logs: Path) -> None:
+    """Run one candidate; keep it when it reaches something new, cleanly. A diverging one's
+    workload file and log stay in ``logs``. Mutates ``result`` and ``logs``."""
+    workload = workload_from(params, name=name, vocab_size=TINY_VOCAB)
+    logs.mkdir(parents=True, exist_ok=True)
+    path, log = logs / f"{name}.json", logs / f"{name}.jsonl"
+    path.write_text(workload.to_json())
+    run = run_candidate(workload, log, source=str(path.resolve()))
+    result.num_runs += 1
+    if run.divergence is not None:
+        result.divergences.append((path, run.divergence))
+        return
+    path.unlink()
+    log.unlink(missing_ok=True)
+    if run.stalled:
+        result.num_stalled += 1
+        return
+    new = tuple(sorted(set(run.coverage) - result.reached.keys()))
+    if new:
+        result.kept.append(Kept(params, workload, run, new))
+        result.reached.update(dict.fromkeys(new, name))
+
+
+def smallest_cover(kept: list[Kept]) -> list[Kept]:
+    """The fewest kept candidates that together reach every outcome any of them reached: greedy,
+    most new outcomes first, then fewest steps. Pure."""
+    left = {outcome for candidate in kept for outcome in candidate.run.coverage}
+    chosen: list[Kept] = []
+    while left:
+        best = max(kept, key=lambda c: (len(left & c.run.coverage.keys()), -c.run.num_steps))
+        chosen.append(best)
+        left -= best.run.coverage.keys()
+    return chosen
+
+
+def write_corpus(cover: list[Kept], directory: Path) -> list[Path]:
+    """Each workload of ``cover`` as ``corpus-NN.json`` in ``directory`` (created; an earlier
+    corpus's files are replaced). Mutates the directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("corpus-*.json"):
+        old.unlink()
+    written = []
+    for number, candidate in enumerate(cover):
+        name = f"corpus-{number:02d}"
+        path = directory / f"{name}.json"
+        workload = candidate.workload.model_copy(update={"name": name})
+        path.write_text(workload.to_json())
+        written.append(path)
+    return written
