@@ -79,9 +79,10 @@ def validate_back_to_back(
     Builds its own workers (explicit gates: the ``BATCHGEN_WORKER_KV_*`` environment does not
     apply). Writes the divergence log and its reports into ``reports_dir`` (replacing earlier
     ones), or into a temporary directory removed before it returns when None. ``corpus_dir``: the
-    corpus's workload files (None: the checked-in corpus; an empty directory: none). Raises only for bad input (WorkloadError for a bad
-    scale or workload file, RequestError for a model whose context or vocabulary cannot serve
-    the traces); every check that fails is a line in ``failures``.
+    corpus's workload files (None: the checked-in corpus; an empty directory: none). Raises only
+    for bad input (WorkloadError for a bad scale or workload file, RequestError for a model whose
+    context or vocabulary cannot serve the traces); every check that fails is a line in
+    ``failures``.
     """
     started = time.perf_counter()
     vocab_size = model.config.vocab_size
