@@ -19,15 +19,26 @@ from injected_bugs import reversed_grants
 import batchgen.kv.manager as kv_manager
 import batchgen.shadow.validation
 import batchgen.shadow.validation_report
+import batchgen.shadow.validation_session
 from batchgen.cli import main
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.kv.backends import GpuKvPool
 from batchgen.kv.plans import PollAction
 from batchgen.model.loader import load_model
-from batchgen.shadow.validation import validate_back_to_back
+from batchgen.shadow.coverage import CATALOG
+from batchgen.shadow.validation import coverage_failures, validate_back_to_back
 from batchgen.shadow.validation_report import DIRECTIONS, REPORT_FILES
-from compare import DivergenceRecord, JsonlSink, LogWriteError, RunSummary, read_log, write_atomic
+from compare import (
+    DivergenceRecord,
+    JsonlSink,
+    LogWriteError,
+    OutcomeCount,
+    RunSummary,
+    aggregate,
+    read_log,
+    write_atomic,
+)
 
 ROLES = [direction.role for direction in DIRECTIONS]
 
@@ -55,14 +66,22 @@ def pressure_workload(name: str, *, num_requests: int = 8, seed: int = 1) -> Wor
     )
 
 
-def use_workloads(monkeypatch, tmp_path, *workloads: Workload) -> list[str]:
-    """Make the validation run ``workloads`` (as files) back to back; their names."""
+def use_workloads(monkeypatch, tmp_path, *workloads: Workload, corpus=()) -> list[str]:
+    """Make the validation run ``workloads`` (as files) back to back, then the ``corpus``
+    workloads; their names. These tests judge the other checks on small workloads: the decision
+    coverage they reach is not judged (test_coverage.py holds the corpus to it)."""
     paths = []
     for workload in workloads:
         path = tmp_path / f"{workload.name}.json"
         path.write_text(workload.model_dump_json())
         paths.append(str(path))
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    for workload in corpus:
+        (corpus_dir / f"{workload.name}.json").write_text(workload.to_json())
     monkeypatch.setattr(batchgen.shadow.validation, "BACK_TO_BACK_WORKLOADS", tuple(paths))
+    monkeypatch.setattr(batchgen.shadow.validation, "CORPUS_DIR", corpus_dir)
+    monkeypatch.setattr(batchgen.shadow.validation, "coverage_failures", lambda report: [])
     return [workload.name for workload in workloads]
 
 
@@ -310,8 +329,9 @@ def test_an_interrupted_validation_leaves_the_last_log_and_reports_and_its_own_p
             raise KeyboardInterrupt
         return session_run(self, *args, **kwargs)
 
-    session_run = batchgen.shadow.validation._Session.run
-    monkeypatch.setattr(batchgen.shadow.validation._Session, "run", interrupted_on_the_third_run)
+    session_run = batchgen.shadow.validation_session.Session.run
+    session = batchgen.shadow.validation_session.Session
+    monkeypatch.setattr(session, "run", interrupted_on_the_third_run)
     assert main(["validate", "--reports-dir", str(reports)]) == 130
     assert capsys.readouterr().err.strip().endswith("batchgen: interrupted")
     after = {path.name: path.read_bytes() for path in reports.iterdir()}
@@ -384,4 +404,42 @@ def test_a_divergence_log_whose_flush_fails_is_a_named_failure_of_its_direction(
     partial = reports / "divergences.jsonl.partial"
     assert report["failures"] == [
         f"{role}: divergence log {partial}: a write failed: Input/output error" for role in ROLES
+    ]
+
+
+# ---- the corpus and decision coverage ----------------------------------------------------------
+def test_the_corpus_runs_on_a_fresh_worker_in_every_direction_with_its_own_faults(
+    monkeypatch, tmp_path, capsys
+):
+    corpus = pressure_workload("c0", seed=3).model_copy(update={"faults": "seed=2,load_fail=0.5"})
+    use_workloads(monkeypatch, tmp_path, pressure_workload("pa"), corpus=[corpus])
+    assert main(["validate", "--json", "--reports-dir", str(tmp_path / "reports")]) == 0
+    report = one_json_object(capsys.readouterr().out)
+    assert (report["workloads"], report["corpus"]) == (["pa"], ["c0"])
+    corpus_runs = [run for run in report["runs"] if run["workload"] == "c0"]
+    assert [run["role"] for run in corpus_runs] == ROLES
+    assert all(run["load_failures"] > 0 and run["divergences"] == 0 for run in corpus_runs)
+
+
+def summary_reaching(*outcomes: str) -> RunSummary:
+    return RunSummary(
+        run_id="r", workload="w", seed=0, authoritative="plan", shadow="legacy",
+        steps_compared=dict.fromkeys(("poll", "release", "evict", "migrate", "alloc"), 1),
+        divergences={}, harness_errors=0, compare_seconds=0.0, authoritative_seconds=0.0,
+        coverage={outcome: OutcomeCount(count=1, first_step=0) for outcome in outcomes},
+    )  # fmt: skip
+
+
+def test_a_validation_that_misses_a_required_outcome_or_reaches_a_ruled_out_one_fails():
+    required = [o.id for o in CATALOG if o.unreachable is None]
+    everything = aggregate([summary_reaching(*required)], CATALOG)
+    assert coverage_failures(everything) == []
+    missing = aggregate([summary_reaching(*required[1:])], CATALOG)
+    assert coverage_failures(missing) == [
+        f"decision coverage: required outcomes never reached: {required[0]}"
+    ]
+    ruled_out = aggregate([summary_reaching(*required, "alloc.does_not_fit")], CATALOG)
+    assert coverage_failures(ruled_out) == [
+        "decision coverage: outcomes the catalog marks unreachable (or does not list) were "
+        "reached: alloc.does_not_fit; the catalog's reason no longer holds"
     ]

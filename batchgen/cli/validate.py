@@ -33,7 +33,6 @@ from batchgen.cli.common import (
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, gate_config
 from batchgen.shadow.validation import (
-    BACK_TO_BACK_WORKLOADS,
     CORPUS_DIR,
     corpus_workloads,
     validate_back_to_back,
@@ -135,8 +134,8 @@ def _print_validation(report: ValidationReport) -> None:
     roles = [direction.role for direction in DIRECTIONS]
     compare_runs = [run for run in report.runs if run.role in roles]
     check_runs = [run for run in report.runs if run.role not in roles]
-    corpus_runs = [run for run in compare_runs if run.workload not in BACK_TO_BACK_WORKLOADS]
-    compare_runs = [run for run in compare_runs if run.workload in BACK_TO_BACK_WORKLOADS]
+    corpus_runs = [run for run in compare_runs if run.workload in report.corpus]
+    compare_runs = [run for run in compare_runs if run.workload not in report.corpus]
     if compare_runs:
         console.print(
             _runs_table(

@@ -54,7 +54,7 @@ class LegacyKvPath:
                 req.load_started_step = None
                 req.phase = Phase.RUNNING
                 continue
-            stats.load_failures += 1
+            stats.load_failures += 1  # decision: poll.timeout (a timed-out load failed too)
             # decision: poll.retry, poll.retry.last
             if req.num_load_retries < self.engine_config.max_load_retries:
                 req.num_load_retries += 1
@@ -79,12 +79,12 @@ class LegacyKvPath:
     # ---- release -----------------------------------------------------------------
     def release(self, uuids: Sequence[str]) -> None:
         """Retire done requests. Mutates requests, outputs, pools, pending appends."""
-        for uuid in uuids:  # decision: release.finished, release.failed
+        for uuid in uuids:  # decision: release.finished, release.failed, release.without_pages
             req = self.state.remove(uuid)
-            req.drain_load()
+            req.drain_load()  # decision: release.with_inflight_load
             self.gpu_kv.release_pages(uuid)
-            self.host_kv.release_pages(uuid)
-            self._drop_pending_kv_append(uuid)
+            self.host_kv.release_pages(uuid)  # decision: release.with_host_pages
+            self._drop_pending_kv_append(uuid)  # decision: release.with_pending_append
             self.state.outputs[uuid] = req.to_output()
 
     # ---- evict -------------------------------------------------------------------
@@ -99,7 +99,7 @@ class LegacyKvPath:
         # decision: evict.none.no_running, evict.none.above_watermark, evict.none.at_watermark,
         # evict.stop.above_watermark, evict.stop.at_watermark, evict.all_running
         while running and free - demand < self._kv_watermark_pages:
-            victim = running.pop()
+            victim = running.pop()  # decision: evict.multiple_victims (one per turn)
             demand -= self._decode_demand(victim)
             free += len(victim.gpu_page_ids)
             self._evict_one(victim)
@@ -107,9 +107,8 @@ class LegacyKvPath:
     def _evict_one(self, victim: RequestState) -> None:
         uuid, num_pages = victim.uuid, len(victim.gpu_page_ids)
         victim = self.state.edit(uuid)
-        if (
-            self.host_kv.free_pages() >= num_pages
-        ):  # decision: evict.to_host, evict.to_host.exact_fit
+        # decision: evict.to_host, evict.to_host.exact_fit
+        if self.host_kv.free_pages() >= num_pages:
             victim.host_page_ids = tuple(self.host_kv.allocate_pages(uuid, num_pages))
             self.host_kv.store_from_gpu(uuid, list(victim.gpu_page_ids))
             victim.phase = Phase.SWAPPED
@@ -133,7 +132,7 @@ class LegacyKvPath:
         num_active = len(running) + len(self.state.in_phase(Phase.LOADING))
         free = self.gpu_kv.free_pages()
         swapped = sorted(self.state.in_phase(Phase.SWAPPED), key=lambda r: r.arrival_index)
-        for req in swapped:
+        for req in swapped:  # decision: migrate.none.nothing_swapped, migrate.all_loaded
             if req.swapped_step == self.state.step:  # decision: migrate.skip.swapped_this_step
                 continue
             num_pages = len(req.host_page_ids)
@@ -163,7 +162,7 @@ class LegacyKvPath:
             req = self.state.requests[uuid]
             need = self._decode_demand(req)
             if need > self.gpu_kv.free_pages():  # decision: alloc.does_not_fit, alloc.exact_fit
-                continue
+                continue  # decision: alloc.fits_after_does_not_fit (a later one may fit)
             # decision: alloc.admit, alloc.new_page, alloc.none_needed
             if need > 0 or req.phase is not Phase.RUNNING:
                 req = self.state.edit(uuid)

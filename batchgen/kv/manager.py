@@ -75,6 +75,7 @@ class KVCacheManager:
 
     def plan_poll(self, req: PollRequest) -> PollPlan:
         geometry = req.snapshot.geometry
+        # decision: poll.timeout (a load that never completed is decided as a failed one)
         decisions = [
             _poll_decision(error, retries, geometry)
             for error, retries in zip(req.errors, req.num_load_retries, strict=True)
@@ -83,7 +84,8 @@ class KVCacheManager:
         return PollPlan(req.uuids, actions, tuple(reason for _, reason in decisions))
 
     def plan_release(self, req: ReleaseRequest) -> ReleasePlan:
-        # decision: release.finished, release.failed
+        # decision: release.finished, release.failed, release.without_pages,
+        # release.with_host_pages, release.with_inflight_load, release.with_pending_append
         return ReleasePlan(released=req.uuids, drop_pending_append_ids=req.uuids)
 
     def plan_eviction(self, req: EvictionRequest) -> EvictionPlan:
@@ -93,7 +95,8 @@ class KVCacheManager:
         free_gpu, free_host = snapshot.num_free_gpu_pages, snapshot.num_free_host_pages
         demand = req.decode_demand
         chosen: list[tuple[int, Destination]] = []
-        for i in reversed(range(len(running.uuids))):  # youngest first: columns in arrival order
+        # youngest first (columns keep arrival order); decision: evict.multiple_victims
+        for i in reversed(range(len(running.uuids))):
             # decision: evict.none.no_running, evict.none.above_watermark, evict.none.at_watermark,
             # evict.stop.above_watermark, evict.stop.at_watermark, evict.all_running
             if free_gpu - demand >= watermark:
@@ -116,7 +119,8 @@ class KVCacheManager:
         num_active = len(req.running.uuids) + req.num_loading
         watermark = eviction_watermark_pages(snapshot)
         chosen: list[int] = []
-        for i, swapped_step in enumerate(swapped.swapped_steps):  # oldest first: arrival order
+        # oldest first; decision: migrate.none.nothing_swapped, migrate.all_loaded
+        for i, swapped_step in enumerate(swapped.swapped_steps):
             num_pages = len(swapped.host_page_ids[i])
             if swapped_step == snapshot.step:  # decision: migrate.skip.swapped_this_step
                 continue
@@ -142,13 +146,14 @@ class KVCacheManager:
         free = req.snapshot.num_free_gpu_pages
         served: list[tuple[str, int]] = []
         not_fitting: list[DoesNotFit] = []
+        # batch order; decision: alloc.none_needed, alloc.new_page, alloc.admit
         for uuid, num_tokens, page_ids in zip(
             needing.uuids, needing.num_tokens, needing.gpu_page_ids
         ):
             need = max(0, pages_needed(num_tokens, page_size) - len(page_ids))
             if need > free:  # decision: alloc.does_not_fit, alloc.exact_fit
                 not_fitting.append(DoesNotFit(uuid, need, free))
-                continue
+                continue  # decision: alloc.fits_after_does_not_fit (a later one may fit)
             served.append((uuid, need))
             free -= need
         page_ids = _peek(self._gpu_kv, req.snapshot.num_free_gpu_pages - free)

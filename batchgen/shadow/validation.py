@@ -111,7 +111,8 @@ def validate_back_to_back(
     return ValidationReport(
         cache=cache,
         near_tie_tolerance=NEAR_TIE_TOLERANCES[dtype],
-        workloads=tuple(w.name for w in (*workloads, *corpus)),
+        workloads=tuple(w.name for w in workloads),
+        corpus=tuple(w.name for w in corpus),
         runs=tuple(session.runs),
         failures=list(session.failures),
         compare=compare,

@@ -109,7 +109,8 @@ class ValidationReport:
 
     cache: CacheConfig  # the shared (and fresh) workers' pool
     near_tie_tolerance: float
-    workloads: tuple[str, ...]
+    workloads: tuple[str, ...]  # run back to back on each direction's worker
+    corpus: tuple[str, ...]  # each run on a fresh worker per direction
     runs: tuple[ValidationRun, ...]
     failures: list[str]
     compare: Report  # aggregated over every compare run's log records
@@ -128,6 +129,7 @@ class ValidationReport:
             "ok": self.ok,
             "failures": list(self.failures),
             "workloads": list(self.workloads),
+            "corpus": list(self.corpus),
             "directions": [direction.role for direction in DIRECTIONS],
             "divergences": compare.num_divergences,
             "divergences_by_op": {stats.op: stats.num_divergences for stats in compare.ops},
