@@ -43,16 +43,15 @@ idle core, far more on the shared ones).
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
-import textwrap
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from injected_bugs import mutate
 
 from batchgen.config import TINY_MODELS, CacheConfig
 from batchgen.engine.runner import RunResult, run_workload
@@ -100,22 +99,6 @@ def tiny():
 
 
 # ---- mutants ----------------------------------------------------------------------------------
-def mutate(func: Callable, old: str, new: str) -> Callable:
-    """``func`` recompiled from its source with ``old`` (which must occur once) replaced by ``new``.
-
-    The mutant runs in a copy of the function's module globals, so it sees (and
-    calls) exactly what the original does.
-    """
-    source = textwrap.dedent(inspect.getsource(func))
-    assert source.count(old) == 1, (
-        f"mutant anchor {old!r} occurs {source.count(old)} times in {func.__qualname__}; "
-        "the code changed: update the mutant"
-    )
-    namespace = dict(func.__globals__)
-    exec(compile(source.replace(old, new), f"<mutant of {func.__qualname__}>", "exec"), namespace)
-    return namespace[func.__name__]
-
-
 def method_mutant(name: str, old: str, new: str) -> Callable[[pytest.MonkeyPatch], None]:
     def inject(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(KVCacheManager, name, mutate(getattr(KVCacheManager, name), old, new))
