@@ -1,0 +1,94 @@
+"""``batchgen explore``: a seeded, coverage-guided search that keeps what reaches something new,
+cuts it to a small corpus, and keeps a diverging candidate for replay and minimize."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from injected_bugs import reversed_grants
+
+from batchgen.cli import main
+from batchgen.engine.workloads import load_workload
+from batchgen.shadow.explore import explore, smallest_cover, write_corpus
+from batchgen.shadow.minimize import minimize_divergence
+from batchgen.shadow.replay import replay_record
+from compare import DivergenceRecord, read_log
+
+
+def test_the_search_is_the_same_for_the_same_seed_and_budget():
+    first, second = (explore(seed=3, max_runs=6) for _ in range(2))
+    assert first.num_runs == second.num_runs == 6
+    assert [k.workload for k in first.kept] == [k.workload for k in second.kept]
+    assert first.reached == second.reached
+
+
+def test_each_kept_candidate_reached_something_no_earlier_one_did():
+    result = explore(seed=5, max_runs=8)
+    seen: set[str] = set()
+    for kept in result.kept:
+        new = set(kept.run.coverage) - seen
+        assert new and set(kept.new_outcomes) == new
+        seen |= new
+    assert seen == result.reached.keys()
+    assert {result.reached[o] for o in seen} == {k.workload.name for k in result.kept}
+
+
+def test_the_search_stops_once_every_required_outcome_is_reached():
+    result = explore(seed=0, max_runs=50, required={"alloc.admit", "release.finished"})
+    assert result.num_runs == 1 and result.missed == ()
+
+
+def test_a_missed_outcome_is_named_with_the_budget_spent():
+    result = explore(seed=0, max_runs=2, required={"alloc.does_not_fit"})
+    assert (result.num_runs, result.missed) == (2, ("alloc.does_not_fit",))
+
+
+def test_the_corpus_is_the_fewest_kept_workloads_reaching_everything_and_loads_back(tmp_path):
+    result = explore(seed=1, max_runs=10)
+    cover = smallest_cover(result.kept)
+    assert set().union(*(k.run.coverage for k in cover)) == result.reached.keys()
+    assert len(cover) <= len(result.kept)
+    (tmp_path / "corpus-99.json").write_text("left from an earlier search")
+    paths = write_corpus(cover, tmp_path)
+    assert sorted(tmp_path.glob("corpus-*.json")) == paths
+    loaded = [load_workload(str(path)) for path in paths]
+    assert [w.name for w in loaded] == [f"corpus-{i:02d}" for i in range(len(cover))]
+    assert [w.requests for w in loaded] == [k.workload.requests for k in cover]
+
+
+def test_a_diverging_candidate_is_kept_apart_and_replays_and_minimizes(tmp_path, monkeypatch):
+    reversed_grants(monkeypatch)
+    result = explore(seed=0, max_runs=2, log_dir=tmp_path)
+    assert result.divergences
+    path, text = result.divergences[0]
+    assert path.stem not in {kept.workload.name for kept in result.kept}
+    assert text.startswith("alloc step ") and path.exists()
+    records = read_log(path.with_suffix(".jsonl")).records
+    record = next(r for r in records if isinstance(r, DivergenceRecord))
+    assert record.replay["workload_source"] == str(path.resolve())
+    assert replay_record(record).reproduced
+    minimal = minimize_divergence(record, max_tests=40)
+    assert len(minimal.workload.requests) <= len(load_workload(str(path)).requests)
+
+
+def test_the_command_writes_the_corpus_and_exits_1_naming_what_it_missed(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    assert main(["explore", "--max-runs", "2", "--corpus-dir", str(corpus), "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["runs"] == 2 and summary["missed"] and summary["divergences"] == []
+    assert summary["corpus"] == [str(p) for p in sorted(corpus.glob("corpus-*.json"))]
+    assert {spent["runs"] for spent in summary["missed"].values()} == {2}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--time-budget", "0"], "--time-budget 0.0: must be a number of seconds > 0"),
+        (["--max-runs", "0"], "argument --max-runs"),
+    ],
+)
+def test_bad_budgets_are_refused_before_anything_runs(argv, message, tmp_path, capsys):
+    assert main(["explore", "--corpus-dir", str(tmp_path / "c"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
