@@ -16,8 +16,8 @@ from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, builtin_workload
-from batchgen.kv.appliers import PlanRejected
 from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.validation import BACK_TO_BACK_WORKLOADS, CORPUS_DIR, corpus_workloads
 from compare import DivergenceError

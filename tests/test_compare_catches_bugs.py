@@ -60,11 +60,11 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, builtin_workload
 from batchgen.kv import appliers, plan_path
 from batchgen.kv import manager as kv_manager
-from batchgen.kv.appliers import PlanRejected
 from batchgen.kv.backends import CompletedHandle, HostKvPool
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.manager import KVCacheManager
 from batchgen.kv.page_copy import CopyError
+from batchgen.kv.plan_checks import PlanRejected
 from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
 from batchgen.model.loader import load_model

@@ -33,7 +33,6 @@ from batchgen.engine.state import (
 )
 from batchgen.engine.worker import PendingAppend
 from batchgen.kv.appliers import (
-    PlanRejected,
     apply_alloc_plan,
     apply_eviction_plan,
     apply_migration_plan,
@@ -42,6 +41,7 @@ from batchgen.kv.appliers import (
 )
 from batchgen.kv.backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
 from batchgen.kv.gate import build_kv_path
+from batchgen.kv.plan_checks import PlanRejected
 from batchgen.kv.plan_path import PlanKvPath
 from batchgen.kv.plans import (
     AllocPlan,

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.kv.page_pool import OutOfPages, PageOwnershipError, PagePool, PoolEvent
+from batchgen.kv.page_grants import OutOfPages, PageOwnershipError, PoolEvent
+from batchgen.kv.page_pool import PagePool
 
 
 def pool_with_history() -> PagePool:

@@ -34,8 +34,8 @@ from batchgen.engine.state import ABORT_REASON, Phase
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
-from batchgen.kv.appliers import PlanRejected
 from batchgen.kv.gate import GATE_FLAGS, KvGateConfig, gate_config
+from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.shadow.coverage import unreached_outcomes
 from compare import DivergenceError, LogWriteError

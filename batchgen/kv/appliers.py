@@ -1,19 +1,20 @@
-"""Applying plans: one validate-then-mutate function per plan type.
-
-Each ``apply_*`` checks the whole plan against the target first and raises
-:class:`PlanRejected`, naming the plan field (``AllocPlan.grants[1].new_page_ids``), before
-anything changes; only then does it mutate. A plan must name live requests in the phases its op
-acts on, as ``str`` ids, each once; enum fields hold the enum's members (not their string
-values); page ids are tuples of ints, checked by the pool (in range, free, named once) before
-any is taken. The pending append tensors stay the worker's: a plan only names which to drop.
+"""Applying plans: one function per plan type, its check first (``plan_checks``), then the
+mutation. The pending append tensors stay the worker's: a plan only names which to drop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping
 
-from batchgen.engine.state import DONE_PHASES, Phase, RequestState
-from batchgen.kv.page_pool import PageOwnershipError
+from batchgen.engine.state import Phase
+from batchgen.kv.plan_checks import (
+    check_alloc_plan,
+    check_eviction_plan,
+    check_migration_plan,
+    check_poll_plan,
+    check_release_plan,
+    take_pages,
+)
 from batchgen.kv.plans import (
     AllocPlan,
     AllocRequest,
@@ -23,117 +24,8 @@ from batchgen.kv.plans import (
     PollAction,
     PollPlan,
     ReleasePlan,
-    pages_needed,
 )
 from batchgen.kv.target import KvTarget
-
-
-class PlanRejected(ValueError):
-    """A plan cannot be applied; the target is unchanged."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-# ---- checks shared by the appliers (pure) --------------------------------------------------
-def _check_ids(field: str, item_field: str, uuids: Sequence) -> None:
-    """PlanRejected unless ``uuids`` (named ``field``; item i ``item_field.format(i)``) is a
-    tuple of ``str`` request ids, each named once."""
-    if type(uuids) is not tuple:
-        raise PlanRejected(field, f"must be a tuple of request ids, not {type(uuids).__name__}")
-    for i, uuid in enumerate(uuids):
-        if type(uuid) is not str:
-            raise PlanRejected(item_field.format(i), f"{uuid!r} is not a request id")
-    if len(set(uuids)) != len(uuids):
-        raise PlanRejected(field, f"a request is named twice in {list(uuids)}")
-
-
-def _request(target: KvTarget, field: str, uuid: str, phases: Collection[Phase]) -> RequestState:
-    """The live request ``uuid`` if it is in one of ``phases``; else PlanRejected naming
-    ``field`` and why."""
-    req = target.state.requests.get(uuid)
-    if req is None:
-        raise PlanRejected(field, f"unknown request {uuid!r}")
-    if req.phase not in phases:
-        allowed = "/".join(p.name for p in phases)
-        raise PlanRejected(field, f"request {uuid!r} is {req.phase.name}, expected {allowed}")
-    return req
-
-
-def _check_member(field: str, value, enum_type) -> None:
-    """PlanRejected unless ``value`` is an ``enum_type`` member (str enums equal their values:
-    the type is checked, not equality)."""
-    if type(value) is not enum_type:
-        allowed = ", ".join(f"{enum_type.__name__}.{member.name}" for member in enum_type)
-        raise PlanRejected(field, f"{value!r} is not one of {allowed}")
-
-
-def _is_page_tuple(page_ids) -> bool:
-    return type(page_ids) is tuple and all(type(page_id) is int for page_id in page_ids)
-
-
-def _check_page_tuple(field: str, page_ids) -> None:
-    if type(page_ids) is not tuple:
-        raise PlanRejected(
-            field, f"page ids must be a tuple of ints, not {type(page_ids).__name__} {page_ids!r}"
-        )
-
-
-def _take_pages(pool, grants: list[tuple[str, tuple[int, ...]]], field: str) -> None:
-    """Give each owner its page ids: all checked by the pool, then all taken; else PlanRejected
-    naming the refused grant (``field`` with ``{}`` for its index), nothing taken. Mutates the
-    pool."""
-    try:
-        pool.take_pages_for(grants)
-    except PageOwnershipError as refused:
-        message = f"{refused.reason} in the {pool.pages.name} pool"
-        raise PlanRejected(field.format(refused.index), message) from None
-
-
-# ---- poll ----------------------------------------------------------------------------------
-def check_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
-    """PlanRejected unless ``plan`` acts once on each observed load, in order of its rows, with
-    an action the load's outcome allows. Pure."""
-    uuids = plan.uuids
-    _check_ids("PollPlan.uuids", "PollPlan.uuids[{}]", uuids)
-    if set(uuids) != observed.keys():
-        raise PlanRejected("PollPlan.uuids", f"covers {sorted(uuids)}, observed {sorted(observed)}")
-    for name, column in (("actions", plan.actions), ("reasons", plan.reasons)):
-        if type(column) is not tuple or len(column) != len(uuids):
-            raise PlanRejected(
-                f"PollPlan.{name}",
-                f"must be a tuple with one entry per load ({len(uuids)}), not "
-                f"{type(column).__name__} {column!r}",
-            )
-    for i, (uuid, action, reason) in enumerate(zip(uuids, plan.actions, plan.reasons)):
-        req = _request(target, f"PollPlan.uuids[{i}]", uuid, (Phase.LOADING,))
-        _check_poll_row(target, i, req, action, reason, observed[uuid])
-
-
-def _check_poll_row(target: KvTarget, i: int, req: RequestState, action, reason, error) -> None:
-    """PlanRejected naming row ``i`` unless ``action`` (with ``reason``) is one the load of
-    ``req``, observed with ``error`` (None: it landed), allows: complete a landed load; retry a
-    failed one with retries left; recompute it; or fail it with a reason (a non-empty str). A
-    reason goes with FAIL only. Pure."""
-    field, uuid = f"PollPlan.actions[{i}]", req.uuid
-    _check_member(field, action, PollAction)
-    if action is PollAction.COMPLETE and error is not None:
-        raise PlanRejected(field, f"{uuid!r} load failed; cannot complete")
-    if action is not PollAction.COMPLETE and error is None:
-        raise PlanRejected(field, f"{uuid!r} load completed; nothing to {action.value}")
-    if action is PollAction.RETRY and req.num_load_retries >= target.engine_config.max_load_retries:
-        raise PlanRejected(field, f"{uuid!r} has no retries left")
-    field = f"PollPlan.reasons[{i}]"
-    if action is PollAction.FAIL and (type(reason) is not str or not reason):
-        raise PlanRejected(
-            field, f"failing {uuid!r} needs a reason (a non-empty str), not {reason!r}"
-        )
-    if action is not PollAction.FAIL and reason is not None:
-        raise PlanRejected(
-            field,
-            f"{uuid!r} is to {action.value}, not to fail: its reason must be None, not {reason!r}",
-        )
 
 
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
@@ -170,24 +62,6 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
             stats.recompute_preemptions += 1
 
 
-# ---- release -------------------------------------------------------------------------------
-def check_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
-    """PlanRejected unless ``plan`` releases done requests, each once, and drops the pending
-    append of each released request that has one, of no other. Pure."""
-    _check_ids("ReleasePlan.released", "ReleasePlan.released[{}]", plan.released)
-    for i, uuid in enumerate(plan.released):
-        _request(target, f"ReleasePlan.released[{i}]", uuid, DONE_PHASES)
-    field = "ReleasePlan.drop_pending_append_ids"
-    _check_ids(field, field + "[{}]", plan.drop_pending_append_ids)
-    released, drops = set(plan.released), set(plan.drop_pending_append_ids)
-    for i, uuid in enumerate(plan.drop_pending_append_ids):
-        if uuid not in released:
-            raise PlanRejected(f"{field}[{i}]", f"{uuid!r} is not being released")
-    stranded = [u for u in plan.released if u not in drops and target.has_pending_append(u)]
-    if stranded:
-        raise PlanRejected(field, f"released {stranded} would keep their pending appends")
-
-
 def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
     """Mutates requests (removed), outputs, both pools, pending appends."""
     check_release_plan(target, plan)
@@ -201,37 +75,11 @@ def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
         target.drop_pending_append(uuid)
 
 
-# ---- evict ---------------------------------------------------------------------------------
-def check_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
-    """PlanRejected unless each victim is a RUNNING request named once, with its GPU page table
-    as it is, a Destination, and host page ids for each GPU page when it goes to host (none for
-    recompute). The host ids themselves are checked by the pool as they are taken. Pure."""
-    victims = plan.victims
-    ids = tuple(victim.uuid for victim in victims)
-    _check_ids("EvictionPlan.victims", "EvictionPlan.victims[{}].uuid", ids)
-    for i, victim in enumerate(victims):
-        field = f"EvictionPlan.victims[{i}]"
-        req = _request(target, f"{field}.uuid", victim.uuid, (Phase.RUNNING,))
-        gpu_page_ids = victim.gpu_page_ids
-        if not _is_page_tuple(gpu_page_ids) or gpu_page_ids != req.gpu_page_ids:
-            raise PlanRejected(
-                f"{field}.gpu_page_ids", f"{gpu_page_ids!r} != page table {req.gpu_page_ids}"
-            )
-        _check_member(f"{field}.destination", victim.destination, Destination)
-        _check_page_tuple(f"{field}.host_page_ids", victim.host_page_ids)
-        want = len(gpu_page_ids) if victim.destination is Destination.HOST else 0
-        if len(victim.host_page_ids) != want:
-            raise PlanRejected(
-                f"{field}.host_page_ids",
-                f"{len(victim.host_page_ids)} pages for {want} GPU pages",
-            )
-
-
 def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
     """Mutates victims (phase, page tables), both pools (store copies, pages), stats."""
     check_eviction_plan(target, plan)
     grants = [(v.uuid, v.host_page_ids) for v in plan.victims]
-    _take_pages(target.host_kv, grants, "EvictionPlan.victims[{}].host_page_ids")
+    take_pages(target.host_kv, grants, "EvictionPlan.victims[{}].host_page_ids")
     stats = target.state.stats
     for victim in plan.victims:
         req = target.state.edit(victim.uuid)
@@ -249,33 +97,11 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
         req.gpu_page_ids = ()
 
 
-# ---- migrate -------------------------------------------------------------------------------
-def check_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
-    """PlanRejected unless each load is of a SWAPPED request named once, from its host pages,
-    into a tuple of as many GPU page ids (checked by the pool as they are taken). Pure."""
-    ids = tuple(load.uuid for load in plan.loads)
-    _check_ids("MigrationPlan.loads", "MigrationPlan.loads[{}].uuid", ids)
-    for i, load in enumerate(plan.loads):
-        field = f"MigrationPlan.loads[{i}]"
-        req = _request(target, f"{field}.uuid", load.uuid, (Phase.SWAPPED,))
-        if load.host_page_ids != req.host_page_ids:
-            raise PlanRejected(
-                f"{field}.host_page_ids",
-                f"{load.host_page_ids} != host page table {req.host_page_ids}",
-            )
-        _check_page_tuple(f"{field}.gpu_page_ids", load.gpu_page_ids)
-        if len(load.gpu_page_ids) != len(req.host_page_ids):
-            raise PlanRejected(
-                f"{field}.gpu_page_ids",
-                f"{len(load.gpu_page_ids)} pages for {len(req.host_page_ids)} host pages",
-            )
-
-
 def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
     """Mutates phases (-> LOADING), page tables, the GPU pool, stats; starts async loads."""
     check_migration_plan(target, plan)
     grants = [(load.uuid, load.gpu_page_ids) for load in plan.loads]
-    _take_pages(target.gpu_kv, grants, "MigrationPlan.loads[{}].gpu_page_ids")
+    take_pages(target.gpu_kv, grants, "MigrationPlan.loads[{}].gpu_page_ids")
     for load in plan.loads:
         req = target.state.edit(load.uuid)
         req.gpu_page_ids = load.gpu_page_ids
@@ -284,58 +110,6 @@ def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
         req.phase = Phase.LOADING
         req.num_load_retries = 0
         target.state.stats.loads += 1
-
-
-# ---- alloc ---------------------------------------------------------------------------------
-def check_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -> None:
-    """PlanRejected unless ``request`` is of the target's step and free GPU pages, and ``plan``
-    grants or leaves out each request it lists as needing pages, once, naming no other, each
-    grant a tuple of exactly the pages its tokens lack (checked by the pool as they are taken).
-    Pure."""
-    snapshot, free = request.snapshot, target.gpu_kv.pages.num_free
-    if snapshot.step != target.state.step or snapshot.num_free_gpu_pages != free:
-        raise PlanRejected(
-            "AllocRequest.snapshot",
-            f"stale: step {snapshot.step} with {snapshot.num_free_gpu_pages} free GPU pages, the "
-            f"target is at step {target.state.step} with {free}",
-        )
-    granted = tuple(grant.uuid for grant in plan.grants)
-    left_out = tuple(entry.uuid for entry in plan.not_fitting)
-    _check_ids("AllocPlan.grants", "AllocPlan.grants[{}].uuid", granted)
-    _check_ids("AllocPlan.not_fitting", "AllocPlan.not_fitting[{}].uuid", left_out)
-    needing, granted_ids, left_out_ids = set(request.needing.uuids), set(granted), set(left_out)
-    for i, uuid in enumerate(granted):
-        if uuid not in needing:
-            raise PlanRejected(
-                f"AllocPlan.grants[{i}].uuid",
-                f"{uuid!r} is not a scheduled request that needs pages",
-            )
-    for i, uuid in enumerate(left_out):
-        if uuid not in needing or uuid in granted_ids:
-            raise PlanRejected(
-                f"AllocPlan.not_fitting[{i}].uuid",
-                f"{uuid!r} is not a scheduled request that needs pages, or is also granted",
-            )
-    missing = [u for u in request.needing.uuids if u not in granted_ids and u not in left_out_ids]
-    if missing:
-        raise PlanRejected(
-            "AllocPlan.grants",
-            f"scheduled requests {missing} need pages and are neither granted them nor left out",
-        )
-    for i, grant in enumerate(plan.grants):
-        _check_grant(target, i, grant.uuid, grant.new_page_ids)
-
-
-def _check_grant(target: KvTarget, i: int, uuid: str, new_page_ids) -> None:
-    field = f"AllocPlan.grants[{i}]"
-    req = _request(target, f"{field}.uuid", uuid, (Phase.RUNNING, Phase.WAITING))
-    _check_page_tuple(f"{field}.new_page_ids", new_page_ids)
-    page_size = target.cache_config.page_size
-    need = max(0, pages_needed(req.num_tokens, page_size) - len(req.gpu_page_ids))
-    if len(new_page_ids) != need:
-        raise PlanRejected(
-            f"{field}.new_page_ids", f"{len(new_page_ids)} pages granted, {need} needed"
-        )
 
 
 def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -> list[str]:
@@ -347,7 +121,7 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
     """
     check_alloc_plan(target, plan, request)
     grants = [(grant.uuid, grant.new_page_ids) for grant in plan.grants]
-    _take_pages(target.gpu_kv, grants, "AllocPlan.grants[{}].new_page_ids")
+    take_pages(target.gpu_kv, grants, "AllocPlan.grants[{}].new_page_ids")
     for grant in plan.grants:
         req = target.state.edit(grant.uuid)
         req.gpu_page_ids += grant.new_page_ids

@@ -23,7 +23,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from batchgen.kv.page_copy import AsyncCopyQueue, copy_pages
-from batchgen.kv.page_pool import ForkedPagePool, Grants, PagePool, PoolEvent
+from batchgen.kv.page_grants import Grants, PoolEvent
+from batchgen.kv.page_pool import ForkedPagePool, PagePool
 
 
 class AsyncHandle(Protocol):

@@ -14,100 +14,14 @@ checks instead of the whole free queue.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import NamedTuple
 
-
-class OutOfPages(RuntimeError):
-    """An allocation asked for more pages than the pool has free."""
-
-
-class PageOwnershipError(ValueError):
-    """Pages named for an owner are not free, unknown, or owned twice.
-
-    ``reason`` says which (the message without the pool's name), ``index`` is the refused grant's
-    position in the grants given, ``page_id`` the first bad id in it.
-    """
-
-    def __init__(self, pool_name: str, reason: str, index: int, page_id: int):
-        super().__init__(f"{pool_name}: {reason}")
-        self.reason = reason
-        self.index = index
-        self.page_id = page_id
-
-
-class PoolEvent(NamedTuple):
-    """One allocator mutation: ``kind`` is ``alloc`` or ``release`` (a NamedTuple: journals hold one
-    per page grant, and compare mode compares them, so they are built and compared in C)."""
-
-    kind: str
-    uuid: str
-    page_ids: tuple[int, ...]
-
-
-Grants = Sequence[tuple[str, Sequence[int]]]  # (owner, the page ids it is given), in order
-
-
-def _refused_grant(pool: PagePool | ForkedPagePool, grants: Grants) -> PageOwnershipError | None:
-    """The error naming the first grant whose ids are not all in range, free in ``pool``, and named
-    once (within it, or by an earlier grant); None when every grant is good. Pure."""
-    earlier: set[int] = set()
-    for index, (_, page_ids) in enumerate(grants):
-        not_int = next((page_id for page_id in page_ids if type(page_id) is not int), None)
-        if not_int is not None:
-            return PageOwnershipError(
-                pool.name, f"page id {not_int!r} is not an int", index, not_int
-            )
-        if len(set(page_ids)) != len(page_ids):
-            duplicate = next(p for i, p in enumerate(page_ids) if p in page_ids[:i])
-            return PageOwnershipError(
-                pool.name, f"page ids {list(page_ids)} name a page twice", index, duplicate
-            )
-        for page_id in page_ids:
-            if not 0 <= page_id < pool.num_pages:
-                return PageOwnershipError(
-                    pool.name,
-                    f"page {page_id} is out of range [0, {pool.num_pages})",
-                    index,
-                    page_id,
-                )
-            if page_id in earlier:
-                return PageOwnershipError(
-                    pool.name, f"page {page_id} is granted twice", index, page_id
-                )
-            if not pool.is_free(page_id):
-                return PageOwnershipError(pool.name, f"page {page_id} is not free", index, page_id)
-        earlier.update(page_ids)
-    return None
-
-
-# the one type a page id may have (not bool, not a float that is integral)
-PAGE_ID_TYPES = frozenset({int})
-
-
-def _check_grants(pool: PagePool | ForkedPagePool, grants: Grants, all_ids: list[int]) -> None:
-    """Raise the error of :func:`_refused_grant` unless every grant is good; ``all_ids``: every id
-    of ``grants``, in order. Pure."""
-    if (
-        PAGE_ID_TYPES.issuperset(map(type, all_ids))
-        and len(set(all_ids)) == len(all_ids)
-        and pool.all_free(all_ids)
-    ):
-        return  # the common case, checked in C; _refused_grant names what is wrong
-    error = _refused_grant(pool, grants)
-    if error is None:  # the bulk check and the one per grant disagree: a bug in the pool
-        raise AssertionError(
-            f"{pool.name}: grants {list(grants)} refused in bulk, accepted one by one"
-        )
-    raise error
-
-
-def _check_can_allocate(pool: PagePool | ForkedPagePool, n: int) -> None:
-    """ValueError for a negative ``n``, OutOfPages when ``pool`` has fewer than ``n`` pages free.
-    Pure."""
-    if n < 0:
-        raise ValueError(f"{pool.name}: cannot allocate {n} pages")
-    if n > pool.num_free:
-        raise OutOfPages(f"{pool.name}: {n} pages requested, {pool.num_free} free")
+from batchgen.kv.page_grants import (
+    PAGE_ID_TYPES,
+    Grants,
+    PoolEvent,
+    check_can_allocate,
+    check_grants,
+)
 
 
 class PagePool:
@@ -132,7 +46,7 @@ class PagePool:
 
     def peek_free_pages(self, n: int) -> list[int]:
         """The ids ``allocate_pages(_, n)`` would return now."""
-        _check_can_allocate(self, n)
+        check_can_allocate(self, n)
         return self._queue[self._head : self._head + n]
 
     def pages_of(self, uuid: str) -> tuple[int, ...]:
@@ -188,7 +102,7 @@ class PagePool:
             # the queue head (what a plan peeked): in range, free and distinct already
             self._head += len(all_ids)
         else:
-            _check_grants(self, grants, all_ids)
+            check_grants(self, grants, all_ids)
             taken = set(all_ids)
             self._queue = [p for p in self._queue[self._head :] if p not in taken]
             self._head = 0
@@ -294,7 +208,7 @@ class ForkedPagePool:
         return self._num_free
 
     def peek_free_pages(self, n: int) -> list[int]:
-        _check_can_allocate(self, n)
+        check_can_allocate(self, n)
         out: list[int] = []
         queue, i = self._base._queue, self._cursor
         while len(out) < n and i < len(queue):
@@ -321,7 +235,7 @@ class ForkedPagePool:
     def take_pages_for(self, grants: Grants) -> None:
         """See :meth:`PagePool.take_pages_for`. Mutates the fork only."""
         self._check_base()
-        _check_grants(self, grants, [page_id for _, page_ids in grants for page_id in page_ids])
+        check_grants(self, grants, [page_id for _, page_ids in grants for page_id in page_ids])
         for uuid, page_ids in grants:
             self._assign(uuid, page_ids)
 

@@ -28,8 +28,8 @@ from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import RunStalled, run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
-from batchgen.kv.appliers import PlanRejected
 from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.coverage import REQUIRED
 from batchgen.shadow.explore_space import mutate, random_params, workload_from

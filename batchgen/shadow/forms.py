@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from batchgen.kv.appliers import PlanRejected
+from batchgen.kv.plan_checks import PlanRejected
 from batchgen.kv.target import KvTarget
 from batchgen.shadow.fork import detach_fork, differing_requests
 from compare import Keyed, Observation

@@ -48,7 +48,8 @@ from batchgen.engine.state import (
     WorkerState,
 )
 from batchgen.kv.backends import CompletedHandle, GpuKvPool, HostKvPool
-from batchgen.kv.page_pool import PageOwnershipError, PagePool
+from batchgen.kv.page_grants import PageOwnershipError
+from batchgen.kv.page_pool import PagePool
 from batchgen.kv.plans import OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, from_json
 from batchgen.kv.target import KvTarget
 from compare import DivergenceRecord

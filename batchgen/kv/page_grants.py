@@ -1,0 +1,104 @@
+"""What a page pool refuses, and the journal of what it did: shared by a pool and its forks.
+
+A grant is (owner, the page ids it is given). A pool takes a plan's grants only when every id is
+an int, in range, free and named once across them all (:func:`check_grants`); otherwise nothing
+is taken and :class:`PageOwnershipError` names the first refused grant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class OutOfPages(RuntimeError):
+    """An allocation asked for more pages than the pool has free."""
+
+
+class PageOwnershipError(ValueError):
+    """Pages named for an owner are not free, unknown, or owned twice.
+
+    ``reason`` says which (the message without the pool's name), ``index`` is the refused grant's
+    position in the grants given, ``page_id`` the first bad id in it.
+    """
+
+    def __init__(self, pool_name: str, reason: str, index: int, page_id: int):
+        super().__init__(f"{pool_name}: {reason}")
+        self.reason = reason
+        self.index = index
+        self.page_id = page_id
+
+
+class PoolEvent(NamedTuple):
+    """One allocator mutation: ``kind`` is ``alloc`` or ``release`` (a NamedTuple: journals hold one
+    per page grant, and compare mode compares them, so they are built and compared in C)."""
+
+    kind: str
+    uuid: str
+    page_ids: tuple[int, ...]
+
+
+Grants = Sequence[tuple[str, Sequence[int]]]  # (owner, the page ids it is given), in order
+
+
+def refused_grant(pool, grants: Grants) -> PageOwnershipError | None:
+    """The error naming the first grant whose ids are not all in range, free in ``pool``, and named
+    once (within it, or by an earlier grant); None when every grant is good. Pure."""
+    earlier: set[int] = set()
+    for index, (_, page_ids) in enumerate(grants):
+        not_int = next((page_id for page_id in page_ids if type(page_id) is not int), None)
+        if not_int is not None:
+            return PageOwnershipError(
+                pool.name, f"page id {not_int!r} is not an int", index, not_int
+            )
+        if len(set(page_ids)) != len(page_ids):
+            duplicate = next(p for i, p in enumerate(page_ids) if p in page_ids[:i])
+            return PageOwnershipError(
+                pool.name, f"page ids {list(page_ids)} name a page twice", index, duplicate
+            )
+        for page_id in page_ids:
+            if not 0 <= page_id < pool.num_pages:
+                return PageOwnershipError(
+                    pool.name,
+                    f"page {page_id} is out of range [0, {pool.num_pages})",
+                    index,
+                    page_id,
+                )
+            if page_id in earlier:
+                return PageOwnershipError(
+                    pool.name, f"page {page_id} is granted twice", index, page_id
+                )
+            if not pool.is_free(page_id):
+                return PageOwnershipError(pool.name, f"page {page_id} is not free", index, page_id)
+        earlier.update(page_ids)
+    return None
+
+
+# the one type a page id may have (not bool, not a float that is integral)
+PAGE_ID_TYPES = frozenset({int})
+
+
+def check_grants(pool, grants: Grants, all_ids: list[int]) -> None:
+    """Raise the error of :func:`refused_grant` unless every grant is good; ``all_ids``: every id
+    of ``grants``, in order. Pure."""
+    if (
+        PAGE_ID_TYPES.issuperset(map(type, all_ids))
+        and len(set(all_ids)) == len(all_ids)
+        and pool.all_free(all_ids)
+    ):
+        return  # the common case, checked in C; _refused_grant names what is wrong
+    error = refused_grant(pool, grants)
+    if error is None:  # the bulk check and the one per grant disagree: a bug in the pool
+        raise AssertionError(
+            f"{pool.name}: grants {list(grants)} refused in bulk, accepted one by one"
+        )
+    raise error
+
+
+def check_can_allocate(pool, n: int) -> None:
+    """ValueError for a negative ``n``, OutOfPages when ``pool`` has fewer than ``n`` pages free.
+    Pure."""
+    if n < 0:
+        raise ValueError(f"{pool.name}: cannot allocate {n} pages")
+    if n > pool.num_free:
+        raise OutOfPages(f"{pool.name}: {n} pages requested, {pool.num_free} free")
