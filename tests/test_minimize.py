@@ -22,14 +22,9 @@ from batchgen.kv.plans import (
     Victim,
 )
 from batchgen.model.null_model import NullModel
-from batchgen.shadow.minimize import (
-    DivergenceSignature,
-    NotReproduced,
-    minimize_divergence,
-    recorded_workload,
-    write_regression,
-    write_regression_into,
-)
+from batchgen.shadow.minimize import NotReproduced, minimize_divergence, recorded_workload
+from batchgen.shadow.minimize_search import DivergenceSignature
+from batchgen.shadow.regression import write_regression, write_regression_into
 from compare import DivergenceError, DivergenceRecord, read_log
 
 Manager = kv_manager.KVCacheManager

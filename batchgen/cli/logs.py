@@ -24,14 +24,9 @@ from batchgen.cli.common import (
 from batchgen.engine.workloads import Workload
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.shadow.coverage import CATALOG
-from batchgen.shadow.minimize import (
-    MinimizeResult,
-    NotReproduced,
-    TestCallback,
-    minimize_divergence,
-    recorded_run,
-    write_regression_into,
-)
+from batchgen.shadow.minimize import NotReproduced, minimize_divergence, recorded_run
+from batchgen.shadow.minimize_search import MinimizeResult, TestCallback
+from batchgen.shadow.regression import write_regression_into
 from batchgen.shadow.replay import ReplayOutcome, replay_record
 from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.render import headline, render_json, render_junit, render_markdown, render_text

@@ -1,0 +1,110 @@
+"""A minimized divergence as a pytest regression test: the minimal workload and a test that
+replays it in compare mode ``raise`` and fails until the bug is fixed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+from batchgen.shadow.minimize_search import MinimizeResult
+from compare import write_atomic
+
+_TEST_TEMPLATE = '''\
+"""Regression test written by batchgen minimize: fails until the KV divergence below is fixed."""
+
+# The workload makes the shadow path diverge from the authoritative one:
+#   authoritative: {kv_path}
+#   shadow:        {shadow_path}
+#   op:            {op}
+#   kind:          {kind}
+#   field paths:   {paths}
+
+from pathlib import Path
+
+from batchgen.model.loader import load_model
+from batchgen.engine.runner import run_workload
+from batchgen.engine.faults import FaultInjector, FaultSpec
+from batchgen.kv.gate import KvGateConfig
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import load_workload
+
+WORKLOAD = Path(__file__).parent / {workload_literal}
+FAULTS = {faults_literal}  # the fault SPEC the divergence needs (None: none)
+
+
+def test_no_{slug}_divergence(tmp_path):
+    workload = load_workload(str(WORKLOAD))
+    # compare="raise" on this op alone: the test fails at this divergence
+    gate = KvGateConfig(path={kv_path_literal}, compare="raise", compare_ops=({op_literal},),
+                        compare_log=str(tmp_path / "kv-divergences.jsonl"))
+    worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
+                    kv_gate=gate, shadow_path={shadow_path_literal},
+                    faults=FaultInjector(FaultSpec.parse(FAULTS)) if FAULTS is not None else None)
+    result = run_workload(worker, workload, source=str(WORKLOAD))
+    assert not result.compare_summary.divergences
+'''
+
+
+def write_regression(
+    result: MinimizeResult, workload_path: str | Path, test_path: str | Path
+) -> None:
+    """Write the minimal workload (JSON) and a pytest file that replays it in compare mode
+    ``raise``, comparing the signature's op only (a divergence of another op, another bug's, does
+    not fail it).
+
+    Both files are replaced atomically. The test names the workload by its path
+    relative to the test file, is named after the signature
+    (``test_no_<slug>_divergence``), and runs the tiny model: KV decisions depend
+    on the workload alone while the model emits no EOS (the tiny one has none).
+    """
+    for path, text in _regression_files(result, Path(workload_path), Path(test_path)).items():
+        write_atomic(path, text)
+
+
+def write_regression_into(out_dir: str | Path, result: MinimizeResult) -> tuple[Path, Path]:
+    """:func:`write_regression` into ``out_dir`` as ``<slug>.json`` and ``test_kv_<slug>.py``, or
+    with ``_2``, ``_3``... when those files hold another regression (one with the same signature
+    from another record or direction): nothing is overwritten but the same files again. Returns the
+    workload and test paths."""
+    out_dir, slug = Path(out_dir), result.signature.slug
+    for number in itertools.count(1):
+        name = slug if number == 1 else f"{slug}_{number}"
+        workload_path, test_path = out_dir / f"{name}.json", out_dir / f"test_kv_{name}.py"
+        files = _regression_files(result, workload_path, test_path)
+        if all(
+            not path.exists() or path.read_text(encoding="utf-8") == text
+            for path, text in files.items()
+        ):
+            write_regression(result, workload_path, test_path)
+            return workload_path, test_path
+
+
+def _regression_files(
+    result: MinimizeResult, workload_path: Path, test_path: Path
+) -> dict[Path, str]:
+    """The text of the workload file and of the test file :func:`write_regression` writes. Pure."""
+    relative = Path(os.path.relpath(workload_path.resolve(), test_path.resolve().parent)).as_posix()
+    signature = result.signature
+    source = _TEST_TEMPLATE.format(
+        slug=signature.slug,
+        op=_comment(signature.op),
+        kind=_comment(signature.kind),
+        kv_path=_comment(result.kv_path),
+        shadow_path=_comment(result.shadow_path),
+        paths="\n#                  ".join(map(_comment, signature.field_paths))
+        or "(none: a side raised)",
+        workload_literal=json.dumps(relative),
+        kv_path_literal=json.dumps(result.kv_path),
+        op_literal=json.dumps(signature.op),
+        # a JSON string is a Python string literal
+        shadow_path_literal=json.dumps(result.shadow_path),
+        faults_literal=json.dumps(result.faults) if result.faults is not None else "None",
+    )
+    return {workload_path: result.workload.to_json(), test_path: source}
+
+
+def _comment(text: str) -> str:
+    """``text`` on one line, safe inside a ``#`` comment."""
+    return " ".join(text.split())
