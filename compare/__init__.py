@@ -29,8 +29,14 @@ from compare.diff import diff as diff
 
 _MODULES = {
     "compare.canonical": ("Keyed", "canonicalize", "flatten", "wildcard"),
-    "compare.observation": ("Comparison", "Observation", "compare_observations", "exception_text"),
-    "compare.shadow": ("ShadowExecutor", "ShadowStats"),
+    "compare.observation": (
+        "Comparison",
+        "Observation",
+        "ShadowStats",
+        "compare_observations",
+        "exception_text",
+    ),
+    "compare.shadow": ("ShadowExecutor",),
     "compare.errors": ("DivergenceError", "HarnessWarning"),
     "compare.coverage": ("CoverageCounter", "CoverageRow", "Outcome", "OutcomeTally"),
     "compare.records": (

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from compare.observation import Comparison, exception_text
 
@@ -20,6 +22,34 @@ class DivergenceError(AssertionError):
 
 class HarnessWarning(RuntimeWarning):
     """Emitted by the default `on_harness_error`: the harness failed, the caller did not."""
+
+
+class HarnessFunnel:
+    """The one way a failure inside the harness is reported: counted, then handed to
+    ``on_harness_error``; one that raises makes harness failures fatal. Mutates only itself."""
+
+    def __init__(self, on_harness_error: Callable[[str, BaseException], None]) -> None:
+        self.count = 0
+        self._on_harness_error = on_harness_error
+        self._fatal: BaseException | None = None  # the last error on_harness_error raised
+
+    def guard(self, operation: str, call: Callable[..., Any], *args: Any, default: Any) -> Any:
+        """``call(*args)``; on failure, report it and return ``default``."""
+        try:
+            return call(*args)
+        except Exception as error:
+            if error is self._fatal:  # a nested guard's failure, already reported and re-raised
+                raise
+            self.report(operation, error)
+            return default
+
+    def report(self, operation: str, error: Exception) -> None:
+        self.count += 1
+        try:
+            self._on_harness_error(operation, error)
+        except BaseException as fatal:
+            self._fatal = fatal
+            raise
 
 
 def warn_harness_error(operation: str, error: BaseException) -> None:

@@ -53,6 +53,25 @@ def ddmin(
     current = list(range(len(items)))
     if not fails(current):
         raise ValueError("ddmin needs a failing input, but still_fails(items) is false")
+    current, exhausted = _reduce(current, fails)
+    try:
+        if not exhausted and len(current) == 1 and fails([]):  # the last item may not be needed
+            current = []
+    except _Budget:
+        exhausted = True
+    if exhausted:
+        warnings.warn(
+            f"ddmin stopped after {max_tests} tests; the result of "
+            f"{len(current)} items may not be minimal",
+            stacklevel=2,
+        )
+    return [items[i] for i in current]
+
+
+def _reduce(current: list[int], fails: Callable[[list[int]], bool]) -> tuple[list[int], bool]:
+    """ddmin's loop over index lists: a failing chunk (n back to 2), else a failing complement
+    (n - 1), else 2n chunks, until the chunks are single items. Returns the smallest failing list
+    it reached, and whether the test budget ran out first."""
     n = 2
     try:
         while len(current) >= 2:
@@ -70,15 +89,9 @@ def ddmin(
             if n >= len(current):
                 break
             n = min(2 * n, len(current))
-        if len(current) == 1 and fails([]):  # the one item left may not be needed either
-            current = []
     except _Budget:
-        warnings.warn(
-            f"ddmin stopped after {max_tests} tests; the result of "
-            f"{len(current)} items may not be minimal",
-            stacklevel=2,
-        )
-    return [items[i] for i in current]
+        return current, True
+    return current, False
 
 
 def _split(indices: list[int], n: int) -> list[list[int]]:

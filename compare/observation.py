@@ -7,10 +7,11 @@ are equal is counted as matched without one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from compare.coverage import OutcomeTally
 from compare.diff import Diff, diff
 
 
@@ -95,3 +96,19 @@ def exception_text(error: BaseException) -> str:
     except Exception:
         message = "<unprintable>"
     return f"{type(error).__qualname__}: {message}" if message else type(error).__qualname__
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowStats:
+    """A snapshot of an executor's counters (later runs do not change it).
+
+    Times cover compared steps only: `authoritative_seconds` inside the authoritative callable,
+    `compare_seconds` everything else the harness added (fork, shadow, canonicalize, compare).
+    """
+
+    num_compared: Mapping[str, int]  # per op
+    num_divergences: Mapping[str, int]  # per op
+    num_harness_errors: int
+    compare_seconds: float
+    authoritative_seconds: float
+    coverage: Mapping[str, OutcomeTally]  # decision outcome id -> how often, first step

@@ -19,8 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from compare.observation import Comparison
-from compare.shadow import ShadowStats
+from compare.observation import Comparison, ShadowStats
 
 SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (SCHEMA_VERSION,)

@@ -29,36 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Sequence
 from functools import partial
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-from compare.coverage import CoverageCounter, OutcomeTally
-from compare.errors import UNCLASSIFIED, DivergenceError, warn_harness_error
-from compare.observation import Comparison, Observation, compare_observations
+from compare.coverage import CoverageCounter
+from compare.errors import UNCLASSIFIED, DivergenceError, HarnessFunnel, warn_harness_error
+from compare.observation import Comparison, Observation, ShadowStats, compare_observations
 
 R = TypeVar("R")
 F = TypeVar("F")
 _HOOKS = frozenset({"fork", "canonicalize", "context"})  # run's optional callables
 _FAILED = object()  # what `_guard` returns for a hook that raised, where None is a valid result
-
-
-@dataclass(frozen=True, slots=True)
-class ShadowStats:
-    """A snapshot of an executor's counters (later runs do not change it).
-
-    Times cover compared steps only: `authoritative_seconds` inside the authoritative callable,
-    `compare_seconds` everything else the harness added (fork, shadow, canonicalize, compare).
-    """
-
-    num_compared: Mapping[str, int]  # per op
-    num_divergences: Mapping[str, int]  # per op
-    num_harness_errors: int
-    compare_seconds: float
-    authoritative_seconds: float
-    coverage: Mapping[str, OutcomeTally]  # decision outcome id -> how often, first step
 
 
 def _no_hook() -> None:
@@ -124,12 +107,11 @@ class ShadowExecutor:
         self._guarded_exception_kind = partial(self._name, "exception_kind", exception_kind)
         self._outcomes = outcomes
         self._on_divergence = on_divergence
-        self._on_harness_error = on_harness_error
+        self._harness = HarnessFunnel(on_harness_error)
+        self._guard = self._harness.guard
         self._clock = clock
         self._num_compared: dict[str, int] = {}
         self._num_divergences: dict[str, int] = {}
-        self._num_harness_errors = 0
-        self._fatal: BaseException | None = None  # the last error on_harness_error raised
         self._compare_seconds = 0.0
         self._authoritative_seconds = 0.0
         self._coverage = CoverageCounter()
@@ -220,7 +202,7 @@ class ShadowExecutor:
         return ShadowStats(
             num_compared=MappingProxyType(dict(self._num_compared)),
             num_divergences=MappingProxyType(dict(self._num_divergences)),
-            num_harness_errors=self._num_harness_errors,
+            num_harness_errors=self._harness.count,
             compare_seconds=self._compare_seconds,
             authoritative_seconds=self._authoritative_seconds,
             coverage=MappingProxyType(self._coverage.tallies()),
@@ -318,22 +300,3 @@ class ShadowExecutor:
         """Call a classifier; if it fails, report that and keep the divergence as unclassified."""
         kind = self._guard(operation, namer, argument, default=None)
         return kind if kind is not None else UNCLASSIFIED
-
-    def _guard(self, operation: str, call: Callable[..., Any], *args: Any, default: Any) -> Any:
-        """Run `call`; on failure, funnel the error and return `default`."""
-        try:
-            return call(*args)
-        except Exception as error:
-            if error is self._fatal:  # a nested guard's failure, already funnelled and re-raised
-                raise
-            self._funnel(operation, error)
-            return default
-
-    def _funnel(self, operation: str, error: Exception) -> None:
-        """The one way a harness failure is reported: counted, then handed to `on_harness_error`."""
-        self._num_harness_errors += 1
-        try:
-            self._on_harness_error(operation, error)
-        except BaseException as fatal:
-            self._fatal = fatal
-            raise
