@@ -18,6 +18,7 @@ import inspect
 import pytest
 
 from batchgen.engine.faults import FaultInjector, FaultSpec
+from batchgen.engine.loads import observe_loads
 from batchgen.engine.runner import run_workload
 from batchgen.engine.scheduler import schedule
 from batchgen.engine.state import Phase, Request, RequestState
@@ -221,7 +222,7 @@ def test_every_op_on_a_fork_leaves_the_worker_as_it_was(path):
         before = _kv_state(worker)
         # the fault clock the next step's before_step sets: loads land
         worker.faults.step = worker.state.step
-        observed = worker._observe_loads()
+        observed = observe_loads(worker.state, worker.engine_config.load_timeout_steps)
         poll_outcomes.update(
             "completed" if error is None else "failed" for error in observed.values()
         )

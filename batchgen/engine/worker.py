@@ -26,6 +26,7 @@ import torch
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.faults import FaultInjector
+from batchgen.engine.loads import observe_loads
 from batchgen.engine.request_checks import RequestError, check_request
 from batchgen.engine.sampler import sample
 from batchgen.engine.scheduler import schedule
@@ -55,6 +56,22 @@ class PendingAppend:
     kv: torch.Tensor | None  # [num_layers, 2, n, kv_heads, head_dim]; None without KV storage
 
 
+def _check_config_types(
+    cache_config: CacheConfig, engine_config: EngineConfig | None, kv_gate: KvGateConfig | None
+) -> None:
+    """TypeError naming the first config argument of another type than the worker takes."""
+    for name, value, expected, optional in (
+        ("cache_config", cache_config, CacheConfig, False),
+        ("engine_config", engine_config, EngineConfig, True),
+        ("kv_gate", kv_gate, KvGateConfig, True),
+    ):
+        if not (isinstance(value, expected) or optional and value is None):
+            raise TypeError(
+                f"Worker: {name} must be a {expected.__module__}.{expected.__name__}"
+                f"{' or None' if optional else ''}, not {type(value).__name__}"
+            )
+
+
 class Worker:
     def __init__(
         self,
@@ -74,16 +91,7 @@ class Worker:
         check). ``faults`` injects a seeded fault schedule. ``kv_storage=False`` keeps the pools
         bookkeeping-only (null-model runs). TypeError naming the argument given a config of another
         type."""
-        for name, value, expected, optional in (
-            ("cache_config", cache_config, CacheConfig, False),
-            ("engine_config", engine_config, EngineConfig, True),
-            ("kv_gate", kv_gate, KvGateConfig, True),
-        ):
-            if not (isinstance(value, expected) or optional and value is None):
-                raise TypeError(
-                    f"Worker: {name} must be a {expected.__module__}.{expected.__name__}"
-                    f"{' or None' if optional else ''}, not {type(value).__name__}"
-                )
+        _check_config_types(cache_config, engine_config, kv_gate)
         self.model = model
         self.model_config = model.config
         self.cache_config = cache_config
@@ -106,16 +114,16 @@ class Worker:
         self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
         self.kv_compare = None
         if self.kv_gate.compare != "off":
-            from batchgen.shadow.kv_compare import KvCompare
-
-            self.kv_compare = self._kv = KvCompare(
-                self.kv_target(),
-                self.kv_gate,
-                shadow_path=shadow_path,
-                faults=faults.spec.to_spec() if faults is not None else None,
-            )
+            self.kv_compare = self._kv = self._compare_mode(shadow_path)
         else:
             self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
+
+    def _compare_mode(self, shadow_path: str | None):
+        """The KV ops in compare mode (imported only when the gate turns it on)."""
+        from batchgen.shadow.kv_compare import KvCompare
+
+        faults = self.faults.spec.to_spec() if self.faults is not None else None
+        return KvCompare(self.kv_target(), self.kv_gate, shadow_path=shadow_path, faults=faults)
 
     def kv_target(self) -> KvTarget:
         """The worker's live state, pools and pending appends, as the KV ops see them."""
@@ -178,7 +186,7 @@ class Worker:
         """Run one step. Mutates state, pools, pending appends, stats."""
         if self.faults is not None:
             self.faults.before_step(self)
-        observed = self._observe_loads()
+        observed = observe_loads(self.state, self.engine_config.load_timeout_steps)
         if observed:
             self._kv.poll(observed)
         done = [r.uuid for r in self.state.requests.values() if r.phase in DONE_PHASES]
@@ -196,30 +204,6 @@ class Worker:
         self.state.step += 1
 
     # ---- worker-side steps -------------------------------------------------------------
-    def _observe_loads(self) -> dict[str, str | None]:
-        """Outcomes of in-flight loads: uuid -> None (done) or the error text. Pure.
-
-        A copy issued last step is waited for: it overlapped that step's forward.
-        A handle that says it may stall (``may_stall``, e.g. fault injection) is
-        only read when done; one incomplete after ``load_timeout_steps`` steps
-        counts as failed. Loads still pending are left out.
-        """
-        observed = {}
-        timeout = self.engine_config.load_timeout_steps
-        for req in self.state.in_phase(Phase.LOADING):
-            handle = req.load_handle
-            if getattr(handle, "may_stall", False) and not handle.done():
-                age = self.state.step - req.load_started_step
-                if age >= timeout:
-                    observed[req.uuid] = f"LoadTimeout: no completion after {age} steps"
-                continue
-            try:
-                handle.wait()
-                observed[req.uuid] = None
-            except Exception as exc:  # a failed copy is an input to poll, not a crash
-                observed[req.uuid] = f"{type(exc).__name__}: {exc}"
-        return observed
-
     def _flush_pending_kv_appends(self) -> None:
         """Write pending K/V into their pages, then forget them. Mutates the GPU pool tensor."""
         tensor = self.gpu_kv.tensor

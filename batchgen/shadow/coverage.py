@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from batchgen.engine.loads import LOAD_TIMEOUT
 from batchgen.engine.state import Phase, RequestState
 from batchgen.kv.manager import eviction_watermark_pages
 from batchgen.kv.plans import (
@@ -31,7 +32,6 @@ from batchgen.kv.plans import (
 )
 from compare import Outcome, RunSummary
 
-TIMEOUT_PREFIX = "LoadTimeout"  # how the worker names a load that never completed
 _SCHEDULER_INVARIANT = (
     "the scheduler admits no request while any is SWAPPED, so RUNNING + LOADING + SWAPPED never "
     "exceeds max_num_seqs and migration never meets the limit (tests/test_coverage.py builds "
@@ -117,7 +117,7 @@ def poll_outcomes(request: PollRequest, plan: PollPlan) -> list[str]:
     max_retries = request.snapshot.geometry.max_load_retries
     reached = []
     for error, retries, action in zip(request.errors, request.num_load_retries, plan.actions):
-        if error is not None and error.startswith(TIMEOUT_PREFIX):
+        if error is not None and error.startswith(LOAD_TIMEOUT):
             reached.append("poll.timeout")
         if action is PollAction.RETRY:
             reached.append("poll.retry.last" if retries == max_retries - 1 else "poll.retry")
