@@ -27,7 +27,8 @@ from batchgen.kv.backends import GpuKvPool
 from batchgen.kv.plans import PollAction
 from batchgen.model.loader import load_model
 from batchgen.shadow.coverage import CATALOG
-from batchgen.shadow.validation import coverage_failures, validate_back_to_back
+from batchgen.shadow.validation import validate_back_to_back
+from batchgen.shadow.validation_checks import coverage_failures
 from batchgen.shadow.validation_report import DIRECTIONS, REPORT_FILES
 from compare import (
     DivergenceRecord,

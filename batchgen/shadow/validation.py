@@ -47,6 +47,7 @@ from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.shadow.coverage import CATALOG
 from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES
+from batchgen.shadow.validation_checks import coverage_failures
 from batchgen.shadow.validation_report import (
     DIRECTIONS,
     PARTIAL_LOG,
@@ -126,22 +127,6 @@ def corpus_workloads(corpus_dir: str | Path) -> list[Workload]:
     file replay and minimize reload). WorkloadError for one that is not a valid workload."""
     paths = sorted(Path(corpus_dir).glob("*.json"))
     return [load_workload(str(path)).model_copy(update={"name": path.stem}) for path in paths]
-
-
-def coverage_failures(compare: Report) -> list[str]:
-    """A failure line for the required outcomes no run reached, and one for outcomes reached that
-    the catalog says no run can reach. Pure."""
-    failures = []
-    if compare.unreached:
-        failures.append(
-            f"decision coverage: required outcomes never reached: {', '.join(compare.unreached)}"
-        )
-    if compare.unexpected:
-        failures.append(
-            "decision coverage: outcomes the catalog marks unreachable (or does not list) were "
-            f"reached: {', '.join(compare.unexpected)}; the catalog's reason no longer holds"
-        )
-    return failures
 
 
 def _write_reports(session: Session, directory: Path, compare: Report) -> dict[str, str]:

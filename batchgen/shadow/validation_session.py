@@ -12,24 +12,25 @@ from pathlib import Path
 
 import torch
 
-from batchgen.config import CacheConfig, EngineConfig, watermark_pages
+from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.request_checks import RequestError
 from batchgen.engine.runner import RunResult, run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadError
 from batchgen.kv.gate import KvGateConfig
-from batchgen.kv.plans import pages_needed
-from batchgen.shadow.output_check import compare_exact, compare_outputs
+from batchgen.shadow.validation_checks import (
+    divergence_failures,
+    eviction_failures,
+    first_line,
+    fresh_failures,
+    leftover_failures,
+    no_eviction_pool,
+    pressure_failures,
+    reference_failures,
+)
 from batchgen.shadow.validation_report import KvDirection, ValidationRun
 from compare import DivergenceRecord, LogWriteError, RunSummary, read_log
-
-# Counters that must match between a shared and the fresh L2-4096 run (peaks are lifetime maxima,
-# so not these).
-SAME_RUN_COUNTERS = (
-    "steps", "evictions", "loads", "load_failures", "recompute_preemptions", "tokens_generated",
-)  # fmt: skip
-_MAX_NAMED_PATHS = 3  # field paths a divergence failure line names
 
 # on_progress(label of the run, requests released, requests in the workload)
 ProgressCallback = Callable[[str, int, int], None]
@@ -77,8 +78,9 @@ class Session:
                 if result is None:  # the worker's state is broken; later runs would only repeat it
                     return
                 self.shared.setdefault(direction, {})[workload.name] = result
-                self.check_clean(f"{workload.name} {direction.role}", worker, result)
-                self.check_evicted(f"{workload.name} {direction.role}", result)
+                label = f"{workload.name} {direction.role}"
+                self.failures += leftover_failures(label, worker, result)
+                self.failures += eviction_failures(label, result)
         finally:
             self.close_log(direction, worker)
 
@@ -102,7 +104,9 @@ class Session:
             try:
                 result = self.run(direction.role, worker, workload, direction=direction)
                 if result is not None:
-                    self.check_clean(f"{workload.name} {direction.role}", worker, result)
+                    self.failures += leftover_failures(
+                        f"{workload.name} {direction.role}", worker, result
+                    )
             finally:
                 self.close_log(direction, worker)
 
@@ -112,18 +116,16 @@ class Session:
         """Each workload on a pool that never evicts; every direction's tokens must match it
         (near-ties allowed)."""
         for workload in workloads:
-            roomy = workload.with_cache(**_no_eviction_pool(workload, dtype))
+            roomy = workload.with_cache(**no_eviction_pool(workload, dtype))
             reference = self.run("reference", self.plain_worker(roomy.cache, roomy.engine), roomy)
             if reference is None:
                 continue
-            self.check_no_eviction(reference)
+            self.failures += pressure_failures(reference)
             for direction, results in self.shared.items():
                 if workload.name in results:
-                    self.compare(
-                        reference,
-                        results[workload.name],
-                        f"{workload.name} {direction.role}",
-                        tolerance,
+                    label = f"{workload.name} {direction.role}"
+                    self.failures += reference_failures(
+                        reference, results[workload.name], label, tolerance
                     )
 
     def check_against_fresh(self, last: Workload, cache: CacheConfig) -> None:
@@ -134,7 +136,8 @@ class Session:
             return
         for direction, results in self.shared.items():
             if last.name in results:
-                self.check_same_run(fresh, results[last.name], f"{last.name} {direction.role}")
+                label = f"{last.name} {direction.role}"
+                self.failures += fresh_failures(fresh, results[last.name], label)
 
     def plain_worker(self, cache: CacheConfig, engine: EngineConfig) -> Worker:
         """A worker on the default (plan) path with compare mode off, whatever the environment
@@ -179,110 +182,33 @@ class Session:
             raise  # bad input, not a failed check
         except AssertionError as error:
             self.failures.append(
-                f"{label}: integrity check failed at step {worker.state.step}: {_first_line(error)}"
+                f"{label}: integrity check failed at step {worker.state.step}: {first_line(error)}"
             )
             self.end_compare_run(label, worker, direction)
             return None
         except Exception as error:  # e.g. a plan the applier rejected on the authoritative path
             self.failures.append(
                 f"{label}: raised at step {worker.state.step}: {type(error).__name__}: "
-                f"{_first_line(error)}"
+                f"{first_line(error)}"
             )
             self.end_compare_run(label, worker, direction)
             return None
         self.runs.append(ValidationRun.from_result(role, workload.name, result, direction))
         if result.compare_summary is not None:
-            self.check_divergences(label, direction, result.compare_summary)
+            self.judge_compare_run(label, direction, result.compare_summary)
         return result
 
     def end_compare_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:
         """Judge the divergences of a compare run that broke off (its summary: the one the runner
         wrote as it stopped)."""
         if worker.kv_compare is not None:
-            self.check_divergences(label, direction, worker.kv_compare.end_run())
+            self.judge_compare_run(label, direction, worker.kv_compare.end_run())
 
-    # ---- checks ---------------------------------------------------------------------------------
-    def check_divergences(self, label: str, direction: KvDirection, summary: RunSummary) -> None:
-        """No divergence and no harness error in one compare run; a failure names the first
-        divergence."""
-        if summary.harness_errors:
-            self.failures.append(
-                f"{label}: {_plural(summary.harness_errors, 'compare harness error')} "
-                "(the comparison itself failed; see the warnings)"
-            )
-        num_divergences = sum(summary.divergences.values())
-        if not num_divergences:
-            return
-        by_op = ", ".join(f"{op}: {n}" for op, n in sorted(summary.divergences.items()) if n)
-        noise = (
-            " (A/A noise check: both sides run the same path)" if direction.is_noise_check else ""
-        )
-        first = self.first_divergence(summary.run_id)
-        self.failures.append(
-            f"{label}: {_plural(num_divergences, 'divergence')} of the {direction.shadow} shadow"
-            f" from the authoritative {direction.authoritative} path{noise} ({by_op}); first:"
-            f" {_describe(first)}"
-        )
-
-    def check_clean(self, label: str, worker: Worker, result: RunResult) -> None:
-        """After a run: nothing held, nothing in flight, no request state, pools consistent."""
-        leftovers = {
-            "GPU pages held": result.leaked_gpu_pages,
-            "host pages held": result.leaked_host_pages,
-            "loads in flight": result.loads_in_flight,
-            "live requests": result.live_requests,
-        }
-        self.failures += [
-            f"{label}: {count} {what} after the run (expected 0)"
-            for what, count in leftovers.items()
-            if count
-        ]
-        try:
-            worker.check_integrity()
-        except AssertionError as error:
-            self.failures.append(
-                f"{label}: integrity check failed after the run: {_first_line(error)}"
-            )
-
-    def check_evicted(self, label: str, result: RunResult) -> None:
-        if result.stats.evictions == 0:
-            self.failures.append(
-                f"{label}: never evicted to host (recompute preemptions:"
-                f" {result.stats.recompute_preemptions}), so the run did not exercise the host"
-                " tier; use a larger --scale"
-            )
-
-    def check_no_eviction(self, reference: RunResult) -> None:
-        stats = reference.stats
-        if stats.evictions or stats.loads or stats.recompute_preemptions:
-            self.failures.append(
-                f"{reference.workload} reference: its pool was meant to avoid all KV pressure but"
-                f" it saw {stats.evictions} evictions, {stats.loads} loads,"
-                f" {stats.recompute_preemptions} recomputes"
-            )
-
-    def compare(
-        self, reference: RunResult, shared: RunResult, label: str, tolerance: float
-    ) -> None:
-        """A shared run's tokens vs the no-eviction reference, near-ties allowed."""
-        self.failures += [
-            f"{label} vs reference: {problem}"
-            for problem in compare_outputs(reference.outputs, shared.outputs, tolerance=tolerance)
-        ]
-
-    def check_same_run(self, fresh: RunResult, shared: RunResult, label: str) -> None:
-        """A shared worker's run of the last workload must be the fresh worker's: tokens, steps and
-        counters."""
-        label = f"{label} vs fresh"
-        self.failures += [
-            f"{label}: {problem}" for problem in compare_exact(fresh.outputs, shared.outputs)
-        ]
-        fresh_counters, shared_counters = _run_counters(fresh), _run_counters(shared)
-        self.failures += [
-            f"{label}: {name} {shared_counters[name]} on the shared worker, {value} on a fresh one"
-            for name, value in fresh_counters.items()
-            if shared_counters[name] != value
-        ]
+    def judge_compare_run(self, label: str, direction: KvDirection, summary: RunSummary) -> None:
+        """No divergence and no harness error in one compare run (a failure names the first
+        divergence)."""
+        first = self.first_divergence(summary.run_id) if summary.divergences else None
+        self.failures += divergence_failures(label, direction, summary, first)
 
     # ---- the log ---------------------------------------------------------------------------------
     def read_log(self) -> tuple:
@@ -305,45 +231,3 @@ class Session:
             ),
             None,
         )
-
-
-def _run_counters(result: RunResult) -> dict[str, int]:
-    return {name: result.summary()[name] for name in SAME_RUN_COUNTERS}
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def _first_line(error: BaseException) -> str:
-    """The check's own message (pytest appends its assert rewrite on later lines)."""
-    return str(error).partition("\n")[0]
-
-
-def _no_eviction_pool(workload: Workload, dtype: str) -> dict:
-    """Cache fields for a pool that holds every request at full length at once, above the watermark.
-
-    No host pages: a run that never evicts never uses them.
-    """
-    cache = workload.cache
-    num_needed = sum(
-        pages_needed(len(r.prompt_ids) + r.max_new_tokens, cache.page_size)
-        for r in workload.requests
-    )
-    num_pages = num_needed
-    while num_pages - watermark_pages(cache.watermark, num_pages) < num_needed:
-        num_pages += 1
-    return {"num_gpu_pages": num_pages, "num_host_pages": 0, "dtype": dtype}
-
-
-def _describe(record: DivergenceRecord | None) -> str:
-    """``op step N, kind at path, path (+k more)``: one divergence on one line."""
-    if record is None:
-        return "not in the log"
-    where = f"{record.op} step {record.step}, {record.kind}"
-    if not record.field_paths:
-        return f"{where}: {record.exception}"
-    more = len(record.field_paths) - _MAX_NAMED_PATHS
-    return f"{where} at {', '.join(record.field_paths[:_MAX_NAMED_PATHS])}" + (
-        f" (+{more} more)" if more > 0 else ""
-    )
