@@ -611,7 +611,7 @@ def test_shadow_exceptions_and_rejected_plans_are_logged_and_never_reach_the_aut
 def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_reaches_the_worker(
     broken, mode, tiny, tmp_path, monkeypatch
 ):
-    """A crash while forking (before the shadow runs) or while canonicalising (after the
+    """A crash while forking (before the shadow runs) or while canonicalizing (after the
     authoritative op mutated the worker) is the harness's: the worker runs on as if compare mode
     were off."""
     workload = stress_smoke(0)
@@ -640,7 +640,7 @@ def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_re
     assert summary.harness_errors > 0
     if broken == "fork_target":  # no fork, nothing compared
         assert summary.steps_compared == {}
-    else:  # canonicalised only where one side wrote something: quiet ops still compare
+    else:  # canonicalized only where one side wrote something: quiet ops still compare
         assert summary.harness_errors < sum(summary.steps_compared.values())
 
 
@@ -786,8 +786,8 @@ def running_target(*uuids: str) -> KvTarget:
     return worker.kv_target()
 
 
-def test_compare_mode_sees_a_change_to_any_request_field_it_canonicalises():
-    """Compare mode canonicalises only the requests whose post-states differ; the check that picks
+def test_compare_mode_sees_a_change_to_any_request_field_it_canonicalizes():
+    """Compare mode canonicalizes only the requests whose post-states differ; the check that picks
     them must see every field the canonical form shows, or a bug there would go unreported."""
     target = running_target("a", "b")
     scope = list(target.state.requests)

@@ -256,8 +256,8 @@ def test_every_op_on_a_fork_leaves_the_worker_as_it_was(path):
 
 
 def test_the_canonical_request_covers_exactly_the_fields_the_change_detection_reads():
-    """``differing_requests`` compares KV_FIELDS to pick what to canonicalise; ``add_requests``
-    canonicalises a request: a field in one and not the other would be compared never, or picked and
+    """``differing_requests`` compares KV_FIELDS to pick what to canonicalize; ``add_requests``
+    canonicalizes a request: a field in one and not the other would be compared never, or picked and
     never shown."""
     worker = Worker(load_model("tiny"), cache_config=builtin_workload("smoke").cache)
     worker.add_request(builtin_workload("smoke").requests[0].to_request())

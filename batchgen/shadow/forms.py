@@ -21,7 +21,7 @@ STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
 
 @dataclass(frozen=True, slots=True)
 class ShadowRun:
-    """What the shadow step of an op leaves for canonicalisation."""
+    """What the shadow step of an op leaves for canonicalization."""
 
     fork: KvTarget  # the shadow's post-state, its pools' journals and copies included
     result: object  # what the shadow path's op returned
@@ -33,8 +33,8 @@ class ShadowRun:
 def canonical_pair(target: KvTarget, seen: Observation, shadow: ShadowRun | None) -> tuple:
     """Both canonical forms of one compared op, once the authoritative path ran on ``target``
     (``seen``) and the shadow path on its fork (``shadow``; None: it raised). Only requests whose
-    post-states differ are canonicalised, on both sides; journals and copy lists equal on both
-    sides are canonicalised once and shared; when neither side wrote anything both forms are only
+    post-states differ are canonicalized, on both sides; journals and copy lists equal on both
+    sides are canonicalized once and shared; when neither side wrote anything both forms are only
     counters and result (everything else equals the pre-state on both sides). A side that raised
     gets None (the other's form is still logged). Pure, but for the fork's view
     (``detach_fork``)."""
@@ -196,7 +196,7 @@ def load_name(target: KvTarget, uuid: str, handle) -> str | None:
 
 
 def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Sequence[str]) -> None:
-    """Canonicalise ``uuids`` on ``target`` into ``requests`` (live) and ``outputs`` (released).
+    """Canonicalize ``uuids`` on ``target`` into ``requests`` (live) and ``outputs`` (released).
     Mutates both."""
     live, done = target.state.requests, target.state.outputs
     for u in uuids:

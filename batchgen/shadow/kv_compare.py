@@ -14,7 +14,7 @@ Per compared op (``compare.ShadowExecutor`` fixes the order)::
     compare       the forms; then, when both paths returned, the decision outcomes the op
                   reached (``coverage.outcomes_of``, from the plan path's request and plan)
 
-Only the paths' own exceptions are observations: a failure in forking or canonicalising is the
+Only the paths' own exceptions are observations: a failure in forking or canonicalizing is the
 harness's (counted, warned, never a divergence, never raised into the worker). Ops the executor
 does not sample run the authoritative path alone. Divergences go to a JSON Lines log with what
 ``replay`` and ``minimize`` need; each run ends with a summary record, decision coverage

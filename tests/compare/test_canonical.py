@@ -166,7 +166,7 @@ def test_a_flag_of_no_single_name_keeps_its_value():
     assert canonicalize([Access(0), Access(8), Access.READ]) == ["Access(0)", "Access(8)", "READ"]
 
 
-def test_a_set_holding_nan_canonicalises_the_same_whatever_its_insertion_order():
+def test_a_set_holding_nan_canonicalizes_the_same_whatever_its_insertion_order():
     nan = float("nan")
     # 0, 8 and 16 share a slot of a small set: iteration follows insertion
     members = [0.0, 8.0, 16.0, nan]

@@ -33,7 +33,7 @@ def make(mode="log", **options):
 
 
 def run(executor, *, auth=SAME, shadow=SAME, op="alloc", step=0, **kwargs):
-    """One step where the authoritative path returns "result" canonicalised as ``auth`` and the
+    """One step where the authoritative path returns "result" canonicalized as ``auth`` and the
     shadow returns ``shadow`` (already canonical); either raises its value if an exception."""
     authoritative = raising(auth) if isinstance(auth, BaseException) else lambda: "result"
     other = raising(shadow) if isinstance(shadow, BaseException) else lambda forked: shadow
