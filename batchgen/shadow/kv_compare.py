@@ -179,10 +179,18 @@ class KvCompare:
 
     # ---- runs ----------------------------------------------------------------------------
     def begin_run(
-        self, workload: str, *, seed: int, source: str | None = None, scale: float = 1.0
+        self,
+        workload: str,
+        *,
+        seed: int,
+        source: str | None = None,
+        scale: float = 1.0,
+        run_id: str | None = None,
     ) -> ShadowExecutor:
-        """Start counting a new run (one workload). Mutates self."""
-        self.run_id = f"{workload}-{uuid_lib.uuid4().hex[:8]}"
+        """Start counting a new run (one workload). ``run_id`` names it in every record (default:
+        ``<workload>-<random hex>``; a sweep derives it from the run's inputs, so that the same
+        matrix logs the same ids). Mutates self."""
+        self.run_id = run_id or f"{workload}-{uuid_lib.uuid4().hex[:8]}"
         self.workload, self.seed = workload, seed
         self.workload_source, self.scale = source or workload, scale
         self._summary = None
