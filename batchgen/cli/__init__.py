@@ -7,8 +7,9 @@
     report    divergence logs -> report              LOG [LOG...] [--format FORMAT] [--out FILE]
     replay    re-run one logged op                   LOG --index N
     minimize  shrink it, write a regression test     LOG --index N [--out-dir DIR] [--max-tests N]
+    sweep     compare mode over a matrix, on Ray     [--workload W] [--seeds A-B] [--faults SPEC]
 
-A subcommand is a module (``run``, ``validate``, ``logs``) with an
+A subcommand is a module (``run``, ``validate``, ``logs``, ``sweep``) with an
 ``add_<name>_command`` (declares its flags, shares ``common``'s) and a handler
 ``args -> exit code``.
 Exit codes: 0 done (report: no divergence; replay: reproduced), 1 failed
@@ -39,6 +40,7 @@ from batchgen.cli.logs import (
     add_report_command,
 )
 from batchgen.cli.run import add_run_command
+from batchgen.cli.sweep import add_sweep_command
 from batchgen.cli.validate import add_validate_command
 from batchgen.engine.faults import FaultSpecError
 from batchgen.engine.worker import PoolAllocationError, RequestError
@@ -54,6 +56,8 @@ from batchgen.kv.gate import GateError
 from batchgen.model.loader import ModelLoadError
 from batchgen.shadow.minimize import MinimizeError
 from batchgen.shadow.replay import ReplayError
+from batchgen.shadow.sweep import SweepError
+from batchgen.shadow.sweep_backends import BackendError
 from compare import RecordError
 
 __all__ = ["RENDERERS", "build_parser", "main"]
@@ -70,6 +74,8 @@ INPUT_ERRORS = (
     RecordError,
     ReplayError,
     MinimizeError,
+    SweepError,
+    BackendError,
 )
 
 
@@ -265,4 +271,5 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_command(commands)
     add_replay_command(commands)
     add_minimize_command(commands)
+    add_sweep_command(commands)
     return parser
