@@ -15,22 +15,41 @@ from pathlib import Path
 import pytest
 from injected_bugs import reversed_grants
 
+from batchgen.engine.worker import Worker
 from batchgen.shadow.sweep import SweepCell, run_cell
+
+KILLED_AT_STEP = 5  # a killed attempt runs this many worker steps first: it dies mid-run
 
 
 def failing_run(
     cell: SweepCell, *, marker_dir: str, run_ids: tuple[str, ...], num_failures: int, how: str
 ) -> tuple[str, ...]:
-    """``run_cell(cell)``, but the first ``num_failures`` attempts at a run of ``run_ids`` end its
-    worker process with SIGKILL (``how="kill"``) or raise RuntimeError (``how="raise"``)."""
-    if cell.run_id in run_ids:
-        attempt = num_attempts(marker_dir, cell.run_id)
-        (Path(marker_dir) / f"{cell.run_id}.{attempt}").touch()
-        if attempt < num_failures:
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected crash of attempt {attempt + 1}")
-    return run_cell(cell)
+    """``run_cell(cell)``, but the first ``num_failures`` attempts at a run of ``run_ids`` fail:
+    ``how="kill"``: SIGKILL ends the worker process mid-run (at worker step ``KILLED_AT_STEP``);
+    ``how="raise"``: RuntimeError before the run starts (a task that crashes while setting up)."""
+    if cell.run_id not in run_ids:
+        return run_cell(cell)
+    attempt = num_attempts(marker_dir, cell.run_id)
+    (Path(marker_dir) / f"{cell.run_id}.{attempt}").touch()
+    if attempt >= num_failures:
+        return run_cell(cell)
+    if how == "raise":
+        raise RuntimeError(f"injected crash of attempt {attempt + 1}")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(Worker, "step", _dying_step(Worker.step))
+        return run_cell(cell)
+
+
+def _dying_step(step):
+    """``Worker.step`` that kills its own process (SIGKILL) once the worker reaches
+    ``KILLED_AT_STEP``."""
+
+    def dying_step(worker: Worker) -> None:
+        if worker.state.step == KILLED_AT_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+        step(worker)
+
+    return dying_step
 
 
 def num_attempts(marker_dir: str, run_id: str) -> int:
