@@ -10,12 +10,12 @@ only slow a run down). Scaling efficiency at N CPUs = runs/min at N / (N x runs/
 smallest count). The 1-minute load average before and after is printed beside them.
 
 Part 2, the driver. run_sweep merges precomputed task results (an in-process backend hands each
-cell's lines over at once, so only the driver's work is measured: keeping each run's lines,
-parsing its summary, writing the merged log, parsing every line into ``aggregate``, rendering and
-writing the reports). Two kinds of record: a clean run's ``RunSummary`` (the usual line), and a
-``DivergenceRecord`` with its replay pre-state (the largest line a log holds), each
-``--records`` lines. Time: the best of ``--repeats``; memory: tracemalloc's peak of the Python
-heap during the merge (a separate, untimed pass).
+cell's lines over at once, as new strings, as from a worker, so only the driver's work is
+measured: keeping each run's lines, parsing its summary, writing the merged log, parsing every
+line into ``aggregate``, rendering and writing the reports). Two kinds of record: a clean run's
+``RunSummary`` (the usual line), and a ``DivergenceRecord`` with its replay pre-state (the largest
+line a log holds), each ``--records`` lines. Time: the best of ``--repeats``; memory:
+tracemalloc's peak of the Python heap during the merge (a separate, untimed pass).
 
 Part 3, the driver's task loop: ``--noop-tasks`` tasks that return at once, through map_runs on
 each backend at the largest CPU count: tasks per second the loop hands out and collects, the
@@ -36,6 +36,7 @@ import os
 import sys
 import time
 import tracemalloc
+from functools import partial
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -174,14 +175,15 @@ def merge_cost(kind: str, num_records: int, repeats: int) -> dict:
     num_runs = max(1, num_records // len(lines))
     cells = sweep_cells(sweep_workloads(["smoke"]), range(num_runs), (None,), PLAN)
     by_cell = {cell: tuple(line.replace(run_id, cell.run_id) for line in lines) for cell in cells}
+    run = partial(received_lines, by_cell)
     times = []
     with TemporaryDirectory() as directory:
         for _ in range(repeats):
             started = time.perf_counter()
-            run_sweep(cells, InlineBackend(), reports_dir=directory, run=by_cell.__getitem__)
+            run_sweep(cells, InlineBackend(), reports_dir=directory, run=run)
             times.append(time.perf_counter() - started)
         tracemalloc.start()
-        run_sweep(cells, InlineBackend(), reports_dir=directory, run=by_cell.__getitem__)
+        run_sweep(cells, InlineBackend(), reports_dir=directory, run=run)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         log_bytes = (Path(directory) / "divergences.jsonl").stat().st_size
@@ -194,6 +196,11 @@ def merge_cost(kind: str, num_records: int, repeats: int) -> dict:
         "merge_s_per_1000": round(min(times) * per_thousand, 4),
         "peak_heap_mib_per_1000": round(peak * per_thousand / 2**20, 2),
     }
+
+
+def received_lines(by_cell: dict, cell) -> tuple[str, ...]:
+    """The cell's lines as new strings, as a task's result arrives: the driver holds a copy."""
+    return tuple(line.encode().decode() for line in by_cell[cell])
 
 
 def noop(argument: int) -> int:
