@@ -65,6 +65,7 @@ def add_sweep_command(commands) -> None:
         ),
     )
     _add_matrix_args(parser)
+    _add_direction_args(parser)
     _add_backend_args(parser)
     parser.add_argument(
         "--reports-dir",
@@ -111,6 +112,9 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
         ),
     )
     add_scale_arg(parser, workload_files=True)
+
+
+def _add_direction_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--directions",
         choices=SERVING_PATHS,

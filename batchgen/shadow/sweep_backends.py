@@ -191,7 +191,10 @@ class RayBackend(SweepBackend):
         return self._task.remote(function, argument)
 
     def _wait(self, handles: list, timeout_s: float) -> list:
-        done, _ = self._ray.wait(handles, num_returns=1, timeout=timeout_s)
+        first, _ = self._ray.wait(handles, num_returns=1, timeout=timeout_s)
+        if not first:
+            return []
+        done, _ = self._ray.wait(handles, num_returns=len(handles), timeout=0)  # all ended by now
         return done
 
     def _result(self, handle) -> Any:
