@@ -248,6 +248,7 @@ def case(
 
 CLI, GATE, WORKLOAD, CHECKPOINT, LOG, FAULTS = CATEGORIES
 RUN = "run --workload smoke"
+SWEEP = "sweep --workload smoke --reports-dir reports"
 LONG_NAME = "x" * 256  # one byte past the longest file name Linux file systems take
 
 CASES: tuple[BadInput, ...] = (
@@ -1730,6 +1731,92 @@ CASES: tuple[BadInput, ...] = (
         "an abort phase that does not exist",
         f"{RUN} --faults abort=0.1,abort_phases=running",
         ("--faults: abort_phases='running'", "waiting+prefilling+decoding+swapped+loading"),
+    ),
+    # ---- sweep (each refused before the reports directory or a backend is made) ----
+    case(
+        "sweep-seeds-backwards",
+        CLI,
+        "sweep --seeds with a range whose end comes before its start",
+        f"{SWEEP} --seeds 5-2",
+        ("--seeds", "must be N, A-B (0 <= A <= B <= 2**64 - 1) or a comma list of them, got '5-2'"),
+        outputs=("reports",),
+    ),
+    case(
+        "sweep-seeds-not-a-range",
+        CLI,
+        "sweep --seeds that is no number",
+        f"{SWEEP} --seeds all",
+        ("--seeds", "must be N, A-B (0 <= A <= B <= 2**64 - 1) or a comma list of them, got 'all'"),
+        outputs=("reports",),
+    ),
+    case(
+        "sweep-workload-twice",
+        CLI,
+        "sweep with one workload given twice",
+        f"{SWEEP} --workload smoke",
+        ("workload 'smoke' is in the sweep twice", "each workload needs its own name"),
+        outputs=("reports",),
+    ),
+    case(
+        "sweep-empty-corpus",
+        CLI,
+        "sweep --workload naming a directory without workload files",
+        f"{SWEEP.replace('smoke', 'corpus')}",
+        ("--workload corpus: a directory without workload files (*.json)",),
+        build=write("corpus/notes.txt", "no workload here"),
+        outputs=("reports",),
+    ),
+    case(
+        "sweep-workload-beyond-the-model",
+        WORKLOAD,
+        "sweep with a workload file holding a request longer than the tiny model's context",
+        "sweep --workload workload.json --reports-dir reports",
+        (
+            "workload file workload.json: request 'r0'",
+            "exceeds the model's context of 4608 tokens (the sweep's model: tiny)",
+        ),
+        build=workload({"max_new_tokens": 5000}),
+        outputs=("reports",),
+    ),
+    case(
+        "sweep-bad-fault-spec",
+        FAULTS,
+        "sweep --faults with a key that does not exist",
+        f"{SWEEP} --faults load_fial=0.5",
+        ("--faults: 'load_fial=0.5' is not KEY=VALUE", "load_fail"),
+        outputs=("reports",),
+    ),
+    case(
+        "sweep-ray-address-with-processes",
+        CLI,
+        "sweep --ray-address with the process backend",
+        f"{SWEEP} --backend processes --ray-address auto",
+        ("--ray-address applies to --backend ray",),
+        outputs=("reports",),
+    ),
+    case(
+        "sweep-num-cpus-with-ray-address",
+        CLI,
+        "sweep --num-cpus while joining a cluster",
+        f"{SWEEP} --ray-address auto --num-cpus 4",
+        ("--num-cpus sizes a local Ray instance", "give one of the two"),
+        outputs=("reports",),
+    ),
+    case(
+        "sweep-time-budget-zero",
+        CLI,
+        "sweep --time-budget of no time",
+        f"{SWEEP} --time-budget 0",
+        ("--time-budget", "must be a number of seconds > 0, got '0'"),
+        outputs=("reports",),
+    ),
+    case(
+        "sweep-reports-dir-is-a-file",
+        CLI,
+        "sweep --reports-dir names a file",
+        f"{SWEEP} --reports-dir div.jsonl",
+        ("--reports-dir div.jsonl", "div.jsonl is not a directory"),
+        build=divergence_log(GOOD_LOG),
     ),
 )
 

@@ -647,3 +647,27 @@ def test_a_write_that_fails_at_the_end_is_one_error_line_and_exit_1(capsys, monk
         == "bench_kv_ops.py: error: cannot write /dev/full: No space left on device (the "
         "figures are in the tables above)\n"
     )
+
+
+def test_bench_sweep_times_each_backend_and_the_drivers_merge(tmp_path):
+    out = tmp_path / "sweep.json"
+    run_benchmark(
+        "bench_sweep.py",
+        *("--workload", "smoke", "--runs", "2", "--cpus", "1", "--backends", "processes"),
+        *("--records", "20", "--repeats", "1", "--noop-tasks", "10", "--json-out", str(out)),
+        *("--throughput-repeats", "1"),
+    )
+    figures = json.loads(out.read_text())
+    (row,) = figures["throughput"]
+    assert (row["backend"], row["cpus"], row["runs"], row["scaling_efficiency"]) == (
+        "processes",
+        1,
+        2,
+        1.0,
+    )
+    assert row["runs_per_minute"] > 0 and row["samples_runs_per_minute"] == [row["runs_per_minute"]]
+    assert len(figures["load_average_1min"]) == 2
+    assert [merge["kind"] for merge in figures["merge"]] == ["summary", "divergence"]
+    assert [merge["records"] for merge in figures["merge"]] == [20, 20]
+    assert all(merge["merge_s_per_1000"] > 0 for merge in figures["merge"])
+    assert [loop["backend"] for loop in figures["task_loop"]] == ["processes"]

@@ -7,8 +7,9 @@
     report    divergence logs -> report              LOG [LOG...] [--format FORMAT] [--out FILE]
     replay    re-run one logged op                   LOG --index N
     minimize  shrink it, write a regression test     LOG --index N [--out-dir DIR] [--max-tests N]
+    sweep     compare mode over a matrix, on Ray     [--workload W] [--seeds A-B] [--faults SPEC]
 
-A subcommand is a module (``run``, ``validate``, ``logs``) with an
+A subcommand is a module (``run``, ``validate``, ``logs``, ``sweep``) with an
 ``add_<name>_command`` (declares its flags, shares ``common``'s) and a handler
 ``args -> exit code``.
 Exit codes: 0 done (report: no divergence; replay: reproduced), 1 failed
@@ -40,6 +41,7 @@ from batchgen.cli.logs import (
     add_report_command,
 )
 from batchgen.cli.run import add_run_command
+from batchgen.cli.sweep import add_sweep_command
 from batchgen.cli.validate import add_validate_command
 from batchgen.engine.faults import FaultSpecError
 from batchgen.engine.request_checks import RequestError
@@ -56,6 +58,8 @@ from batchgen.kv.tiers import PoolAllocationError
 from batchgen.model.loader import ModelLoadError
 from batchgen.shadow.minimize import MinimizeError
 from batchgen.shadow.rebuild import ReplayError
+from batchgen.shadow.sweep import SweepError
+from batchgen.shadow.sweep_backends import BackendError
 from compare import RecordError
 
 __all__ = ["RENDERERS", "build_parser", "main"]
@@ -72,6 +76,8 @@ INPUT_ERRORS = (
     RecordError,
     ReplayError,
     MinimizeError,
+    SweepError,
+    BackendError,
 )
 
 
@@ -268,4 +274,5 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_command(commands)
     add_minimize_command(commands)
     add_explore_command(commands)
+    add_sweep_command(commands)
     return parser

@@ -189,6 +189,7 @@ def non_negative_int(text: str) -> int:
 
 
 MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
+MAX_SEEDS = 1_000_000  # seeds one --seeds list may hold (a sweep's runs are built up front)
 # torch takes an int32 thread count, and spawns them all at the first parallel op
 MAX_THREADS = 1024
 
@@ -234,6 +235,36 @@ def scale_float(text: str) -> float:
         value = math.nan
     if not 0 < value <= MAX_SCALE:  # NaN fails too
         raise argparse.ArgumentTypeError(f"must be a number in (0, {MAX_SCALE:g}], got {text!r}")
+    return value
+
+
+def seed_list(text: str) -> tuple[int, ...]:
+    """``--seeds``: ``N``, ``A-B`` (inclusive) or a comma list of both, each seed once, in the
+    order given."""
+    seeds: dict[int, None] = {}
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            low = high = -1
+        if not 0 <= low <= high <= MAX_SEED:
+            raise argparse.ArgumentTypeError(
+                f"must be N, A-B (0 <= A <= B <= 2**64 - 1) or a comma list of them, got {text!r}"
+            )
+        if len(seeds) + high - low + 1 > MAX_SEEDS:
+            raise argparse.ArgumentTypeError(f"holds more than {MAX_SEEDS} seeds, got {text!r}")
+        seeds.update(dict.fromkeys(range(low, high + 1)))
+    return tuple(seeds)
+
+
+def seconds_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
 
 

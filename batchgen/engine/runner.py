@@ -111,6 +111,7 @@ def run_workload(
     source: str | None = None,
     scale: float = 1.0,
     on_release: Callable[[RequestOutput], None] | None = None,
+    run_id: str | None = None,
 ) -> RunResult:
     """Submit ``workload`` at its arrival steps and step until every request is released.
 
@@ -120,13 +121,16 @@ def run_workload(
     request released before it stopped).
     In compare mode the run is one compare run: its divergences carry the
     workload's name, seed and ``source`` (name or file, for replay/minimize), and a
-    summary record closes it, however the run ends. Raises :class:`RunStalled` past
+    summary record closes it, however the run ends; ``run_id`` names the compare run (default:
+    random, see ``KvCompare.begin_run``). Raises :class:`RunStalled` past
     ``max_steps`` (default: the last arrival step plus ``MAX_STEPS``), or when requests
     are live and nothing progresses for ``MAX_IDLE_STEPS`` steps (or twice the load
     timeout, if longer: a hung load is failed after that).
     """
     if worker.kv_compare is not None:
-        worker.kv_compare.begin_run(workload.name, seed=workload.seed, source=source, scale=scale)
+        worker.kv_compare.begin_run(
+            workload.name, seed=workload.seed, source=source, scale=scale, run_id=run_id
+        )
     for req in workload.requests:  # reject a bad workload before any step runs
         worker.validate_request(req.to_request())
     start_step = worker.state.step

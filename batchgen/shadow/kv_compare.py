@@ -88,8 +88,9 @@ class KvCompare:
         scale: float = 1.0,
         run_id: str | None = None,
     ) -> ShadowExecutor:
-        """Start counting a new run (one workload); ``run_id`` defaults to the workload's name and
-        a random suffix. Mutates self."""
+        """Start counting a new run (one workload). ``run_id`` names it in every record (default:
+        ``<workload>-<random hex>``; a sweep derives it from the run's inputs, so that the same
+        matrix logs the same ids). Mutates self."""
         self.run_id = run_id or f"{workload}-{uuid_lib.uuid4().hex[:8]}"
         self.workload, self.seed = workload, seed
         self.workload_source, self.scale = source or workload, scale
