@@ -19,6 +19,7 @@ from sweep_tasks import failing_run, num_attempts, run_with_reversed_grants
 from batchgen.engine import runner
 from batchgen.engine.faults import FaultSpecError
 from batchgen.engine.workloads import builtin_workload
+from batchgen.shadow.coverage import CATALOG
 from batchgen.shadow.sweep import (
     SweepError,
     fault_schedule,
@@ -200,7 +201,7 @@ def test_every_backend_and_number_of_workers_gives_the_same_merged_log(tmp_path,
     assert [r.run_id for r in records if isinstance(r, RunSummary)] == [c.run_id for c in cells]
     for name, result in results.items():
         assert comparable(log_lines(result)) == expected, name
-        assert untimed(result.compare) == untimed(aggregate(records)), name
+        assert untimed(result.compare) == untimed(aggregate(records, CATALOG)), name
         assert (result.num_done, result.num_retried, result.failures) == (8, 0, ()), name
         assert set(result.reports) == set(SWEEP_REPORT_FILES), name
         assert all(Path(path).exists() for path in result.reports.values()), name

@@ -42,7 +42,7 @@ from batchgen.shadow.sweep_driver import (
     SweepResult,
     run_sweep,
 )
-from compare.report import headline, render_text
+from compare.render import headline, render_text
 
 DEFAULT_WORKLOADS = ("L2-2048", "L2-4096")
 NO_FAULTS = "none"

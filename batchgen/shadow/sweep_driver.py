@@ -26,11 +26,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchgen.shadow.coverage import CATALOG
 from batchgen.shadow.sweep import SweepCell, run_cell
 from batchgen.shadow.sweep_backends import SweepBackend, TaskDone, TaskFailed
 from batchgen.shadow.validation_report import REPORT_FILES, write_reports
 from compare import Report, RunSummary, aggregate, parse_record, write_atomic
-from compare.report import render_text
+from compare.render import render_text
 
 SWEEP_REPORT_FILES = {**REPORT_FILES, "text": "divergences.txt"}
 DEFAULT_MAX_RETRIES = 3
@@ -115,7 +116,7 @@ def run_sweep(
     lines = list(merge.ordered_lines())
     directory = Path(reports_dir)
     write_atomic(directory / SWEEP_REPORT_FILES["jsonl"], "".join(f"{line}\n" for line in lines))
-    compare = aggregate(parse_record(line) for line in lines)
+    compare = aggregate((parse_record(line) for line in lines), CATALOG)
     return SweepResult(
         num_runs=len(cells),
         num_done=len(merge.lines),
