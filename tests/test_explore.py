@@ -10,9 +10,10 @@ from injected_bugs import reversed_grants
 
 from batchgen.cli import main
 from batchgen.engine.workloads import load_workload
-from batchgen.shadow.explore import explore, smallest_cover, write_corpus
+from batchgen.shadow.explore import BATCH, explore, smallest_cover, write_corpus
 from batchgen.shadow.minimize import minimize_divergence
 from batchgen.shadow.replay import replay_record
+from batchgen.shadow.sweep_backends import ProcessBackend
 from compare import DivergenceRecord, read_log
 
 
@@ -34,9 +35,18 @@ def test_each_kept_candidate_reached_something_no_earlier_one_did():
     assert {result.reached[o] for o in seen} == {k.workload.name for k in result.kept}
 
 
-def test_the_search_stops_once_every_required_outcome_is_reached():
+def test_the_search_stops_after_the_batch_that_reaches_every_required_outcome():
     result = explore(seed=0, max_runs=50, required={"alloc.admit", "release.finished"})
-    assert result.num_runs == 1 and result.missed == ()
+    assert result.num_runs == BATCH and result.missed == ()
+
+
+def test_the_search_is_the_same_on_a_process_pool():
+    with ProcessBackend(2) as backend:
+        pooled = explore(seed=3, max_runs=10, backend=backend)
+    serial = explore(seed=3, max_runs=10)
+    assert pooled.num_runs == serial.num_runs == 10
+    assert [k.workload for k in pooled.kept] == [k.workload for k in serial.kept]
+    assert pooled.reached == serial.reached
 
 
 def test_a_missed_outcome_is_named_with_the_budget_spent():
@@ -86,6 +96,8 @@ def test_the_command_writes_the_corpus_and_exits_1_naming_what_it_missed(tmp_pat
     [
         (["--time-budget", "0"], "--time-budget 0.0: must be a number of seconds > 0"),
         (["--max-runs", "0"], "argument --max-runs"),
+        (["--ray-address", "auto"], "--ray-address applies to --backend ray"),
+        (["--backend", "gpu"], "argument --backend: invalid choice: 'gpu'"),
     ],
 )
 def test_bad_budgets_are_refused_before_anything_runs(argv, message, tmp_path, capsys):

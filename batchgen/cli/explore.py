@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from batchgen.cli.backend_args import add_backend_args, backend_from_args, check_backend_args
 from batchgen.cli.common import (
     StdoutConsole,
     UsageError,
@@ -40,7 +42,10 @@ def add_explore_command(commands) -> None:
             "budget is spent, and writes the fewest kept workloads that reach everything it "
             "reached to --corpus-dir as corpus-NN.json (batchgen validate --corpus DIR runs them). "
             "A candidate that diverges is a bug: its workload and divergence log are kept in "
-            "--corpus-dir/divergences for batchgen replay and minimize. Exit 0 when every "
+            "--corpus-dir/divergences for batchgen replay and minimize. Candidates run in "
+            "batches of 8 (serially here, or on --backend processes or ray); a batch is drawn "
+            "from what earlier batches kept, so a seed gives the same search on any backend. "
+            "Exit 0 when every "
             "required outcome was reached and nothing diverged; 1 otherwise."
         ),
     )
@@ -60,16 +65,19 @@ def add_explore_command(commands) -> None:
     parser.add_argument(
         "--seed", type=seed_int, default=0, help="search seed (default: %(default)s)"
     )
+    add_backend_args(parser, default="serial", serial=True)
     add_output_args(parser)
     parser.set_defaults(handler=_explore)
 
 
 def _explore(args: argparse.Namespace) -> int:
+    check_backend_args(args)
     check_directory("--corpus-dir", args.corpus_dir)
     if args.time_budget is not None and not args.time_budget > 0:
         raise UsageError(f"--time-budget {args.time_budget}: must be a number of seconds > 0")
     corpus_dir = Path(args.corpus_dir)
-    with _progress() as progress:
+    backend = backend_from_args(args)
+    with backend or contextlib.nullcontext(), _progress() as progress:
         task = progress.add_task("explore", total=args.max_runs, reached=0)
         result = explore(
             seed=args.seed,
@@ -77,6 +85,7 @@ def _explore(args: argparse.Namespace) -> int:
             time_budget=args.time_budget,
             log_dir=corpus_dir / "divergences",
             on_run=lambda runs, reached: progress.update(task, completed=runs, reached=reached),
+            backend=backend,
         )
     written = write_corpus(smallest_cover(result.kept), corpus_dir)
     summary = _summary(result, written)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -13,8 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
+from batchgen.cli.backend_args import add_backend_args, backend_from_args, check_backend_args
 from batchgen.cli.common import (
-    UsageError,
     add_output_args,
     add_scale_arg,
     check_directory,
@@ -34,7 +33,7 @@ from batchgen.shadow.sweep import (
     sweep_directions,
     sweep_workloads,
 )
-from batchgen.shadow.sweep_backends import ProcessBackend, RayBackend, SweepBackend
+from batchgen.shadow.sweep_backends import SweepBackend
 from batchgen.shadow.sweep_driver import (
     DEFAULT_MAX_RETRIES,
     SWEEP_REPORT_FILES,
@@ -142,34 +141,7 @@ def _add_direction_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--backend",
-        choices=("ray", "processes"),
-        default="ray",
-        help=(
-            "ray: Ray tasks (needs pip install 'batchgen[ray]'); processes: a local process pool,"
-            " for machines without Ray (default: %(default)s)"
-        ),
-    )
-    parser.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="ADDRESS",
-        help=(
-            "join the running Ray cluster at ADDRESS (host:port, or auto: the one this machine"
-            " belongs to) (default: start a local Ray instance of --num-cpus CPUs)"
-        ),
-    )
-    parser.add_argument(
-        "--num-cpus",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help=(
-            "runs at once on this machine: the local Ray instance's CPUs, or the process pool's"
-            " workers (default: every CPU of the machine)"
-        ),
-    )
+    add_backend_args(parser, default="ray", serial=False)
     parser.add_argument(
         "--max-retries",
         type=non_negative_int,
@@ -193,7 +165,7 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    _check_backend_args(args)
+    check_backend_args(args)
     check_directory("--reports-dir", args.reports_dir)
     specs = args.workload or list(DEFAULT_WORKLOADS)
     faults = [None if spec == NO_FAULTS else spec for spec in args.faults or [NO_FAULTS]]
@@ -209,7 +181,7 @@ def _sweep(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     make_directory("--reports-dir", args.reports_dir)
-    with _backend(args) as backend, _progress_bar() as progress:
+    with backend_from_args(args) as backend, _progress_bar() as progress:
         deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
         result = run_sweep(
             cells,
@@ -228,23 +200,6 @@ def _sweep(args: argparse.Namespace) -> int:
     if result.interrupt is not None:
         raise result.interrupt  # batchgen.cli.main: one line, exit 130 (143 for SIGTERM)
     return EXIT_OK if result.ok else EXIT_FAILED
-
-
-def _check_backend_args(args: argparse.Namespace) -> None:
-    """UsageError for backend flags that do not go together. Pure."""
-    if args.backend == "processes" and args.ray_address is not None:
-        raise UsageError("--ray-address applies to --backend ray; --backend processes runs here")
-    if args.ray_address is not None and args.num_cpus is not None:
-        raise UsageError(
-            "--num-cpus sizes a local Ray instance; a cluster joined with --ray-address brings its"
-            " own CPUs (give one of the two)"
-        )
-
-
-def _backend(args: argparse.Namespace) -> SweepBackend:
-    if args.backend == "processes":
-        return ProcessBackend(args.num_cpus or os.cpu_count() or 1)
-    return RayBackend(address=args.ray_address, num_cpus=args.num_cpus)
 
 
 # ---- rendering ---------------------------------------------------------------------------------

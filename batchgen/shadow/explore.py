@@ -12,6 +12,10 @@ A plain seeded search rather than hypothesis: the goal is a corpus of workloads 
 replayed, not a failing example to shrink; a seeded loop is deterministic for a given seed and
 budget in runs, and each candidate's coverage comes out of a whole compare-mode run.
 A candidate that diverges is a bug found: it is kept apart, with its divergence log, and reported.
+
+Candidates run in batches of ``BATCH`` on a sweep backend (Ray tasks or local processes,
+``sweep_backends``), or one after another in this process; a batch is drawn from what the
+batches before it kept, so the search is the same whatever runs it.
 """
 
 from __future__ import annotations
@@ -33,9 +37,15 @@ from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.coverage import REQUIRED
 from batchgen.shadow.explore_space import mutate, random_params, workload_from
+from batchgen.shadow.sweep_backends import SweepBackend, TaskFailed
 from compare import DivergenceError
 
 TINY_VOCAB = TINY_MODELS["tiny"].vocab_size  # the corpus replays on the tiny model
+BATCH = 8  # candidates drawn before any of them is seen: the unit a backend runs at once
+
+
+class ExploreError(RuntimeError):
+    """A candidate's task failed on the backend (its worker died): the search cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,19 @@ class ExploreResult:
     seconds: float
     divergences: list[tuple[Path, str]] = field(default_factory=list)  # workload file, divergence
     num_stalled: int = 0
+
+
+def candidate_task(job: tuple[str, str]) -> tuple[CandidateRun, list[str]]:
+    """A task of the search (picklable, for any backend): the candidate ``(workload JSON, the path
+    its file has on the driver)`` run as :func:`run_candidate`, with its log's lines (nodes share
+    no file system). Writes only a temporary log, removed before it returns."""
+    workload_json, source = job
+    workload = Workload.model_validate_json(workload_json)
+    with tempfile.TemporaryDirectory(prefix="batchgen-candidate-") as scratch:
+        log = Path(scratch) / "log.jsonl"
+        run = run_candidate(workload, log, source)
+        lines = log.read_text().splitlines(keepends=True) if log.exists() else []
+    return run, lines
 
 
 def run_candidate(workload: Workload, log: Path, source: str | None = None) -> CandidateRun:
@@ -101,25 +124,49 @@ def explore(
     required: Iterable[str] = REQUIRED,
     on_run: Callable[[int, int], None] | None = None,
     log_dir: Path | None = None,
+    backend: SweepBackend | None = None,
 ) -> ExploreResult:
     """Search until every outcome of ``required`` is reached or the budget is spent.
-    ``on_run(runs done, outcomes reached)`` reports progress; divergence logs go to ``log_dir``
-    (a temporary directory when None)."""
+    ``on_run(runs done, outcomes reached)`` reports progress; a diverging candidate's workload
+    file and log go to ``log_dir`` (a temporary directory when None); ``backend`` runs the
+    candidates (None: this process)."""
     rng, required, started = random.Random(seed), set(required), time.monotonic()
     result = ExploreResult([], {}, (), 0, 0.0)
     with tempfile.TemporaryDirectory(prefix="batchgen-explore-") as scratch:
         logs = Path(log_dir or scratch)
-        for index in range(max_runs):
+        while result.num_runs < max_runs and not required <= result.reached.keys():
             if time_budget is not None and time.monotonic() - started > time_budget:
                 break
-            _try_candidate(result, _draw(result.kept, rng), f"explore-{seed}-{index}", logs)
+            size = min(BATCH, max_runs - result.num_runs)
+            batch = [_draw(result.kept, rng) for _ in range(size)]
+            names = [f"explore-{seed}-{result.num_runs + i}" for i in range(size)]
+            _run_batch(result, batch, names, logs, backend)
             if on_run is not None:
                 on_run(result.num_runs, len(result.reached))
-            if required <= result.reached.keys():
-                break
     result.missed = tuple(sorted(required - result.reached.keys()))
     result.seconds = time.monotonic() - started
     return result
+
+
+def _run_batch(
+    result: ExploreResult, batch: list[dict], names: list[str], logs: Path, backend
+) -> None:
+    """Run one batch of candidates and take each in draw order (``_take``). Mutates ``result``."""
+    workloads = [workload_from(p, name=n, vocab_size=TINY_VOCAB) for p, n in zip(batch, names)]
+    jobs = [(w.model_dump_json(), str((logs / f"{w.name}.json").resolve())) for w in workloads]
+    outcomes: dict[int, tuple[CandidateRun, list[str]]] = {}
+    if backend is None:
+        outcomes = dict(enumerate(map(candidate_task, jobs)))
+    else:
+
+        def on_done(index: int, outcome) -> None:
+            if isinstance(outcome, TaskFailed):
+                raise ExploreError(f"candidate {names[index]} failed: {outcome.error}")
+            outcomes[index] = outcome.value
+
+        backend.map_runs(candidate_task, jobs, on_done)
+    for i in sorted(outcomes):
+        _take(result, batch[i], workloads[i], *outcomes[i], logs)
 
 
 def _draw(kept: list[Kept], rng: random.Random) -> dict:
@@ -129,27 +176,26 @@ def _draw(kept: list[Kept], rng: random.Random) -> dict:
     return random_params(rng)
 
 
-def _try_candidate(result: ExploreResult, params: dict, name: str, logs: Path) -> None:
-    """Run one candidate; keep it when it reaches something new, cleanly. A diverging one's
-    workload file and log stay in ``logs``. Mutates ``result`` and ``logs``."""
-    workload = workload_from(params, name=name, vocab_size=TINY_VOCAB)
-    logs.mkdir(parents=True, exist_ok=True)
-    path, log = logs / f"{name}.json", logs / f"{name}.jsonl"
-    path.write_text(workload.to_json())
-    run = run_candidate(workload, log, source=str(path.resolve()))
+def _take(
+    result: ExploreResult, params: dict, workload: Workload, run: CandidateRun, log_lines, logs
+) -> None:
+    """Count one candidate's run; keep it when it reached something new, cleanly. A diverging
+    one's workload file and log are written to ``logs``. Mutates ``result`` and ``logs``."""
     result.num_runs += 1
     if run.divergence is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        path = logs / f"{workload.name}.json"
+        path.write_text(workload.to_json())
+        path.with_suffix(".jsonl").write_text("".join(log_lines))
         result.divergences.append((path, run.divergence))
         return
-    path.unlink()
-    log.unlink(missing_ok=True)
     if run.stalled:
         result.num_stalled += 1
         return
     new = tuple(sorted(set(run.coverage) - result.reached.keys()))
     if new:
         result.kept.append(Kept(params, workload, run, new))
-        result.reached.update(dict.fromkeys(new, name))
+        result.reached.update(dict.fromkeys(new, workload.name))
 
 
 def smallest_cover(kept: list[Kept]) -> list[Kept]:
