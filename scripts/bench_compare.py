@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import json
 import math
@@ -132,6 +133,7 @@ def wrap_kv_ops(worker: Worker, wrapper: Callable[[Callable], Callable]) -> None
         setattr(worker._kv, method, wrapper(getattr(worker._kv, method)))
 
 
+@functools.cache
 def clock_read_seconds() -> float:
     """What one ``time.thread_time()`` read costs (a system call); taken off every timed op."""
     return statistics.median(-time.thread_time() + time.thread_time() for _ in range(2000))
@@ -201,7 +203,9 @@ def bookkeeping(args: argparse.Namespace, log: Path, console: Console) -> list[d
         for variant, runs in samples.items():
             row[f"{variant}_s"] = [min(column) for column in zip(*runs)]
         rows.append(row)
-        figures = (f"{v} {sum(row[f'{v}_s']) / args.steps * 1e6:.0f}" for v in VARIANTS)
+        figures = (
+            f"{LABELS.get(v, v)} {sum(row[f'{v}_s']) / args.steps * 1e6:.0f}" for v in VARIANTS
+        )
         console.print(f"  N={size}, us/step: " + ", ".join(figures), highlight=False)
     return rows
 
