@@ -200,6 +200,26 @@ def test_bench_compare_judges_end_to_end_on_cpu_time_against_its_goal(monkeypatc
     }
 
 
+def test_bench_compare_gives_no_growth_verdict_when_a_quiet_harness_is_not_above_zero(
+    monkeypatch,
+):
+    module = script_module(monkeypatch, "bench_compare")
+    sizes = [{"num_requests": n, "coverage_ratio": 1.0} for n in (64, 4096)]
+    touched = [
+        {"num_requests": 64, "touched": "0-4", "harness_us": 110.0},
+        {"num_requests": 4096, "touched": "0-4", "harness_us": -454.0},
+        {"num_requests": 4096, "touched": "5-32", "harness_us": 300.0},
+    ]
+    assert module.verdicts(sizes, touched, None)["quiet_harness_growth"] == {
+        "value": None,
+        "at": "N = 4096 vs 64: a harness <= 0, within the noise",
+        "goal": 2.0,
+        "met": None,
+    }
+    touched[1]["harness_us"] = 330.0
+    assert module.verdicts(sizes, touched, None)["quiet_harness_growth"]["value"] == 3.0
+
+
 def test_bench_compare_refuses_profile_with_an_output_file_it_would_leave_unwritten(tmp_path):
     figures = tmp_path / "figures.json"
     done = run_script(
