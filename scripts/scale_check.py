@@ -1,39 +1,26 @@
 """Scale check: 4096 live requests over a 1,000,000-page GPU pool, bookkeeping only.
 
-Runs a pressure workload on the null model (``kv_storage=False``) for exactly
-``--steps`` steps per KV mode (legacy; plan; compare = plan shadowed by legacy,
-divergences logged), each mode in a fresh subprocess so one mode's memory does
-not pollute another's, and checks that memory stays flat: the resident set read
-after ``gc.collect()`` at the last step is within ``--max-rss-ratio`` (1.05) of
-the one at ``--rss-from-step`` (100). Exit status 1 when a ratio is over or a
-mode fails (an exception, or ``Worker.check_integrity()`` failing at the end).
+Runs a pressure workload on the null model (``kv_storage=False``) for exactly ``--steps`` steps
+per KV mode (legacy; plan; compare = plan shadowed by legacy, divergences logged), each mode in a
+fresh subprocess so one mode's memory does not pollute another's, and checks that memory stays
+flat: the resident set read after ``gc.collect()`` at the last step is within
+``--max-rss-ratio`` (1.05) of the one at ``--rss-from-step`` (100). Prints ``verdict: PASS`` or
+``verdict: FAIL <modes>``; exit status 1 when a ratio is over or a mode fails (an exception, or
+``Worker.check_integrity()`` failing at the end).
 
-The workload (``pressure_workload`` in ``scale_workload.py``, details there):
-every request arrives at step 0; one in 256 is a long-context anchor that holds
-its share of ~97% of the GPU pool for the whole run, the rest are short
-decode-heavy requests that ask for 1.2x the room the anchors leave; the host
-pool is 1/1000 of the GPU pool. Decode growth keeps evicting the youngest
-requests to host, or to recompute when the host pool is full, and finishes let
-them back. The driver (``ScaleRun`` in ``scale_run.py``, which also times each
-step) keeps the live set at ``--requests``: after each step it takes
-the released outputs out of the worker, as a client collecting results would
-(the worker itself keeps every output it ever released), and refills each slot
-with its next generation (``s17.g3``). ``max_num_seqs`` equals ``--requests``
-and the token budget admits the whole initial wave at step 0.
+The workload (``pressure_workload`` in ``scale_workload.py``): every request arrives at step 0;
+one in 256 is a long-context anchor holding its share of ~97% of the GPU pool throughout, the
+rest are short decode-heavy requests asking for 1.2x the room the anchors leave; the host pool is
+1/1000 of the GPU pool, so decode growth keeps evicting to host, or to recompute. The driver
+(``ScaleRun`` in ``scale_run.py``) takes released outputs out of the worker after each step, as a
+client would, and refills each slot with its next generation (``s17.g3``).
 
-Per mode: step time (mean, p50, p99; the refill's ``add_request`` calls are
-timed apart as client time), KV-op time per step (poll, release, evict,
-migrate, alloc; in compare mode with the shadow run and the comparison), the
-time of the worker's other methods and of the cyclic collector inside steps,
-requests served per step, evictions, loads and recompute preemptions, GPU and
-host pages in use, the resident set every 100 steps, CPU and wall seconds.
-
-The default (300 steps per mode) takes 2-4 minutes on 2 shared cores, the
-figure in docs/benchmarks.md (``--steps 1000``) 7-12 minutes, depending on their load (see
-its "Scale" section):
+Per mode: step time (mean, p50, p99), KV-op time per step (in compare mode with the shadow run
+and the comparison), where a step goes (KV ops, scheduling, the worker's other methods, the
+cyclic collector), requests served per step, evictions, loads and recomputes, pages in use, the
+resident set every 100 steps, CPU and wall seconds.
 
     python scripts/scale_check.py --json-out scale_check.json
-    python scripts/scale_check.py --steps 1000 --json-out scale_check_1000.json
     python scripts/scale_check.py --modes plan --steps 150 --profile 25
 """
 
@@ -56,7 +43,9 @@ from pathlib import Path
 
 import torch
 from output_path import output_path, write_output
-from scale_run import KV_PHASES, WORKER_PHASES, ScaleRun, resident_bytes
+from rich.console import Console
+from rich.table import Table
+from scale_run import PHASES, ScaleRun, resident_bytes
 from scale_workload import check_fits, pressure_workload
 
 from batchgen.kv.gate import KvGateConfig
@@ -72,49 +61,43 @@ def gate_for(mode: str, compare_log: str) -> KvGateConfig:
     return KvGateConfig(path=mode)
 
 
-def run_mode(
-    mode: str,
-    *,
-    num_requests: int,
-    num_gpu_pages: int,
-    num_steps: int,
-    rss_from_step: int,
-    seed: int = 0,
-    drain_outputs: bool = True,
-    profile_top: int = 0,
-) -> dict:
-    """Run ``num_steps`` steps of the pressure workload in ``mode``; returns the figures as a
-    dict."""
-    setup_started = time.perf_counter()
-    workload = pressure_workload(num_requests, num_gpu_pages, seed=seed)
-    with tempfile.TemporaryDirectory(prefix="scale-check-") as tmp:
-        run = ScaleRun(
-            workload,
-            gate_for(mode, str(Path(tmp) / "divergences.jsonl")),
-            drain_outputs=drain_outputs,
-        )
-        del workload
-        setup_s = time.perf_counter() - setup_started
-        checkpoints = {rss_from_step, num_steps, *range(RSS_EVERY, num_steps + 1, RSS_EVERY)}
-        profiler = cProfile.Profile() if profile_top else None
-        started, cpu_started = time.perf_counter(), time.process_time()
-        for step in range(1, num_steps + 1):
-            if profiler is not None:
-                profiler.enable()
+def run_steps(run: ScaleRun, args: argparse.Namespace) -> dict:
+    """Run ``--steps`` steps, reading the resident set at its checkpoints; seconds, integrity."""
+    checkpoints = {args.rss_from_step, args.steps, *range(RSS_EVERY, args.steps + 1, RSS_EVERY)}
+    profiler = cProfile.Profile() if args.profile else None
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for step in range(1, args.steps + 1):
+        if profiler is None:
             run.step()
-            if profiler is not None:
-                profiler.disable()
-            if step in checkpoints:
-                run.series.rss_bytes[step] = resident_bytes()
-        run_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
-        try:
-            run.worker.check_integrity()  # both pools, and every page table against them
-            integrity = "ok"
-        except AssertionError as error:
-            integrity = f"FAILED: {error}"
-        summary = run.worker.kv_compare.end_run() if run.worker.kv_compare is not None else None
-    result = summarise(run, mode, rss_from_step=rss_from_step, setup_s=setup_s, run_s=run_s)
-    result["cpu_s"], result["integrity"] = cpu_s, integrity
+        else:
+            profiler.runcall(run.step)
+        if step in checkpoints:
+            run.series.rss_bytes[step] = resident_bytes()
+    out = {"run_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started}
+    try:
+        run.worker.check_integrity()  # both pools, and every page table against them
+        out["integrity"] = "ok"
+    except AssertionError as error:
+        out["integrity"] = f"FAILED: {error}"
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+        out["profile"] = text.getvalue()
+    return out
+
+
+def run_mode(args: argparse.Namespace) -> dict:
+    """Run ``args.mode`` on the pressure workload; its figures as a dict."""
+    setup_started = time.perf_counter()
+    workload = pressure_workload(args.requests, args.gpu_pages, seed=args.seed)
+    with tempfile.TemporaryDirectory(prefix="scale-check-") as tmp:
+        run = ScaleRun(workload, gate_for(args.mode, str(Path(tmp) / "divergences.jsonl")))
+        del workload  # its lists would inflate the resident set
+        setup_s = time.perf_counter() - setup_started
+        timings = run_steps(run, args)
+        compared = run.worker.kv_compare
+        summary = compared.end_run() if compared is not None else None
+    result = {**summarise(run, args.mode, args.rss_from_step), **timings, "setup_s": setup_s}
     if summary is not None:
         result["compare"] = {
             "steps_compared": summary.steps_compared,
@@ -122,10 +105,6 @@ def run_mode(
             "harness_errors": summary.harness_errors,
             "compare_s": round(summary.compare_seconds, 3),
         }
-    if profiler is not None:
-        out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(profile_top)
-        result["profile"] = out.getvalue()
     return result
 
 
@@ -134,19 +113,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def summarise(
-    run: ScaleRun, mode: str, *, rss_from_step: int, setup_s: float, run_s: float
-) -> dict:
-    series, worker = run.series, run.worker
-    stats = worker.state.stats
-    rss_first, rss_last = series.rss_bytes[rss_from_step], series.rss_bytes[len(series.step_s)]
+def pages_used(used: list[int], peak: int) -> dict:
+    return {"mean": statistics.fmean(used), "end": used[-1], "peak": peak}
+
+
+def summarise(run: ScaleRun, mode: str, rss_from_step: int) -> dict:
+    """The run's figures. Pure."""
+    series, worker, stats = run.series, run.worker, run.worker.state.stats
     ms = [s * 1e3 for s in series.step_s]
+    rss = series.rss_bytes
     return {
         "mode": mode,
         "num_requests": len(run.templates),
         "num_gpu_pages": worker.gpu_kv.num_pages,
         "num_host_pages": worker.host_kv.num_pages,
-        "num_steps": len(series.step_s),
+        "num_steps": len(ms),
         "step_ms": {
             "mean": statistics.fmean(ms),
             "p50": percentile(ms, 0.5),
@@ -162,27 +143,17 @@ def summarise(
         "client_ms_per_step": statistics.fmean(series.client_s) * 1e3,
         "served_per_step": statistics.fmean(series.num_served),
         "finished": run.num_finished,
-        "evictions": stats.evictions,
-        "loads": stats.loads,
-        "recompute_preemptions": stats.recompute_preemptions,
-        "tokens_generated": stats.tokens_generated,
-        "gpu_pages_used": {
-            "mean": statistics.fmean(series.gpu_pages_used),
-            "end": series.gpu_pages_used[-1],
-            "peak": stats.peak_gpu_pages,
+        **{
+            name: getattr(stats, name)
+            for name in ("evictions", "loads", "recompute_preemptions", "tokens_generated")
         },
-        "host_pages_used": {
-            "mean": statistics.fmean(series.host_pages_used),
-            "end": series.host_pages_used[-1],
-            "peak": stats.peak_host_pages,
-        },
+        "gpu_pages_used": pages_used(series.gpu_pages_used, stats.peak_gpu_pages),
+        "host_pages_used": pages_used(series.host_pages_used, stats.peak_host_pages),
         "live_requests_end": len(worker.state.requests),
         "outputs_retained": len(worker.state.outputs),
-        "rss_mib": {str(step): b / 2**20 for step, b in sorted(series.rss_bytes.items())},
+        "rss_mib": {str(step): b / 2**20 for step, b in sorted(rss.items())},
         "rss_from_step": rss_from_step,
-        "rss_ratio": rss_last / rss_first,
-        "setup_s": setup_s,
-        "run_s": run_s,
+        "rss_ratio": rss[len(ms)] / rss[rss_from_step],
     }
 
 
@@ -191,30 +162,17 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
     """Run one mode in a fresh interpreter; its figures, or ``{"mode", "error"}``."""
     with tempfile.TemporaryDirectory(prefix="scale-check-") as tmp:
         out = Path(tmp) / f"{mode}.json"
-        command = [
-            sys.executable,
-            __file__,
-            "--mode",
-            mode,
-            "--requests",
-            str(args.requests),
-            "--gpu-pages",
-            str(args.gpu_pages),
-            "--steps",
-            str(args.steps),
-            "--rss-from-step",
-            str(args.rss_from_step),
-            "--seed",
-            str(args.seed),
-            "--profile",
-            str(args.profile),
-            "--torch-threads",
-            str(args.torch_threads),
-            "--json-out",
-            str(out),
-        ]
-        if args.keep_outputs:
-            command.append("--keep-outputs")
+        options = {
+            "--mode": mode,
+            "--requests": args.requests,
+            "--gpu-pages": args.gpu_pages,
+            "--steps": args.steps,
+            "--rss-from-step": args.rss_from_step,
+            "--seed": args.seed,
+            "--profile": args.profile,
+            "--json-out": out,
+        }
+        command = [sys.executable, __file__, *(str(x) for item in options.items() for x in item)]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -222,42 +180,24 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
         return json.loads(out.read_text(encoding="utf-8"))
 
 
-def print_table(results: list[dict], max_ratio: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+def results_table(results: list[dict], max_ratio: float) -> Table:
     first = next((r for r in results if "error" not in r), None)
-    title = (
-        "scale check"
-        if first is None
-        else (
-            f"scale check: {first['num_requests']} requests, {first['num_gpu_pages']:,} GPU / "
-            f"{first['num_host_pages']:,} host pages, {first['num_steps']} steps per mode"
+    title = "scale check"
+    if first is not None:
+        title += (
+            f": {first['num_requests']} requests, {first['num_gpu_pages']:,} GPU /"
+            f" {first['num_host_pages']:,} host pages, {first['num_steps']} steps per mode"
         )
-    )
-    table = Table(title=title)
-    columns = (
-        "mode",
-        "step ms\nmean/p50/p99",
-        "KV ms\n/step",
-        "client\nms/step",
-        "served\n/step",
-        "evict / load /\nrecompute",
-        "GPU pages\nused (mean)",
-        "host pages\nused (mean)",
-        "RSS MiB\nfirst -> last",
-        "RSS\nratio",
-        "integrity",
-        "CPU s /\nwall s",
-    )
-    for column in columns:
-        table.add_column(column, justify="left" if column == "mode" else "right")
+    columns = ("mode", "step ms\nmean/p50/p99", "KV ms\n/step", "client\nms/step")
+    columns += ("served\n/step", "evict / load /\nrecompute", "GPU pages\nused (mean)")
+    columns += ("host pages\nused (mean)", "RSS MiB\nfirst -> last", "RSS\nratio", "integrity")
+    table = Table(*columns, "CPU s /\nwall s", title=title)
     for r in results:
         if "error" in r:
-            table.add_row(r["mode"], f"[red]FAILED: {r['error']}[/red]", *[""] * (len(columns) - 2))
+            table.add_row(r["mode"], f"[red]FAILED: {r['error']}[/red]")
             continue
         step, rss = r["step_ms"], r["rss_mib"]
-        ok = r["rss_ratio"] <= max_ratio
+        color = "green" if r["rss_ratio"] <= max_ratio else "red"
         table.add_row(
             r["mode"],
             f"{step['mean']:.0f} / {step['p50']:.0f} / {step['p99']:.0f}",
@@ -268,26 +208,29 @@ def print_table(results: list[dict], max_ratio: float) -> None:
             f"{r['gpu_pages_used']['mean']:,.0f}",
             f"{r['host_pages_used']['mean']:,.0f}",
             f"{rss[str(r['rss_from_step'])]:.1f} -> {rss[str(r['num_steps'])]:.1f}",
-            f"[{'green' if ok else 'red'}]{r['rss_ratio']:.4f}[/]",
+            f"[{color}]{r['rss_ratio']:.4f}[/]",
             r["integrity"],
             f"{r['cpu_s']:.0f} / {r['run_s']:.0f}",
         )
-    phases = Table(
-        title=(
-            "where a step goes: ms per step (gc: collections inside the phases, counted in them"
-            " too)"
-        )
+    return table
+
+
+def phases_table(results: list[dict]) -> Table:
+    names = [*PHASES, "other", "gc"]
+    title = (
+        "where a step goes: ms per step (gc: collections inside the phases, counted in them too)"
     )
-    names = [*KV_PHASES, *WORKER_PHASES, "other", "gc"]
-    for column in ("mode", *names):
-        phases.add_column(column, justify="left" if column == "mode" else "right")
+    table = Table("mode", *names, title=title)
     for r in results:
         if "error" not in r:
-            phases.add_row(r["mode"], *(f"{r['phase_ms_per_step'][name]:.1f}" for name in names))
-    console = Console()
-    console.width = max(console.width, 150)
-    console.print(table)
-    console.print(phases)
+            table.add_row(r["mode"], *(f"{r['phase_ms_per_step'][name]:.1f}" for name in names))
+    return table
+
+
+def print_report(results: list[dict], max_ratio: float) -> None:
+    console = Console(width=160)
+    console.print(results_table(results, max_ratio))
+    console.print(phases_table(results))
     for r in results:
         if "compare" in r:
             c = r["compare"]
@@ -298,88 +241,33 @@ def print_table(results: list[dict], max_ratio: float) -> None:
             )
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog=(
-            "Each mode runs in its own subprocess; the resident set is read after gc.collect(). "
-            "Linux only (/proc/self/statm)."
-        ),
+        epilog="Each mode runs in its own subprocess. Linux only (/proc/self/statm).",
     )
-    parser.add_argument(
-        "--modes",
-        default=",".join(MODES),
-        help=(
-            f"comma list of {', '.join(MODES)} (default all; compare = plan shadowed by legacy,"
-            " log)"
-        ),
-    )
-    parser.add_argument(
-        "--requests", type=int, default=4096, help="live requests and max_num_seqs (default 4096)"
-    )
-    parser.add_argument(
-        "--gpu-pages",
-        type=int,
-        default=1_000_000,
-        help="GPU pool pages; the host pool is 1/1000 of it (default 1,000,000)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=300,
-        help="steps run per mode, exactly (default 300; docs/benchmarks.md's figures use 1000)",
-    )
-    parser.add_argument(
-        "--rss-from-step",
-        type=int,
-        default=100,
-        help="step whose resident set the last step's is compared with (default 100)",
-    )
-    parser.add_argument(
-        "--max-rss-ratio",
-        type=float,
-        default=1.05,
-        help="allowed RSS(last) / RSS(first) (default 1.05)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="workload and refill seed (default 0)")
-    parser.add_argument(
-        "--keep-outputs",
-        action="store_true",
-        help="leave released outputs in the worker (measures what keeping them costs)",
-    )
-    parser.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="N",
-        help=(
-            "cProfile the steps; print the top N functions by own time per mode (default 0: no "
-            "profile)"
-        ),
-    )
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
-        default=1,
-        help=(
-            "torch intra-op threads in each mode's process (default 1: the null model's tensors "
-            "are tiny, and on busy shared cores a thread pool costs more than it gives)"
-        ),
-    )
-    parser.add_argument(
-        "--json-out", type=output_path, help="write the figures as JSON to this path"
-    )
-    # internal: run one mode in this process
-    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    add = parser.add_argument
+    add("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)} (default all)")
+    add("--requests", type=int, default=4096, help="live requests, max_num_seqs (default 4096)")
+    add("--gpu-pages", type=int, default=1_000_000, help="GPU pool pages; host: 1/1000 of it")
+    add("--steps", type=int, default=300, help="steps run per mode, exactly (default 300)")
+    add("--rss-from-step", type=int, default=100, help="first RSS reading's step (default 100)")
+    add("--max-rss-ratio", type=float, default=1.05, help="allowed RSS(last) / RSS(first)")
+    add("--seed", type=int, default=0, help="workload and refill seed (default 0)")
+    add("--profile", type=int, default=0, metavar="N", help="print each mode's top N functions")
+    add("--json-out", type=output_path, help="write the figures as JSON to this path")
+    add("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: run one mode here
+    return parser
+
+
+def parse_args() -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in MODES for m in args.modes):
         parser.error(f"--modes takes a comma list of {', '.join(MODES)}, got {args.modes!r}")
-    args.modes = modes
-    if args.requests < 2 or args.gpu_pages < 1 or args.torch_threads < 1:
-        parser.error(
-            "--requests must be >= 2 (an anchor and a crowd), --gpu-pages and --torch-threads >= 1"
-        )
+    if args.requests < 2 or args.gpu_pages < 1:
+        parser.error("--requests must be >= 2 (an anchor and a crowd), --gpu-pages >= 1")
     if not (args.max_rss_ratio > 0 and math.isfinite(args.max_rss_ratio)):
         parser.error(f"--max-rss-ratio must be a positive number, got {args.max_rss_ratio}")
     if args.profile < 0:
@@ -388,7 +276,7 @@ def parse_args() -> argparse.Namespace:
         parser.error("--mode (internal) needs --json-out")
     if args.steps < 2:
         parser.error(
-            "--steps must be >= 2 (the resident set is compared between two steps), got"
+            f"--steps must be >= 2 (the resident set is compared between two steps), got"
             f" {args.steps}"
         )
     if not 1 <= args.rss_from_step < args.steps:
@@ -407,26 +295,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.mode is not None:
-        torch.set_num_threads(args.torch_threads)
-        result = run_mode(
-            args.mode,
-            num_requests=args.requests,
-            num_gpu_pages=args.gpu_pages,
-            num_steps=args.steps,
-            rss_from_step=args.rss_from_step,
-            seed=args.seed,
-            drain_outputs=not args.keep_outputs,
-            profile_top=args.profile,
-        )
-        write_output(args.json_out, json.dumps(result, indent=1))
+        torch.set_num_threads(1)  # the null model's tensors are tiny; a thread pool only costs
+        write_output(args.json_out, json.dumps(run_mode(args), indent=1))
         return 0
-    results = []
-    for mode in args.modes:
-        result = run_child(mode, args)
-        results.append(result)
+    results = [run_child(mode, args) for mode in args.modes]
+    for result in results:
         if "profile" in result:
-            print(f"--- {mode}: top {args.profile} functions by own time ---\n{result['profile']}")
-    print_table(results, args.max_rss_ratio)
+            print(f"--- {result['mode']}: top {args.profile} by own time ---\n{result['profile']}")
+    print_report(results, args.max_rss_ratio)
     failed = [
         r["mode"]
         for r in results
@@ -434,25 +310,17 @@ def main() -> int:
     ]
     if args.json_out is not None:
         report = {
-            "machine": {
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-            },
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "command": " ".join(["python", "scripts/scale_check.py", *sys.argv[1:]]),
             "max_rss_ratio": args.max_rss_ratio,
             "results": results,
             "failed": failed,
         }
         write_output(args.json_out, json.dumps(report, indent=1))
-    print(
-        "verdict: "
-        + (
-            "FAIL " + ", ".join(failed)
-            if failed
-            else f"PASS (every RSS ratio <= {args.max_rss_ratio})"
-        )
+    verdict = (
+        f"FAIL {', '.join(failed)}" if failed else f"PASS (every RSS ratio <= {args.max_rss_ratio})"
     )
+    print(f"verdict: {verdict}")
     return 1 if failed else 0
 
 

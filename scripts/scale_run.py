@@ -3,7 +3,7 @@ timed per step.
 
 ``ScaleRun`` runs the worker one step at a time and refills each released slot,
 as a client would; ``PhaseTimer`` splits each step's time into the worker's KV
-ops, its other methods and the cyclic collector; ``StepSeries`` keeps the
+ops, scheduling, its other methods and the cyclic collector; ``StepSeries`` keeps the
 figures of every step; ``resident_bytes`` reads the resident set.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from scale_workload import num_anchors, scale_model
 
+import batchgen.engine.worker as worker_module
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
 from batchgen.kv.gate import KvGateConfig
@@ -31,50 +32,59 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# phase of a step -> the worker method it times (KV ops first: their sum is the KV-op time)
+# the KV ops (their sum is the KV-op time): phase -> method of the worker's path object
 KV_PHASES = {
-    "poll": "_kv_poll",
-    "release": "_kv_release",
-    "evict": "_kv_evict",
-    "migrate": "_kv_migrate",
-    "alloc": "_kv_allocate",
+    "poll": "poll",
+    "release": "release",
+    "evict": "evict",
+    "migrate": "migrate",
+    "alloc": "allocate",
 }
+# the worker's other parts of a step: phase -> Worker method
 WORKER_PHASES = {
     "observe_loads": "_observe_loads",
     "flush_appends": "_flush_pending_kv_appends",
-    "schedule": "_schedule",
     "forward_sample": "_forward_and_sample",
     "record_peaks": "_record_peaks",
 }
+PHASES = [*KV_PHASES, "schedule", *WORKER_PHASES]
 
 
 class PhaseTimer:
-    """Seconds per phase of the worker's steps: its KV ops, its other methods, the cyclic collector.
+    """Seconds per phase of the worker's steps: its KV ops, scheduling, its other methods, the
+    cyclic collector.
 
-    ``attach`` shadows the timed methods with instance attributes (the worker's
-    class is untouched); collections are counted only inside ``measuring()``,
-    which holds a ``gc`` callback for its duration.
+    ``attach`` shadows the timed methods of the worker and of its path object (``worker._kv``)
+    with instance attributes (their classes are untouched). ``measuring()`` times the scheduler
+    (the ``schedule`` the worker module calls, replaced for its duration) and counts collections
+    (a ``gc`` callback for its duration).
     """
 
     def __init__(self):
-        self.seconds = dict.fromkeys([*KV_PHASES, *WORKER_PHASES, "gc"], 0.0)
+        self.seconds = dict.fromkeys([*PHASES, "gc"], 0.0)
         self._gc_started = 0.0
 
     def attach(self, worker: Worker) -> None:
-        """Mutates ``worker``: its timed methods become timing wrappers."""
-        for phase, name in {**KV_PHASES, **WORKER_PHASES}.items():
+        """Mutates ``worker`` and ``worker._kv``: their timed methods become timing wrappers."""
+        for phase, name in KV_PHASES.items():
+            setattr(worker._kv, name, self._timed(phase, getattr(worker._kv, name)))
+        for phase, name in WORKER_PHASES.items():
             setattr(worker, name, self._timed(phase, getattr(worker, name)))
 
     @contextlib.contextmanager
     def measuring(self):
+        """Mutates ``batchgen.engine.worker`` while open: its ``schedule`` is timed."""
+        schedule = worker_module.schedule
+        worker_module.schedule = self._timed("schedule", schedule)
         gc.callbacks.append(self._on_gc)
         try:
             yield
         finally:
             gc.callbacks.remove(self._on_gc)
+            worker_module.schedule = schedule
 
     def step_seconds(self) -> float:
-        """Seconds in the timed methods (a collection inside one is part of it)."""
+        """Seconds in the timed phases (a collection inside one is part of it)."""
         return sum(s for phase, s in self.seconds.items() if phase != "gc")
 
     def kv_seconds(self) -> float:
@@ -116,12 +126,12 @@ class ScaleRun:
     Keeps the workload's requests as ``Request`` templates (one tuple per distinct
     prompt), not the workload itself, so its lists do not inflate the resident set.
 
-    Mutates its worker: refills each released request's slot with the next generation
-    of that slot, a request drawn (seeded) from the workload, and removes the released
-    output from ``worker.state.outputs`` (``drain_outputs=False`` keeps them all).
+    Mutates its worker: removes each released output from ``worker.state.outputs`` (as a
+    client collecting results would) and refills the request's slot with the next generation
+    of that slot, a request drawn (seeded) from the workload.
     """
 
-    def __init__(self, workload: Workload, gate: KvGateConfig, *, drain_outputs: bool = True):
+    def __init__(self, workload: Workload, gate: KvGateConfig):
         # one tuple per distinct prompt (the anchors')
         prompts: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.templates = [
@@ -138,11 +148,9 @@ class ScaleRun:
         )
         self.timer = PhaseTimer()
         self.timer.attach(self.worker)
-        self.drain_outputs = drain_outputs
         self.rng = random.Random(f"refill:{workload.seed}")
         self.generation = [0] * len(self.templates)
         self.num_finished = 0
-        self.num_kept = 0  # outputs left in the worker (drain_outputs=False)
         self.series = StepSeries()
         if self.worker.kv_compare is not None:
             self.worker.kv_compare.begin_run(workload.name, seed=workload.seed)
@@ -166,9 +174,7 @@ class ScaleRun:
         series.client_s.append(time.perf_counter() - started)
 
     def _refill(self) -> None:
-        released = list(self.worker.state.outputs)[self.num_kept :]  # outputs keep release order
-        if self.drain_outputs:
-            self.worker.take_outputs(released)
+        released = self.worker.take_outputs()  # in release order
         for uuid in released:
             slot = self._slot(uuid)
             self.generation[slot] += 1
@@ -178,8 +184,6 @@ class ScaleRun:
                 template = self.templates[self.rng.randrange(self.num_anchors, len(self.templates))]
             self.worker.add_request(replace(template, uuid=f"s{slot}.g{self.generation[slot]}"))
         self.num_finished += len(released)
-        if not self.drain_outputs:
-            self.num_kept += len(released)
 
     @staticmethod
     def _slot(uuid: str) -> int:

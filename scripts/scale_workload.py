@@ -4,6 +4,12 @@ fights over the rest.
 ``pressure_workload`` builds it (``scripts/scale_check.py`` explains the run it
 serves), ``num_anchors`` says how many of its first requests are anchors, and
 ``scale_model`` gives the null model a context long enough for every request.
+
+Why anchors: a step evicts only when its decode pages outgrow the pages released by finishes,
+and a request releases prompt + output tokens for the output tokens it decoded. Requests short
+enough to reach a steady state (memory included) well before step 100 could not fill 1M pages
+with prompts and still evict; so anchors hold the pool and a decode-heavy crowd fights over the
+rest.
 """
 
 from __future__ import annotations
@@ -38,12 +44,8 @@ def pressure_workload(
         crowd     prompts 1-8 tokens, outputs 16-80: asks for 1.2x the crowd room
         host pool num_gpu_pages // 1000 pages
 
-    Why anchors: a step evicts only when its decode pages outgrow the pages released
-    by finishes, and a request releases prompt + output tokens for the output tokens
-    it decoded. Requests short enough to reach a steady state (memory included) well
-    before step 100 could not fill 1M pages with prompts and still evict; so anchors
-    hold the pool and a decode-heavy crowd fights over the rest. The crowd room is
-    sized from the crowd's time-averaged page demand. Anchors share one prompt.
+    The crowd room is sized from the crowd's time-averaged page demand; anchors share one
+    prompt (why anchors: the module docstring).
     """
     rng, n_anchors, crowd = _crowd(num_requests, seed)
     usable = _usable_pages(num_gpu_pages)

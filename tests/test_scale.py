@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import batchgen.engine.worker as worker_module
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plans import pages_needed
 
@@ -67,6 +68,23 @@ def test_a_scale_run_refills_every_released_slot_and_keeps_the_pools_consistent(
     assert run.num_finished > 64 and not run.worker.state.outputs  # drained, as a client would
     assert run.worker.state.stats.evictions > 0
     run.worker.check_integrity()
+
+
+@pytest.mark.parametrize("mode", ["plan", "compare"])
+def test_a_scale_run_times_the_kv_ops_and_the_scheduler_and_restores_what_the_worker_calls(
+    mode, tmp_path
+):
+    original = worker_module.schedule
+    compare = "off" if mode == "plan" else "log"
+    gate = KvGateConfig(path="plan", compare=compare, compare_log=str(tmp_path / "log.jsonl"))
+    run = scale_run.ScaleRun(scale_workload.pressure_workload(64, 10_000), gate)
+    for _ in range(3):
+        run.step()
+    assert worker_module.schedule is original
+    assert {"poll", "release", "evict", "migrate", "allocate"} <= set(vars(run.worker._kv))
+    seconds = run.timer.seconds
+    assert all(seconds[phase] > 0 for phase in ("evict", "migrate", "alloc", "schedule"))
+    assert sum(run.series.kv_s) == pytest.approx(run.timer.kv_seconds())
 
 
 @pytest.mark.parametrize("mode", ["plan", "compare"])
