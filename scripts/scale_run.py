@@ -40,14 +40,15 @@ KV_PHASES = {
     "migrate": "migrate",
     "alloc": "allocate",
 }
+# the functions the worker module calls in a step, timed while measuring
+MODULE_PHASES = ("schedule", "observe_loads")
 # the worker's other parts of a step: phase -> Worker method
 WORKER_PHASES = {
-    "observe_loads": "_observe_loads",
     "flush_appends": "_flush_pending_kv_appends",
     "forward_sample": "_forward_and_sample",
     "record_peaks": "_record_peaks",
 }
-PHASES = [*KV_PHASES, "schedule", *WORKER_PHASES]
+PHASES = [*KV_PHASES, *MODULE_PHASES, *WORKER_PHASES]
 
 
 class PhaseTimer:
@@ -55,8 +56,8 @@ class PhaseTimer:
     cyclic collector.
 
     ``attach`` shadows the timed methods of the worker and of its path object (``worker._kv``)
-    with instance attributes (their classes are untouched). ``measuring()`` times the scheduler
-    (the ``schedule`` the worker module calls, replaced for its duration) and counts collections
+    with instance attributes (their classes are untouched). ``measuring()`` times the functions
+    of ``MODULE_PHASES`` the worker module calls (replaced for its duration) and counts collections
     (a ``gc`` callback for its duration).
     """
 
@@ -73,15 +74,17 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def measuring(self):
-        """Mutates ``batchgen.engine.worker`` while open: its ``schedule`` is timed."""
-        schedule = worker_module.schedule
-        worker_module.schedule = self._timed("schedule", schedule)
+        """Mutates ``batchgen.engine.worker`` while open: its ``MODULE_PHASES`` are timed."""
+        originals = {name: getattr(worker_module, name) for name in MODULE_PHASES}
+        for name, function in originals.items():
+            setattr(worker_module, name, self._timed(name, function))
         gc.callbacks.append(self._on_gc)
         try:
             yield
         finally:
             gc.callbacks.remove(self._on_gc)
-            worker_module.schedule = schedule
+            for name, function in originals.items():
+                setattr(worker_module, name, function)
 
     def step_seconds(self) -> float:
         """Seconds in the timed phases (a collection inside one is part of it)."""

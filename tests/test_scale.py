@@ -74,16 +74,18 @@ def test_a_scale_run_refills_every_released_slot_and_keeps_the_pools_consistent(
 def test_a_scale_run_times_the_kv_ops_and_the_scheduler_and_restores_what_the_worker_calls(
     mode, tmp_path
 ):
-    original = worker_module.schedule
+    originals = (worker_module.schedule, worker_module.observe_loads)
     compare = "off" if mode == "plan" else "log"
     gate = KvGateConfig(path="plan", compare=compare, compare_log=str(tmp_path / "log.jsonl"))
     run = scale_run.ScaleRun(scale_workload.pressure_workload(64, 10_000), gate)
     for _ in range(3):
         run.step()
-    assert worker_module.schedule is original
+    assert (worker_module.schedule, worker_module.observe_loads) == originals
     assert {"poll", "release", "evict", "migrate", "allocate"} <= set(vars(run.worker._kv))
     seconds = run.timer.seconds
-    assert all(seconds[phase] > 0 for phase in ("evict", "migrate", "alloc", "schedule"))
+    assert all(
+        seconds[phase] > 0 for phase in ("evict", "migrate", "alloc", "schedule", "observe_loads")
+    )
     assert sum(run.series.kv_s) == pytest.approx(run.timer.kv_seconds())
 
 
