@@ -109,8 +109,6 @@ def minimize_divergence(
         raise ValueError(
             f"max_tests must be >= 1 (the full workload is run first), not {max_tests}"
         )
-    replay = record.replay
-    scale = replay.get("scale", 1.0)
     workload, faults, (kv_path, shadow_path) = recorded_run(record)
     signature = DivergenceSignature.of(record)
     name = f"{workload.name}-min"
@@ -121,8 +119,8 @@ def minimize_divergence(
             kv_path,
             shadow_path,
             Path(log_dir),
-            replay["workload_source"],
-            scale,
+            record.replay["workload_source"],
+            record.replay.get("scale", 1.0),
             faults,
             min_steps=record.step + 1,
             max_tests=max_tests,
@@ -130,13 +128,7 @@ def minimize_divergence(
         )
         try:
             if not search.fails(workload):
-                raise NotReproduced(
-                    f"{record.op} step {record.step}: workload {replay['workload_source']!r} (seed"
-                    f" {record.seed}, scale"
-                    f" {scale}{', faults ' + faults.to_spec() if faults else ''}) shows no"
-                    f" {signature.kind} divergence at"
-                    f" {', '.join(signature.field_paths) or 'no field path'}"
-                )
+                raise NotReproduced(_not_reproduced(record, signature, faults))
             try:
                 _shrink_steps(search, workload, _shrink_requests(search, workload))
             except OutOfTests:
@@ -146,6 +138,21 @@ def minimize_divergence(
                 on_interrupt(search.result(name, stopped_by="interrupted"))
             raise
     return search.result(name)
+
+
+def _not_reproduced(
+    record: DivergenceRecord, signature: DivergenceSignature, faults: FaultSpec | None
+) -> str:
+    """Why the full workload is not a starting point: it ran clean of the record's divergence."""
+    replay = record.replay
+    run = f"seed {record.seed}, scale {replay.get('scale', 1.0)}"
+    if faults:
+        run += f", faults {faults.to_spec()}"
+    where = ", ".join(signature.field_paths) or "no field path"
+    return (
+        f"{record.op} step {record.step}: workload {replay['workload_source']!r} ({run}) shows"
+        f" no {signature.kind} divergence at {where}"
+    )
 
 
 def recorded_run(record: DivergenceRecord) -> tuple[Workload, FaultSpec | None, tuple[str, str]]:
