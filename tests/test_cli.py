@@ -148,7 +148,11 @@ def test_help_explains_every_flag_with_its_default(command, dtype, capsys):
         ("--seed", "0"),
         ("--scale", "1.0"),
         ("--json", "off"),
-        *([("--outputs", "not written")] if command == "run" else []),
+        *(
+            [("--outputs", "not written"), ("--timeline", "not written")]
+            if command == "run"
+            else []
+        ),
     ]
     for flag, default in flags:
         assert re.search(f"{flag} .*?\\(default: {re.escape(default)}\\)", text), flag
