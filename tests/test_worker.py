@@ -429,9 +429,7 @@ def test_pools_past_the_memory_available_are_refused_before_any_is_allocated(mod
     """Both tiers live in host memory on a CPU run; the page tensors are zero-filled, so a pool past
     what is available would have the OS kill the process part way through."""
     allocated = []
-    monkeypatch.setattr(
-        tiers, "new_page_tensor", lambda *args, **kwargs: allocated.append(args)
-    )
+    monkeypatch.setattr(tiers, "new_page_tensor", lambda *args, **kwargs: allocated.append(args))
     # float32
     page_bytes = (
         model.config.num_layers * 2 * 4 * model.config.num_kv_heads * model.config.head_dim * 4
