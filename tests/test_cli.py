@@ -1470,8 +1470,8 @@ def error_line(capsys) -> str:
             ),
         ),
         (
-            ["report", "x.jsonl", "--format", "html"],
-            "batchgen: error: argument --format: invalid choice: 'html' ",
+            ["report", "x.jsonl", "--format", "pdf"],
+            "batchgen: error: argument --format: invalid choice: 'pdf' ",
         ),
         (
             ["replay", "x.jsonl"],

@@ -33,10 +33,20 @@ from batchgen.shadow.minimize import (
     write_regression_into,
 )
 from batchgen.shadow.replay import ReplayOutcome, replay_record
-from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
+from compare import (
+    DivergenceRecord,
+    LogReadResult,
+    LogRecord,
+    Report,
+    RunSummary,
+    aggregate,
+    read_log,
+    write_atomic,
+)
 from compare.render import headline, render_json, render_junit, render_markdown, render_text
 
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
+FORMATS = (*RENDERERS, "html")  # html also reads the logs' records: its charts and replay commands
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)
 UNENDED = (
     "a run in it did not end (it stopped early, no run summary closes it, or its last line is cut"
@@ -78,12 +88,13 @@ def add_report_command(commands) -> None:
     )
     parser.add_argument(
         "--format",
-        choices=tuple(RENDERERS),
+        choices=FORMATS,
         default="text",
         help=(
             "text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
             "when it is set, with a warning if it cannot be), junit (XML, a test case per workload "
-            "and op) or json (default: %(default)s)"
+            "and op), json, or html (one self-contained page: per run, a timeline of pages held "
+            "and KV events with its divergences marked; use --out) (default: %(default)s)"
         ),
     )
     parser.add_argument(
@@ -125,7 +136,10 @@ def _report(args: argparse.Namespace) -> int:
     if compared_nothing:
         vouch = "they vouch" if len(logs) > 1 else "it vouches"
         _print_warnings([f"{', '.join(logs)}: {NOTHING_COMPARED}, so {vouch} for nothing"])
-    text = RENDERERS[args.format](report)
+    if args.format == "html":
+        text = _render_page(report, [(path, result.records) for path, result in zip(logs, results)])
+    else:
+        text = RENDERERS[args.format](report)
     if args.out is not None:
         _write_out(args.out, text)
         print(f"batchgen: wrote {args.out}: {headline(report)}", file=sys.stderr)
@@ -138,6 +152,15 @@ def _report(args: argparse.Namespace) -> int:
         _print_warnings([f"decision coverage: never reached: {', '.join(report.unreached)}"])
         failed = True
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _render_page(report: Report, logs: list[tuple[str, tuple[LogRecord, ...]]]) -> str:
+    """The HTML page of ``report`` and the runs of ``logs`` (path, records). Pure."""
+    # matplotlib loads only when a page is rendered, not with every command
+    from batchgen.shadow.report_page import KV_PAGE
+    from compare.html import render_html
+
+    return render_html(report, logs, KV_PAGE)
 
 
 def _distinct(logs: Sequence[str]) -> list[str]:
