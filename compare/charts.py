@@ -104,7 +104,7 @@ def _draw_panel(
             ax.axhline(timeline.levels[name], color="dimgray", linestyle=style, label=label)
     ax.set_ylabel(panel.title)
     ax.set_ylim(bottom=0)
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no tick at 0.5
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))  # counts: no tick at 0.5
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0))
 

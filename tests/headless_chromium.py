@@ -16,6 +16,7 @@ import shutil
 import signal
 import tempfile
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,18 +53,22 @@ class _Browser:
             (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
         ]
         argv = [chromium, *FLAGS, f"--user-data-dir={profile}", "about:blank"]
-        self.pid = os.posix_spawn(chromium, argv, os.environ, file_actions=actions)
+        # its own process group: closing ends its helper processes too
+        self.pid = os.posix_spawn(chromium, argv, os.environ, file_actions=actions, setpgroup=0)
         for fd in (to_browser, from_browser, *high):
             os.close(fd)
         self._buffer, self._next_id, self.events = b"", 0, []
 
-    def call(self, method: str, params: dict | None = None, session: str | None = None) -> dict:
-        """Send one command and wait for its result (RuntimeError on a protocol error)."""
+    def send(self, method: str, params: dict | None = None, session: str | None = None) -> None:
         self._next_id += 1
         message = {"id": self._next_id, "method": method, "params": params or {}}
         if session is not None:
             message["sessionId"] = session
         os.write(self._to_browser, json.dumps(message).encode() + b"\0")
+
+    def call(self, method: str, params: dict | None = None, session: str | None = None) -> dict:
+        """Send one command and wait for its result (RuntimeError on a protocol error)."""
+        self.send(method, params, session)
         while True:
             reply = self._read()
             if reply.get("id") == self._next_id:
@@ -87,16 +92,25 @@ class _Browser:
         message, self._buffer = self._buffer.split(b"\0", 1)
         return json.loads(message)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the browser to close, give it ``timeout`` seconds, then end its process group."""
+        with suppress(OSError):
+            self.send("Browser.close")
+        deadline = time.monotonic() + timeout
+        while os.waitpid(self.pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with suppress(ProcessLookupError):  # helpers (crashpad) can outlive the browser
+            os.killpg(self.pid, signal.SIGKILL)
+        with suppress(ChildProcessError):  # reaped above when it closed in time
+            os.waitpid(self.pid, 0)
         os.close(self._to_browser)
         os.close(self._from_browser)
-        os.kill(self.pid, signal.SIGKILL)
-        os.waitpid(self.pid, 0)
 
 
 def view_page(chromium: str, page: Path, *, width: int = 1280, height: int = 2000) -> PageView:
     """Load ``page`` in a ``width`` x ``height`` viewport and wait for its load event."""
-    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
+    # a helper may still be writing the profile when it is killed
+    with tempfile.TemporaryDirectory(prefix="chromium-", ignore_cleanup_errors=True) as profile:
         browser = _Browser(chromium, profile)
         try:
             target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
