@@ -36,8 +36,6 @@ from batchgen.shadow.replay import ReplayOutcome, replay_record
 from compare import (
     DivergenceRecord,
     LogReadResult,
-    LogRecord,
-    Report,
     RunSummary,
     aggregate,
     read_log,
@@ -137,7 +135,9 @@ def _report(args: argparse.Namespace) -> int:
         vouch = "they vouch" if len(logs) > 1 else "it vouches"
         _print_warnings([f"{', '.join(logs)}: {NOTHING_COMPARED}, so {vouch} for nothing"])
     if args.format == "html":
-        text = _render_page(report, [(path, result.records) for path, result in zip(logs, results)])
+        from batchgen.shadow.report_page import render_page  # loads matplotlib: only for a page
+
+        text = render_page(report, [(path, result.records) for path, result in zip(logs, results)])
     else:
         text = RENDERERS[args.format](report)
     if args.out is not None:
@@ -152,15 +152,6 @@ def _report(args: argparse.Namespace) -> int:
         _print_warnings([f"decision coverage: never reached: {', '.join(report.unreached)}"])
         failed = True
     return EXIT_FAILED if failed else EXIT_OK
-
-
-def _render_page(report: Report, logs: list[tuple[str, tuple[LogRecord, ...]]]) -> str:
-    """The HTML page of ``report`` and the runs of ``logs`` (path, records). Pure."""
-    # matplotlib loads only when a page is rendered, not with every command
-    from batchgen.shadow.report_page import KV_PAGE
-    from compare.html import render_html
-
-    return render_html(report, logs, KV_PAGE)
 
 
 def _distinct(logs: Sequence[str]) -> list[str]:

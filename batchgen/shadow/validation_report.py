@@ -174,22 +174,15 @@ def write_reports(directory: Path, compare: Report, records: Sequence[LogRecord]
         path = directory / name
         try:
             if kind == "html":
-                write_atomic(path, _render_page(compare, log, records))
+                from batchgen.shadow.report_page import render_page  # loads matplotlib
+
+                write_atomic(path, render_page(compare, [(str(log), records)]))
             else:
                 write_atomic(path, _RENDERERS[kind](compare))
         except OSError as error:
             raise OSError(error.errno, error.strerror or str(error), str(path)) from error
         written[kind] = str(path)
     return written
-
-
-def _render_page(compare: Report, log: Path, records: Sequence[LogRecord]) -> str:
-    """The HTML page of the log's runs (its replay commands name ``log``). Pure."""
-    # matplotlib loads only when a page is rendered, not with every command
-    from batchgen.shadow.report_page import KV_PAGE
-    from compare.html import render_html
-
-    return render_html(compare, [(str(log), records)], KV_PAGE)
 
 
 # the log while the runs write it; renamed once they are done
