@@ -11,6 +11,7 @@ nothing of the code it compares (it never imports `batchgen`).
     errors       DivergenceError, HarnessWarning       what the harness raises and warns
     coverage     Outcome, CoverageCounter              decision outcomes reached, counted
     records      DivergenceRecord, RunSummary          the versioned JSON line schema
+                 Timeline                              per-step counters of a run
     sink         JsonlSink, read_log(s), write_atomic  durable append, tolerant read
     report       aggregate -> Report                   per op / field path / (workload, op)
     render       render_text, _markdown, _junit, _json  a report for people and for CI
@@ -46,6 +47,7 @@ _MODULES = {
         "LogRecord",
         "RecordError",
         "RunSummary",
+        "Timeline",
         "json_schema",
         "parse_record",
         "write_json_schema",

@@ -1,8 +1,9 @@
 """The divergence log's records: one JSON line each, versioned, with a published JSON Schema.
 
 A log holds `DivergenceRecord`s (one per diverging compared step) and a `RunSummary` per run
-(how many steps were compared, so reports have a denominator). `parse_record` reads one line
-back and says exactly what is wrong with a bad one.
+(how many steps were compared, so reports have a denominator; and, optionally, the run's
+`Timeline` of per-step counters the binding chose). `parse_record` reads one line back and says
+exactly what is wrong with a bad one.
 
 Regenerate the checked-in schema after changing a record:
 
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from compare.observation import Comparison, ShadowStats
 
@@ -96,6 +97,27 @@ class OutcomeCount(_Record):
     first_step: int
 
 
+class Timeline(_Record):
+    """Named per-step counters of one run, one value per step, and constant levels to read them
+    against. What they count is the binding's business."""
+
+    # the step of each counter's first value, numbered as DivergenceRecord.step numbers them
+    first_step: int
+    counters: dict[str, list[int]]  # name -> one value per step, from first_step on
+    levels: dict[str, int] = {}  # name -> a constant, e.g. a capacity or a threshold
+
+    @model_validator(mode="after")
+    def _same_length(self) -> Timeline:
+        lengths = {name: len(values) for name, values in self.counters.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"counters hold one value per step, so as many each; found {lengths}")
+        return self
+
+    @property
+    def num_steps(self) -> int:
+        return len(next(iter(self.counters.values()), ()))
+
+
 class RunSummary(_Record):
     """Totals of one run, written when it ends: the denominators of a report."""
 
@@ -115,6 +137,7 @@ class RunSummary(_Record):
     # decision outcome id -> how often the run's compared ops reached it (compare.coverage)
     coverage: dict[str, OutcomeCount] = {}
     stopped_by: str | None = None
+    timeline: Timeline | None = None  # None: the run recorded none
 
     @classmethod
     def from_stats(
@@ -127,8 +150,9 @@ class RunSummary(_Record):
         authoritative: str,
         shadow: str,
         stopped_by: str | None = None,
+        timeline: Timeline | None = None,
     ) -> RunSummary:
-        """Build a run's summary from its executor's counters."""
+        """Build a run's summary from its executor's counters and the run's ``timeline``. Pure."""
         return cls(
             run_id=run_id,
             workload=workload,
@@ -145,6 +169,7 @@ class RunSummary(_Record):
                 for outcome, tally in stats.coverage.items()
             },
             stopped_by=stopped_by,
+            timeline=timeline,
         )
 
 

@@ -2,7 +2,8 @@
 
 Every renderer is pure and returns a string (write it with ``compare.sink.write_atomic``). Ids
 and paths come from logs, anyone's strings: text escapes control characters, markdown escapes
-table syntax, JUnit escapes what XML cannot hold.
+table syntax, JUnit escapes what XML cannot hold. The public helpers (``headline``, ``rate``,
+...) word the lines every format shares, the HTML page (``compare.html``) included.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ def headline(report: Report) -> str:
     """ "N divergences in M compared ops" (an op compared at one step counts once), and the harness
     errors if any."""
     line = (
-        f"{_plural(report.num_divergences, 'divergence')} in "
-        f"{_plural(report.num_compared, 'compared op')}"
+        f"{plural(report.num_divergences, 'divergence')} in "
+        f"{plural(report.num_compared, 'compared op')}"
     )
     if report.num_harness_errors:
-        line += f", {_plural(report.num_harness_errors, 'harness error')}"
+        line += f", {plural(report.num_harness_errors, 'harness error')}"
     return line
 
 
@@ -41,7 +42,7 @@ def coverage_line(report: Report) -> str:
     """ "decision coverage: R of N required outcomes reached", then those missed, if any."""
     required = [row for row in report.coverage if row.required]
     if not required:
-        return f"decision coverage: {_plural(len(report.coverage), 'outcome')} reached"
+        return f"decision coverage: {plural(len(report.coverage), 'outcome')} reached"
     line = f"decision coverage: {len(required) - len(report.unreached)} of {len(required)}"
     line += " required outcomes reached"
     if report.unreached:
@@ -51,25 +52,29 @@ def coverage_line(report: Report) -> str:
     return line
 
 
-def _plural(n: int, noun: str) -> str:
+def plural(n: int, noun: str) -> str:
+    """ "1 run", "2 runs". Pure."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _rate(divergences: int, compared: int) -> str:
+def rate(divergences: int, compared: int) -> str:
+    """Divergences per compared op as a percentage; "n/a" when nothing was compared. Pure."""
     return f"{divergences / compared:.2%}" if compared else "n/a"
 
 
-def _steps(stats: PathStats) -> str:
+def step_range(stats: PathStats) -> str:
+    """ "7" or "7-19": the steps where a field path diverged. Pure."""
     if stats.first_step == stats.last_step:
         return str(stats.first_step)
     return f"{stats.first_step}-{stats.last_step}"
 
 
-def _first(row: CoverageRow) -> str:
+def first_reached(row: CoverageRow) -> str:
+    """ "<workload> step N" where an outcome was first reached; "-" when never. Pure."""
     return "-" if row.first_workload is None else f"{row.first_workload} step {row.first_step}"
 
 
-def _note(row: CoverageRow) -> str:
+def coverage_note(row: CoverageRow) -> str:
     """NOT REACHED for a required outcome no run reached; unreachable for one the catalog rules
     out (its reason: the JSON report and the catalog)."""
     if row.unreachable is not None:
@@ -77,9 +82,10 @@ def _note(row: CoverageRow) -> str:
     return "NOT REACHED" if row.required and not row.count else ""
 
 
-def _overhead(report: Report) -> str:
-    line = f"{_plural(report.num_runs, 'run')}, "
-    line += _plural(report.num_harness_errors, "harness error")
+def overhead_line(report: Report) -> str:
+    """Runs, harness errors, and the compare overhead over the authoritative path. Pure."""
+    line = f"{plural(report.num_runs, 'run')}, "
+    line += plural(report.num_harness_errors, "harness error")
     if report.authoritative_seconds > 0:
         line += (
             f"; compare overhead {report.compare_seconds:.3g} s on "
@@ -94,7 +100,7 @@ def render_text(report: Report, *, width: int = 120) -> str:
     """The report as plain-text rich tables (for terminals and CI logs)."""
     out = io.StringIO()
     console = Console(file=out, width=width, color_system=None, force_terminal=False)
-    for line in (headline(report), coverage_line(report), _overhead(report)):
+    for line in (headline(report), coverage_line(report), overhead_line(report)):
         console.print(_terminal(line))
     console.print(
         _table(
@@ -105,7 +111,7 @@ def render_text(report: Report, *, width: int = 120) -> str:
                     s.op,
                     str(s.num_compared),
                     str(s.num_divergences),
-                    _rate(s.num_divergences, s.num_compared),
+                    rate(s.num_divergences, s.num_compared),
                 )
                 for s in report.ops
             ],
@@ -114,13 +120,14 @@ def render_text(report: Report, *, width: int = 120) -> str:
     if report.coverage:
         columns = ("outcome", "count", "runs", "first reached", "note")
         rows = [
-            (r.outcome, str(r.count), str(r.num_runs), _first(r), _note(r)) for r in report.coverage
+            (r.outcome, str(r.count), str(r.num_runs), first_reached(r), coverage_note(r))
+            for r in report.coverage
         ]
         console.print(_table("Decision coverage", columns, rows))
     if report.paths:
         columns = ("op", "field path", "count", "steps", "workloads", "kinds", "example")
         rows = [
-            (s.op, s.path, str(s.count), _steps(s), ", ".join(s.workloads), ", ".join(s.kinds),
+            (s.op, s.path, str(s.count), step_range(s), ", ".join(s.workloads), ", ".join(s.kinds),
              f"{s.samples[0].path} ({s.samples[0].workload} step {s.samples[0].step})")
             for s in report.paths
         ]  # fmt: skip
@@ -153,11 +160,11 @@ def _escaped(match: re.Match) -> str:
 def render_markdown(report: Report, *, max_paths: int = 50) -> str:
     """The report as GitHub-flavoured markdown, sized for a job summary: the divergence count,
     right under it the decision coverage, then the tables."""
-    lines = [f"### {headline(report)}", "", _cell(coverage_line(report)), "", _overhead(report)]
+    lines = [f"### {headline(report)}", "", _cell(coverage_line(report)), "", overhead_line(report)]
     lines += ["", "| op | compared | divergences | rate |", "|---|---:|---:|---:|"]
     lines += [
         f"| {_cell(s.op)} | {s.num_compared} | {s.num_divergences} | "
-        f"{_rate(s.num_divergences, s.num_compared)} |"
+        f"{rate(s.num_divergences, s.num_compared)} |"
         for s in report.ops
     ]
     if report.coverage:
@@ -167,8 +174,8 @@ def render_markdown(report: Report, *, max_paths: int = 50) -> str:
             "|---|---:|---:|---|---|",
         ]
         lines += [
-            f"| {_code(r.outcome)} | {r.count} | {r.num_runs} | {_cell(_first(r))} | "
-            f"{_cell(_note(r))} |"
+            f"| {_code(r.outcome)} | {r.count} | {r.num_runs} | {_cell(first_reached(r))} | "
+            f"{_cell(coverage_note(r))} |"
             for r in report.coverage
         ]
     if report.paths:
@@ -178,7 +185,7 @@ def render_markdown(report: Report, *, max_paths: int = 50) -> str:
             sample = stats.samples[0]
             lines.append(
                 f"| {_cell(stats.op)} | {_code(stats.path)} | {stats.count} | "
-                f"{_steps(stats)} | {_cell(', '.join(stats.workloads))} | "
+                f"{step_range(stats)} | {_cell(', '.join(stats.workloads))} | "
                 f"{_cell(', '.join(stats.kinds))} | {_code(sample.path)} "
                 f"({_cell(sample.workload)} step {sample.step}) |"
             )
@@ -212,10 +219,12 @@ def render_junit(report: Report) -> str:
     if required:
         suite = _suite(suites, "coverage", len(required), len(report.unreached), 0.0)
         for row in required:
-            case = ET.SubElement(suite, "testcase", classname="coverage", name=_xml(row.outcome))
+            case = ET.SubElement(
+                suite, "testcase", classname="coverage", name=xml_safe(row.outcome)
+            )
             if not row.count:
                 message = f"no compared {row.op} op reached it: {row.meaning}"
-                ET.SubElement(case, "failure", type="not_reached", message=_xml(message))
+                ET.SubElement(case, "failure", type="not_reached", message=xml_safe(message))
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
 
@@ -228,20 +237,20 @@ def _compare_suite(suites: ET.Element, report: Report) -> None:
     errors = str(report.num_harness_errors)
     ET.SubElement(properties, "property", name="harness_errors", value=errors)
     for pair in report.pairs:
-        name = _xml(f"{pair.workload}.{pair.op}")
+        name = xml_safe(f"{pair.workload}.{pair.op}")
         case = ET.SubElement(suite, "testcase", classname="compare", name=name)
         if pair.num_divergences:
             message = (
-                f"{_plural(pair.num_divergences, 'divergence')} in "
-                f"{_plural(pair.num_compared, 'compared step')}"
+                f"{plural(pair.num_divergences, 'divergence')} in "
+                f"{plural(pair.num_compared, 'compared step')}"
             )
             failure = ET.SubElement(case, "failure", type="divergence", message=message)
             top = pair.top_paths[:_TOP_PATHS]
-            failure.text = _xml("\n".join(f"{count} x {path}" for path, count in top))
+            failure.text = xml_safe("\n".join(f"{count} x {path}" for path, count in top))
     if harness_failed:
         case = ET.SubElement(suite, "testcase", classname="compare", name="harness")
         message = (
-            f"{_plural(report.num_harness_errors, 'harness error')}: the ops they hit were not "
+            f"{plural(report.num_harness_errors, 'harness error')}: the ops they hit were not "
             "compared"
         )
         ET.SubElement(case, "failure", type="harness_error", message=message)
@@ -252,7 +261,7 @@ def _suite(parent: ET.Element, name: str, tests: int, failures: int, seconds: fl
     return ET.SubElement(parent, "testsuite", name=name, **attributes, time=f"{seconds:.3f}")
 
 
-def _xml(text: str) -> str:
+def xml_safe(text: str) -> str:
     """``text`` with each character XML 1.0 cannot hold (control characters, say) written as its
     escape (``\\x1b``): ElementTree would write them raw, making the document unreadable."""
     return _NOT_XML.sub(_escaped, text)

@@ -10,11 +10,11 @@
 #   PYTHON        the interpreter with batchgen installed (default: the checkout's .venv/bin/python, else
 #                 python3); a relative path with a slash is taken from the directory the gate is run in
 #
-# Writes REPORTS_DIR/divergences.{jsonl,md,xml,json}. Exits with `batchgen validate`'s status: 0 when
-# every check passed, 1 on any divergence or failed check, 2 on bad input, 130 when interrupted; a log
-# that `batchgen report` fails (divergences, harness errors, a run that did not end: 1; unreadable: 2)
-# fails the gate too, and a validation that did not finish (its divergences.jsonl.partial left
-# behind) or refused its input renders nothing.
+# Writes REPORTS_DIR/divergences.{jsonl,md,xml,json} and report.html (a page of charts). Exits with
+# `batchgen validate`'s status: 0 when every check passed, 1 on any divergence or failed check, 2 on bad
+# input, 130 when interrupted; a log that `batchgen report` fails (divergences, harness errors, a run that
+# did not end: 1; unreadable: 2) fails the gate too, and a validation that did not finish (its
+# divergences.jsonl.partial left behind) or refused its input renders nothing.
 set -uo pipefail
 for arg in "$@"; do
     case "$arg" in

@@ -378,8 +378,8 @@ CASES: tuple[BadInput, ...] = (
         "report-format",
         CLI,
         "a report format that does not exist",
-        "report div.jsonl --format html",
-        ("--format", "invalid choice: 'html'", "text", "md", "junit", "json"),
+        "report div.jsonl --format pdf",
+        ("--format", "invalid choice: 'pdf'", "text", "md", "junit", "json", "html"),
         build=divergence_log(GOOD_LOG),
     ),
     case(

@@ -148,7 +148,11 @@ def test_help_explains_every_flag_with_its_default(command, dtype, capsys):
         ("--seed", "0"),
         ("--scale", "1.0"),
         ("--json", "off"),
-        *([("--outputs", "not written")] if command == "run" else []),
+        *(
+            [("--outputs", "not written"), ("--timeline", "not written")]
+            if command == "run"
+            else []
+        ),
     ]
     for flag, default in flags:
         assert re.search(f"{flag} .*?\\(default: {re.escape(default)}\\)", text), flag
@@ -1466,8 +1470,8 @@ def error_line(capsys) -> str:
             ),
         ),
         (
-            ["report", "x.jsonl", "--format", "html"],
-            "batchgen: error: argument --format: invalid choice: 'html' ",
+            ["report", "x.jsonl", "--format", "pdf"],
+            "batchgen: error: argument --format: invalid choice: 'pdf' ",
         ),
         (
             ["replay", "x.jsonl"],

@@ -162,7 +162,7 @@ def test_validate_names_each_gate_variable_it_ignores_and_runs_its_own_gates(
     assert not (tmp_path / "mine.jsonl").exists()
 
 
-def test_validate_writes_the_log_and_three_reports_rendered_from_it(
+def test_validate_writes_the_log_and_four_reports_rendered_from_it(
     two_pressure_workloads, tmp_path, capsys
 ):
     reports = tmp_path / "reports"
@@ -177,7 +177,21 @@ def test_validate_writes_the_log_and_three_reports_rendered_from_it(
     assert (reports / "divergences.md").read_text().startswith("### 0 divergences in ")
     suite = ET.parse(reports / "divergences.xml").getroot().find("testsuite")
     assert suite.get("failures") == "0" and int(suite.get("tests")) == 6 * 5
-    assert json.loads((reports / "divergences.json").read_text())["num_divergences"] == 0
+    data = json.loads((reports / "divergences.json").read_text())
+    assert data["num_divergences"] == 0
+    page = ET.parse(reports / "report.html").getroot()
+    runs = [section for section in page.iter("section") if section.get("class") == "run"]
+    assert ["".join(run.find("h3").itertext()) for run in runs] == [
+        f"{name} {role}" for role in ROLES for name in ("pa", "pb")
+    ]
+    assert [len(list(run.iter("{http://www.w3.org/2000/svg}svg"))) for run in runs] == [1] * 6
+    [ops] = [table for table in page.iter("table") if table.get("id") == "ops"]
+    assert [[td.text for td in row.findall("td")][:3] for row in ops.findall("tr")[1:]] == [
+        [op["op"], str(op["num_compared"]), str(op["num_divergences"])] for op in data["ops"]
+    ]
+    [aa] = [p for p in page.iter("p") if p.get("id") == "aa"]
+    assert aa.text.startswith("A/A noise check: 0 divergences in ")
+    assert aa.text.endswith(" compared ops over 2 A/A runs (clean)")
     assert not list(reports.glob(".*.tmp"))
 
 

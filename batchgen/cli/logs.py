@@ -28,10 +28,18 @@ from batchgen.shadow.minimize import NotReproduced, minimize_divergence, recorde
 from batchgen.shadow.minimize_search import MinimizeResult, TestCallback
 from batchgen.shadow.regression import write_regression_into
 from batchgen.shadow.replay import ReplayOutcome, replay_record
-from compare import DivergenceRecord, LogReadResult, RunSummary, aggregate, read_log, write_atomic
+from compare import (
+    DivergenceRecord,
+    LogReadResult,
+    RunSummary,
+    aggregate,
+    read_log,
+    write_atomic,
+)
 from compare.render import headline, render_json, render_junit, render_markdown, render_text
 
 RENDERERS = {"text": render_text, "md": render_markdown, "junit": render_junit, "json": render_json}
+FORMATS = (*RENDERERS, "html")  # html also reads the logs' records: its charts and replay commands
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' job summary file (markdown, appended to)
 UNENDED = (
     "a run in it did not end (it stopped early, no run summary closes it, or its last line is cut"
@@ -73,12 +81,13 @@ def add_report_command(commands) -> None:
     )
     parser.add_argument(
         "--format",
-        choices=tuple(RENDERERS),
+        choices=FORMATS,
         default="text",
         help=(
             "text (terminal tables), md (GitHub markdown; also appended to $GITHUB_STEP_SUMMARY "
             "when it is set, with a warning if it cannot be), junit (XML, a test case per workload "
-            "and op) or json (default: %(default)s)"
+            "and op), json, or html (one self-contained page: per run, a timeline of pages held "
+            "and KV events with its divergences marked; use --out) (default: %(default)s)"
         ),
     )
     parser.add_argument(
@@ -120,7 +129,12 @@ def _report(args: argparse.Namespace) -> int:
     if compared_nothing:
         vouch = "they vouch" if len(logs) > 1 else "it vouches"
         _print_warnings([f"{', '.join(logs)}: {NOTHING_COMPARED}, so {vouch} for nothing"])
-    text = RENDERERS[args.format](report)
+    if args.format == "html":
+        from batchgen.shadow.report_page import render_page  # loads matplotlib: only for a page
+
+        text = render_page(report, [(path, result.records) for path, result in zip(logs, results)])
+    else:
+        text = RENDERERS[args.format](report)
     if args.out is not None:
         _write_out(args.out, text)
         print(f"batchgen: wrote {args.out}: {headline(report)}", file=sys.stderr)

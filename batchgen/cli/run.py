@@ -17,6 +17,7 @@ from batchgen.cli.common import (
     add_model_args,
     add_output_args,
     add_scale_arg,
+    check_output_file,
     context,
     key_value_table,
     model_from_args,
@@ -31,6 +32,7 @@ from batchgen.engine import faults as faults_module
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import MAX_IDLE_STEPS, RunResult, RunStalled, run_workload
 from batchgen.engine.state import ABORT_REASON, Phase
+from batchgen.engine.timeline import TimelineRecorder
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
@@ -38,7 +40,7 @@ from batchgen.kv.gate import GATE_FLAGS, KvGateConfig, gate_config
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.shadow.coverage import unreached_outcomes
-from compare import DivergenceError, LogWriteError
+from compare import DivergenceError, LogWriteError, write_atomic
 
 # Gate field -> (metavar, what the option means); the variable, option and allowed values come from
 # GATE_FLAGS.
@@ -101,6 +103,17 @@ def add_run_command(commands) -> None:
         help=(
             "write each request as it is released, one JSON line: uuid, phase, finish_reason, "
             "output_ids (format below); the file is replaced (default: not written)"
+        ),
+    )
+    parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        default=None,
+        help=(
+            "write the run's timeline as JSON when it ends, however it ends: GPU and host pages "
+            "held, evictions, loads, load failures and recomputes, one value per step (compare "
+            "mode also puts it in the run summary; `batchgen report --format html` charts it); "
+            "the file is replaced (default: not written)"
         ),
     )
     add_output_args(parser)
@@ -193,6 +206,8 @@ def _run(args: argparse.Namespace) -> int:
         FaultSpec.parse(args.faults)  # a bad SPEC stops the run before the model loads
     if args.outputs is not None:  # before the model loads, which can take a minute
         check_outputs_path(args.outputs, _other_files(args, gate))
+    if args.timeline is not None:
+        _check_timeline_path(args, gate)
     workload, model = _workload_and_model(args)
     _warn_scale_ignored(args)
     faults = args.faults if args.faults is not None else workload.faults  # the option replaces
@@ -223,8 +238,14 @@ def _run(args: argparse.Namespace) -> int:
     source = (
         args.workload if args.workload in BUILTIN_WORKLOADS else str(Path(args.workload).resolve())
     )
+    recorder = TimelineRecorder(worker)
     try:
-        with _closing_compare_log(worker), outputs or nullcontext(), progress_bar() as progress:
+        with (
+            _writing_timeline(args.timeline, workload.name, recorder),
+            _closing_compare_log(worker),
+            outputs or nullcontext(),
+            progress_bar() as progress,
+        ):
             on_progress = progress_callback(progress)
             result = run_workload(
                 worker,
@@ -233,6 +254,7 @@ def _run(args: argparse.Namespace) -> int:
                 scale=_applied_scale(args),
                 on_step=lambda done, total: on_progress(workload.name, done, total),
                 on_release=outputs.write if outputs is not None else None,
+                recorder=recorder,
             )
     except DivergenceError as error:  # --kv-compare raise
         return _stopped(
@@ -316,6 +338,38 @@ def _open_outputs(path: str) -> OutputsFile:
             f"--outputs {path}: cannot open it for writing: {error.strerror or error}"
         ) from None
     return outputs
+
+
+def _check_timeline_path(args: argparse.Namespace, gate: KvGateConfig) -> None:
+    """UsageError when ``--timeline`` names no file it can replace, or another file of the run
+    (the workload file, the divergence log, the outputs file). Pure."""
+    check_output_file("--timeline", args.timeline, "the timeline")
+    others = _other_files(args, gate) | ({"the outputs file": args.outputs} if args.outputs else {})
+    for what, other in others.items():
+        if Path(other).resolve() == Path(args.timeline).resolve():
+            raise UsageError(f"--timeline {args.timeline}: it is {what}; name another file")
+
+
+@contextmanager
+def _writing_timeline(
+    path: str | None, workload: str, recorder: TimelineRecorder
+) -> Iterator[None]:
+    """Write the steps ``recorder`` recorded to ``path`` (None: nowhere) as JSON when the block
+    ends, however it ends: a run stopped early keeps the steps it ran. A failed write raises
+    OSError only when the block ended well: an error the block raised is the one reported."""
+    try:
+        yield
+    except BaseException:
+        if path is not None:
+            with suppress(OSError):
+                write_atomic(path, _timeline_json(workload, recorder))
+        raise
+    if path is not None:
+        write_atomic(path, _timeline_json(workload, recorder))
+
+
+def _timeline_json(workload: str, recorder: TimelineRecorder) -> str:
+    return json.dumps({"workload": workload, **recorder.timeline().model_dump()}) + "\n"
 
 
 @contextmanager

@@ -69,7 +69,8 @@ def add_validate_command(commands) -> None:
         help=(
             "where divergences.jsonl (the log, replaced once every run is done: an interrupted "
             "validation leaves the last one, and its partial log as divergences.jsonl.partial) "
-            "and its .md, .xml (JUnit) and .json reports go (default: %(default)s)"
+            "and its .md, .xml (JUnit) and .json reports and report.html (a page of charts) go "
+            "(default: %(default)s)"
         ),
     )
     parser.add_argument(

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from batchgen.engine.state import RequestOutput, WorkerStats
+from batchgen.engine.timeline import TimelineRecorder
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import MAX_STEPS, Workload
-from compare import RunSummary, exception_text
+from compare import RunSummary, Timeline, exception_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class RunResult:
     leaked_host_pages: int
     loads_in_flight: int
     live_requests: int
+    timeline: Timeline  # pages held and KV events per step (batchgen.engine.timeline)
     compare_summary: RunSummary | None = None
 
     @property
@@ -112,13 +114,16 @@ def run_workload(
     scale: float = 1.0,
     on_release: Callable[[RequestOutput], None] | None = None,
     run_id: str | None = None,
+    recorder: TimelineRecorder | None = None,
 ) -> RunResult:
     """Submit ``workload`` at its arrival steps and step until every request is released.
 
     Mutates the worker. ``on_step(num_released, num_requests)`` reports progress;
     ``on_release(output)`` gets each of the workload's requests once, after the step
     that released it, in release order (so a run that stops early has reported every
-    request released before it stopped).
+    request released before it stopped). ``recorder`` gets every step's counters (a
+    new one when None; a caller keeps what its own recorded, made just before the
+    call, however the run ends).
     In compare mode the run is one compare run: its divergences carry the
     workload's name, seed and ``source`` (name or file, for replay/minimize), and a
     summary record closes it, however the run ends; ``run_id`` names the compare run (default:
@@ -134,6 +139,8 @@ def run_workload(
     for req in workload.requests:  # reject a bad workload before any step runs
         worker.validate_request(req.to_request())
     start_step = worker.state.step
+    if recorder is None:
+        recorder = TimelineRecorder(worker)
     before = worker.state.stats.copy()
     arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
     if max_steps is None:
@@ -190,6 +197,7 @@ def run_workload(
                     _report_releases(
                         worker, uuids, len(worker.state.outputs) - num_outputs, on_release
                     )
+            recorder.record(worker)
             progress, before_step = _progress(worker), progress
             idle_steps = idle_steps + 1 if progress == before_step and worker.state.requests else 0
             if check_integrity:
@@ -200,10 +208,15 @@ def run_workload(
     except BaseException as error:
         if worker.kv_compare is not None:
             with contextlib.suppress(Exception):  # the run's own error is the one to report
-                worker.kv_compare.end_run(stopped_by=exception_text(error))
+                worker.kv_compare.end_run(
+                    stopped_by=exception_text(error), timeline=recorder.timeline()
+                )
         raise
     wall = time.perf_counter() - started
-    compare_summary = worker.kv_compare.end_run() if worker.kv_compare is not None else None
+    timeline = recorder.timeline()
+    compare_summary = None
+    if worker.kv_compare is not None:
+        compare_summary = worker.kv_compare.end_run(timeline=timeline)
     after = worker.state.stats
     delta = WorkerStats(
         **{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(WorkerStats)}
@@ -221,5 +234,6 @@ def run_workload(
             [r for r in worker.state.requests.values() if r.load_handle is not None]
         ),
         live_requests=len(worker.state.requests),
+        timeline=timeline,
         compare_summary=compare_summary,
     )

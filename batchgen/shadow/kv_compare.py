@@ -35,7 +35,14 @@ from batchgen.kv.target import KvTarget
 from batchgen.shadow.coverage import outcomes_of
 from batchgen.shadow.fork import fork_target, pre_state
 from batchgen.shadow.forms import ShadowRun, canonical_pair, classify, exception_kind
-from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor
+from compare import (
+    DivergenceRecord,
+    JsonlSink,
+    Observation,
+    RunSummary,
+    ShadowExecutor,
+    Timeline,
+)
 
 
 @dataclass(slots=True)
@@ -107,9 +114,13 @@ class KvCompare:
         )
         return self.executor
 
-    def end_run(self, *, stopped_by: str | None = None) -> RunSummary:
+    def end_run(
+        self, *, stopped_by: str | None = None, timeline: Timeline | None = None
+    ) -> RunSummary:
         """Write and return the run's summary record, once: a later call returns the same summary.
-        ``stopped_by``: why the run stopped before its work was done (None: it was done)."""
+        ``stopped_by``: why the run stopped before its work was done (None: it was done);
+        ``timeline``: the run's per-step KV counters (``batchgen.engine.timeline``). Mutates self
+        and the log."""
         if self._summary is None:
             self._summary = RunSummary.from_stats(
                 self.executor.stats(),
@@ -119,6 +130,7 @@ class KvCompare:
                 authoritative=self.authoritative_path,
                 shadow=self.shadow_path,
                 stopped_by=stopped_by,
+                timeline=timeline,
             )
             self.sink.write(self._summary)
         return self._summary

@@ -57,7 +57,7 @@ from batchgen.shadow.validation_report import (
     write_reports,
 )
 from batchgen.shadow.validation_session import ProgressCallback, Session
-from compare import Report, aggregate
+from compare import LogRecord, Report, aggregate
 
 # Built-in names or workload files, run in this order on each shared worker (the last one's pool
 # and engine).
@@ -106,9 +106,12 @@ def validate_back_to_back(
             session.check_against_references(workloads, dtype, NEAR_TIE_TOLERANCES[dtype])
             session.check_against_fresh(workloads[-1], cache)
         session.log = complete_log(directory)  # an interrupted validation leaves the last one
-        compare = aggregate(session.read_log(), CATALOG)
+        records = session.read_log()
+        compare = aggregate(records, CATALOG)
         session.failures += coverage_failures(compare)
-        written = _write_reports(session, directory, compare) if reports_dir is not None else {}
+        written = {}
+        if reports_dir is not None:
+            written = _write_reports(session, directory, compare, records)
     return ValidationReport(
         cache=cache,
         near_tie_tolerance=NEAR_TIE_TOLERANCES[dtype],
@@ -129,11 +132,13 @@ def corpus_workloads(corpus_dir: str | Path) -> list[Workload]:
     return [load_workload(str(path)).model_copy(update={"name": path.stem}) for path in paths]
 
 
-def _write_reports(session: Session, directory: Path, compare: Report) -> dict[str, str]:
+def _write_reports(
+    session: Session, directory: Path, compare: Report, records: tuple[LogRecord, ...]
+) -> dict[str, str]:
     """``write_reports``; a report that cannot be written (a full disk, say) is a failure of the
     validation, not a crash: the summary is still printed. Mutates ``session.failures``."""
     try:
-        return write_reports(directory, compare)
+        return write_reports(directory, compare, records)
     except OSError as error:
         session.failures.append(f"reports: cannot write {error.filename}: {error.strerror}")
         return {}

@@ -3,8 +3,9 @@ it writes.
 
 Holds the compare-mode directions it runs (``KvDirection``, ``DIRECTIONS``), one
 run's record (``ValidationRun``), the verdict (``ValidationReport``), and the
-reports directory: the divergence log and the markdown, JUnit and JSON reports
-rendered from it by ``compare.report`` (``REPORT_FILES``, ``write_reports``).
+reports directory: the divergence log and the markdown, JUnit, JSON and HTML reports
+rendered from it by ``compare.render`` and ``compare.html`` (``REPORT_FILES``,
+``write_reports``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import CacheConfig
 from batchgen.engine.runner import RunResult
-from compare import Report, write_atomic
+from compare import LogRecord, Report, write_atomic
 from compare.render import render_json, render_junit, render_markdown
 
 # Report kind -> file name in the reports directory; the log comes first, the rest are rendered from
@@ -29,6 +30,7 @@ REPORT_FILES = {
     "md": "divergences.md",
     "junit": "divergences.xml",
     "json": "divergences.json",
+    "html": "report.html",
 }
 _RENDERERS = {"md": render_markdown, "junit": render_junit, "json": render_json}
 
@@ -158,17 +160,25 @@ def compare_overhead(report: Report) -> float | None:
     return round(report.compare_seconds / report.authoritative_seconds, 3)
 
 
-def write_reports(directory: Path, compare: Report) -> dict[str, str]:
-    """Render ``compare`` next to its log in ``directory``, each file replaced atomically; kind ->
-    path.
+def write_reports(directory: Path, compare: Report, records: Sequence[LogRecord]) -> dict[str, str]:
+    """Render ``compare``, aggregated from the log's ``records``, next to the log in
+    ``directory``, each file replaced atomically; kind -> path.
 
     OSError naming the report (its ``filename``) that could not be written; it and the ones after it
     keep their last version."""
-    written = {"jsonl": str(directory / REPORT_FILES["jsonl"])}
-    for kind, render in _RENDERERS.items():
-        path = directory / REPORT_FILES[kind]
+    log = directory / REPORT_FILES["jsonl"]
+    written = {"jsonl": str(log)}
+    for kind, name in REPORT_FILES.items():
+        if kind == "jsonl":
+            continue
+        path = directory / name
         try:
-            write_atomic(path, render(compare))
+            if kind == "html":
+                from batchgen.shadow.report_page import render_page  # loads matplotlib
+
+                write_atomic(path, render_page(compare, [(str(log), records)]))
+            else:
+                write_atomic(path, _RENDERERS[kind](compare))
         except OSError as error:
             raise OSError(error.errno, error.strerror or str(error), str(path)) from error
         written[kind] = str(path)

@@ -12,6 +12,7 @@ from compare.records import (
     DivergenceRecord,
     RecordError,
     RunSummary,
+    Timeline,
     json_schema,
     parse_record,
     write_json_schema,
@@ -61,7 +62,14 @@ def make_summary(**changes):
     return RunSummary(**(fields | changes))
 
 
-@pytest.mark.parametrize("record", [make_divergence(), make_summary()])
+TIMELINE = Timeline(
+    first_step=40, counters={"held": [3, 5, 4], "events": [0, 2, 0]}, levels={"capacity": 8}
+)
+
+
+@pytest.mark.parametrize(
+    "record", [make_divergence(), make_summary(), make_summary(timeline=TIMELINE)]
+)
 def test_round_trips_each_record_type_through_one_json_line_exactly(record):
     line = record.model_dump_json()
     assert "\n" not in line
@@ -220,7 +228,30 @@ def test_checked_in_schema_matches_the_record_models():
 def test_schema_covers_both_record_types_by_discriminator():
     schema = json_schema()
     assert schema["discriminator"]["propertyName"] == "record_type"
-    assert set(schema["$defs"]) == {"DivergenceRecord", "OutcomeCount", "RunSummary"}
+    assert set(schema["$defs"]) == {"DivergenceRecord", "OutcomeCount", "RunSummary", "Timeline"}
+
+
+def test_a_run_summary_without_a_timeline_reads_as_none():
+    data = json.loads(make_summary().model_dump_json())
+    del data["timeline"]
+    assert parse_record(json.dumps(data)).timeline is None
+
+
+def test_a_timeline_counts_its_steps_and_refuses_counters_of_different_lengths():
+    assert TIMELINE.num_steps == 3
+    data = json.loads(make_summary(timeline=TIMELINE).model_dump_json())
+    data["timeline"]["counters"]["events"] = [0, 2]
+    with pytest.raises(RecordError, match="counters hold one value per step.*'events': 2"):
+        parse_record(json.dumps(data))
+
+
+def test_the_run_summary_carries_the_timeline_it_is_built_with():
+    executor = ShadowExecutor(mode="log")
+    summary = RunSummary.from_stats(
+        executor.stats(), run_id="r", workload="w", seed=0, authoritative="plan",
+        shadow="legacy", timeline=TIMELINE,
+    )  # fmt: skip
+    assert summary.timeline == TIMELINE
 
 
 def test_writes_the_schema_file_from_the_command_line(tmp_path):

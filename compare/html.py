@@ -1,0 +1,299 @@
+"""The report as one self-contained HTML page: per run, a timeline chart with its divergences
+marked and listed; then decision coverage and divergences by field path, as the text report.
+
+    render_html(report, logs, binding) -> "<!DOCTYPE html>..."
+
+Self-contained: styles inline, charts inline SVG (``compare.charts``), no script, nothing
+fetched when it is opened; it reads at 1280 px and prints. Every string from a log (ids,
+workload names, field paths, log paths) is escaped: a log is anyone's input. The page is also
+well-formed XML, so tools (and tests) can parse it with any XML parser.
+"""
+
+from __future__ import annotations
+
+import html
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from compare.charts import Mark, Panel, timeline_svg
+from compare.records import DivergenceRecord, LogRecord, RunSummary
+from compare.render import (
+    coverage_line,
+    coverage_note,
+    first_reached,
+    headline,
+    overhead_line,
+    plural,
+    rate,
+    step_range,
+    xml_safe,
+)
+from compare.report import Report
+
+MAX_LISTED = 50  # divergences listed per run (every one is marked on its chart)
+MAX_TOOLTIP = 3  # divergences a mark's tooltip details; it counts the rest
+MAX_PATHS = 4  # field paths named per divergence
+_CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; color: #1d1d1f; max-width: 1240px;
+  margin: 0 auto; padding: 16px 20px; }
+h1 { font-size: 22px; margin: 0 0 8px; } h2 { font-size: 17px; margin: 28px 0 4px; }
+h3 { font-size: 15px; margin: 12px 0 4px; }
+table { border-collapse: collapse; margin: 8px 0 16px; }
+th, td { border-bottom: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f3f3f5; white-space: nowrap; } td.n { text-align: right; white-space: nowrap; }
+code { font: 12px ui-monospace, monospace; overflow-wrap: anywhere; }
+svg { width: 100%; height: auto; display: block; }
+figure { margin: 8px 0; break-inside: avoid; } .run { border-top: 2px solid #ccc; }
+.meta { color: #555; margin: 0; } .bad { color: #b00020; font-weight: 600; }
+tr.unreached td { background: #fde2e2; } tr.unexpected td { background: #fff4d6; }
+tr:target td { background: #fff3b0; }
+@media print { body { max-width: none; font-size: 11px; } a { color: inherit; } }
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class PageBinding:
+    """What a binding's page shows: which timeline counters go in which panel, their labels, and
+    the command that replays one logged divergence."""
+
+    title: str
+    panels: tuple[Panel, ...]  # the chart of each run, top to bottom
+    labels: Mapping[str, str]  # counter or level name -> legend label
+    replay: str  # the command replaying one divergence: "{log}" and "{index}" are filled in
+
+
+class _Listed(NamedTuple):
+    """A divergence as the page lists it."""
+
+    record: DivergenceRecord
+    row_id: str  # its row in the run's table, where its mark links to
+    command: str  # the command that replays it
+
+
+@dataclass(slots=True)
+class _Run:
+    """One run of the logs, as the page lists it (local to one render)."""
+
+    summary: RunSummary | None  # None: the run never ended
+    workload: str
+    divergences: list[_Listed] = field(default_factory=list)
+
+
+def render_html(
+    report: Report,
+    logs: Sequence[tuple[str, Sequence[LogRecord]]],
+    binding: PageBinding,
+) -> str:
+    """The page of ``report``, aggregated from ``logs`` (each: its path, as the replay command
+    names it, and its records in log order). Pure."""
+    runs = _runs(logs, binding)
+    body = [
+        f"<h1>{_e(binding.title)}</h1>",
+        f'<p id="headline" class="{"bad" if report.num_divergences else ""}">'
+        f"{_e(headline(report))}</p>",
+        f'<p id="coverage-line">{_e(coverage_line(report))}</p>',
+        f'<p id="overhead">{_e(overhead_line(report))}</p>',
+        f'<p id="aa">{_e(_aa_line(runs))}</p>',
+        _ops_table(report),
+        "<h2>Runs</h2>",
+        *(_run_section(index, run, binding) for index, run in enumerate(runs)),
+        "<h2>Decision coverage</h2>",
+        _coverage_table(report),
+        "<h2>Divergences by field path</h2>",
+        _paths_table(report) if report.paths else "<p>No divergence.</p>",
+        f'<p class="meta">Logs: {_e(", ".join(path for path, _ in logs))}</p>',
+    ]
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"/>'
+        '<meta name="viewport" content="width=device-width, initial-scale=1"/>'
+        f"<title>{_e(binding.title)}</title><style>{_CSS}</style></head>\n<body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
+
+
+def _runs(logs: Sequence[tuple[str, Sequence[LogRecord]]], binding: PageBinding) -> list[_Run]:
+    """Every run of ``logs`` in the order it first logged, its divergences with their row ids
+    and replay commands (indexes count a log's divergence records from 0). Pure."""
+    runs: dict[tuple[int, str], _Run] = {}
+    for log_index, (path, records) in enumerate(logs):
+        index = 0  # of the log's next divergence record
+        for record in records:
+            run = runs.setdefault((log_index, record.run_id), _Run(None, record.workload))
+            if isinstance(record, RunSummary):
+                run.summary = record
+                continue
+            command = binding.replay.format(log=shlex.quote(path), index=index)
+            run.divergences.append(_Listed(record, f"d-{log_index}-{index}", command))
+            index += 1
+    return list(runs.values())
+
+
+def _aa_line(runs: Sequence[_Run]) -> str:
+    """The A/A noise check: divergences where the shadow ran the authoritative path itself."""
+    aa = [r.summary for r in runs if r.summary and r.summary.shadow == r.summary.authoritative]
+    if not aa:
+        return "A/A noise check: no A/A run (shadow path = authoritative path) in these logs"
+    diverged = sum(sum(summary.divergences.values()) for summary in aa)
+    compared = sum(sum(summary.steps_compared.values()) for summary in aa)
+    verdict = "clean" if not diverged else "NOISE: the harness differs from itself"
+    return (
+        f"A/A noise check: {plural(diverged, 'divergence')} in {plural(compared, 'compared op')}"
+        f" over {plural(len(aa), 'A/A run')} ({verdict})"
+    )
+
+
+def _run_section(index: int, run: _Run, binding: PageBinding) -> str:
+    """A run's heading, counts, chart and divergences. Pure."""
+    summary = run.summary
+    parts = [f'<section class="run" id="run-{index}"><h3>{_e(run.workload)}</h3>']
+    if summary is None:
+        parts.append('<p class="bad">No run summary: the run did not end.</p>')
+    else:
+        parts += _run_lines(summary)
+    if summary is not None and summary.timeline is not None:
+        marks = _marks(run.divergences)
+        svg = timeline_svg(summary.timeline, binding.panels, binding.labels, marks, f"c{index}")
+        parts.append(f'<figure class="chart">{svg}</figure>')
+    else:
+        parts.append('<p class="meta">No timeline recorded.</p>')
+    if run.divergences:
+        parts.append(_divergence_table(run.divergences))
+    return "\n".join(parts) + "</section>"
+
+
+def _run_lines(summary: RunSummary) -> list[str]:
+    """Who ran what; divergences, compared ops and overhead; why it stopped early. Pure."""
+    aa = " (A/A noise check)" if summary.shadow == summary.authoritative else ""
+    meta = (
+        f"run {summary.run_id}, seed {summary.seed}: authoritative {summary.authoritative}, "
+        f"shadow {summary.shadow}{aa}; {plural(summary.harness_errors, 'harness error')}"
+    )
+    diverged = sum(summary.divergences.values())
+    counts = (
+        f"{plural(diverged, 'divergence')} in "
+        f"{plural(sum(summary.steps_compared.values()), 'compared op')}"
+    )
+    if summary.authoritative_seconds > 0:
+        ratio = summary.compare_seconds / summary.authoritative_seconds
+        counts += (
+            f"; compare overhead {summary.compare_seconds:.3g} s on "
+            f"{summary.authoritative_seconds:.3g} s authoritative ({ratio:.2f}x)"
+        )
+    bad = ' class="bad"' if diverged or summary.harness_errors else ""
+    lines = [f'<p class="meta">{_e(meta)}</p>', f"<p{bad}>{_e(counts)}</p>"]
+    if summary.stopped_by:
+        lines.append(f'<p class="bad">Stopped early: {_e(summary.stopped_by)}</p>')
+    return lines
+
+
+def _marks(divergences: Sequence[_Listed]) -> list[Mark]:
+    """One mark per step that diverged: its tooltip details the step's first divergences, its
+    link goes to the first one's row. Pure."""
+    by_step: dict[int, list[_Listed]] = {}
+    for listed in divergences:
+        by_step.setdefault(listed.record.step, []).append(listed)
+    marks = []
+    for step, at_step in sorted(by_step.items()):
+        lines = [f"step {step}: {plural(len(at_step), 'divergence')}"]
+        for record, _, command in at_step[:MAX_TOOLTIP]:
+            lines += [f"{record.op} {record.kind}: {_paths(record)}", f"  {command}"]
+        if len(at_step) > MAX_TOOLTIP:
+            lines.append(f"... and {len(at_step) - MAX_TOOLTIP} more (listed below)")
+        marks.append(Mark(step, "\n".join(lines), f"#{at_step[0].row_id}"))
+    return marks
+
+
+def _ops_table(report: Report) -> str:
+    rows = [
+        _tr(_td(_e(s.op)), _n(s.num_compared), _n(s.num_divergences),
+            _n(rate(s.num_divergences, s.num_compared)))
+        for s in report.ops
+    ]  # fmt: skip
+    return _table("ops", ("op", "compared", "divergences", "rate"), rows)
+
+
+def _divergence_table(divergences: Sequence[_Listed]) -> str:
+    rows = [
+        _tr(_n(record.step), _td(_e(record.op)), _td(_e(record.kind)), _code(_paths(record)),
+            _code(command), row_id=row_id)
+        for record, row_id, command in divergences[:MAX_LISTED]
+    ]  # fmt: skip
+    table = _table("", ("step", "op", "kind", "field paths", "replay"), rows)
+    more = len(divergences) - MAX_LISTED
+    return table + (f"<p>... and {more} more divergences in the log.</p>" if more > 0 else "")
+
+
+def _paths(record: DivergenceRecord) -> str:
+    """The record's first field paths, or its exception when none differ. Pure."""
+    paths = record.field_paths
+    if not paths:
+        return record.exception or f"<{record.kind}>"
+    more = f" (+{len(paths) - MAX_PATHS} more)" if len(paths) > MAX_PATHS else ""
+    return ", ".join(paths[:MAX_PATHS]) + more
+
+
+def _coverage_table(report: Report) -> str:
+    """The coverage rows, those a run should have reached and did not highlighted. Pure."""
+    if not report.coverage:
+        return "<p>No decision outcome recorded.</p>"
+    rows = []
+    for row in report.coverage:
+        unreached, unexpected = row.required and not row.count, row.count and not row.required
+        rows.append(_tr(
+            _code(row.outcome), _td(_e(row.op)), _n(row.count), _n(row.num_runs),
+            _td(_e(first_reached(row))), _td(_e(coverage_note(row))),
+            _td(_e(row.unreachable or row.meaning)),
+            row_class="unreached" if unreached else "unexpected" if unexpected else "",
+        ))  # fmt: skip
+    columns = ("outcome", "op", "count", "runs", "first reached", "note", "meaning")
+    return _table("coverage", columns, rows)
+
+
+def _paths_table(report: Report) -> str:
+    rows = []
+    for stats in report.paths:
+        sample = stats.samples[0]
+        example = f"<code>{_e(sample.path)}</code> ({_e(sample.workload)} step {sample.step})"
+        rows.append(_tr(
+            _td(_e(stats.op)), _code(stats.path), _n(stats.count), _n(step_range(stats)),
+            _td(_e(", ".join(stats.workloads))), _td(_e(", ".join(stats.kinds))), _td(example),
+        ))  # fmt: skip
+    columns = ("op", "field path", "count", "steps", "workloads", "kinds", "example")
+    return _table("paths", columns, rows)
+
+
+def _table(table_id: str, columns: Sequence[str], rows: Sequence[str]) -> str:
+    head = "".join(f"<th>{_e(column)}</th>" for column in columns)
+    attrs = f' id="{_e(table_id)}"' if table_id else ""
+    return f"<table{attrs}><tr>{head}</tr>\n" + "\n".join(rows) + "</table>"
+
+
+def _tr(*cells: str, row_id: str = "", row_class: str = "") -> str:
+    """A row of ``cells`` (``<td>`` elements). Pure."""
+    attrs = f' id="{_e(row_id)}"' if row_id else ""
+    attrs += f' class="{_e(row_class)}"' if row_class else ""
+    return f"<tr{attrs}>{''.join(cells)}</tr>"
+
+
+def _td(inner: str) -> str:
+    """A cell holding ``inner``, HTML the caller escaped. Pure."""
+    return f"<td>{inner}</td>"
+
+
+def _n(value: object) -> str:
+    """A right-aligned number cell. Pure."""
+    return f'<td class="n">{_e(value)}</td>'
+
+
+def _code(text: str) -> str:
+    """A cell holding ``text`` as code. Pure."""
+    return f"<td><code>{_e(text)}</code></td>"
+
+
+def _e(text: object) -> str:
+    """``text`` as HTML text or an attribute value: markup escaped, and each character XML
+    cannot hold written as its escape (the page stays well-formed). Pure."""
+    return html.escape(xml_safe(str(text)), quote=True)
