@@ -15,6 +15,7 @@ import html
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import NamedTuple
 
 from compare.charts import Mark, Panel, timeline_svg
@@ -35,22 +36,8 @@ from compare.report import Report
 MAX_LISTED = 50  # divergences listed per run (every one is marked on its chart)
 MAX_TOOLTIP = 3  # divergences a mark's tooltip details; it counts the rest
 MAX_PATHS = 4  # field paths named per divergence
-_CSS = """
-body { font: 14px/1.45 system-ui, sans-serif; color: #1d1d1f; max-width: 1240px;
-  margin: 0 auto; padding: 16px 20px; }
-h1 { font-size: 22px; margin: 0 0 8px; } h2 { font-size: 17px; margin: 28px 0 4px; }
-h3 { font-size: 15px; margin: 12px 0 4px; }
-table { border-collapse: collapse; margin: 8px 0 16px; }
-th, td { border-bottom: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
-th { background: #f3f3f5; white-space: nowrap; } td.n { text-align: right; white-space: nowrap; }
-code { font: 12px ui-monospace, monospace; overflow-wrap: anywhere; }
-svg { width: 100%; height: auto; display: block; }
-figure { margin: 8px 0; break-inside: avoid; } .run { border-top: 2px solid #ccc; }
-.meta { color: #555; margin: 0; } .bad { color: #b00020; font-weight: 600; }
-tr.unreached td { background: #fde2e2; } tr.unexpected td { background: #fff4d6; }
-tr:target td { background: #fff3b0; }
-@media print { body { max-width: none; font-size: 11px; } a { color: inherit; } }
-"""
+# runs charted on one page, diverging ones first: a sweep's thousands would make it unreadable
+MAX_CHARTED = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +76,7 @@ def render_html(
     """The page of ``report``, aggregated from ``logs`` (each: its path, as the replay command
     names it, and its records in log order). Pure."""
     runs = _runs(logs, binding)
+    charted = _charted(runs)
     body = [
         f"<h1>{_e(binding.title)}</h1>",
         f'<p id="headline" class="{"bad" if report.num_divergences else ""}">'
@@ -98,7 +86,8 @@ def render_html(
         f'<p id="aa">{_e(_aa_line(runs))}</p>',
         _ops_table(report),
         "<h2>Runs</h2>",
-        *(_run_section(index, run, binding) for index, run in enumerate(runs)),
+        *(_run_section(index, runs[index], binding) for index in charted),
+        _uncharted_line(len(runs) - len(charted)),
         "<h2>Decision coverage</h2>",
         _coverage_table(report),
         "<h2>Divergences by field path</h2>",
@@ -108,7 +97,7 @@ def render_html(
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"/>'
         '<meta name="viewport" content="width=device-width, initial-scale=1"/>'
-        f"<title>{_e(binding.title)}</title><style>{_CSS}</style></head>\n<body>\n"
+        f"<title>{_e(binding.title)}</title><style>{_css()}</style></head>\n<body>\n"
         + "\n".join(body)
         + "\n</body></html>\n"
     )
@@ -129,6 +118,27 @@ def _runs(logs: Sequence[tuple[str, Sequence[LogRecord]]], binding: PageBinding)
             run.divergences.append(_Listed(record, f"d-{log_index}-{index}", command))
             index += 1
     return list(runs.values())
+
+
+def _charted(runs: Sequence[_Run]) -> list[int]:
+    """The indexes of the runs charted, in log order: the diverging or unended ones first, then
+    the rest, ``MAX_CHARTED`` in all. Pure."""
+    flagged = [i for i, run in enumerate(runs) if run.divergences or run.summary is None]
+    clean = [i for i, run in enumerate(runs) if not (run.divergences or run.summary is None)]
+    return sorted((flagged + clean)[:MAX_CHARTED])
+
+
+def _uncharted_line(num_uncharted: int) -> str:
+    if not num_uncharted:
+        return ""
+    return (
+        f'<p id="uncharted" class="meta">{plural(num_uncharted, "more run")} without a divergence'
+        f" not charted (at most {MAX_CHARTED} charts a page); the tables count every run</p>"
+    )
+
+
+def _css() -> str:
+    return resources.files("compare").joinpath("report.css").read_text(encoding="utf-8")
 
 
 def _aa_line(runs: Sequence[_Run]) -> str:

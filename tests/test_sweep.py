@@ -10,6 +10,7 @@ import dataclasses
 import json
 import multiprocessing
 import time
+import xml.etree.ElementTree as ET
 from functools import partial
 from pathlib import Path
 
@@ -205,6 +206,9 @@ def test_every_backend_and_number_of_workers_gives_the_same_merged_log(tmp_path,
         assert (result.num_done, result.num_retried, result.failures) == (8, 0, ()), name
         assert set(result.reports) == set(SWEEP_REPORT_FILES), name
         assert all(Path(path).exists() for path in result.reports.values()), name
+    page = ET.parse(results["ray-2"].reports["html"]).getroot()
+    charted = [s for s in page.iter("section") if s.get("class") == "run"]
+    assert len(charted) == len(cells) and all(s.find("figure") is not None for s in charted)
 
 
 @pytest.mark.parametrize("backend_name", ["processes", "ray"])

@@ -18,7 +18,13 @@ from batchgen.shadow.sweep_backends import WORKER_DIED
 from compare import DivergenceRecord, RunSummary, read_log
 
 SMALL = ["sweep", "--workload", "smoke", "--seeds", "0-1", "--directions", "plan"]
-REPORTS = ("divergences.jsonl", "divergences.md", "divergences.xml", "divergences.json")
+REPORTS = (
+    "divergences.jsonl",
+    "divergences.md",
+    "divergences.xml",
+    "divergences.json",
+    "report.html",
+)
 
 
 def test_sweep_on_local_processes_exits_0_and_writes_the_merged_log_and_every_report(

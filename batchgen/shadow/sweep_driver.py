@@ -30,7 +30,7 @@ from batchgen.shadow.coverage import CATALOG
 from batchgen.shadow.sweep import SweepCell, run_cell
 from batchgen.shadow.sweep_backends import SweepBackend, TaskDone, TaskFailed
 from batchgen.shadow.validation_report import REPORT_FILES, write_reports
-from compare import Report, RunSummary, aggregate, parse_record, write_atomic
+from compare import LogRecord, Report, RunSummary, aggregate, parse_record, write_atomic
 from compare.render import render_text
 
 SWEEP_REPORT_FILES = {**REPORT_FILES, "text": "divergences.txt"}
@@ -116,24 +116,28 @@ def run_sweep(
     lines = list(merge.ordered_lines())
     directory = Path(reports_dir)
     write_atomic(directory / SWEEP_REPORT_FILES["jsonl"], "".join(f"{line}\n" for line in lines))
-    compare = aggregate((parse_record(line) for line in lines), CATALOG)
+    records = [parse_record(line) for line in lines]
+    compare = aggregate(records, CATALOG)
     return SweepResult(
         num_runs=len(cells),
         num_done=len(merge.lines),
         num_retried=merge.num_retried,
         failures=tuple(merge.failures[index] for index in sorted(merge.failures)),
         compare=compare,
-        reports=write_sweep_reports(directory, compare),
+        reports=write_sweep_reports(directory, compare, records),
         wall_s=time.monotonic() - started,
         budget_spent=interrupt is None and len(merge.lines) < len(cells),
         interrupt=interrupt,
     )
 
 
-def write_sweep_reports(directory: Path, compare: Report) -> dict[str, str]:
-    """``write_reports`` (markdown, JUnit, JSON beside the log) and the text report; kind -> path.
-    OSError naming the report that could not be written. Mutates ``directory``."""
-    written = write_reports(directory, compare)
+def write_sweep_reports(
+    directory: Path, compare: Report, records: Sequence[LogRecord]
+) -> dict[str, str]:
+    """``write_reports`` (markdown, JUnit, JSON, HTML beside the log, whose ``records`` these are)
+    and the text report; kind -> path. OSError naming the report that could not be written.
+    Mutates ``directory``."""
+    written = write_reports(directory, compare, records)
     path = directory / SWEEP_REPORT_FILES["text"]
     write_atomic(path, render_text(compare))
     return {**written, "text": str(path)}

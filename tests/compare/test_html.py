@@ -199,3 +199,15 @@ def test_the_aa_line_counts_the_runs_whose_shadow_is_the_authoritative_path(page
         " (NOISE: the harness differs from itself)"
     )
     assert "(A/A noise check)" in text(runs(page)[1])
+
+
+def test_a_page_of_many_runs_charts_the_diverging_ones_and_fills_up_with_clean_ones(monkeypatch):
+    monkeypatch.setattr("compare.html.MAX_CHARTED", 3)
+    clean = [summary(f"clean-{i}", f"clean {i}", timeline=False) for i in range(4)]
+    log = [*clean[:2], divergence("bad", "bad", 1, ["free[0]"]), summary("bad", "bad"), *clean[2:]]
+    page = ET.fromstring(render_html(aggregate(log, CATALOG), [("x.jsonl", log)], BINDING))
+    assert [text(section.find("h3")) for section in runs(page)] == ["clean 0", "clean 1", "bad"]
+    assert text(by_id(page, "uncharted")) == (
+        "2 more runs without a divergence not charted (at most 3 charts a page); the tables count"
+        " every run"
+    )
