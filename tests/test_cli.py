@@ -21,11 +21,11 @@ import pytest
 import torch
 from injected_bugs import reversed_grants
 
-from batchgen.cli import logs as logs_command
 from batchgen.cli import main
+from batchgen.cli import minimize as minimize_command
 from batchgen.cli import run as run_module
-from batchgen.cli.logs import EMPTY, NOTHING_COMPARED, UNENDED
 from batchgen.cli.outputs import OutputsFile
+from batchgen.cli.report import EMPTY, NOTHING_COMPARED, UNENDED
 from batchgen.engine import runner
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload, load_workload
@@ -1967,7 +1967,7 @@ def test_minimize_exits_1_when_the_divergence_does_not_reproduce(logs, capsys, t
 def interrupting_minimize(monkeypatch, num_tests, interrupt):
     """Make ``batchgen minimize``'s search raise ``interrupt`` once its ``num_tests``-th candidate
     has run, as Ctrl-C or SIGTERM would."""
-    search = logs_command.minimize_divergence
+    search = minimize_command.minimize_divergence
 
     def minimize(record, *, on_test, **kwargs):
         def test_then_interrupt(done, smallest):
@@ -1977,7 +1977,7 @@ def interrupting_minimize(monkeypatch, num_tests, interrupt):
 
         return search(record, on_test=test_then_interrupt, **kwargs)
 
-    monkeypatch.setattr(logs_command, "minimize_divergence", minimize)
+    monkeypatch.setattr(minimize_command, "minimize_divergence", minimize)
 
 
 @pytest.mark.parametrize(
@@ -2025,7 +2025,7 @@ def test_an_interrupted_minimize_that_cannot_write_still_exits_as_interrupted(
 
     reversed_grants(monkeypatch)
     interrupting_minimize(monkeypatch, 2, KeyboardInterrupt())
-    monkeypatch.setattr(logs_command, "write_regression_into", full_disk)
+    monkeypatch.setattr(minimize_command, "write_regression_into", full_disk)
     assert (
         main(["minimize", str(logs[1]), "--index", "0", "--out-dir", str(tmp_path / "minimized")])
         == 130

@@ -18,7 +18,7 @@ import pytest
 
 import batchgen.cli
 from batchgen.cli import main
-from batchgen.cli.logs import UNENDED
+from batchgen.cli.report import UNENDED
 from compare import DivergenceRecord, read_log
 from compare.records import RunSummary
 from compare.sink import JsonlSink

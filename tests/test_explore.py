@@ -94,13 +94,13 @@ def test_the_command_writes_the_corpus_and_exits_1_naming_what_it_missed(tmp_pat
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--time-budget", "0"], "--time-budget 0.0: must be a number of seconds > 0"),
+        (["--time-budget", "0"], "argument --time-budget: must be a number of seconds > 0"),
         (["--max-runs", "0"], "argument --max-runs"),
         (["--ray-address", "auto"], "--ray-address applies to --backend ray"),
         (["--backend", "gpu"], "argument --backend: invalid choice: 'gpu'"),
     ],
 )
-def test_bad_budgets_are_refused_before_anything_runs(argv, message, tmp_path, capsys):
+def test_bad_flags_are_refused_before_anything_runs(argv, message, tmp_path, capsys):
     assert main(["explore", "--corpus-dir", str(tmp_path / "c"), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "c").exists()

@@ -15,12 +15,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload, load_workload
 from batchgen.exit_codes import Terminated
 from batchgen.kv.gate import KvGateConfig
-from batchgen.kv.plans import (
-    Destination,
-    EvictionPlan,
-    PollAction,
-    Victim,
-)
+from batchgen.kv.plans import Destination, EvictionPlan, PollAction, Victim
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.minimize import NotReproduced, minimize_divergence, recorded_workload
 from batchgen.shadow.minimize_search import DivergenceSignature

@@ -7,10 +7,11 @@
     report    divergence logs -> report              LOG [LOG...] [--format FORMAT] [--out FILE]
     replay    re-run one logged op                   LOG --index N
     minimize  shrink it, write a regression test     LOG --index N [--out-dir DIR] [--max-tests N]
+    explore   search for workloads reaching every KV decision, write a corpus   [--max-runs N]
     sweep     compare mode over a matrix, on Ray     [--workload W] [--seeds A-B] [--faults SPEC]
 
-A subcommand is a module (``run``, ``validate``, ``logs``, ``sweep``) with an
-``add_<name>_command`` (declares its flags, shares ``common``'s) and a handler
+A subcommand is a module of its name with an ``add_<name>_command`` (declares its flags, shares
+``common``'s, ``arg_types``' value parsers and ``backend_args``) and a handler
 ``args -> exit code``.
 Exit codes: 0 done (report: no divergence; replay: reproduced), 1 failed
 (validation failed, divergences found, not reproduced, stdout closed early or unwritable, a full
@@ -34,12 +35,9 @@ import torch
 
 from batchgen.cli.common import UsageError
 from batchgen.cli.explore import add_explore_command
-from batchgen.cli.logs import (
-    RENDERERS,
-    add_minimize_command,
-    add_replay_command,
-    add_report_command,
-)
+from batchgen.cli.minimize import add_minimize_command
+from batchgen.cli.replay import add_replay_command
+from batchgen.cli.report import RENDERERS, add_report_command
 from batchgen.cli.run import add_run_command
 from batchgen.cli.sweep import add_sweep_command
 from batchgen.cli.validate import add_validate_command

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from batchgen.cli.common import UsageError, positive_int
+from batchgen.cli.arg_types import positive_int
+from batchgen.cli.common import UsageError
 from batchgen.shadow.sweep_backends import ProcessBackend, RayBackend, SweepBackend
 
 SERIAL = "serial"  # no backend: every task in this process, one after another

@@ -1,11 +1,12 @@
-"""What every subcommand shares: exit codes, flags and their parsers, model loading, progress and
-tables."""
+"""What the subcommands share: usage errors, output paths, the model and output flags, model
+loading, progress bars, tables and warnings."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import sys
+from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -15,12 +16,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from batchgen.cli.arg_types import MAX_THREADS, scale_float, seed_int, threads_int
 from batchgen.config import TINY_MODELS
 from batchgen.engine.workloads import MAX_SCALE
 from batchgen.model.loader import load_model
 from batchgen.shadow.validation import ProgressCallback
 
 DEVICES = ("cpu", "cuda")
+
+
 # every dtype a workload's cache.dtype may name (config.DTYPE_SIZES)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -97,7 +101,6 @@ def make_directory(flag: str, path: str) -> list[Path]:
     return missing
 
 
-# ---- shared flags ------------------------------------------------------------------------------
 def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> None:
     """The model flags; ``workload_dtype``: whether ``--dtype`` defaults to the workload's
     cache.dtype (``None``, resolved by the command) instead of float32."""
@@ -116,17 +119,17 @@ def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> 
         default="cpu",
         help="where the model and the GPU-tier KV pages live (default: %(default)s)",
     )
+    dtype_default = (
+        "; given, it replaces a workload file's cache.dtype (default: the workload's cache.dtype:"
+        " a file's, float32 for the built-in workloads)"
+        if workload_dtype
+        else " (default: %(default)s)"
+    )
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
         default=None if workload_dtype else "float32",
-        help="dtype of the weights and of the KV pages"
-        + (
-            "; given, it replaces a workload file's cache.dtype (default: the workload's "
-            "cache.dtype: a file's, float32 for the built-in workloads)"
-            if workload_dtype
-            else " (default: %(default)s)"
-        ),
+        help=f"dtype of the weights and of the KV pages{dtype_default}",
     )
     parser.add_argument(
         "--seed",
@@ -143,10 +146,9 @@ def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> 
         default=None,
         metavar="N",
         help=(
-            f"torch CPU threads, 1 to {MAX_THREADS} (default: 1 for --model tiny on --device cpu, "
-            "whose small matmuls "
-            "gain nothing from more and, on busy cores, stall in spin-waits; otherwise torch's "
-            "default, one per core)"
+            f"torch CPU threads, 1 to {MAX_THREADS} (default: 1 for --model tiny on --device cpu,"
+            " whose small matmuls gain nothing from more and, on busy cores, stall in spin-waits;"
+            " otherwise torch's default, one per core)"
         ),
     )
 
@@ -184,91 +186,6 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def non_negative_int(text: str) -> int:
-    return int_at_least(text, 0)
-
-
-MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
-MAX_SEEDS = 1_000_000  # seeds one --seeds list may hold (a sweep's runs are built up front)
-# torch takes an int32 thread count, and spawns them all at the first parallel op
-MAX_THREADS = 1024
-
-
-def seed_int(text: str) -> int:
-    return int_in_range(text, 0, MAX_SEED, "2**64 - 1")
-
-
-def threads_int(text: str) -> int:
-    return int_in_range(text, 1, MAX_THREADS, str(MAX_THREADS))
-
-
-def int_in_range(text: str, minimum: int, maximum: int, maximum_shown: str) -> int:
-    """``text`` as an integer in [minimum, maximum]; ``maximum_shown``: how the message writes the
-    maximum."""
-    value = int_at_least(text, minimum)
-    if value > maximum:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer in [{minimum}, {maximum_shown}], got {text!r}"
-        )
-    return value
-
-
-def positive_int(text: str) -> int:
-    return int_at_least(text, 1)
-
-
-def int_at_least(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
-    return value
-
-
-def scale_float(text: str) -> float:
-    """``--scale``: a number in (0, MAX_SCALE], as ``load_workload`` takes it."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= MAX_SCALE:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be a number in (0, {MAX_SCALE:g}], got {text!r}")
-    return value
-
-
-def seed_list(text: str) -> tuple[int, ...]:
-    """``--seeds``: ``N``, ``A-B`` (inclusive) or a comma list of both, each seed once, in the
-    order given."""
-    seeds: dict[int, None] = {}
-    for part in text.split(","):
-        first, dash, last = part.strip().partition("-")
-        try:
-            low, high = int(first), int(last if dash else first)
-        except ValueError:
-            low = high = -1
-        if not 0 <= low <= high <= MAX_SEED:
-            raise argparse.ArgumentTypeError(
-                f"must be N, A-B (0 <= A <= B <= 2**64 - 1) or a comma list of them, got {text!r}"
-            )
-        if len(seeds) + high - low + 1 > MAX_SEEDS:
-            raise argparse.ArgumentTypeError(f"holds more than {MAX_SEEDS} seeds, got {text!r}")
-        seeds.update(dict.fromkeys(range(low, high + 1)))
-    return tuple(seeds)
-
-
-def seconds_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
-
-
-# ---- library glue ------------------------------------------------------------------------------
 def cpu_threads(args: argparse.Namespace) -> int:
     """The torch CPU thread count the run uses: ``--threads``, else 1 for the tiny model on the CPU,
     else torch's own default. Pure."""
@@ -302,7 +219,6 @@ def context(args: argparse.Namespace, **applied) -> dict:
     }
 
 
-# ---- rendering ---------------------------------------------------------------------------------
 def progress_bar() -> Progress:
     return Progress(
         TextColumn("{task.description}"),
@@ -355,8 +271,16 @@ VALIDATION_ROWS = {
     "loads_in_flight": "loads in flight",
     "wall_s": "wall s",
 }
+
+
 COMPARE_ROWS = {"steps_compared": "steps compared", "divergences": "divergences"}
 
 
 def cell(value) -> str:
     return str(sum(value.values())) if isinstance(value, dict) else str(value)
+
+
+def print_warnings(warnings: Sequence[str]) -> None:
+    """Each warning as one ``batchgen: warning:`` line on stderr."""
+    for warning in warnings:
+        print(f"batchgen: warning: {warning}", file=sys.stderr)

@@ -12,15 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from batchgen.cli.arg_types import positive_int, seconds_float, seed_int
 from batchgen.cli.backend_args import add_backend_args, backend_from_args, check_backend_args
-from batchgen.cli.common import (
-    StdoutConsole,
-    UsageError,
-    add_output_args,
-    check_directory,
-    positive_int,
-    seed_int,
-)
+from batchgen.cli.common import StdoutConsole, add_output_args, check_directory
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.shadow.coverage import REQUIRED
 from batchgen.shadow.explore import ExploreResult, explore, smallest_cover, write_corpus
@@ -59,7 +53,7 @@ def add_explore_command(commands) -> None:
         help="candidate workloads to run at most (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--time-budget", type=float, default=None, metavar="SECONDS",
+        "--time-budget", type=seconds_float, default=None, metavar="SECONDS",
         help="stop starting candidates after this long (default: no limit)",
     )  # fmt: skip
     parser.add_argument(
@@ -73,8 +67,6 @@ def add_explore_command(commands) -> None:
 def _explore(args: argparse.Namespace) -> int:
     check_backend_args(args)
     check_directory("--corpus-dir", args.corpus_dir)
-    if args.time_budget is not None and not args.time_budget > 0:
-        raise UsageError(f"--time-budget {args.time_budget}: must be a number of seconds > 0")
     corpus_dir = Path(args.corpus_dir)
     backend = backend_from_args(args)
     with backend or contextlib.nullcontext(), _progress() as progress:

@@ -12,17 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
+from batchgen.cli.arg_types import non_negative_int, positive_int, seconds_float, seed_list
 from batchgen.cli.backend_args import add_backend_args, backend_from_args, check_backend_args
-from batchgen.cli.common import (
-    add_output_args,
-    add_scale_arg,
-    check_directory,
-    make_directory,
-    non_negative_int,
-    positive_int,
-    seconds_float,
-    seed_list,
-)
+from batchgen.cli.common import add_output_args, add_scale_arg, check_directory, make_directory
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.shadow.sweep import (

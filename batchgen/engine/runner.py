@@ -1,7 +1,9 @@
 """Drive a worker through a workload: arrivals, aborts, steps, and the result.
 
-Arrival and abort steps are relative to the step the run starts at, so one
-worker can run several workloads back to back.
+Arrival and abort steps are relative to the step the run starts at, so one worker can run
+several workloads back to back. However a run ends (finished, stalled, a divergence in raise
+mode, Ctrl-C), a caller's ``on_release`` has seen every request released before it stopped, its
+timeline recorder holds every step it ran, and in compare mode a run summary closes its log.
 """
 
 from __future__ import annotations
@@ -103,6 +105,57 @@ def _report_releases(
             on_release(outputs[uuid])
 
 
+class _Arrivals:
+    """A workload's arrivals and aborts, due at steps relative to the run's first step."""
+
+    def __init__(self, workload: Workload):
+        self.arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
+        self.aborts = sorted(
+            (r.arrival_step + r.abort_step, r.uuid)
+            for r in workload.requests
+            if r.abort_step is not None
+        )
+        self.next_arrival = self.next_abort = 0
+
+    @property
+    def pending(self) -> bool:
+        return self.next_arrival < len(self.arrivals)
+
+    def last_step(self) -> int:
+        return max((r.arrival_step for r in self.arrivals), default=0)
+
+    def submit_due(self, worker: Worker, step: int) -> None:
+        """Add the requests arriving by ``step`` and abort those due, if still live. Mutates
+        ``worker``."""
+        arrivals, aborts = self.arrivals, self.aborts
+        while (
+            self.next_arrival < len(arrivals) and arrivals[self.next_arrival].arrival_step <= step
+        ):
+            worker.add_request(arrivals[self.next_arrival].to_request())
+            self.next_arrival += 1
+        while self.next_abort < len(aborts) and aborts[self.next_abort][0] <= step:
+            uuid = aborts[self.next_abort][1]
+            if uuid in worker.state.requests:
+                worker.abort(uuid)
+            self.next_abort += 1
+
+
+def _check_not_stalled(
+    worker: Worker, workload: Workload, step: int, max_steps: int, idle: tuple[int, int]
+) -> None:
+    """RunStalled when ``step`` (relative) reached ``max_steps``, or the ``idle`` steps (done,
+    allowed) ran out. Pure."""
+    idle_steps, max_idle_steps = idle
+    if idle_steps >= max_idle_steps:
+        why = f"no progress in {idle_steps} steps (no token, release, eviction, load or preemption)"
+        hint = "an injected fault holding the pools, such as gpu_refuse=1, can do this"
+        raise RunStalled(_stalled_message(worker, workload, why, hint))
+    if step >= max_steps:
+        why = f"not done after {max_steps} steps (the limit: its last arrival step + {MAX_STEPS})"
+        hint = "a load that never lands under a long --kv-load-timeout-steps can do this"
+        raise RunStalled(_stalled_message(worker, workload, why, hint))
+
+
 def run_workload(
     worker: Worker,
     workload: Workload,
@@ -116,124 +169,102 @@ def run_workload(
     run_id: str | None = None,
     recorder: TimelineRecorder | None = None,
 ) -> RunResult:
-    """Submit ``workload`` at its arrival steps and step until every request is released.
-
-    Mutates the worker. ``on_step(num_released, num_requests)`` reports progress;
-    ``on_release(output)`` gets each of the workload's requests once, after the step
-    that released it, in release order (so a run that stops early has reported every
-    request released before it stopped). ``recorder`` gets every step's counters (a
-    new one when None; a caller keeps what its own recorded, made just before the
-    call, however the run ends).
-    In compare mode the run is one compare run: its divergences carry the
-    workload's name, seed and ``source`` (name or file, for replay/minimize), and a
-    summary record closes it, however the run ends; ``run_id`` names the compare run (default:
-    random, see ``KvCompare.begin_run``). Raises :class:`RunStalled` past
-    ``max_steps`` (default: the last arrival step plus ``MAX_STEPS``), or when requests
-    are live and nothing progresses for ``MAX_IDLE_STEPS`` steps (or twice the load
-    timeout, if longer: a hung load is failed after that).
-    """
-    if worker.kv_compare is not None:
-        worker.kv_compare.begin_run(
+    """Submit ``workload`` at its arrival steps and step until every request is released (see
+    the module docstring). Mutates the worker and ``recorder`` (a new one when None).
+    ``on_step(num_released, num_requests)`` reports progress; ``on_release(output)`` gets each of
+    the workload's requests once, after the step that released it, in release order. In compare
+    mode, the divergences name ``source`` (the workload's name or file) and ``run_id`` (default:
+    random). RunStalled past ``max_steps`` (default: the last arrival step plus ``MAX_STEPS``) or
+    after ``MAX_IDLE_STEPS`` steps without progress (or twice the load timeout, if longer)."""
+    compare = worker.kv_compare
+    if compare is not None:
+        compare.begin_run(
             workload.name, seed=workload.seed, source=source, scale=scale, run_id=run_id
         )
     for req in workload.requests:  # reject a bad workload before any step runs
         worker.validate_request(req.to_request())
-    start_step = worker.state.step
-    if recorder is None:
-        recorder = TimelineRecorder(worker)
-    before = worker.state.stats.copy()
-    arrivals = sorted(workload.requests, key=lambda r: r.arrival_step)
-    if max_steps is None:
-        max_steps = max((r.arrival_step for r in arrivals), default=0) + MAX_STEPS
-    aborts = sorted(
-        (r.arrival_step + r.abort_step, r.uuid)
-        for r in workload.requests
-        if r.abort_step is not None
-    )
+    recorder = recorder or TimelineRecorder(worker)
+    start_step, before, started = worker.state.step, worker.state.stats.copy(), time.perf_counter()
     uuids = {r.uuid for r in workload.requests}
-    started = time.perf_counter()
-    next_arrival = next_abort = idle_steps = 0
-    max_idle_steps = max(MAX_IDLE_STEPS, 2 * worker.engine_config.load_timeout_steps)
-    progress = _progress(worker)
     try:
-        while next_arrival < len(arrivals) or worker.has_unfinished():
-            rel = worker.state.step - start_step
-            if rel >= max_steps or idle_steps >= max_idle_steps:
-                if idle_steps >= max_idle_steps:
-                    raise RunStalled(
-                        _stalled_message(
-                            worker,
-                            workload,
-                            f"no progress in {idle_steps} steps (no token, release, eviction, load"
-                            " or preemption)",
-                            "an injected fault holding the pools, such as gpu_refuse=1, can do"
-                            " this",
-                        )
-                    )
-                raise RunStalled(
-                    _stalled_message(
-                        worker,
-                        workload,
-                        f"not done after {max_steps} steps (the limit: its last arrival step + "
-                        f"{MAX_STEPS})",
-                        "a load that never lands under a long --kv-load-timeout-steps can do this",
-                    )
-                )
-            while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= rel:
-                worker.add_request(arrivals[next_arrival].to_request())
-                next_arrival += 1
-            while next_abort < len(aborts) and aborts[next_abort][0] <= rel:
-                uuid = aborts[next_abort][1]
-                if uuid in worker.state.requests:
-                    worker.abort(uuid)
-                next_abort += 1
-            num_outputs = len(worker.state.outputs)
-            try:
-                worker.step()
-            # a step that raises (a divergence in raise mode, Ctrl-C) may have released requests
-            # already
-            finally:
-                if on_release is not None:
-                    _report_releases(
-                        worker, uuids, len(worker.state.outputs) - num_outputs, on_release
-                    )
-            recorder.record(worker)
-            progress, before_step = _progress(worker), progress
-            idle_steps = idle_steps + 1 if progress == before_step and worker.state.requests else 0
-            if check_integrity:
-                worker.check_integrity()
-            if on_step is not None:
-                on_step(sum(u in worker.state.outputs for u in uuids), len(uuids))
+        _drive(worker, workload, uuids, recorder, max_steps, check_integrity, on_step, on_release)
     # a stall, a divergence in raise mode, Ctrl-C: the log still gets the summary
     except BaseException as error:
-        if worker.kv_compare is not None:
+        if compare is not None:
             with contextlib.suppress(Exception):  # the run's own error is the one to report
-                worker.kv_compare.end_run(
-                    stopped_by=exception_text(error), timeline=recorder.timeline()
-                )
+                compare.end_run(stopped_by=exception_text(error), timeline=recorder.timeline())
         raise
-    wall = time.perf_counter() - started
-    timeline = recorder.timeline()
-    compare_summary = None
-    if worker.kv_compare is not None:
-        compare_summary = worker.kv_compare.end_run(timeline=timeline)
-    after = worker.state.stats
-    delta = WorkerStats(
-        **{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(WorkerStats)}
-    )
-    delta.peak_gpu_pages, delta.peak_host_pages = after.peak_gpu_pages, after.peak_host_pages
+    wall, timeline = time.perf_counter() - started, recorder.timeline()
     return RunResult(
         workload=workload.name,
         outputs={u: worker.state.outputs[u] for u in uuids},
         num_steps=worker.state.step - start_step,
         wall_s=wall,
-        stats=delta,
-        leaked_gpu_pages=worker.gpu_kv.num_pages - worker.gpu_kv.free_pages(),
-        leaked_host_pages=worker.host_kv.num_pages - worker.host_kv.free_pages(),
-        loads_in_flight=len(
-            [r for r in worker.state.requests.values() if r.load_handle is not None]
-        ),
-        live_requests=len(worker.state.requests),
+        stats=_stats_since(before, worker.state.stats),
         timeline=timeline,
-        compare_summary=compare_summary,
+        compare_summary=compare.end_run(timeline=timeline) if compare is not None else None,
+        **_left_behind(worker),
     )
+
+
+def _left_behind(worker: Worker) -> dict[str, int]:
+    """What a finished run left on the worker: pages held, loads in flight, live requests. Pure."""
+    return {
+        "leaked_gpu_pages": worker.gpu_kv.num_pages - worker.gpu_kv.free_pages(),
+        "leaked_host_pages": worker.host_kv.num_pages - worker.host_kv.free_pages(),
+        "loads_in_flight": sum(r.load_handle is not None for r in worker.state.requests.values()),
+        "live_requests": len(worker.state.requests),
+    }
+
+
+def _drive(
+    worker: Worker,
+    workload: Workload,
+    uuids: set[str],
+    recorder: TimelineRecorder,
+    max_steps: int | None,
+    check_integrity: bool,
+    on_step: Callable[[int, int], None] | None,
+    on_release: Callable[[RequestOutput], None] | None,
+) -> None:
+    """Step ``worker`` until ``workload`` is done (``run_workload``'s loop). Mutates ``worker``
+    and ``recorder``."""
+    start_step, arrivals = worker.state.step, _Arrivals(workload)
+    if max_steps is None:
+        max_steps = arrivals.last_step() + MAX_STEPS
+    max_idle_steps = max(MAX_IDLE_STEPS, 2 * worker.engine_config.load_timeout_steps)
+    idle_steps, progress = 0, _progress(worker)
+    while arrivals.pending or worker.has_unfinished():
+        step = worker.state.step - start_step
+        _check_not_stalled(worker, workload, step, max_steps, (idle_steps, max_idle_steps))
+        arrivals.submit_due(worker, step)
+        _step(worker, uuids, on_release)
+        recorder.record(worker)
+        progress, before_step = _progress(worker), progress
+        idle_steps = idle_steps + 1 if progress == before_step and worker.state.requests else 0
+        if check_integrity:
+            worker.check_integrity()
+        if on_step is not None:
+            on_step(sum(u in worker.state.outputs for u in uuids), len(uuids))
+
+
+def _step(
+    worker: Worker, uuids: set[str], on_release: Callable[[RequestOutput], None] | None
+) -> None:
+    """One worker step, then ``on_release`` for what it released, also when the step raised (a
+    divergence in raise mode, Ctrl-C: it may have released requests already). Mutates ``worker``."""
+    num_outputs = len(worker.state.outputs)
+    try:
+        worker.step()
+    finally:
+        if on_release is not None:
+            _report_releases(worker, uuids, len(worker.state.outputs) - num_outputs, on_release)
+
+
+def _stats_since(before: WorkerStats, after: WorkerStats) -> WorkerStats:
+    """The counters a run added (peaks: ``after``'s, over the worker's life). Pure."""
+    delta = WorkerStats(
+        **{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(WorkerStats)}
+    )
+    delta.peak_gpu_pages, delta.peak_host_pages = after.peak_gpu_pages, after.peak_host_pages
+    return delta

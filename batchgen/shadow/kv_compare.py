@@ -35,14 +35,7 @@ from batchgen.kv.target import KvTarget
 from batchgen.shadow.coverage import outcomes_of
 from batchgen.shadow.fork import fork_target, pre_state
 from batchgen.shadow.forms import ShadowRun, canonical_pair, classify, exception_kind
-from compare import (
-    DivergenceRecord,
-    JsonlSink,
-    Observation,
-    RunSummary,
-    ShadowExecutor,
-    Timeline,
-)
+from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor, Timeline
 
 
 @dataclass(slots=True)

@@ -39,10 +39,12 @@ leaves the last complete log and its reports as they were.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from batchgen.config import CacheConfig
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.shadow.coverage import CATALOG
@@ -76,15 +78,12 @@ def validate_back_to_back(
     on_progress: ProgressCallback | None = None,
 ) -> ValidationReport:
     """Run the validation on ``model`` (already on ``device``) in every direction and judge it.
-
     Builds its own workers (explicit gates: the ``BATCHGEN_WORKER_KV_*`` environment does not
     apply). Writes the divergence log and its reports into ``reports_dir`` (replacing earlier
-    ones), or into a temporary directory removed before it returns when None. ``corpus_dir``: the
-    corpus's workload files (None: the checked-in corpus; an empty directory: none). Raises only
-    for bad input (WorkloadError for a bad scale or workload file, RequestError for a model whose
-    context or vocabulary cannot serve the traces); every check that fails is a line in
-    ``failures``.
-    """
+    ones; None: a temporary directory). ``corpus_dir``: the corpus's workload files (None: the
+    checked-in corpus; an empty directory: none). Raises only for bad input (WorkloadError for a
+    bad scale or workload file, RequestError for a model whose context or vocabulary cannot serve
+    the traces); every check that fails is a line in ``failures``."""
     started = time.perf_counter()
     vocab_size = model.config.vocab_size
     workloads = tuple(
@@ -96,15 +95,9 @@ def validate_back_to_back(
     dtype = _dtype_name(model)
     cache = workloads[-1].cache.model_copy(update={"dtype": dtype})
     with reports_directory(reports_dir) as directory:
-        sources = {w.name: _source(spec) for spec, w in zip(BACK_TO_BACK_WORKLOADS, workloads)}
-        sources |= {w.name: str(Path(corpus_dir, f"{w.name}.json").resolve()) for w in corpus}
+        sources = _sources(workloads, corpus, corpus_dir)
         session = Session(model, device, directory / PARTIAL_LOG, sources, on_progress)
-        for direction in DIRECTIONS:
-            session.run_back_to_back(direction, workloads, cache, workloads[-1].engine, scale)
-            session.run_corpus(direction, corpus)
-        if session.shared:
-            session.check_against_references(workloads, dtype, NEAR_TIE_TOLERANCES[dtype])
-            session.check_against_fresh(workloads[-1], cache)
+        _run_every_direction(session, workloads, corpus, cache, scale)
         session.log = complete_log(directory)  # an interrupted validation leaves the last one
         records = session.read_log()
         compare = aggregate(records, CATALOG)
@@ -123,6 +116,33 @@ def validate_back_to_back(
         reports=written,
         wall_s=time.perf_counter() - started,
     )
+
+
+def _sources(
+    workloads: Sequence[Workload], corpus: Sequence[Workload], corpus_dir: str | Path
+) -> dict[str, str]:
+    """Each workload's name -> what replay and minimize reload it from: a built-in name or a
+    file. Pure."""
+    sources = {w.name: _source(spec) for spec, w in zip(BACK_TO_BACK_WORKLOADS, workloads)}
+    return sources | {w.name: str(Path(corpus_dir, f"{w.name}.json").resolve()) for w in corpus}
+
+
+def _run_every_direction(
+    session: Session,
+    workloads: Sequence[Workload],
+    corpus: Sequence[Workload],
+    cache: CacheConfig,
+    scale: float,
+) -> None:
+    """The back-to-back runs and the corpus in each direction, then (on a shared worker) the
+    output checks against the references and a fresh worker. Mutates ``session``."""
+    for direction in DIRECTIONS:
+        session.run_back_to_back(direction, workloads, cache, workloads[-1].engine, scale)
+        session.run_corpus(direction, corpus)
+    if session.shared:
+        dtype = cache.dtype
+        session.check_against_references(workloads, dtype, NEAR_TIE_TOLERANCES[dtype])
+        session.check_against_fresh(workloads[-1], cache)
 
 
 def corpus_workloads(corpus_dir: str | Path) -> list[Workload]:

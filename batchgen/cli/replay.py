@@ -1,0 +1,105 @@
+"""``batchgen replay``: re-run one logged divergence from its record alone; how a command picks
+one divergence record of a log (``minimize`` picks the same way)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from batchgen.cli.arg_types import non_negative_int
+from batchgen.cli.common import UsageError, print_warnings
+from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
+from batchgen.shadow.replay import ReplayOutcome, replay_record
+from compare import DivergenceRecord, read_log
+
+
+def add_replay_command(commands) -> None:
+    parser = commands.add_parser(
+        "replay",
+        help="re-run one logged divergence from its record alone",
+        description=(
+            "Rebuild the pre-state of one logged divergence from its record, run both KV paths"
+            " through the op, and show the diff. Exit 0 when the divergence reproduces, 1 when it"
+            " does not, 2 on bad input (an unreadable log, an --index out of range, a record replay"
+            " cannot use)."
+        ),
+    )
+    add_record_args(parser)
+    parser.set_defaults(handler=_replay)
+
+
+def add_record_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("log", metavar="LOG", help="a divergence log (JSON Lines)")
+    parser.add_argument(
+        "--index",
+        type=non_negative_int,
+        required=True,
+        metavar="N",
+        help=(
+            "which divergence: 0 is the log's first divergence record (run summary records are "
+            "not counted)"
+        ),
+    )
+
+
+def _replay(args: argparse.Namespace) -> int:
+    record, count = divergence_record(args.log, args.index)
+    outcome = replay_record(record)
+    print(
+        f"record {args.index} of {count} divergence records in {args.log}: {record_title(record)}"
+    )
+    print(f"logged:   {_divergence_line(record.kind, tuple(record.field_paths))}")
+    _print_paths(record.field_paths)
+    print(f"replayed: {_divergence_line(outcome.kind, outcome.field_paths)}")
+    _print_paths(outcome.field_paths)
+    _print_replay_detail(outcome)
+    print(f"reproduced: {'yes' if outcome.reproduced else 'no'}")
+    return EXIT_OK if outcome.reproduced else EXIT_FAILED
+
+
+def divergence_record(log: str, index: int) -> tuple[DivergenceRecord, int]:
+    """The ``index``-th divergence record of ``log`` and how many it holds; UsageError when out of
+    range."""
+    result = read_log(log)
+    print_warnings(result.warnings)
+    records = [record for record in result.records if isinstance(record, DivergenceRecord)]
+    if not records:
+        held = (
+            f"its {len(result.records)} records are all run summaries"
+            if result.records
+            else "it holds no record"
+        )
+        raise UsageError(f"{log}: no divergence record to pick; {held}")
+    if index >= len(records):
+        raise UsageError(
+            f"--index {index} is out of range: {log} holds {len(records)} divergence records, so "
+            f"--index is 0 to {len(records) - 1} (run summaries are not counted)"
+        )
+    return records[index], len(records)
+
+
+def record_title(record: DivergenceRecord) -> str:
+    return (
+        f"{record.op} step {record.step} of {record.workload} (seed {record.seed}, run"
+        f" {record.run_id}), authoritative {record.authoritative}, shadow {record.shadow}"
+    )
+
+
+def _divergence_line(kind: str | None, paths: tuple[str, ...]) -> str:
+    if kind is None:
+        return "no divergence: the two paths agree"
+    return f"{kind} divergence at {len(paths)} field paths" if paths else f"{kind} divergence"
+
+
+def _print_paths(paths: Sequence[str]) -> None:
+    for path in paths:
+        print(f"    {path}")
+
+
+def _print_replay_detail(outcome: ReplayOutcome) -> None:
+    for exception in outcome.exceptions:
+        print(f"raised:   {exception}")
+    if outcome.diff:
+        print("diff:")
+        print(json.dumps(outcome.diff, indent=2, sort_keys=True, default=str))

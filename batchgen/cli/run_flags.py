@@ -1,0 +1,149 @@
+"""``batchgen run``'s KV flags: the gate options (over the ``BATCHGEN_WORKER_KV_*`` environment),
+the engine overrides, the scale a run applies, and the ``--help`` epilog."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from batchgen.cli.arg_types import non_negative_int, positive_int
+from batchgen.engine import faults as faults_module
+from batchgen.engine.runner import MAX_IDLE_STEPS
+from batchgen.engine.workloads import BUILTIN_WORKLOADS
+from batchgen.kv.gate import GATE_FLAGS, KvGateConfig
+
+# Gate field -> (metavar, what the option means); the variable, option and allowed values come from
+# GATE_FLAGS.
+KV_FLAG_HELP = {
+    "path": ("plan|legacy", "the authoritative KV path"),
+    "compare": (
+        "off|log|raise",
+        "shadow the other path every step: log divergences, or stop at the first",
+    ),
+    "compare_sample": (
+        "P",
+        (
+            "fraction of steps compared (all ops of a compared step), in (0, 1]; seeded, so "
+            "reproducible"
+        ),
+    ),
+    "compare_log": ("FILE", "divergence log, JSON Lines, appended to"),
+    "compare_ops": ("OPS", "comma list of the ops compared: poll,release,evict,migrate,alloc"),
+    "load_failure": (
+        "recompute|fail",
+        "after a failed load's last retry: recompute the request, or fail it",
+    ),
+}
+
+
+def add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """The gate options (default None: the environment, then the built-in default, decides) and
+    engine overrides."""
+    for field, (env, option, _) in GATE_FLAGS.items():
+        metavar, meaning = KV_FLAG_HELP[field]
+        parser.add_argument(
+            option,
+            dest=f"kv_{field}",
+            metavar=metavar,
+            default=None,
+            help=f"{meaning} (default: ${env}, else {_gate_default(field)})",
+        )
+    parser.add_argument(
+        "--kv-load-retries",
+        type=non_negative_int,
+        metavar="N",
+        default=None,
+        help=(
+            "retries of a failed host->GPU load before the --kv-load-failure policy applies "
+            "(default: the workload's engine config)"
+        ),
+    )
+    parser.add_argument(
+        "--kv-load-timeout-steps",
+        type=positive_int,
+        metavar="N",
+        default=None,
+        help=(
+            "steps a load may stay incomplete before it counts as failed "
+            "(default: the workload's engine config)"
+        ),
+    )
+
+
+def _gate_default(field: str) -> str:
+    default = KvGateConfig.model_fields[field].default
+    if default is None:
+        return "the workload's engine config"
+    return ",".join(default) if isinstance(default, tuple) else str(default)
+
+
+def run_epilog() -> str:
+    return (
+        "KV path options: the BATCHGEN_WORKER_KV_* environment overrides the defaults and an"
+        " option overrides\nthe environment; a bad value or an unknown BATCHGEN_WORKER_KV_* name"
+        " exits 2.\n\nfault SPEC (--faults): comma-separated"
+        f" KEY=VALUE\n{_fault_grammar()}\nProbabilities are in [0, 1], and load_fail +"
+        " load_fail_late + load_hang <= 1; the same SPEC\nreplays the same faults.\n\noutputs FILE"
+        ' (--outputs): one JSON line per released request, in release order, e.g.\n  {"uuid":'
+        ' "smoke-r0", "phase": "finished", "finish_reason": "length", "output_ids": [413, 431,'
+        " 16]}\nphase is finished (finish_reason length, eos or abort) or failed (finish_reason:"
+        " the failure, e.g.\n'load failed: ...'); output_ids are the generated tokens, prompt"
+        " excluded. The file is created or\ntruncated when the run starts, and each line is"
+        " written as its request is released: a run stopped\nearly leaves a whole line for every"
+        " request released before it stopped.\n\nExit status: 0 when the run finished, even where"
+        " requests failed (a warning says how many and why;\nfailed_requests counts them); 1 on a"
+        " divergence (--kv-compare raise), a plan the plan path\nrejected, a divergence log or"
+        " --outputs file that stops taking writes (a full disk), or a run that\nstalls (requests"
+        f" live and nothing progressing for {MAX_IDLE_STEPS} steps, or twice the load timeout"
+        " if\nlonger; e.g. under gpu_refuse=1); 2 on bad input; 130 on Ctrl-C; 143 on SIGTERM."
+    )
+
+
+def _fault_grammar() -> str:
+    """The SPEC table of ``batchgen.engine.faults``' docstring (its indented block after ``::``)."""
+    block = (faults_module.__doc__ or "").partition("::")[2].strip("\n").splitlines()
+    lines = []
+    for line in block:
+        if line.strip() and not line.startswith(" "):
+            break
+        lines.append(line)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# read only while compare mode is on
+COMPARE_SETTINGS = ("compare_sample", "compare_log", "compare_ops")
+
+
+def applied_scale(args: argparse.Namespace) -> float:
+    """``--scale`` for a built-in workload; 1.0 for a workload file, which runs as written. Pure."""
+    return args.scale if args.workload in BUILTIN_WORKLOADS else 1.0
+
+
+def warn_unused_compare_settings(gate: KvGateConfig, cli: dict[str, object]) -> None:
+    """A warning on stderr naming each compare setting given (option or variable) while compare mode
+    is off."""
+    if gate.compare != "off":
+        return
+    given = [
+        GATE_FLAGS[field][1] if cli[field] is not None else GATE_FLAGS[field][0]
+        for field in COMPARE_SETTINGS
+        if cli[field] is not None or GATE_FLAGS[field][0] in os.environ
+    ]
+    if given:
+        print(
+            f"batchgen: warning: compare mode is off, so {', '.join(given)}"
+            f" {'is' if len(given) == 1 else 'are'} ignored and no divergence log is written"
+            " (--kv-compare log or raise turns it on)",
+            file=sys.stderr,
+        )
+
+
+def engine_config_from_args(engine, args: argparse.Namespace):
+    overrides = {
+        "max_load_retries": args.kv_load_retries,
+        "load_timeout_steps": args.kv_load_timeout_steps,
+    }
+    return engine.model_copy(
+        update={name: value for name, value in overrides.items() if value is not None}
+    )

@@ -1,0 +1,92 @@
+"""What ``batchgen run`` prints when the run ends: its summary (a table, or one JSON object), and a
+warning naming the requests that failed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+from batchgen.cli.common import (
+    context,
+)
+from batchgen.cli.run_flags import applied_scale
+from batchgen.engine.runner import RunResult
+from batchgen.engine.state import ABORT_REASON, Phase
+from batchgen.engine.worker import Worker
+from batchgen.shadow.coverage import unreached_outcomes
+
+
+def warn_failed_requests(result: RunResult) -> None:
+    """A warning on stderr when requests failed: how many, and each failure with its count."""
+    reasons = Counter(
+        output.finish_reason for output in result.outputs.values() if output.phase is Phase.FAILED
+    )
+    if reasons:
+        num_failed, why = (
+            sum(reasons.values()),
+            ", ".join(f"{reason} ({n})" for reason, n in reasons.most_common()),
+        )
+        print(
+            f"batchgen: warning: {num_failed} of {len(result.outputs)} requests failed: {why}; the"
+            " run still exits 0 (failed_requests counts them, --outputs names each)",
+            file=sys.stderr,
+        )
+
+
+def _request_outcomes(result: RunResult) -> dict[str, int]:
+    """How the workload's requests ended: finished (length or eos), aborted (finished by an abort),
+    failed. Pure."""
+    outputs = result.outputs.values()
+    num_failed = sum(output.phase is Phase.FAILED for output in outputs)
+    num_aborted = sum(
+        output.phase is Phase.FINISHED and output.finish_reason == ABORT_REASON
+        for output in outputs
+    )
+    return {
+        "finished_requests": len(outputs) - num_failed - num_aborted,
+        "aborted_requests": num_aborted,
+        "failed_requests": num_failed,
+    }
+
+
+def run_summary(
+    result: RunResult, worker: Worker, args: argparse.Namespace, faults: str | None
+) -> dict:
+    """The run's counters (requests by outcome after their total), what it ran on, its KV path,
+    compare counts and decision coverage (compare mode) and the fault SPEC it ran under."""
+    gate, engine = worker.kv_gate, worker.engine_config
+    counters = result.summary()
+    requests = {"requests": counters.pop("requests"), **_request_outcomes(result)}
+    applied = context(args, dtype=worker.cache_config.dtype, scale=applied_scale(args))
+    summary = {
+        "workload": counters.pop("workload"),
+        **requests,
+        **counters,
+        "live_requests": result.live_requests,
+        **applied,
+        "kv_path": gate.path,
+        "kv_compare": gate.compare,
+        "max_load_retries": engine.max_load_retries,
+        "load_timeout_steps": engine.load_timeout_steps,
+        "load_failure": engine.load_failure,
+    }
+    compared = result.compare_summary
+    if compared is not None:
+        summary |= {
+            "kv_shadow_path": compared.shadow,
+            "kv_compare_sample": gate.compare_sample,
+            "kv_compare_ops": list(gate.compare_ops),
+            "steps_compared": dict(compared.steps_compared),
+            "divergences": sum(compared.divergences.values()),
+            "divergences_by_op": dict(compared.divergences),
+            "harness_errors": compared.harness_errors,
+            "coverage": {
+                outcome: tally.model_dump() for outcome, tally in compared.coverage.items()
+            },
+            "coverage_unreached": list(unreached_outcomes(compared)),
+            "compare_log": gate.compare_log,
+        }
+    if worker.faults is not None:
+        summary |= {"faults": faults, "fault_aborts": worker.faults.num_aborts}
+    return summary
