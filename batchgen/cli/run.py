@@ -22,6 +22,7 @@ from batchgen.cli.common import (
 )
 from batchgen.cli.outputs import OutputsFile, OutputsWriteError, check_outputs_path
 from batchgen.cli.run_files import (
+    add_file_args,
     check_timeline_path,
     closing_compare_log,
     open_outputs,
@@ -78,26 +79,7 @@ def add_run_command(commands) -> None:
             "below (default: no faults)"
         ),
     )
-    parser.add_argument(
-        "--outputs",
-        metavar="FILE",
-        default=None,
-        help=(
-            "write each request as it is released, one JSON line: uuid, phase, finish_reason, "
-            "output_ids (format below); the file is replaced (default: not written)"
-        ),
-    )
-    parser.add_argument(
-        "--timeline",
-        metavar="FILE",
-        default=None,
-        help=(
-            "write the run's timeline as JSON when it ends, however it ends: GPU and host pages "
-            "held, evictions, loads, load failures and recomputes, one value per step (compare "
-            "mode also puts it in the run summary; `batchgen report --format html` charts it); "
-            "the file is replaced (default: not written)"
-        ),
-    )
+    add_file_args(parser)
     add_output_args(parser)
     parser.set_defaults(handler=_run)
 

@@ -87,3 +87,27 @@ def closing_compare_log(worker: Worker) -> Iterator[None]:
         raise
     if worker.kv_compare is not None:
         worker.kv_compare.sink.close()
+
+
+def add_file_args(parser: argparse.ArgumentParser) -> None:
+    """``--outputs`` and ``--timeline``. Mutates ``parser``."""
+    parser.add_argument(
+        "--outputs",
+        metavar="FILE",
+        default=None,
+        help=(
+            "write each request as it is released, one JSON line: uuid, phase, finish_reason, "
+            "output_ids (format below); the file is replaced (default: not written)"
+        ),
+    )
+    parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        default=None,
+        help=(
+            "write the run's timeline as JSON when it ends, however it ends: GPU and host pages "
+            "held, evictions, loads, load failures and recomputes, one value per step (compare "
+            "mode also puts it in the run summary; `batchgen report --format html` charts it); "
+            "the file is replaced (default: not written)"
+        ),
+    )

@@ -96,7 +96,6 @@ def minimize_divergence(
     on_interrupt: InterruptCallback | None = None,
 ) -> MinimizeResult:
     """Delta-debug the record's workload down to a minimal one with the same divergence.
-
     Runs at most ``max_tests`` candidate workloads, calling ``on_test(num_tests, smallest)`` after
     each (``smallest``: the fewest requests of a candidate that diverged so far, None before one
     has). When the budget runs out first, returns the smallest diverging candidate so far with
@@ -106,9 +105,7 @@ def minimize_divergence(
     full workload does not diverge as recorded, MinimizeError (ReplayError for its KV paths) when
     the record's payload is not usable. Writes only temporary logs, removed before it returns."""
     if max_tests < 1:
-        raise ValueError(
-            f"max_tests must be >= 1 (the full workload is run first), not {max_tests}"
-        )
+        raise ValueError(f"max_tests must be >= 1 (the full workload is run first): {max_tests}")
     workload, faults, (kv_path, shadow_path) = recorded_run(record)
     signature = DivergenceSignature.of(record)
     name = f"{workload.name}-min"
