@@ -8,12 +8,13 @@ import json
 import pytest
 from injected_bugs import reversed_grants
 
+from batchgen.cli import explore as explore_command
 from batchgen.cli import main
 from batchgen.engine.workloads import load_workload
-from batchgen.shadow.explore import BATCH, explore, smallest_cover, write_corpus
+from batchgen.shadow.explore import BATCH, ExploreError, explore, smallest_cover, write_corpus
 from batchgen.shadow.minimize import minimize_divergence
 from batchgen.shadow.replay import replay_record
-from batchgen.shadow.sweep_backends import ProcessBackend
+from batchgen.shadow.sweep_backends import ProcessBackend, TaskDone, TaskFailed
 from compare import DivergenceRecord, read_log
 
 
@@ -65,6 +66,49 @@ def test_the_corpus_is_the_fewest_kept_workloads_reaching_everything_and_loads_b
     loaded = [load_workload(str(path)) for path in paths]
     assert [w.name for w in loaded] == [f"corpus-{i:02d}" for i in range(len(cover))]
     assert [w.requests for w in loaded] == [k.workload.requests for k in cover]
+
+
+class FailingBackend:
+    """Runs each task in this process, except candidate ``failing``, whose every attempt fails."""
+
+    num_workers = 1
+
+    def __init__(self, failing: int):
+        self.failing = failing
+
+    def map_runs(self, function, arguments, on_done, *, max_retries=0):
+        for index, argument in enumerate(arguments):
+            if index == self.failing:
+                on_done(index, TaskFailed("worker died", max_retries + 1))
+            else:
+                on_done(index, TaskDone(function(argument), 1))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        pass
+
+
+def test_a_candidate_whose_task_fails_every_attempt_stops_the_search_naming_it():
+    with pytest.raises(ExploreError) as error:
+        explore(seed=0, max_runs=4, backend=FailingBackend(2))
+    assert str(error.value) == (
+        "candidate explore-0-2 failed in 3 attempts on the backend, the last with: worker died"
+    )
+
+
+def test_the_command_exits_1_on_a_failed_candidate_and_writes_no_corpus(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(explore_command, "backend_from_args", lambda args: FailingBackend(0))
+    corpus = tmp_path / "corpus"
+    assert main(["explore", "--max-runs", "4", "--corpus-dir", str(corpus)]) == 1
+    assert capsys.readouterr().err.endswith(
+        "batchgen: explore stopped: candidate explore-0-0 failed in 3 attempts on the backend,"
+        " the last with: worker died\n"
+    )
+    assert not list(corpus.glob("corpus-*.json"))
 
 
 def test_a_diverging_candidate_is_kept_apart_and_replays_and_minimizes(tmp_path, monkeypatch):

@@ -17,7 +17,13 @@ from batchgen.cli.backend_args import add_backend_args, backend_from_args, check
 from batchgen.cli.common import StdoutConsole, add_output_args, check_directory
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.shadow.coverage import REQUIRED
-from batchgen.shadow.explore import ExploreResult, explore, smallest_cover, write_corpus
+from batchgen.shadow.explore import (
+    ExploreError,
+    ExploreResult,
+    explore,
+    smallest_cover,
+    write_corpus,
+)
 
 DEFAULT_CORPUS_DIR = "reports/explore"
 
@@ -69,16 +75,20 @@ def _explore(args: argparse.Namespace) -> int:
     check_directory("--corpus-dir", args.corpus_dir)
     corpus_dir = Path(args.corpus_dir)
     backend = backend_from_args(args)
-    with backend or contextlib.nullcontext(), _progress() as progress:
-        task = progress.add_task("explore", total=args.max_runs, reached=0)
-        result = explore(
-            seed=args.seed,
-            max_runs=args.max_runs,
-            time_budget=args.time_budget,
-            log_dir=corpus_dir / "divergences",
-            on_run=lambda runs, reached: progress.update(task, completed=runs, reached=reached),
-            backend=backend,
-        )
+    try:
+        with backend or contextlib.nullcontext(), _progress() as progress:
+            task = progress.add_task("explore", total=args.max_runs, reached=0)
+            result = explore(
+                seed=args.seed,
+                max_runs=args.max_runs,
+                time_budget=args.time_budget,
+                log_dir=corpus_dir / "divergences",
+                on_run=lambda runs, reached: progress.update(task, completed=runs, reached=reached),
+                backend=backend,
+            )
+    except ExploreError as error:  # a harness failure: no corpus is written from half a search
+        print(f"batchgen: explore stopped: {error}", file=sys.stderr)
+        return EXIT_FAILED
     written = write_corpus(smallest_cover(result.kept), corpus_dir)
     summary = _summary(result, written)
     if args.json:

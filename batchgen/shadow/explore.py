@@ -42,10 +42,12 @@ from compare import DivergenceError
 
 TINY_VOCAB = TINY_MODELS["tiny"].vocab_size  # the corpus replays on the tiny model
 BATCH = 8  # candidates drawn before any of them is seen: the unit a backend runs at once
+MAX_RETRIES = 2  # reruns of a candidate whose task failed (its worker died) on a backend
 
 
 class ExploreError(RuntimeError):
-    """A candidate's task failed on the backend (its worker died): the search cannot go on."""
+    """A candidate's task failed on the backend in every attempt (its worker died each time):
+    the search cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -161,10 +163,13 @@ def _run_batch(
 
         def on_done(index: int, outcome) -> None:
             if isinstance(outcome, TaskFailed):
-                raise ExploreError(f"candidate {names[index]} failed: {outcome.error}")
+                raise ExploreError(
+                    f"candidate {names[index]} failed in {outcome.num_attempts} attempts on the"
+                    f" backend, the last with: {outcome.error}"
+                )
             outcomes[index] = outcome.value
 
-        backend.map_runs(candidate_task, jobs, on_done)
+        backend.map_runs(candidate_task, jobs, on_done, max_retries=MAX_RETRIES)
     for i in sorted(outcomes):
         _take(result, batch[i], workloads[i], *outcomes[i], logs)
 
