@@ -32,6 +32,11 @@ Goals (ratios measured side by side in this run):
     python scripts/bench_compare.py --json-out bench_compare.json
     python scripts/bench_compare.py --sizes 64,512 --steps 24 --no-e2e
     python scripts/bench_compare.py --profile 4096      # cProfile of compare mode at N=4096
+    python scripts/bench_compare.py --no-e2e --collector off  # part 1 without the collector
+
+The cyclic collector's scans cost in proportion to the live heap, so at large N they make part of
+every variant's time, and compare mode, which allocates more, triggers more of them; ``--collector
+off`` pauses it during the timed steps to show compare mode's own work apart.
 """
 
 from __future__ import annotations
@@ -139,8 +144,11 @@ def clock_read_seconds() -> float:
     return statistics.median(-time.thread_time() + time.thread_time() for _ in range(2000))
 
 
-def timed_steps(workload: Workload, variant: str, steps: int, log: Path) -> list[float]:
-    """Seconds spent in the KV ops, per step, on a fresh worker."""
+def timed_steps(
+    workload: Workload, variant: str, steps: int, log: Path, collector: bool = True
+) -> list[float]:
+    """Seconds spent in the KV ops, per step, on a fresh worker; with ``collector`` False the
+    cyclic garbage collector is paused for the steps."""
     worker = new_worker(workload, variant, log)
     per_step, state, clock_read = [0.0] * steps, worker.state, clock_read_seconds()
 
@@ -155,8 +163,13 @@ def timed_steps(workload: Workload, variant: str, steps: int, log: Path) -> list
 
     wrap_kv_ops(worker, timer)
     gc.collect()  # the same collector state for every run; collections inside an op still count
-    for _ in range(steps):
-        worker.step()
+    if not collector:
+        gc.disable()
+    try:
+        for _ in range(steps):
+            worker.step()
+    finally:
+        gc.enable()
     return per_step
 
 
@@ -197,7 +210,9 @@ def bookkeeping(args: argparse.Namespace, log: Path, console: Console) -> list[d
         for repeat in range(args.repeats):
             shift = repeat % len(VARIANTS)
             for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                samples[variant].append(timed_steps(workload, variant, args.steps, log))
+                samples[variant].append(
+                    timed_steps(workload, variant, args.steps, log, args.collector == "on")
+                )
         touched, alive = touched_steps(workload, args.steps, log)
         row = {"num_requests": size, "touched": touched, "alive": alive}
         for variant, runs in samples.items():
@@ -421,6 +436,13 @@ def parse_args() -> argparse.Namespace:
     add("--device", choices=["cpu", "cuda"], default="cpu", help="end-to-end device (default cpu)")
     add("--seed", type=int, default=0, help="seed of the synthetic traces (default 0)")
     add("--profile", type=int, metavar="N", help="only cProfile compare mode at N requests")
+    add(
+        "--collector",
+        choices=["on", "off"],
+        default="on",
+        help="off: pause the cyclic garbage collector during part 1's timed steps, which keeps its"
+        " scans of the live heap (they grow with N) out of every variant (default %(default)s)",
+    )
     add("--markdown", action="store_true", help="print the tables as Markdown")
     add("--json-out", type=output_path, help="write the figures as JSON to this path")
     args = parser.parse_args()
@@ -478,7 +500,15 @@ def main() -> None:
             "torch": torch.__version__,
             "args": {
                 name: getattr(args, name)
-                for name in ("sizes", "steps", "repeats", "e2e_repeats", "no_e2e", "seed")
+                for name in (
+                    "sizes",
+                    "steps",
+                    "repeats",
+                    "e2e_repeats",
+                    "no_e2e",
+                    "seed",
+                    "collector",
+                )
             },
             "sizes": sizes,
             "touched": touched,

@@ -7,6 +7,7 @@ does. ``bench_kv_ops`` exits non-zero when the paths disagree (different counter
 """
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -169,6 +170,25 @@ def test_bench_compare_with_one_size_leaves_out_the_growth_goal(tmp_path):
     out = tmp_path / "compare.json"
     run_benchmark("bench_compare.py", *TOY_SIZES["bench_compare.py"], "--json-out", str(out))
     assert set(json.loads(out.read_text())["goals"]) == {"coverage"}
+
+
+def test_bench_compare_collector_off_pauses_the_collector_for_the_timed_steps_only(
+    monkeypatch, tmp_path
+):
+    module = script_module(monkeypatch, "bench_compare")
+    enabled_at_steps = []
+    step = module.Worker.step
+
+    def probed(self):
+        enabled_at_steps.append(gc.isenabled())
+        step(self)
+
+    monkeypatch.setattr(module.Worker, "step", probed)
+    workload = module.concurrent_workload(8, 3, 0)
+    module.timed_steps(workload, "compare", 3, tmp_path / "log.jsonl", collector=False)
+    assert enabled_at_steps == [False, False, False] and gc.isenabled()
+    module.timed_steps(workload, "compare", 3, tmp_path / "log.jsonl")
+    assert enabled_at_steps[3:] == [True, True, True]
 
 
 def test_bench_compare_coverage_off_classifies_nothing_and_decides_the_same(monkeypatch, tmp_path):
