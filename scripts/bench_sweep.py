@@ -12,7 +12,9 @@ smallest count). The 1-minute load average before and after is printed beside th
 Part 2, the driver. run_sweep merges precomputed task results (an in-process backend hands each
 cell's lines over at once, as new strings, as from a worker, so only the driver's work is
 measured: keeping each run's lines, parsing its summary, writing the merged log, parsing every
-line into ``aggregate``, rendering and writing the reports). Two kinds of record: a clean run's
+line into ``aggregate``, rendering and writing the reports, the HTML page included). The HTML
+page charts at most 60 runs, so its cost is nearly a constant: it is also timed alone, rendered
+from the merged log (``html s``). Two kinds of record: a clean run's
 ``RunSummary`` (the usual line), and a ``DivergenceRecord`` with its replay pre-state (the largest
 line a log holds), each ``--records`` lines. Time: the best of ``--repeats``; memory:
 tracemalloc's peak of the Python heap during the merge (a separate, untimed pass).
@@ -40,9 +42,12 @@ from functools import partial
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
+from batchgen.shadow.coverage import CATALOG
+from batchgen.shadow.report_page import render_page
 from batchgen.shadow.sweep import sweep_cells, sweep_directions, sweep_workloads
 from batchgen.shadow.sweep_backends import ProcessBackend, RayBackend, SweepBackend
 from batchgen.shadow.sweep_driver import run_sweep
+from compare import aggregate, read_log
 
 PLAN = sweep_directions("plan", aa_check=False)
 
@@ -186,7 +191,9 @@ def merge_cost(kind: str, num_records: int, repeats: int) -> dict:
         run_sweep(cells, InlineBackend(), reports_dir=directory, run=run)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        log_bytes = (Path(directory) / "divergences.jsonl").stat().st_size
+        log_path = Path(directory) / "divergences.jsonl"
+        log_bytes = log_path.stat().st_size
+        html_s = html_page_seconds(log_path, repeats)
     num_lines = num_runs * len(lines)
     per_thousand = 1000 / num_lines
     return {
@@ -195,7 +202,20 @@ def merge_cost(kind: str, num_records: int, repeats: int) -> dict:
         "log_bytes_per_1000": round(log_bytes * per_thousand),
         "merge_s_per_1000": round(min(times) * per_thousand, 4),
         "peak_heap_mib_per_1000": round(peak * per_thousand / 2**20, 2),
+        "html_page_s": round(html_s, 3),
     }
+
+
+def html_page_seconds(log: Path, repeats: int) -> float:
+    """The best of ``repeats`` renderings of the merged log's HTML page (charts included)."""
+    records = read_log(log).records
+    report = aggregate(records, CATALOG)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        render_page(report, [(str(log), records)])
+        times.append(time.perf_counter() - started)
+    return min(times)
 
 
 def received_lines(by_cell: dict, cell) -> tuple[str, ...]:
@@ -225,10 +245,10 @@ def render(figures: dict) -> str:
         for r in figures["throughput"]
     ]
     lines += [f"1-minute load average before and after: {figures['load_average_1min']}"]
-    lines += ["", "merge, per 1,000 records   log MiB   merge s   peak heap MiB"]
+    lines += ["", "merge, per 1,000 records   log MiB   merge s   peak heap MiB   html s (alone)"]
     lines += [
         f"{m['kind']:<26} {m['log_bytes_per_1000'] / 2**20:>8.2f} {m['merge_s_per_1000']:>9}"
-        f" {m['peak_heap_mib_per_1000']:>15}"
+        f" {m['peak_heap_mib_per_1000']:>15} {m['html_page_s']:>16}"
         for m in figures["merge"]
     ]
     lines += ["", "task loop (no-op tasks)    tasks/s"]

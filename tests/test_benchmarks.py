@@ -550,7 +550,7 @@ def test_bench_sweep_times_each_backend_and_the_drivers_merge(tmp_path):
     run_benchmark(
         "bench_sweep.py",
         *("--workload", "smoke", "--runs", "2", "--cpus", "1", "--backends", "processes"),
-        *("--records", "20", "--repeats", "1", "--noop-tasks", "10", "--json-out", str(out)),
+        *("--records", "4", "--repeats", "1", "--noop-tasks", "10", "--json-out", str(out)),
         *("--throughput-repeats", "1"),
     )
     figures = json.loads(out.read_text())
@@ -564,6 +564,7 @@ def test_bench_sweep_times_each_backend_and_the_drivers_merge(tmp_path):
     assert row["runs_per_minute"] > 0 and row["samples_runs_per_minute"] == [row["runs_per_minute"]]
     assert len(figures["load_average_1min"]) == 2
     assert [merge["kind"] for merge in figures["merge"]] == ["summary", "divergence"]
-    assert [merge["records"] for merge in figures["merge"]] == [20, 20]
+    assert [merge["records"] for merge in figures["merge"]] == [4, 4]
     assert all(merge["merge_s_per_1000"] > 0 for merge in figures["merge"])
+    assert all(0 < merge["html_page_s"] for merge in figures["merge"])
     assert [loop["backend"] for loop in figures["task_loop"]] == ["processes"]
