@@ -270,3 +270,22 @@ def test_invalid_batches_are_rejected(small_model):
         ValueError, match=r"sequence 0: 1 pages of 4 do not cover positions \[0, 5\)"
     ):
         model([SeqInput([1], 4, [0])], pages)
+
+
+def test_decode_reads_no_slot_past_its_context(small_model):
+    _, model = small_model
+    pages = make_pages(model, page_size=4, num_pages=12)  # NaN wherever nothing was written
+    history = random_tokens(9, SMALL_GEOMETRY["vocab_size"], seed=4)
+    prefill_into_pages(model, pages, history, [6, 2, 9])
+    prefill_into_pages(model, pages, history[:2], [4])
+    short, long = SeqInput([7], 2, [4]), SeqInput([7], 9, [6, 2, 9])
+    # pages past the context (unwritten, NaN) and a row padded to the longer one change nothing
+    with_spare_pages = SeqInput([7], 9, [6, 2, 9, 3, 0])
+
+    batched = model([short, with_spare_pages], pages)
+
+    torch.testing.assert_close(
+        batched.logits[0], model([short], pages).logits[0], atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(batched.logits[1], model([long], pages).logits[0], atol=1e-5, rtol=0)
+    assert not batched.logits.isnan().any()

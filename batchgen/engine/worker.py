@@ -45,7 +45,7 @@ from batchgen.kv.page_copy import new_page_tensor
 from batchgen.kv.target import KvTarget
 from batchgen.model.llama import SeqInput
 from batchgen.model.loader import SUPPORTED_DTYPES, device_memory_available
-from batchgen.model.paged_kv import kv_page_shape, write_kv
+from batchgen.model.paged_kv import kv_page_shape, write_kvs
 
 
 class RequestError(ValueError):
@@ -333,12 +333,13 @@ class Worker:
 
     def _flush_pending_kv_appends(self) -> None:
         """Write pending K/V into their pages, then forget them. Mutates the GPU pool tensor."""
-        tensor = self.gpu_kv.tensor
-        for uuid, pending in self._pending_kv_append_tensors.items():
-            if tensor is not None and pending.kv is not None:
-                write_kv(
-                    tensor, self.state.requests[uuid].gpu_page_ids, pending.start_pos, pending.kv
-                )
+        writes = [
+            (self.state.requests[uuid].gpu_page_ids, pending.start_pos, pending.kv)
+            for uuid, pending in self._pending_kv_append_tensors.items()
+            if pending.kv is not None
+        ]
+        if writes and self.gpu_kv.tensor is not None:
+            write_kvs(self.gpu_kv.tensor, writes)
         self._pending_kv_append_tensors.clear()
 
     def _schedule(self) -> list[str]:

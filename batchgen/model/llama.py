@@ -26,13 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.config import ModelConfig
-from batchgen.model.paged_kv import (
-    KVSlots,
-    gather_kv,
-    gather_kv_slots,
-    locate_slots,
-    page_table_tensor,
-)
+from batchgen.model.paged_kv import gather_kv, gather_pages, page_table_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +66,22 @@ class _Span:
 
 @dataclass(frozen=True, slots=True)
 class _DecodeBatch:
-    """All one-token sequences with a cached history, attended as one padded batch of B rows."""
+    """All one-token sequences with a cached history, attended as one padded batch of B rows.
+
+    Row b reads its whole pages, its page table padded to the longest one, so its key column t is
+    position t (T = pages per row x page size)::
+
+        columns of row b     | keys and values
+        ---------------------+------------------------------------------------
+        [0, start_pos)       | cached, read from its pages
+        start_pos            | its new token's, from this forward
+        (start_pos, T)       | zeroed (unwritten slots, padding pages), masked
+    """
 
     rows: Tensor  # [B] packed row of each decode token
-    # [B, T] slots of keys 0..T-1; T = longest context, padding repeats start_pos - 1
-    key_slots: KVSlots
-    new_key_columns: Tensor  # [B] column where the new token's own K/V go (its start_pos)
+    page_ids: Tensor  # [B * pages per row] the padded page tables, row after row
+    new_keys: Tensor  # [B] flat key index b * T + start_pos of each new token
+    unused_keys: Tensor  # flat key index b * T + t of every column t past start_pos
     key_mask: Tensor  # [B, 1, 1, T] True where a key may be attended
 
 
@@ -179,22 +183,17 @@ class LlamaAttention(nn.Module):
 
 def _attend_one(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Tensor:
     """One sequence: q [n, heads, d] over k, v [S, kv_heads, d]; causal when ``key_mask`` [n, S] is
-    None."""
-    num_heads = q.shape[1]
+    None. Kv head j serves query heads j*g .. j*g+g-1 (HF ``repeat_kv``), without copying K/V per
+    head; 4-d inputs take the fused SDPA kernel (3-d ones fall back to the unfused one on CPU)."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        _expand_kv_heads(k, num_heads),
-        _expand_kv_heads(v, num_heads),
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
         attn_mask=key_mask,
         is_causal=key_mask is None,
+        enable_gqa=True,
     )
-    return out.transpose(0, 1)
-
-
-def _expand_kv_heads(x: Tensor, num_heads: int) -> Tensor:
-    """[S, kv_heads, d] -> [heads, S, d]; kv head j serves query heads j*g .. j*g+g-1 (HF
-    ``repeat_kv``)."""
-    return x.repeat_interleave(num_heads // x.shape[1], dim=1).transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _attend_extend(
@@ -215,17 +214,19 @@ def _attend_decodes(
 ) -> Tensor:
     """All decode tokens in one SDPA: each row's query heads are folded under their kv head, so no
     K/V copy per head."""
-    keys, values = gather_kv_slots(kv_pages, decodes.key_slots, layer)  # fresh [B, T, kv_heads, d]
-    batch_rows = torch.arange(keys.shape[0], device=keys.device)
-    keys[batch_rows, decodes.new_key_columns] = k[decodes.rows].to(keys.dtype)
-    values[batch_rows, decodes.new_key_columns] = v[decodes.rows].to(values.dtype)
-    num_batch, num_kv_heads, head_dim = keys.shape[0], keys.shape[2], keys.shape[3]
+    num_batch = len(decodes.rows)
+    keys, values = gather_pages(kv_pages, decodes.page_ids, layer)  # fresh [B * T, kv_heads, d]
+    for cached, new in ((keys, k), (values, v)):
+        # an unwritten slot may hold anything, NaN included, which masking its score leaves in
+        cached.index_fill_(0, decodes.unused_keys, 0)
+        cached.index_copy_(0, decodes.new_keys, new[decodes.rows].to(cached.dtype))
+    num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
     # [B, kv_heads, group, d]
     grouped_q = q[decodes.rows].view(num_batch, num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
         grouped_q,
-        keys.to(q.dtype).transpose(1, 2),
-        values.to(q.dtype).transpose(1, 2),
+        keys.to(q.dtype).view(num_batch, -1, num_kv_heads, head_dim).transpose(1, 2),
+        values.to(q.dtype).view(num_batch, -1, num_kv_heads, head_dim).transpose(1, 2),
         attn_mask=decodes.key_mask,
     )
     return out.reshape(num_batch, -1, head_dim)
@@ -354,19 +355,20 @@ def _plan_attention(spans: list[_Span], page_size: int, device: torch.device) ->
 
 
 def _plan_decodes(spans: list[_Span], page_size: int, device: torch.device) -> _DecodeBatch:
-    """Pad all decode contexts to the longest; padding re-reads a cached slot (never an unwritten
-    one) and is masked."""
+    """Pad the pages each row reads (up to its new token's) to the longest with its last one (read,
+    then zeroed). Pure."""
+    tables = [s.page_ids[: s.start_pos // page_size + 1] for s in spans]
+    pages_per_row = max(map(len, tables))
+    padded_tables = [[*table, *[table[-1]] * (pages_per_row - len(table))] for table in tables]
+    num_columns = pages_per_row * page_size
     start_pos = torch.tensor([s.start_pos for s in spans], device=device)
-    num_table_pages = max(len(s.page_ids) for s in spans)
-    page_tables = page_table_tensor(
-        [list(s.page_ids) + [0] * (num_table_pages - len(s.page_ids)) for s in spans], device
-    )
-    # [1, T]
-    key_columns = torch.arange(max(s.start_pos for s in spans) + 1, device=device)[None, :]
-    cached_positions = torch.minimum(key_columns, start_pos[:, None] - 1)  # [B, T]
+    row_offsets = torch.arange(len(spans), device=device) * num_columns
+    key_columns = torch.arange(num_columns, device=device)[None, :]  # [1, T]
+    is_used = key_columns <= start_pos[:, None]  # [B, T]
     return _DecodeBatch(
         rows=torch.tensor([s.row_start for s in spans], device=device),
-        key_slots=locate_slots(page_tables, cached_positions, page_size),
-        new_key_columns=start_pos,
-        key_mask=(key_columns <= start_pos[:, None])[:, None, None, :],
+        page_ids=page_table_tensor(list(itertools.chain.from_iterable(padded_tables)), device),
+        new_keys=row_offsets + start_pos,
+        unused_keys=torch.nonzero(~is_used.flatten()).flatten(),
+        key_mask=is_used[:, None, None, :],
     )
