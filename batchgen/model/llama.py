@@ -68,20 +68,25 @@ class _Span:
 class _DecodeBatch:
     """All one-token sequences with a cached history, attended as one padded batch of B rows.
 
-    Row b reads its whole pages, its page table padded to the longest one, so its key column t is
-    position t (T = pages per row x page size)::
+    Row b reads its whole pages up to its new token's, padded to the longest such table with its
+    first page, so its key column t is position t (T = pages per row x page size)::
 
-        columns of row b     | keys and values
-        ---------------------+------------------------------------------------
-        [0, start_pos)       | cached, read from its pages
-        start_pos            | its new token's, from this forward
-        (start_pos, T)       | zeroed (unwritten slots, padding pages), masked
+        columns of row b               | keys and values
+        -------------------------------+--------------------------------------------------
+        [0, start_pos)                 | cached, read from its pages
+        start_pos                      | its new token's, from this forward
+        (start_pos, end of its pages)  | zeroed: unwritten slots, which may hold anything
+        padding                        | its first page again, masked; zeroed too when that
+                                       | page is its only one (then not full)
+
+    Unwritten slots are zeroed because masking a score leaves a NaN key or value in; padding
+    repeats a full page of the row's own, so only a row's own cached keys fill it.
     """
 
     rows: Tensor  # [B] packed row of each decode token
     page_ids: Tensor  # [B * pages per row] the padded page tables, row after row
     new_keys: Tensor  # [B] flat key index b * T + start_pos of each new token
-    unused_keys: Tensor  # flat key index b * T + t of every column t past start_pos
+    unused_keys: Tensor  # flat key index b * T + t of every column t zeroed (see the table)
     key_mask: Tensor  # [B, 1, 1, T] True where a key may be attended
 
 
@@ -355,20 +360,25 @@ def _plan_attention(spans: list[_Span], page_size: int, device: torch.device) ->
 
 
 def _plan_decodes(spans: list[_Span], page_size: int, device: torch.device) -> _DecodeBatch:
-    """Pad the pages each row reads (up to its new token's) to the longest with its last one (read,
-    then zeroed). Pure."""
+    """The padded batch of the decode spans (see ``_DecodeBatch``). Pure."""
     tables = [s.page_ids[: s.start_pos // page_size + 1] for s in spans]
     pages_per_row = max(map(len, tables))
-    padded_tables = [[*table, *[table[-1]] * (pages_per_row - len(table))] for table in tables]
     num_columns = pages_per_row * page_size
+    padded_tables, unused_keys = [], []
+    for row, (span, table) in enumerate(zip(spans, tables)):
+        padded_tables.extend([*table, *[table[0]] * (pages_per_row - len(table))])
+        end_of_zeroed = (len(table) if len(table) > 1 else pages_per_row) * page_size
+        unused_keys.extend(
+            range(row * num_columns + span.start_pos + 1, row * num_columns + end_of_zeroed)
+        )
     start_pos = torch.tensor([s.start_pos for s in spans], device=device)
     row_offsets = torch.arange(len(spans), device=device) * num_columns
     key_columns = torch.arange(num_columns, device=device)[None, :]  # [1, T]
     is_used = key_columns <= start_pos[:, None]  # [B, T]
     return _DecodeBatch(
         rows=torch.tensor([s.row_start for s in spans], device=device),
-        page_ids=page_table_tensor(list(itertools.chain.from_iterable(padded_tables)), device),
+        page_ids=page_table_tensor(padded_tables, device),
         new_keys=row_offsets + start_pos,
-        unused_keys=torch.nonzero(~is_used.flatten()).flatten(),
+        unused_keys=torch.tensor(unused_keys, dtype=torch.int64, device=device),
         key_mask=is_used[:, None, None, :],
     )
