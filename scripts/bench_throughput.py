@@ -14,9 +14,12 @@ time; the minimum CPU time is shown beside it). Two mixes:
             batching. Only requested tokens count.
 
 batchgen runs the workload through ``run_workload`` on a fresh ``Worker`` (what
-``batchgen run`` does), with pools that never evict, in the model's dtype. In
-float32 the run fails (exit 1) when any request's tokens differ from HF's greedy
-tokens; in bfloat16 the table only counts them (two kernels' roundings differ).
+``batchgen run`` does), with pools that never evict, in the model's dtype. Each
+request's tokens are checked against HF's: a request whose first differing token
+is a near-tie (HF's token is batchgen's runner-up there, the log-probabilities
+within the validation's tolerance: rounding decides) is counted apart. In float32
+the run fails (exit 1) when any other request differs; in bfloat16 the table only
+counts them (two kernels' roundings differ more).
 
 With ``--device cuda`` the default geometry is Llama-3.2-1B's (bfloat16), and a
 decode-only run of the static mix reports batchgen's median decode step time
@@ -46,10 +49,12 @@ from rich.table import Table
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.runner import run_workload
+from batchgen.engine.state import RequestOutput
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES
 
 PAGE_SIZE = 16
 # name -> HF LlamaConfig keys; "HxL" names a CPU geometry (head_dim 64, 2 query heads per KV head)
@@ -285,13 +290,13 @@ def timed(generate, device: str) -> Timed:
 
 
 def run_batchgen(model, mix: Mix, device: str) -> Timed:
-    """batchgen's tokens of every request (request order) from a fresh worker, timed without the
+    """batchgen's output of every request (request order) from a fresh worker, timed without the
     worker's construction (its pools)."""
     worker, job = new_worker(model, mix, device)
 
-    def generate() -> list[list[int]]:
+    def generate() -> list[RequestOutput]:
         result = run_workload(worker, job)
-        return [list(result.outputs[f"r{i}"].output_ids) for i in range(len(mix.prompts))]
+        return [result.outputs[f"r{i}"] for i in range(len(mix.prompts))]
 
     return timed(generate, device)
 
@@ -314,8 +319,32 @@ def measure(hf_model, model, mix: Mix, args: argparse.Namespace) -> dict:
         row[f"{name}_tokens_per_s"] = mix.num_tokens / min(row[f"{name}_wall_s"])
     row["ratio_wall"] = min(row["hf_wall_s"]) / min(row["batchgen_wall_s"])
     row["ratio_cpu"] = min(row["hf_cpu_s"]) / min(row["batchgen_cpu_s"])
-    row["num_requests_differing"] = sum(a != b for a, b in zip(outputs["hf"], outputs["batchgen"]))
+    tolerance = NEAR_TIE_TOLERANCES[args.dtype]
+    near_ties = [
+        near_tie(hf, ours, tolerance) for hf, ours in zip(outputs["hf"], outputs["batchgen"])
+    ]
+    row["num_requests_near_tie"] = near_ties.count(True)
+    row["num_requests_differing"] = near_ties.count(False)
     return row
+
+
+def near_tie(hf_tokens: list[int], ours: RequestOutput, tolerance: float) -> bool | None:
+    """None when batchgen's tokens equal HF's; else whether the first differing token is a near-tie:
+    both tokens are batchgen's top two there, their log-probabilities within ``tolerance``. Pure."""
+    ours_tokens = list(ours.output_ids)
+    if ours_tokens == hf_tokens:
+        return None
+    position = next((i for i, (a, b) in enumerate(zip(hf_tokens, ours_tokens)) if a != b), None)
+    if position is None:  # one is a prefix of the other
+        return False
+    logprobs = dict(
+        zip(ours.output_logprobs[position].top_ids, ours.output_logprobs[position].top_logprobs)
+    )
+    tokens = (hf_tokens[position], ours_tokens[position])
+    return (
+        all(t in logprobs for t in tokens)
+        and abs(logprobs[tokens[0]] - logprobs[tokens[1]]) < tolerance
+    )
 
 
 def decode_steps(model, mix: Mix, device: str) -> dict:
@@ -382,11 +411,15 @@ def render(rows: list[dict], title: str) -> Table:
             f"{row['hf_tokens_per_s']:.1f}",
             f"{row['ratio_wall']:.2f}x",
             f"{row['ratio_cpu']:.2f}x",
-            "all"
-            if not row["num_requests_differing"]
-            else f"{row['num_requests_differing']} differ",
+            tokens_as_hf(row),
         )
     return table
+
+
+def tokens_as_hf(row: dict) -> str:
+    """ "all", or how many requests differ from HF first at a near-tie, and otherwise. Pure."""
+    counts = [(row["num_requests_near_tie"], "near-tie"), (row["num_requests_differing"], "differ")]
+    return ", ".join(f"{n} {what}" for n, what in counts if n) or "all"
 
 
 def main() -> None:
@@ -420,7 +453,9 @@ def main() -> None:
         record.update(rows=rows, decode=decode)
         write_output(args.json_out, json.dumps(record, indent=2, default=str) + "\n")
     if differing and args.dtype == "float32":
-        raise SystemExit(f"{differing} request(s) got tokens that differ from HF greedy")
+        raise SystemExit(
+            f"{differing} request(s) got tokens that differ from HF greedy, not at a near-tie"
+        )
 
 
 if __name__ == "__main__":
