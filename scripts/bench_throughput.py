@@ -111,7 +111,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="per system and mix (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", default=None, help="default float32 on cpu, bfloat16 on cuda")
+    parser.add_argument(
+        "--dtype",
+        choices=list(NEAR_TIE_TOLERANCES),
+        default=None,
+        help="weights and KV pages (default float32 on cpu, bfloat16 on cuda)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts (default 0)")
     parser.add_argument("--json-out", type=output_path, help="write the figures as JSON here")
     args = parser.parse_args()
