@@ -24,6 +24,26 @@ TOY_SIZES = {  # so that a script which failed to refuse the path would still en
     "bench_kv_ops.py": ("--sizes", "8", "--steps", "1", "--warmup", "0", "--repeats", "1"),
     "bench_compare.py": ("--sizes", "8", "--steps", "2", "--repeats", "1", "--no-e2e"),
     "bench_migration.py": ("--pages", "4", "--page-kib", "4", "--repeats", "1"),
+    "bench_throughput.py": (
+        "--geometry",
+        "64x1",
+        "--vocab-size",
+        "256",
+        "--static-requests",
+        "3",
+        "--static-new-tokens",
+        "3",
+        "--mixed-requests",
+        "5",
+        "--mixed-new-tokens",
+        "1,6",
+        "--max-num-seqs",
+        "2",
+        "--prompt-tokens",
+        "2,9",
+        "--repeats",
+        "1",
+    ),
     "scale_check.py": (
         "--modes",
         "plan",
@@ -268,6 +288,7 @@ def test_bench_compare_refuses_a_profile_of_no_requests_instead_of_running_the_b
         ("bench_kv_ops.py", "--json-out"),
         ("bench_compare.py", "--json-out"),
         ("bench_migration.py", "--json-out"),
+        ("bench_throughput.py", "--json-out"),
         ("scale_check.py", "--json-out"),
     ],
 )
@@ -279,6 +300,22 @@ def test_a_benchmark_refuses_an_output_file_it_cannot_write_before_it_runs(tmp_p
     ):
         done = run_script(name, *TOY_SIZES[name], flag, str(out))
         assert last_error(done) == (2, f"{name}: error: {error}"), done.stderr
+
+
+def test_bench_throughput_runs_both_systems_on_both_mixes_and_gets_hf_tokens(tmp_path):
+    out = tmp_path / "throughput.json"
+    run_benchmark("bench_throughput.py", *TOY_SIZES["bench_throughput.py"], "--json-out", str(out))
+    figures = json.loads(out.read_text())
+    assert [(row["geometry"], row["mix"]) for row in figures["rows"]] == [
+        ("64x1", "static"),
+        ("64x1", "mixed"),
+    ]
+    static, mixed = figures["rows"]
+    assert static["num_tokens"] == 3 * 3 and 5 <= mixed["num_tokens"] <= 5 * 6
+    for row in figures["rows"]:
+        assert row["num_requests_differing"] == row["num_requests_near_tie"] == 0
+        assert len(row["hf_wall_s"]) == len(row["batchgen_cpu_s"]) == 1
+        assert row["ratio_wall"] > 0 and row["ratio_cpu"] > 0
 
 
 @pytest.mark.parametrize("flag, value", [("--pages", "0"), ("--pages", "-3"), ("--repeats", "0")])

@@ -270,3 +270,23 @@ def test_invalid_batches_are_rejected(small_model):
         ValueError, match=r"sequence 0: 1 pages of 4 do not cover positions \[0, 5\)"
     ):
         model([SeqInput([1], 4, [0])], pages)
+
+
+def test_decode_reads_no_slot_past_its_context(small_model):
+    _, model = small_model
+    pages = make_pages(model, page_size=4, num_pages=12)  # NaN wherever nothing was written
+    history = random_tokens(9, SMALL_GEOMETRY["vocab_size"], seed=4)
+    prefill_into_pages(model, pages, history, [6, 2, 9])
+    prefill_into_pages(model, pages, history[:5], [8, 10])
+    prefill_into_pages(model, pages, history[:2], [4])
+    # padded to three pages: with zeros (one page, not full), with its own full first page
+    short, middle = SeqInput([7], 2, [4]), SeqInput([7], 5, [8, 10])
+    # pages past the context (unwritten, NaN) change nothing
+    long, with_spare_pages = SeqInput([7], 9, [6, 2, 9]), SeqInput([7], 9, [6, 2, 9, 3, 0])
+
+    batched = model([short, middle, with_spare_pages], pages)
+
+    for row, alone in enumerate((short, middle, long)):
+        expected = model([alone], pages).logits[0]
+        torch.testing.assert_close(batched.logits[row], expected, atol=1e-5, rtol=0)
+    assert not batched.logits.isnan().any()

@@ -8,6 +8,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,20 +80,14 @@ def test_copy_pages_moves_exact_bytes_and_leaves_other_pages_untouched(pattern):
     assert torch.equal(src, src_before)
 
 
-# With rows of 16 elements: 256-element pages split into 16 rows; 21 (odd) cannot split;
-# 42 splits once into rows of 21, then stops at the odd row length, not at the row size.
-@pytest.mark.parametrize(
-    "page_shape",
-    [PAGE_SHAPE, (3, 7), (2, 3, 7)],
-    ids=["even_page", "odd_page", "split_then_odd_page"],
-)
-@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "single_thread"])
+@pytest.mark.parametrize("page_shape", [PAGE_SHAPE, (3, 7)], ids=["even_page", "odd_page"])
+@pytest.mark.parametrize("threads", [1, 2, 3], ids=["one_thread", "two_threads", "three_threads"])
 @pytest.mark.parametrize("pattern", ID_PATTERNS)
-def test_cpu_gathers_and_scatters_move_exact_bytes_split_into_rows_or_not(
-    pattern, parallel, page_shape, monkeypatch
+def test_host_copies_move_exact_bytes_on_any_number_of_threads(
+    pattern, threads, page_shape, monkeypatch
 ):
-    monkeypatch.setattr(page_copy, "CPU_PARALLEL_MIN_BYTES", 0 if parallel else 2**40)
-    monkeypatch.setattr(page_copy, "CPU_GATHER_ROW_ELEMENTS", 16)
+    monkeypatch.setattr(page_copy, "CPU_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(page_copy.torch, "get_num_threads", lambda: threads)
     src_ids, dst_ids = ID_PATTERNS[pattern]
     src, dst = make_pool(seed=1, page_shape=page_shape), make_pool(seed=2, page_shape=page_shape)
     expected = reference_copy(src, src_ids, dst, dst_ids)
@@ -100,6 +95,25 @@ def test_cpu_gathers_and_scatters_move_exact_bytes_split_into_rows_or_not(
     copy_pages(src, src_ids, dst, dst_ids)
 
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "num_shares", "shares"),
+    [
+        # one run of 6 pages, cut in two equal halves
+        (range(6), range(10, 16), 2, [[(0, 10, 3)], [(3, 13, 3)]]),
+        # sorted by destination: 5->0, 6->1 is one run, 2->7 another; 3 pages in 2 shares
+        ([2, 5, 6], [7, 0, 1], 2, [[(5, 0, 1)], [(6, 1, 1), (2, 7, 1)]]),
+        # more shares than pages: the extra shares are empty
+        ([4], [9], 3, [[], [], [(4, 9, 1)]]),
+    ],
+    ids=["one_run_halved", "runs_by_destination", "more_shares_than_pages"],
+)
+def test_host_copies_merge_runs_by_destination_and_share_pages_evenly(
+    src_ids, dst_ids, num_shares, shares
+):
+    runs = page_copy._pair_runs(np.array(src_ids), np.array(dst_ids))
+    assert page_copy._split_runs(*runs, num_shares) == shares
 
 
 def test_copy_pages_moves_bfloat16_bytes_exactly():

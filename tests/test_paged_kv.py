@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchgen.config import ModelConfig
-from batchgen.model.paged_kv import gather_kv, kv_page_shape, locate_slots, write_kv
+from batchgen.model.paged_kv import (
+    gather_kv,
+    gather_pages,
+    kv_page_shape,
+    locate_slots,
+    write_kv,
+    write_kvs,
+)
 
 CONFIG = ModelConfig(
     vocab_size=16,
@@ -142,3 +149,33 @@ def test_any_write_reads_back_exactly_and_leaves_the_rest(page_size, start_pos, 
         assert torch.equal(v[start_pos:], new_kv[layer, 1])
         assert torch.all(k[:start_pos] == SENTINEL) and torch.all(v[:start_pos] == SENTINEL)
     assert int((pages != SENTINEL).sum()) == new_kv.numel()
+
+
+def test_writes_in_one_call_equal_the_same_writes_one_by_one():
+    one_by_one, batched = (
+        make_pages(page_size=4, num_pages=12),
+        make_pages(page_size=4, num_pages=12),
+    )
+    writes = [
+        ([7, 2], 0, make_kv(6)),  # a prefill across a page boundary
+        ([5, 0, 9], 9, make_kv(1, offset=1_000.0)),  # a decode in its third page
+        ([3, 11, 1], 2, make_kv(7, offset=2_000.0)),  # an extend from the middle of a page
+    ]
+    for page_ids, start_pos, new_kv in writes:
+        write_kv(one_by_one, page_ids, start_pos, new_kv)
+
+    write_kvs(batched, writes)
+
+    assert torch.equal(batched, one_by_one)
+    assert int((batched != SENTINEL).sum()) == sum(kv.numel() for _, _, kv in writes)
+
+
+def test_gather_pages_reads_whole_pages_in_table_order():
+    pages = make_pages(page_size=4, num_pages=6)
+    write_kv(pages, [4, 1], 0, make_kv(6))
+
+    k, v = gather_pages(pages, torch.tensor([1, 4]), layer=2)
+
+    assert k.shape == v.shape == (8, CONFIG.num_kv_heads, CONFIG.head_dim)
+    assert torch.equal(k[:2], make_kv(6)[2, 0, 4:]) and torch.equal(k[4:], make_kv(6)[2, 0, :4])
+    assert torch.equal(v[:2], make_kv(6)[2, 1, 4:]) and torch.all(v[2:4] == SENTINEL)

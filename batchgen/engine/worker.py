@@ -45,7 +45,7 @@ from batchgen.kv.plans import pages_needed
 from batchgen.kv.target import KvTarget
 from batchgen.kv.tiers import tier_tensors
 from batchgen.model.llama import SeqInput
-from batchgen.model.paged_kv import write_kv
+from batchgen.model.paged_kv import write_kvs
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,12 +206,13 @@ class Worker:
     # ---- worker-side steps -------------------------------------------------------------
     def _flush_pending_kv_appends(self) -> None:
         """Write pending K/V into their pages, then forget them. Mutates the GPU pool tensor."""
-        tensor = self.gpu_kv.tensor
-        for uuid, pending in self._pending_kv_append_tensors.items():
-            if tensor is not None and pending.kv is not None:
-                write_kv(
-                    tensor, self.state.requests[uuid].gpu_page_ids, pending.start_pos, pending.kv
-                )
+        writes = [
+            (self.state.requests[uuid].gpu_page_ids, pending.start_pos, pending.kv)
+            for uuid, pending in self._pending_kv_append_tensors.items()
+            if pending.kv is not None
+        ]
+        if writes and self.gpu_kv.tensor is not None:
+            write_kvs(self.gpu_kv.tensor, writes)
         self._pending_kv_append_tensors.clear()
 
     def _forward_and_sample(self, served: list[str]) -> None:

@@ -6,25 +6,29 @@ one contiguous chunk and a run of consecutive page ids is one contiguous slice::
     pool[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
          ^ page id  '------------- one page: contiguous -------------'
 
-How a batch moves. The pairs ``src_ids[i] -> dst_ids[i]`` are sorted by the ids of
-the *keyed* side and cut into runs of consecutive keyed ids, so a run is one
-slice of the keyed pool. Between host and device the keyed side is the host pool
-(a DMA needs a contiguous host slice); between two host pools it is the side
-whose ids make fewer runs (dst on a tie: the CPU gathers faster than it
-scatters). Each run is one call, the first row that applies:
+How a batch moves between two host pools: the pairs ``src_ids[i] -> dst_ids[i]``
+are sorted by destination and merged into runs consecutive on both sides; each run
+is one memcpy of a slice (numpy's, which releases the GIL), and a batch of
+``CPU_PARALLEL_MIN_BYTES`` or more is cut into ``torch.get_num_threads()`` equal
+shares copied by as many threads. One thread copies at about half the machine's
+memory bandwidth, so even shuffled pages, one memcpy each, copy near the speed of
+one contiguous copy.
+
+With a GPU involved, the pairs are sorted by the ids of the *keyed* side, the host
+pool (a DMA needs a contiguous host slice), and cut into runs of consecutive keyed
+ids, each one call:
 
     run                                  | call
     -------------------------------------|-------------------------------------------
-    on CPU, under CPU_PARALLEL_MIN_BYTES | dst[d].copy_(src[s]), page by page
-    both sides' ids consecutive          | dst_slice.copy_(src_slice): memcpy or DMA
+    both sides' ids consecutive          | dst_slice.copy_(src_slice): a DMA
     dst consecutive, src scattered       | index_select(src) -> dst_slice: gather
     src consecutive, dst scattered       | dst.index_copy_(src_slice): scatter
 
-With a GPU involved, gathers and scatters run on the GPU through a staging
-tensor, the DMA moves the contiguous host slice, and runs are cut at
-``MAX_RUN_BYTES`` so staging stays bounded. Two pools on the same CUDA device
-skip runs: one gather and one scatter kernel per chunk of that size. Fresh pools
-hand out consecutive ids, so a batch is usually a handful of runs.
+Gathers and scatters run on the GPU through a staging tensor, the DMA moves the
+contiguous host slice, and runs are cut at ``MAX_RUN_BYTES`` so staging stays
+bounded. Two pools on the same CUDA device skip runs: one gather and one scatter
+kernel per chunk of that size. Fresh pools hand out consecutive ids, so a batch
+is usually a handful of runs.
 
 Async copies go through an :class:`AsyncCopyQueue`, which its owner (each host
 KV pool has one) holds: it lazily starts one worker thread (CPU copies) and one
@@ -46,11 +50,9 @@ from torch import Tensor
 
 # Largest run (bytes) one call moves when a GPU is involved; bounds GPU staging.
 MAX_RUN_BYTES = 64 * 2**20
-# CPU gathers and scatters smaller than this go page by page, like a plain loop:
-# on a busy machine, waking torch's thread pool for each short run costs ms.
+# Host-to-host batches smaller than this are copied by the calling thread alone: starting threads
+# costs more than they save.
 CPU_PARALLEL_MIN_BYTES = 4 * 2**20
-# Row length (elements) of a parallel CPU gather, below torch's grain of 32768.
-CPU_GATHER_ROW_ELEMENTS = 8192
 
 
 def new_page_tensor(
@@ -225,12 +227,74 @@ def _issue_copies(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Seq
         )
         _copy_runs(src, dst, *runs)
     else:
-        key_is_dst = _num_runs(dst_index) <= _num_runs(src_index)
-        _copy_runs(
-            src,
-            dst,
-            *_runs(src_index, dst_index, key_is_dst=key_is_dst, max_run_pages=len(src_index)),
-        )
+        _copy_on_host(src, src_index, dst, dst_index)
+
+
+def _copy_on_host(src: Tensor, src_index: np.ndarray, dst: Tensor, dst_index: np.ndarray) -> None:
+    """Copy host pages by runs (see the module's docstring), on several threads for a large batch;
+    mutates ``dst``."""
+    src_starts, dst_starts, lengths = _pair_runs(src_index, dst_index)
+    src_pages, dst_pages = _page_bytes(src), _page_bytes(dst)
+    num_bytes = len(src_index) * src_pages.shape[1]
+    num_threads = torch.get_num_threads() if num_bytes >= CPU_PARALLEL_MIN_BYTES else 1
+    shares = _split_runs(src_starts, dst_starts, lengths, num_threads)
+
+    def copy(share: list[tuple[int, int, int]]) -> None:
+        for src_start, dst_start, length in share:
+            dst_pages[dst_start : dst_start + length] = src_pages[src_start : src_start + length]
+
+    if len(shares) == 1:
+        copy(shares[0])
+        return
+    with ThreadPoolExecutor(len(shares) - 1, thread_name_prefix="page-copy-share") as helpers:
+        helper_copies = [helpers.submit(copy, share) for share in shares[1:]]
+        copy(shares[0])
+        for helper_copy in helper_copies:
+            helper_copy.result()
+
+
+def _page_bytes(pool: Tensor) -> np.ndarray:
+    """The pool as a ``[num_pages, page_bytes]`` uint8 array sharing its memory."""
+    return pool.view(len(pool), -1).view(torch.uint8).numpy()
+
+
+def _pair_runs(
+    src_index: np.ndarray, dst_index: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """First src id, first dst id and length of each run of pairs consecutive on both sides, the
+    pairs sorted by destination. Pure."""
+    order = np.argsort(dst_index, kind="stable")
+    src_ids, dst_ids = src_index[order], dst_index[order]
+    is_run_start = np.ones(len(src_ids), dtype=bool)
+    is_run_start[1:] = (src_ids[1:] != src_ids[:-1] + 1) | (dst_ids[1:] != dst_ids[:-1] + 1)
+    starts = np.flatnonzero(is_run_start)
+    return src_ids[starts], dst_ids[starts], np.diff(np.append(starts, len(src_ids)))
+
+
+def _split_runs(
+    src_starts: np.ndarray, dst_starts: np.ndarray, lengths: np.ndarray, num_shares: int
+) -> list[list[tuple[int, int, int]]]:
+    """The runs cut into ``num_shares`` lists of ``(src_start, dst_start, length)`` holding equal
+    numbers of pages (within one), a run split where a share ends. Pure."""
+    total = int(lengths.sum())
+    share_ends = [total * (i + 1) // num_shares for i in range(num_shares)]
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(num_shares)]
+    share, done = 0, 0  # done: pages given to shares so far
+    for src_start, dst_start, length in zip(
+        src_starts.tolist(), dst_starts.tolist(), lengths.tolist()
+    ):
+        while length:
+            while done == share_ends[share]:
+                share += 1
+            taken = min(length, share_ends[share] - done)
+            shares[share].append((src_start, dst_start, taken))
+            src_start, dst_start, length, done = (
+                src_start + taken,
+                dst_start + taken,
+                length - taken,
+                done + taken,
+            )
+    return shares
 
 
 def _copy_within_device(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: Tensor) -> None:
@@ -245,59 +309,26 @@ def _copy_within_device(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: 
 def _copy_runs(
     src: Tensor, dst: Tensor, runs: list[_Run], sorted_src_index: Tensor, sorted_dst_index: Tensor
 ) -> None:
-    """One call per run (see the module's table), small CPU runs page by page; mutates ``dst``."""
-    on_cpu = not (src.is_cuda or dst.is_cuda)
-    min_parallel_pages = CPU_PARALLEL_MIN_BYTES / (src[0].numel() * src.element_size())
-    sorted_src_ids, sorted_dst_ids = (
-        (sorted_src_index.tolist(), sorted_dst_index.tolist()) if on_cpu else ((), ())
-    )
+    """One call per run between host and device (see the module's table); mutates ``dst``."""
     # only gathers/scatters read them
     if not all(run.src_is_consecutive and run.dst_is_consecutive for run in runs):
         sorted_src_index = _on_device(sorted_src_index, src.device)
         sorted_dst_index = _on_device(sorted_dst_index, dst.device)
     for run in runs:
-        if on_cpu and run.num_pages < min_parallel_pages:
-            for src_id, dst_id in zip(
-                sorted_src_ids[run.start : run.stop], sorted_dst_ids[run.start : run.stop]
-            ):
-                dst[dst_id].copy_(src[src_id])
-            continue
         src_slice = src[run.src_start : run.src_start + run.num_pages]
         dst_slice = dst[run.dst_start : run.dst_start + run.num_pages]
         if run.src_is_consecutive and run.dst_is_consecutive:
             dst_slice.copy_(src_slice, non_blocking=True)
-        elif run.dst_is_consecutive:
-            _gather(src, sorted_src_index[run.start : run.stop], dst_slice)
+        elif run.dst_is_consecutive:  # gather on the GPU into staging, then one DMA
+            dst_slice.copy_(
+                src.index_select(0, sorted_src_index[run.start : run.stop]), non_blocking=True
+            )
         else:
             dst.index_copy_(
                 0,
                 sorted_dst_index[run.start : run.stop],
                 src_slice.to(dst.device, non_blocking=True),
             )
-
-
-def _gather(src: Tensor, src_index: Tensor, out: Tensor) -> None:
-    """``out[j] = src[src_index[j]]``, ``out`` being a slice of a pool; mutates ``out``.
-
-    From the GPU: gather into staging, then one DMA. On the CPU, ``index_select``
-    copies rows of torch's parallel grain or more on one thread, so each page is
-    taken as ``rows_per_page`` smaller rows (128 KiB pages, 2 cores: 0.5x -> 1.1x
-    a plain copy).
-    """
-    if src.is_cuda:
-        out.copy_(src.index_select(0, src_index), non_blocking=True)
-        return
-    page_numel = src[0].numel()
-    rows_per_page = 1
-    while (
-        page_numel // rows_per_page > CPU_GATHER_ROW_ELEMENTS
-        and page_numel % (2 * rows_per_page) == 0
-    ):
-        rows_per_page *= 2
-    row_index = (src_index[:, None] * rows_per_page + torch.arange(rows_per_page)).flatten()
-    torch.index_select(
-        src.view(len(src) * rows_per_page, -1), 0, row_index, out=out.view(len(row_index), -1)
-    )
 
 
 def _runs(
@@ -341,12 +372,6 @@ def _is_consecutive_between(
     breaks[1:] = page_ids[1:] != page_ids[:-1] + 1
     breaks_so_far = np.cumsum(breaks)
     return breaks_so_far[stops - 1] == breaks_so_far[starts]
-
-
-def _num_runs(page_index: np.ndarray) -> int:
-    """How many runs of consecutive ids ``page_index`` makes once sorted."""
-    sorted_ids = np.sort(page_index)
-    return 1 + int(np.count_nonzero(sorted_ids[1:] != sorted_ids[:-1] + 1))
 
 
 def _checked_ids(

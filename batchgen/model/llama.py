@@ -3,16 +3,11 @@
 Parameter names match HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``, so an HF
 state dict loads as is. A forward packs the new tokens of every sequence into
 one ``[total_tokens, hidden]`` matrix for the projections and the MLP; only
-attention is per kind of sequence:
+attention is per kind of sequence (prefill, decode, extend), planned once per
+forward by ``paged_attention``, which holds the three attentions.
 
-    kind     | start_pos | new tokens | attention
-    ---------+-----------+------------+------------------------------------------------
-    prefill  | 0         | n >= 1     | SDPA with is_causal over its own tokens
-    decode   | > 0       | 1          | one padded, masked SDPA for all decodes together
-    extend   | > 0       | n > 1      | SDPA over cached + new K/V with an explicit mask
-
-The forward never writes ``kv_pages``: it returns each sequence's new K/V and the
-worker writes them later with ``paged_kv.write_kv``.
+The forward never writes ``kv_pages``: it returns each sequence's new K/V and
+the worker writes them later with ``paged_kv.write_kvs``.
 """
 
 from __future__ import annotations
@@ -26,12 +21,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.config import ModelConfig
-from batchgen.model.paged_kv import (
-    KVSlots,
-    gather_kv,
-    gather_kv_slots,
-    locate_slots,
-    page_table_tensor,
+from batchgen.model.paged_attention import (
+    AttentionPlan,
+    Span,
+    attend_decodes,
+    attend_extend,
+    attend_sequence,
+    plan_attention,
 )
 
 
@@ -54,40 +50,6 @@ class ForwardOutput:
     logits: Tensor  # [num_seqs, vocab_size] float32: logits of each sequence's LAST new token
     # per seq: [num_layers, 2, n_new, num_kv_heads, head_dim] in kv_pages.dtype (K after RoPE)
     new_kv: list[Tensor]
-
-
-@dataclass(frozen=True, slots=True)
-class _Span:
-    """One sequence's rows ``[row_start, row_start + num_new)`` of the packed batch."""
-
-    row_start: int
-    num_new: int
-    start_pos: int
-    page_ids: Sequence[int]
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.row_start, self.row_start + self.num_new)
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeBatch:
-    """All one-token sequences with a cached history, attended as one padded batch of B rows."""
-
-    rows: Tensor  # [B] packed row of each decode token
-    # [B, T] slots of keys 0..T-1; T = longest context, padding repeats start_pos - 1
-    key_slots: KVSlots
-    new_key_columns: Tensor  # [B] column where the new token's own K/V go (its start_pos)
-    key_mask: Tensor  # [B, 1, 1, T] True where a key may be attended
-
-
-@dataclass(frozen=True, slots=True)
-class _AttentionPlan:
-    """How each layer attends; built once per forward, shared by every layer."""
-
-    prefills: tuple[_Span, ...]
-    extends: tuple[_Span, ...]
-    decodes: _DecodeBatch | None
 
 
 class RMSNorm(nn.Module):
@@ -157,7 +119,7 @@ class LlamaAttention(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        plan: _AttentionPlan,
+        plan: AttentionPlan,
         kv_pages: Tensor,
         layer: int,
     ) -> tuple[Tensor, Tensor]:
@@ -169,66 +131,14 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
         for span in plan.prefills:
-            out[span.rows] = _attend_one(q[span.rows], k[span.rows], v[span.rows], key_mask=None)
+            out[span.rows] = attend_sequence(
+                q[span.rows], k[span.rows], v[span.rows], key_mask=None
+            )
         for span in plan.extends:
-            out[span.rows] = _attend_extend(q, k, v, span, kv_pages, layer)
+            out[span.rows] = attend_extend(q, k, v, span, kv_pages, layer)
         if plan.decodes is not None:
-            out[plan.decodes.rows] = _attend_decodes(q, k, v, plan.decodes, kv_pages, layer)
+            out[plan.decodes.rows] = attend_decodes(q, k, v, plan.decodes, kv_pages, layer)
         return self.o_proj(out.view(num_rows, -1)), torch.stack((k, v))
-
-
-def _attend_one(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Tensor:
-    """One sequence: q [n, heads, d] over k, v [S, kv_heads, d]; causal when ``key_mask`` [n, S] is
-    None."""
-    num_heads = q.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        _expand_kv_heads(k, num_heads),
-        _expand_kv_heads(v, num_heads),
-        attn_mask=key_mask,
-        is_causal=key_mask is None,
-    )
-    return out.transpose(0, 1)
-
-
-def _expand_kv_heads(x: Tensor, num_heads: int) -> Tensor:
-    """[S, kv_heads, d] -> [heads, S, d]; kv head j serves query heads j*g .. j*g+g-1 (HF
-    ``repeat_kv``)."""
-    return x.repeat_interleave(num_heads // x.shape[1], dim=1).transpose(0, 1)
-
-
-def _attend_extend(
-    q: Tensor, k: Tensor, v: Tensor, span: _Span, kv_pages: Tensor, layer: int
-) -> Tensor:
-    """A sequence with cached history and several new tokens: new token i sees keys
-    0..start_pos+i."""
-    cached_k, cached_v = gather_kv(kv_pages, span.page_ids, span.start_pos, layer)
-    keys = torch.cat((cached_k.to(k.dtype), k[span.rows]))
-    values = torch.cat((cached_v.to(v.dtype), v[span.rows]))
-    query_pos = span.start_pos + torch.arange(span.num_new, device=q.device)
-    key_mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= query_pos[:, None]
-    return _attend_one(q[span.rows], keys, values, key_mask)
-
-
-def _attend_decodes(
-    q: Tensor, k: Tensor, v: Tensor, decodes: _DecodeBatch, kv_pages: Tensor, layer: int
-) -> Tensor:
-    """All decode tokens in one SDPA: each row's query heads are folded under their kv head, so no
-    K/V copy per head."""
-    keys, values = gather_kv_slots(kv_pages, decodes.key_slots, layer)  # fresh [B, T, kv_heads, d]
-    batch_rows = torch.arange(keys.shape[0], device=keys.device)
-    keys[batch_rows, decodes.new_key_columns] = k[decodes.rows].to(keys.dtype)
-    values[batch_rows, decodes.new_key_columns] = v[decodes.rows].to(values.dtype)
-    num_batch, num_kv_heads, head_dim = keys.shape[0], keys.shape[2], keys.shape[3]
-    # [B, kv_heads, group, d]
-    grouped_q = q[decodes.rows].view(num_batch, num_kv_heads, -1, head_dim)
-    out = F.scaled_dot_product_attention(
-        grouped_q,
-        keys.to(q.dtype).transpose(1, 2),
-        values.to(q.dtype).transpose(1, 2),
-        attn_mask=decodes.key_mask,
-    )
-    return out.reshape(num_batch, -1, head_dim)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -244,7 +154,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden: Tensor,
         cos: Tensor,
         sin: Tensor,
-        plan: _AttentionPlan,
+        plan: AttentionPlan,
         kv_pages: Tensor,
         layer: int,
     ) -> tuple[Tensor, Tensor]:
@@ -268,7 +178,7 @@ class LlamaModel(nn.Module):
         self,
         token_ids: Tensor,
         positions: Tensor,
-        plan: _AttentionPlan,
+        plan: AttentionPlan,
         kv_pages: Tensor,
         output_rows: Tensor,
     ) -> tuple[Tensor, Tensor]:
@@ -316,14 +226,14 @@ class LlamaForCausalLM(nn.Module):
         last_rows = torch.tensor(
             [span.row_start + span.num_new - 1 for span in spans], device=device
         )
-        plan = _plan_attention(spans, kv_pages.shape[3], device)
+        plan = plan_attention(spans, kv_pages.shape[3], device)
         hidden, new_kv = self.model(token_ids, positions, plan, kv_pages, last_rows)
         return ForwardOutput(
             logits=self.lm_head(hidden).float(), new_kv=list(new_kv.split(num_new, dim=2))
         )
 
 
-def _pack(seqs: Sequence[SeqInput], page_size: int) -> list[_Span]:
+def _pack(seqs: Sequence[SeqInput], page_size: int) -> list[Span]:
     """Rows of each sequence in the packed batch; checks every sequence is non-empty and covered by
     its pages."""
     if not seqs:
@@ -339,34 +249,6 @@ def _pack(seqs: Sequence[SeqInput], page_size: int) -> list[_Span]:
                 f"sequence {index}: {len(seq.page_ids)} pages of {page_size} do not cover positions"
                 f" [0, {end_pos})"
             )
-        spans.append(_Span(row_start, num_new, seq.start_pos, seq.page_ids))
+        spans.append(Span(row_start, num_new, seq.start_pos, seq.page_ids))
         row_start += num_new
     return spans
-
-
-def _plan_attention(spans: list[_Span], page_size: int, device: torch.device) -> _AttentionPlan:
-    decode_spans = [s for s in spans if s.start_pos > 0 and s.num_new == 1]
-    return _AttentionPlan(
-        prefills=tuple(s for s in spans if s.start_pos == 0),
-        extends=tuple(s for s in spans if s.start_pos > 0 and s.num_new > 1),
-        decodes=_plan_decodes(decode_spans, page_size, device) if decode_spans else None,
-    )
-
-
-def _plan_decodes(spans: list[_Span], page_size: int, device: torch.device) -> _DecodeBatch:
-    """Pad all decode contexts to the longest; padding re-reads a cached slot (never an unwritten
-    one) and is masked."""
-    start_pos = torch.tensor([s.start_pos for s in spans], device=device)
-    num_table_pages = max(len(s.page_ids) for s in spans)
-    page_tables = page_table_tensor(
-        [list(s.page_ids) + [0] * (num_table_pages - len(s.page_ids)) for s in spans], device
-    )
-    # [1, T]
-    key_columns = torch.arange(max(s.start_pos for s in spans) + 1, device=device)[None, :]
-    cached_positions = torch.minimum(key_columns, start_pos[:, None] - 1)  # [B, T]
-    return _DecodeBatch(
-        rows=torch.tensor([s.row_start for s in spans], device=device),
-        key_slots=locate_slots(page_tables, cached_positions, page_size),
-        new_key_columns=start_pos,
-        key_mask=(key_columns <= start_pos[:, None])[:, None, None, :],
-    )

@@ -17,6 +17,7 @@ host <-> GPU copy of a page is a single slice). A sequence's page table
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,13 +57,19 @@ def locate_slots(page_table: Tensor, positions: Tensor, page_size: int) -> KVSlo
     return KVSlots(page_table.gather(-1, positions // page_size), positions % page_size)
 
 
-def gather_kv_slots(kv_pages: Tensor, slots: KVSlots, layer: int) -> tuple[Tensor, Tensor]:
-    """K and V of one layer at ``slots``, each ``[*slots.shape, num_kv_heads, head_dim]``.
+def gather_pages(kv_pages: Tensor, page_ids: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+    """K and V of one layer of whole pages ``page_ids`` [n], each ``[n * page_size, num_kv_heads,
+    head_dim]``: slot s of ``page_ids[i]`` is row ``i * page_size + s``, unwritten slots included.
 
-    Pure read: returns fresh tensors (views of one new [..., 2, heads, dim] tensor).
+    Pure read: returns fresh tensors. A page of one layer's K (or V) is one contiguous block, so
+    this copies blocks, not slots.
     """
-    kv = kv_pages[:, layer][slots.page_index, :, slots.slot_index]
-    return kv[..., K_INDEX, :, :], kv[..., V_INDEX, :, :]
+    num_kv_heads, head_dim = kv_pages.shape[4:]
+    k, v = (
+        kv_pages[:, layer, kv].index_select(0, page_ids).view(-1, num_kv_heads, head_dim)
+        for kv in (K_INDEX, V_INDEX)
+    )
+    return k, v
 
 
 def gather_kv(
@@ -74,10 +81,10 @@ def gather_kv(
     Pure read of ``kv_pages``.
     """
     page_size = kv_pages.shape[3]
-    _check_covered(page_ids, num_tokens, page_size)
-    positions = torch.arange(num_tokens, device=kv_pages.device)
-    slots = locate_slots(page_table_tensor(page_ids, kv_pages.device), positions, page_size)
-    return gather_kv_slots(kv_pages, slots, layer)
+    num_pages = _check_covered(page_ids, num_tokens, page_size)
+    table = page_table_tensor(page_ids[:num_pages], kv_pages.device)
+    k, v = gather_pages(kv_pages, table, layer)
+    return k[:num_tokens], v[:num_tokens]
 
 
 def write_kv(kv_pages: Tensor, page_ids: Sequence[int], start_pos: int, new_kv: Tensor) -> None:
@@ -87,21 +94,47 @@ def write_kv(kv_pages: Tensor, page_ids: Sequence[int], start_pos: int, new_kv: 
     Mutates ``kv_pages`` at exactly those n slots of every layer, nothing else.
     ``new_kv`` is converted to the pages' dtype and device.
     """
-    page_size = kv_pages.shape[3]
-    num_new = new_kv.shape[2]
-    _check_covered(page_ids, start_pos + num_new, page_size)
-    positions = torch.arange(start_pos, start_pos + num_new, device=kv_pages.device)
-    slots = locate_slots(page_table_tensor(page_ids, kv_pages.device), positions, page_size)
+    write_kvs(kv_pages, [(page_ids, start_pos, new_kv)])
+
+
+def write_kvs(kv_pages: Tensor, writes: Sequence[tuple[Sequence[int], int, Tensor]]) -> None:
+    """Each ``(page_ids, start_pos, new_kv)`` of ``writes`` as ``write_kv`` does it, in one write.
+
+    Mutates ``kv_pages`` at exactly the written slots; the writes must not share a slot.
+    """
+    page_size, device = kv_pages.shape[3], kv_pages.device
+    tables, table_starts, starts, lengths = [], [], [], []
+    for page_ids, start_pos, new_kv in writes:
+        _check_covered(page_ids, start_pos + new_kv.shape[2], page_size)
+        table_starts.append(len(tables))
+        tables.extend(page_ids)
+        starts.append(start_pos)
+        lengths.append(new_kv.shape[2])
+    num_slots = sum(lengths)
+    lengths_tensor = torch.tensor(lengths, device=device)
+    # position in the concatenated page tables, i.e. its table's first slot plus its position
+    first_slots = torch.tensor(table_starts, device=device) * page_size + torch.tensor(
+        starts, device=device
+    )
+    row_starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], device=device)
+    flat_positions = torch.arange(num_slots, device=device) + (
+        first_slots - row_starts
+    ).repeat_interleave(lengths_tensor, output_size=num_slots)
+    slots = locate_slots(page_table_tensor(tables, device), flat_positions, page_size)
+    new_kvs = torch.cat([new_kv for _, _, new_kv in writes], dim=2)
     # Advanced indices on dims 0 and 3 put the token dim first: [n, layers, 2, heads, dim].
-    kv_pages[slots.page_index, :, :, slots.slot_index] = new_kv.permute(2, 0, 1, 3, 4).to(
-        device=kv_pages.device, dtype=kv_pages.dtype
+    kv_pages[slots.page_index, :, :, slots.slot_index] = new_kvs.permute(2, 0, 1, 3, 4).to(
+        device=device, dtype=kv_pages.dtype
     )
 
 
-def _check_covered(page_ids: Sequence[int], num_positions: int, page_size: int) -> None:
+def _check_covered(page_ids: Sequence[int], num_positions: int, page_size: int) -> int:
+    """The number of pages that hold ``num_positions`` positions; ValueError if ``page_ids`` has
+    fewer. Pure."""
     num_needed = -(-num_positions // page_size)
     if len(page_ids) < num_needed:
         raise ValueError(
             f"page table of {len(page_ids)} pages covers {len(page_ids) * page_size} positions; "
             f"{num_positions} positions need {num_needed} pages of {page_size}"
         )
+    return num_needed
