@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.kv import page_copy
+from batchgen.kv import copy_runs, page_copy
 from batchgen.kv.page_copy import AsyncCopyQueue, CopyError, copy_pages, new_page_tensor
 
 PAGE_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, page_size, num_kv_heads, head_dim
@@ -86,8 +86,8 @@ def test_copy_pages_moves_exact_bytes_and_leaves_other_pages_untouched(pattern):
 def test_host_copies_move_exact_bytes_on_any_number_of_threads(
     pattern, threads, page_shape, monkeypatch
 ):
-    monkeypatch.setattr(page_copy, "CPU_PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(page_copy.torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(copy_runs, "CPU_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(copy_runs.torch, "get_num_threads", lambda: threads)
     src_ids, dst_ids = ID_PATTERNS[pattern]
     src, dst = make_pool(seed=1, page_shape=page_shape), make_pool(seed=2, page_shape=page_shape)
     expected = reference_copy(src, src_ids, dst, dst_ids)
@@ -112,8 +112,8 @@ def test_host_copies_move_exact_bytes_on_any_number_of_threads(
 def test_host_copies_merge_runs_by_destination_and_share_pages_evenly(
     src_ids, dst_ids, num_shares, shares
 ):
-    runs = page_copy._pair_runs(np.array(src_ids), np.array(dst_ids))
-    assert page_copy._split_runs(*runs, num_shares) == shares
+    runs = copy_runs._pair_runs(np.array(src_ids), np.array(dst_ids))
+    assert copy_runs._split_runs(*runs, num_shares) == shares
 
 
 def test_copy_pages_moves_bfloat16_bytes_exactly():
