@@ -78,6 +78,8 @@ def apply_release_plan(target: KvTarget, plan: ReleasePlan) -> None:
 def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
     """Mutates victims (phase, page tables), both pools (store copies, pages), stats."""
     check_eviction_plan(target, plan)
+    if not plan.victims:
+        return
     grants = [(v.uuid, v.host_page_ids) for v in plan.victims]
     take_pages(target.host_kv, grants, "EvictionPlan.victims[{}].host_page_ids")
     stats = target.state.stats
@@ -100,6 +102,8 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
 def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
     """Mutates phases (-> LOADING), page tables, the GPU pool, stats; starts async loads."""
     check_migration_plan(target, plan)
+    if not plan.loads:
+        return
     grants = [(load.uuid, load.gpu_page_ids) for load in plan.loads]
     take_pages(target.gpu_kv, grants, "MigrationPlan.loads[{}].gpu_page_ids")
     for load in plan.loads:
@@ -126,5 +130,7 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
         req = target.state.edit(grant.uuid)
         req.gpu_page_ids += grant.new_page_ids
         req.phase = Phase.RUNNING
+    if not plan.not_fitting:
+        return list(request.batch)
     left_out = {entry.uuid for entry in plan.not_fitting}
     return [uuid for uuid in request.batch if uuid not in left_out]

@@ -110,7 +110,8 @@ class PlanKvPath:
 
     def eviction_request(self) -> EvictionRequest:
         running = page_columns(self._in_phase(Phase.RUNNING))
-        return EvictionRequest(self.snapshot(), running, self._demand(running))
+        demand = decode_demand(running, self.geometry.page_size)
+        return EvictionRequest(self.snapshot(), running, demand)
 
     def migration_request(self) -> MigrationRequest:
         """The SWAPPED requests, and the RUNNING ones with the LOADING count when any is
@@ -119,9 +120,10 @@ class PlanKvPath:
         if not swapped:
             return MigrationRequest(self.snapshot(), swapped_columns(()), page_columns(()), 0, 0)
         running = page_columns(self._in_phase(Phase.RUNNING))
+        demand = decode_demand(running, self.geometry.page_size)
         num_loading = len(self._in_phase(Phase.LOADING))
         return MigrationRequest(
-            self.snapshot(), swapped_columns(swapped), running, self._demand(running), num_loading
+            self.snapshot(), swapped_columns(swapped), running, demand, num_loading
         )
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
@@ -131,12 +133,9 @@ class PlanKvPath:
         needing = [
             req
             for req in map(requests.__getitem__, batch)
-            if req.num_tokens > len(req.gpu_page_ids) * page_size or req.phase is not Phase.RUNNING
+            if req.phase is not Phase.RUNNING or req.num_tokens > len(req.gpu_page_ids) * page_size
         ]
         return AllocRequest(self.snapshot(), page_columns(needing), tuple(batch))
-
-    def _demand(self, running: PageColumns) -> int:
-        return decode_demand(running, self.geometry.page_size)
 
     def _in_phase(self, phase: Phase) -> list[RequestState]:
         return [r for r in self.target.state.requests.values() if r.phase is phase]

@@ -92,8 +92,10 @@ class SwappedColumns:
 
 def decode_demand(running: PageColumns, page_size: int) -> int:
     """GPU pages the ``running`` requests lack, together, for every token to have a slot. Pure."""
-    held = sum(len(page_ids) for page_ids in running.gpu_page_ids)
-    return sum(pages_needed(n, page_size) for n in running.num_tokens) - held
+    return sum(
+        pages_needed(num_tokens, page_size) - len(page_ids)
+        for num_tokens, page_ids in zip(running.num_tokens, running.gpu_page_ids)
+    )
 
 
 class RequestKvView(NamedTuple):
