@@ -26,6 +26,9 @@ from compare.render import xml_safe
 
 _WIDTH_IN = 12.0  # scaled to the page's width by CSS; the text keeps these proportions
 _PANEL_HEIGHT_IN = 1.35
+# fixed margins (inches), not a layout engine: measuring every label to place the panels took half
+# of a chart's time, and a sweep's page draws up to 60 charts
+_LEFT_IN, _RIGHT_IN, _TOP_IN, _BOTTOM_IN, _PANEL_GAP_IN = 0.6, 1.5, 0.2, 0.4, 0.15
 _MARK_COLOUR = "crimson"
 _LEVEL_STYLES = ("--", ":", "-.")
 _METADATA = ("Date", "Creator", "Format", "Type")  # none written: no timestamp, no <metadata>
@@ -72,7 +75,7 @@ def timeline_svg(
     ``chart_id`` must be unique in the page: every id in the SVG derives from it. Pure."""
     steps = range(timeline.first_step, timeline.first_step + timeline.num_steps)
     with matplotlib.rc_context({**_STYLE, "svg.hashsalt": chart_id}):
-        figure = Figure(figsize=(_WIDTH_IN, _PANEL_HEIGHT_IN * len(panels)), layout="constrained")
+        figure = _figure(len(panels))
         axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
         for ax, panel in zip(axes, panels):
             _draw_panel(ax, panel, timeline, steps, labels)
@@ -85,6 +88,18 @@ def timeline_svg(
         out = io.StringIO()
         figure.savefig(out, format="svg", metadata=dict.fromkeys(_METADATA))
     return _for_the_page(out.getvalue(), marks, chart_id)
+
+
+def _figure(num_panels: int) -> Figure:
+    """An empty figure of ``num_panels`` stacked panels' height, its margins set. Pure."""
+    height = _PANEL_HEIGHT_IN * num_panels
+    figure = Figure(figsize=(_WIDTH_IN, height))
+    figure.subplots_adjust(
+        left=_LEFT_IN / _WIDTH_IN, right=1 - _RIGHT_IN / _WIDTH_IN,
+        bottom=_BOTTOM_IN / height, top=1 - _TOP_IN / height,
+        hspace=_PANEL_GAP_IN / (_PANEL_HEIGHT_IN - _PANEL_GAP_IN),
+    )  # fmt: skip
+    return figure
 
 
 def _draw_panel(
