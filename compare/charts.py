@@ -26,8 +26,8 @@ from compare.render import xml_safe
 
 _WIDTH_IN = 12.0  # scaled to the page's width by CSS; the text keeps these proportions
 _PANEL_HEIGHT_IN = 1.35
-# fixed margins (inches), not a layout engine: measuring every label to place the panels took half
-# of a chart's time, and a sweep's page draws up to 60 charts
+# fixed margins (inches), not a layout engine, which measures every label of a chart to place its
+# panels: a sweep's page draws up to 60 charts
 _LEFT_IN, _RIGHT_IN, _TOP_IN, _BOTTOM_IN, _PANEL_GAP_IN = 0.6, 1.5, 0.2, 0.4, 0.15
 _MARK_COLOUR = "crimson"
 _LEVEL_STYLES = ("--", ":", "-.")
