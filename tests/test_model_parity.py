@@ -9,6 +9,7 @@ import transformers
 
 from batchgen.model.llama import SeqInput
 from batchgen.model.loader import load_model
+from batchgen.model.paged_attention import Span, plan_attention
 from batchgen.model.paged_kv import gather_kv, kv_page_shape, write_kv
 
 HF_CLASSES = {
@@ -290,3 +291,28 @@ def test_decode_reads_no_slot_past_its_context(small_model):
         expected = model([alone], pages).logits[0]
         torch.testing.assert_close(batched.logits[row], expected, atol=1e-5, rtol=0)
     assert not batched.logits.isnan().any()
+
+
+def test_decodes_of_unequal_lengths_attend_in_batches_as_each_alone(small_model):
+    _, model = small_model
+    pages = make_pages(model, page_size=2, num_pages=40)
+    vocab = SMALL_GEOMETRY["vocab_size"]
+    long_table, short_tables = list(range(20, 40)), [[0, 1], [2, 3], [4, 5]]
+    prefill_into_pages(model, pages, random_tokens(39, vocab, seed=1), long_table)
+    for seed, table in enumerate(short_tables):
+        prefill_into_pages(model, pages, random_tokens(3, vocab, seed=seed), table)
+    batch = [SeqInput([7], 3, short_tables[0]), SeqInput([8], 39, long_table)]
+    batch += [SeqInput([9], 3, table) for table in short_tables[1:]]
+    plan = plan_attention(
+        [Span(row, 1, seq.start_pos, seq.page_ids) for row, seq in enumerate(batch)],
+        page_size=2,
+        device=torch.device("cpu"),
+    )
+    # 20 pages against 2: three short rows padded to 20 pages would waste 54
+    assert [decodes.rows.tolist() for decodes in plan.decodes] == [[1], [0, 2, 3]]
+
+    batched = model(batch, pages)
+
+    for row, seq in enumerate(batch):
+        expected = model([seq], pages).logits[0]
+        torch.testing.assert_close(batched.logits[row], expected, atol=1e-5, rtol=0)

@@ -136,8 +136,8 @@ class LlamaAttention(nn.Module):
             )
         for span in plan.extends:
             out[span.rows] = attend_extend(q, k, v, span, kv_pages, layer)
-        if plan.decodes is not None:
-            out[plan.decodes.rows] = attend_decodes(q, k, v, plan.decodes, kv_pages, layer)
+        for decodes in plan.decodes:
+            out[decodes.rows] = attend_decodes(q, k, v, decodes, kv_pages, layer)
         return self.o_proj(out.view(num_rows, -1)), torch.stack((k, v))
 
 

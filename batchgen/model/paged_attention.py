@@ -6,7 +6,7 @@ and every layer attends with it:
     kind     | start_pos | new tokens | attention
     ---------+-----------+------------+------------------------------------------------
     prefill  | 0         | n >= 1     | SDPA with is_causal over its own tokens
-    decode   | > 0       | 1          | one padded, masked SDPA for all decodes together
+    decode   | > 0       | 1          | padded, masked SDPA per batch of similar lengths
     extend   | > 0       | n > 1      | SDPA over cached + new K/V with an explicit mask
 
 Everything here reads ``kv_pages`` and never writes it.
@@ -14,6 +14,7 @@ Everything here reads ``kv_pages`` and never writes it.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from batchgen.model.paged_kv import gather_kv, gather_pages, page_table_tensor
+
+# see decode_groups; measured with scripts/bench_throughput.py's geometries on CPU
+DECODE_BATCH_COST_PAGES = 16
+MAX_DECODE_BATCHES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +45,7 @@ class Span:
 
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
-    """All one-token sequences with a cached history, attended as one padded batch of B rows.
+    """One-token sequences with a cached history, attended as one padded batch of B rows.
 
     Row b reads its whole pages up to its new token's, padded to the longest such table with its
     first page, so its key column t is position t (T = pages per row x page size)::
@@ -70,7 +75,7 @@ class AttentionPlan:
 
     prefills: tuple[Span, ...]
     extends: tuple[Span, ...]
-    decodes: DecodeBatch | None
+    decodes: tuple[DecodeBatch, ...]  # the decodes in padded batches of similar table lengths
 
 
 def attend_sequence(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Tensor:
@@ -125,12 +130,48 @@ def attend_decodes(
 
 
 def plan_attention(spans: list[Span], page_size: int, device: torch.device) -> AttentionPlan:
-    """The spans by kind, decodes as one padded batch. Pure."""
+    """The spans by kind, decodes in padded batches (``decode_groups``). Pure."""
     decode_spans = [s for s in spans if s.start_pos > 0 and s.num_new == 1]
+    # on CUDA one padded batch: every further one costs its own kernel launches in every layer
+    max_batches = 1 if device.type == "cuda" else MAX_DECODE_BATCHES
+    groups = decode_groups([s.start_pos // page_size + 1 for s in decode_spans], max_batches)
     return AttentionPlan(
         prefills=tuple(s for s in spans if s.start_pos == 0),
         extends=tuple(s for s in spans if s.start_pos > 0 and s.num_new > 1),
-        decodes=_plan_decodes(decode_spans, page_size, device) if decode_spans else None,
+        decodes=tuple(
+            _plan_decodes([decode_spans[i] for i in group], page_size, device) for group in groups
+        ),
+    )
+
+
+def decode_groups(num_pages: Sequence[int], max_batches: int) -> list[list[int]]:
+    """The decode rows (indices into ``num_pages``, each row's table length) as padded batches.
+
+    Every row of a batch is padded to the batch's longest table, so a batch of rows of unequal
+    lengths gathers and attends pages it throws away, and a large one outgrows the CPU caches
+    between its gather and its SDPA. Rows are sorted longest first; a batch is cut in two where
+    that saves the most padded pages, while it saves more than ``DECODE_BATCH_COST_PAGES`` (one
+    more batch's own gather and SDPA calls), into at most ``max_batches`` batches. Pure.
+    """
+    order = sorted(range(len(num_pages)), key=num_pages.__getitem__, reverse=True)
+    lengths = [num_pages[i] for i in order]
+    bounds = [0, len(order)]  # batch b is order[bounds[b]:bounds[b + 1]]
+    while len(bounds) - 1 < max_batches:
+        saved, cut = max(_best_cut(lengths, start, end) for start, end in zip(bounds, bounds[1:]))
+        if saved <= DECODE_BATCH_COST_PAGES:
+            break
+        bisect.insort(bounds, cut)
+    return [order[start:end] for start, end in zip(bounds, bounds[1:]) if end > start]
+
+
+def _best_cut(lengths: Sequence[int], start: int, end: int) -> tuple[int, int]:
+    """(padded pages saved, index) of the best cut of the batch ``lengths[start:end]`` (longest
+    first): rows from the cut on are padded to their own longest instead of ``lengths[start]``.
+    Pure."""
+    if end - start < 2:
+        return 0, start
+    return max(
+        ((end - cut) * (lengths[start] - lengths[cut]), cut) for cut in range(start + 1, end)
     )
 
 
