@@ -191,3 +191,11 @@ class EngineConfig(_Frozen):
     load_failure: Literal["recompute", "fail"] = Field(
         default="recompute", description="after the last retry: recompute the request, or fail it"
     )
+    schedule_policy: Literal["fcfs", "lof"] = Field(
+        default="fcfs",
+        description=(
+            "the order WAITING requests are admitted in: fcfs, oldest first; lof, longest output"
+            " first (most new tokens still allowed), which ends a batch whose requests differ in"
+            " max_new_tokens in fewer steps"
+        ),
+    )

@@ -375,6 +375,13 @@ CASES: tuple[BadInput, ...] = (
         ("--kv-load-timeout-steps", "must be an integer >= 1", "'0'"),
     ),
     case(
+        "schedule-policy-unknown",
+        CLI,
+        "--schedule-policy that is neither fcfs nor lof",
+        f"{RUN} --schedule-policy sjf",
+        ("--schedule-policy", "invalid choice: 'sjf'", "'fcfs', 'lof'"),
+    ),
+    case(
         "report-format",
         CLI,
         "a report format that does not exist",

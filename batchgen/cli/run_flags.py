@@ -60,6 +60,16 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--schedule-policy",
+        choices=["fcfs", "lof"],
+        default=None,
+        help=(
+            "admission order of waiting requests: fcfs (oldest first) or lof (longest output first:"
+            " most new tokens still allowed; fewer steps when max_new_tokens differ) (default: the"
+            " workload's engine config)"
+        ),
+    )
+    parser.add_argument(
         "--kv-load-timeout-steps",
         type=positive_int,
         metavar="N",
@@ -143,6 +153,7 @@ def engine_config_from_args(engine, args: argparse.Namespace):
     overrides = {
         "max_load_retries": args.kv_load_retries,
         "load_timeout_steps": args.kv_load_timeout_steps,
+        "schedule_policy": args.schedule_policy,
     }
     return engine.model_copy(
         update={name: value for name, value in overrides.items() if value is not None}

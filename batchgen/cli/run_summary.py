@@ -70,6 +70,7 @@ def run_summary(
         "max_load_retries": engine.max_load_retries,
         "load_timeout_steps": engine.load_timeout_steps,
         "load_failure": engine.load_failure,
+        "schedule_policy": engine.schedule_policy,
     }
     compared = result.compare_summary
     if compared is not None:
