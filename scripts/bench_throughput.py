@@ -11,7 +11,8 @@ time; the minimum CPU time is shown beside it). Two mixes:
     mixed   64 requests, prompts of 16-128 tokens, 16-256 new tokens, at most
             --max-num-seqs (16) at a time. HF: consecutive static batches of 16 in
             arrival order, each until its longest request ends; batchgen: continuous
-            batching. Only requested tokens count.
+            batching, under each admission order (``schedule_policy``): fcfs, oldest first
+            (the default), and lof, longest output first. Only requested tokens count.
 
 batchgen runs the workload through ``run_workload`` on a fresh ``Worker`` (what
 ``batchgen run`` does), with pools that never evict, in the model's dtype. Each
@@ -79,6 +80,7 @@ class Mix:
     prompts: list[list[int]]
     new_tokens: list[int]
     max_num_seqs: int
+    schedule_policies: tuple[str, ...]  # batchgen runs the mix under each
 
     @property
     def num_tokens(self) -> int:
@@ -205,12 +207,14 @@ def build_mixes(args: argparse.Namespace, vocab_size: int) -> list[Mix]:
             prompts(args.static_requests),
             [args.static_new_tokens] * args.static_requests,
             args.static_requests,
+            ("fcfs",),  # equal lengths: lof admits in the same order
         ),
         "mixed": Mix(
             "mixed",
             prompts(args.mixed_requests),
             [rng.randint(*args.mixed_range) for _ in range(args.mixed_requests)],
             args.max_num_seqs,
+            ("fcfs", "lof"),
         ),
     }
     return [mixes[name] for name in split(args.mixes)]
@@ -238,7 +242,7 @@ def hf_generate(model, mix: Mix, device: str) -> list[list[int]]:
     return outputs
 
 
-def workload(mix: Mix, dtype: str) -> Workload:
+def workload(mix: Mix, dtype: str, schedule_policy: str) -> Workload:
     """The mix as a batchgen workload, all at step 0, with ``dtype`` pools that hold every request.
     Pure."""
     requests = [
@@ -258,14 +262,18 @@ def workload(mix: Mix, dtype: str) -> Workload:
         engine=EngineConfig(
             max_num_seqs=mix.max_num_seqs,
             max_num_batched_tokens=sum(map(len, mix.prompts)) + len(mix.prompts),
+            schedule_policy=schedule_policy,
         ),
         requests=requests,
     )
 
 
-def new_worker(model, mix: Mix, device: str) -> tuple[Worker, Workload]:
+def new_worker(
+    model, mix: Mix, device: str, schedule_policy: str = "fcfs"
+) -> tuple[Worker, Workload]:
     """A worker for ``mix`` whose KV pages have the model's dtype, and the workload."""
-    job = workload(mix, str(model.lm_head.weight.dtype).removeprefix("torch."))
+    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    job = workload(mix, dtype, schedule_policy)
     worker = Worker(
         model,
         cache_config=job.cache,
@@ -294,10 +302,10 @@ def timed(generate, device: str) -> Timed:
     return Timed(outputs, time.perf_counter() - wall, time.process_time() - cpu)
 
 
-def run_batchgen(model, mix: Mix, device: str) -> Timed:
+def run_batchgen(model, mix: Mix, device: str, schedule_policy: str) -> Timed:
     """batchgen's output of every request (request order) from a fresh worker, timed without the
     worker's construction (its pools)."""
-    worker, job = new_worker(model, mix, device)
+    worker, job = new_worker(model, mix, device, schedule_policy)
 
     def generate() -> list[RequestOutput]:
         result = run_workload(worker, job)
@@ -306,31 +314,35 @@ def run_batchgen(model, mix: Mix, device: str) -> Timed:
     return timed(generate, device)
 
 
-def measure(hf_model, model, mix: Mix, args: argparse.Namespace) -> dict:
-    """Both systems on ``mix``, interleaved ``--repeats`` times after one warm-up each."""
-    runs = {
-        "hf": lambda: timed(lambda: hf_generate(hf_model, mix, args.device), args.device),
-        "batchgen": lambda: run_batchgen(model, mix, args.device),
-    }
+def measure(hf_model, model, mix: Mix, args: argparse.Namespace) -> list[dict]:
+    """HF and batchgen under each of the mix's schedule policies, interleaved ``--repeats`` times
+    after one warm-up each; one row per policy, HF's timings in each."""
+    runs = {"hf": lambda: timed(lambda: hf_generate(hf_model, mix, args.device), args.device)}
+    for policy in mix.schedule_policies:
+        runs[policy] = lambda policy=policy: run_batchgen(model, mix, args.device, policy)
     outputs = {name: run().outputs for name, run in runs.items()}  # warm-up
     samples = {name: [] for name in runs}
     for repeat in range(args.repeats):
         for name in sorted(runs, reverse=repeat % 2 == 1):
             samples[name].append(runs[name]())
-    row = {"mix": mix.name, "num_requests": len(mix.prompts), "num_tokens": mix.num_tokens}
-    for name, timings in samples.items():
-        row[f"{name}_wall_s"] = [t.wall_s for t in timings]
-        row[f"{name}_cpu_s"] = [t.cpu_s for t in timings]
-        row[f"{name}_tokens_per_s"] = mix.num_tokens / min(row[f"{name}_wall_s"])
-    row["ratio_wall"] = min(row["hf_wall_s"]) / min(row["batchgen_wall_s"])
-    row["ratio_cpu"] = min(row["hf_cpu_s"]) / min(row["batchgen_cpu_s"])
     tolerance = NEAR_TIE_TOLERANCES[args.dtype]
-    near_ties = [
-        near_tie(hf, ours, tolerance) for hf, ours in zip(outputs["hf"], outputs["batchgen"])
-    ]
-    row["num_requests_near_tie"] = near_ties.count(True)
-    row["num_requests_differing"] = near_ties.count(False)
-    return row
+    rows = []
+    for policy in mix.schedule_policies:
+        row = {"mix": mix.name, "schedule_policy": policy, "num_requests": len(mix.prompts)}
+        row["num_tokens"] = mix.num_tokens
+        for name, system in (("hf", "hf"), (policy, "batchgen")):
+            row[f"{system}_wall_s"] = [t.wall_s for t in samples[name]]
+            row[f"{system}_cpu_s"] = [t.cpu_s for t in samples[name]]
+            row[f"{system}_tokens_per_s"] = mix.num_tokens / min(row[f"{system}_wall_s"])
+        row["ratio_wall"] = min(row["hf_wall_s"]) / min(row["batchgen_wall_s"])
+        row["ratio_cpu"] = min(row["hf_cpu_s"]) / min(row["batchgen_cpu_s"])
+        near_ties = [
+            near_tie(hf, ours, tolerance) for hf, ours in zip(outputs["hf"], outputs[policy])
+        ]
+        row["num_requests_near_tie"] = near_ties.count(True)
+        row["num_requests_differing"] = near_ties.count(False)
+        rows.append(row)
+    return rows
 
 
 def near_tie(hf_tokens: list[int], ours: RequestOutput, tolerance: float) -> bool | None:
@@ -404,13 +416,15 @@ def copy_bandwidth(device: str, num_bytes: int = 2**30) -> float:
 
 def render(rows: list[dict], title: str) -> Table:
     table = Table(title=title)
-    columns = ("geometry", "mix", "tokens", "batchgen tok/s", "HF tok/s", "ratio", "ratio CPU")
-    for column in (*columns, "tokens as HF"):
-        table.add_column(column, justify="left" if column in ("geometry", "mix") else "right")
+    columns = ("geometry", "mix", "admission", "tokens", "batchgen tok/s", "HF tok/s", "ratio")
+    for column in (*columns, "ratio CPU", "tokens as HF"):
+        left = column in ("geometry", "mix", "admission")
+        table.add_column(column, justify="left" if left else "right")
     for row in rows:
         table.add_row(
             row["geometry"],
             row["mix"],
+            row["schedule_policy"],
             str(row["num_tokens"]),
             f"{row['batchgen_tokens_per_s']:.1f}",
             f"{row['hf_tokens_per_s']:.1f}",
@@ -439,8 +453,11 @@ def main() -> None:
             model = load_model(checkpoint, device=args.device, dtype=args.dtype)
         mixes = build_mixes(args, geometry["vocab_size"])
         for mix in mixes:
-            rows.append({"geometry": name, **measure(hf_model, model, mix, args)})
-            console.print(f"{name} {mix.name}: {rows[-1]['ratio_wall']:.2f}x HF")
+            for row in measure(hf_model, model, mix, args):
+                rows.append({"geometry": name, **row})
+                console.print(
+                    f"{name} {mix.name} {row['schedule_policy']}: {row['ratio_wall']:.2f}x HF"
+                )
         if args.device == "cuda":
             static = next((mix for mix in mixes if mix.name == "static"), mixes[0])
             decode[name] = decode_steps(model, static, args.device)

@@ -322,12 +322,14 @@ def test_bench_throughput_runs_both_systems_on_both_mixes_and_gets_hf_tokens(tmp
     out = tmp_path / "throughput.json"
     run_benchmark("bench_throughput.py", *TOY_SIZES["bench_throughput.py"], "--json-out", str(out))
     figures = json.loads(out.read_text())
-    assert [(row["geometry"], row["mix"]) for row in figures["rows"]] == [
-        ("64x1", "static"),
-        ("64x1", "mixed"),
+    assert [(row["geometry"], row["mix"], row["schedule_policy"]) for row in figures["rows"]] == [
+        ("64x1", "static", "fcfs"),
+        ("64x1", "mixed", "fcfs"),
+        ("64x1", "mixed", "lof"),
     ]
-    static, mixed = figures["rows"]
+    static, mixed, mixed_lof = figures["rows"]
     assert static["num_tokens"] == 3 * 3 and 5 <= mixed["num_tokens"] <= 5 * 6
+    assert mixed_lof["hf_wall_s"] == mixed["hf_wall_s"]  # one HF run, both admission orders
     for row in figures["rows"]:
         assert row["num_requests_differing"] == row["num_requests_near_tie"] == 0
         assert len(row["hf_wall_s"]) == len(row["batchgen_cpu_s"]) == 1
