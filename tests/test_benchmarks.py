@@ -24,6 +24,7 @@ TOY_SIZES = {  # so that a script which failed to refuse the path would still en
     "bench_kv_ops.py": ("--sizes", "8", "--steps", "1", "--warmup", "0", "--repeats", "1"),
     "bench_compare.py": ("--sizes", "8", "--steps", "2", "--repeats", "1", "--no-e2e"),
     "bench_migration.py": ("--pages", "4", "--page-kib", "4", "--repeats", "1"),
+    "bench_decode_attention.py": ("--cases", "3:1-40", "--layers", "2", "--repeats", "1"),
     "bench_throughput.py": (
         "--geometry",
         "64x1",
@@ -302,6 +303,7 @@ def test_bench_compare_refuses_a_profile_of_no_requests_instead_of_running_the_b
         ("bench_kv_ops.py", "--json-out"),
         ("bench_compare.py", "--json-out"),
         ("bench_migration.py", "--json-out"),
+        ("bench_decode_attention.py", "--json-out"),
         ("bench_throughput.py", "--json-out"),
         ("scale_check.py", "--json-out"),
     ],
@@ -334,6 +336,28 @@ def test_bench_throughput_runs_both_systems_on_both_mixes_and_gets_hf_tokens(tmp
         assert row["num_requests_differing"] == row["num_requests_near_tie"] == 0
         assert len(row["hf_wall_s"]) == len(row["batchgen_cpu_s"]) == 1
         assert row["ratio_wall"] > 0 and row["ratio_cpu"] > 0
+
+
+def test_bench_decode_attention_times_both_variants_and_cuts_unequal_rows(tmp_path):
+    out = tmp_path / "attention.json"
+    toy = ("--cases", "2:1-3,4:2-200", "--layers", "2", "--page-size", "2", "--repeats", "1")
+    run_benchmark("bench_decode_attention.py", *toy, "--json-out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["rows"], row["tokens"]) for row in rows] == [(2, "1-3"), (4, "2-200")]
+    # at most 2 pages against 2: one batch; up to 101 pages against as few as 2: several
+    assert rows[0]["batches"] == 1 and rows[1]["batches"] > 1
+    for row in rows:
+        assert set(row["ms_per_step"]) == {"one batch", "grouped"}
+        assert row["ratio"] > 0
+
+
+@pytest.mark.parametrize("case", ["3", "3:5", "0:1-4", "3:4-1", "a:1-2"])
+def test_bench_decode_attention_refuses_a_malformed_case(monkeypatch, capsys, case):
+    assert refusal(monkeypatch, capsys, "bench_decode_attention.py", "--cases", case) == (
+        2,
+        f"bench_decode_attention.py: error: --cases takes ROWS:MIN-MAX with 1 <= MIN <= MAX,"
+        f" got {case!r}",
+    )
 
 
 @pytest.mark.parametrize("flag, value", [("--pages", "0"), ("--pages", "-3"), ("--repeats", "0")])

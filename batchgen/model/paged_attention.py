@@ -24,7 +24,7 @@ from torch import Tensor
 
 from batchgen.model.paged_kv import gather_kv, gather_pages, page_table_tensor
 
-# see decode_groups; measured with scripts/bench_throughput.py's geometries on CPU
+# see decode_groups; measured with scripts/bench_decode_attention.py on CPU
 DECODE_BATCH_COST_PAGES = 16
 MAX_DECODE_BATCHES = 8
 
@@ -129,11 +129,13 @@ def attend_decodes(
     return out.reshape(num_batch, -1, head_dim)
 
 
-def plan_attention(spans: list[Span], page_size: int, device: torch.device) -> AttentionPlan:
-    """The spans by kind, decodes in padded batches (``decode_groups``). Pure."""
+def plan_attention(
+    spans: list[Span], page_size: int, device: torch.device, max_decode_batches: int | None = None
+) -> AttentionPlan:
+    """The spans by kind, decodes in at most ``max_decode_batches`` padded batches
+    (``decode_groups``; default: the device's). Pure."""
     decode_spans = [s for s in spans if s.start_pos > 0 and s.num_new == 1]
-    # on CUDA one padded batch: every further one costs its own kernel launches in every layer
-    max_batches = 1 if device.type == "cuda" else MAX_DECODE_BATCHES
+    max_batches = max_decode_batches or default_decode_batches(device)
     groups = decode_groups([s.start_pos // page_size + 1 for s in decode_spans], max_batches)
     return AttentionPlan(
         prefills=tuple(s for s in spans if s.start_pos == 0),
@@ -142,6 +144,11 @@ def plan_attention(spans: list[Span], page_size: int, device: torch.device) -> A
             _plan_decodes([decode_spans[i] for i in group], page_size, device) for group in groups
         ),
     )
+
+
+def default_decode_batches(device: torch.device) -> int:
+    """On CUDA one padded batch: every further one costs its own kernel launches in every layer."""
+    return 1 if device.type == "cuda" else MAX_DECODE_BATCHES
 
 
 def decode_groups(num_pages: Sequence[int], max_batches: int) -> list[list[int]]:

@@ -1,0 +1,151 @@
+"""Decode attention over KV pages: one padded batch against batches of similar lengths.
+
+Every case is a step's decode rows with context lengths drawn from MIN,MAX tokens over shuffled
+page ids (a pool after a while of serving), attended in every layer as the model does
+(``attend_decodes`` of each batch ``plan_attention`` plans): once as one batch padded to the
+longest row, once in the batches ``decode_groups`` cuts. The two run interleaved ``--repeats``
+times; each figure is the median CPU time of one step's attention over all layers.
+
+    python scripts/bench_decode_attention.py
+    python scripts/bench_decode_attention.py --cases 32:100-400 --kv-heads 8 --layers 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+from output_path import output_path, write_output
+from rich.console import Console
+from rich.table import Table
+
+from batchgen.model.paged_attention import (
+    MAX_DECODE_BATCHES,
+    Span,
+    attend_decodes,
+    plan_attention,
+)
+
+VARIANTS = {"one batch": 1, "grouped": MAX_DECODE_BATCHES}  # name -> max decode batches
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Both variants are measured interleaved in one run; compare ratios.",
+    )
+    parser.add_argument(
+        "--cases",
+        default="32:16-192,16:16-384,32:100-400,64:100-1000",
+        help="comma list of ROWS:MIN-MAX context tokens (default %(default)s)",
+    )
+    parser.add_argument("--kv-heads", type=int, default=4, help="(default 4, as 512x8)")
+    parser.add_argument("--head-dim", type=int, default=64, help="(default 64)")
+    parser.add_argument("--query-group", type=int, default=2, help="query heads per KV head")
+    parser.add_argument("--layers", type=int, default=8, help="(default 8)")
+    parser.add_argument("--page-size", type=int, default=16, help="(default 16)")
+    parser.add_argument("--repeats", type=int, default=10, help="per variant (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="lengths and page ids (default 0)")
+    parser.add_argument("--json-out", type=output_path, help="write the figures as JSON here")
+    args = parser.parse_args()
+    try:
+        args.case_list = [parse_case(case) for case in args.cases.split(",")]
+    except ValueError:
+        parser.error(f"--cases takes ROWS:MIN-MAX with 1 <= MIN <= MAX, got {args.cases!r}")
+    sizes = (args.kv_heads, args.head_dim, args.query_group, args.layers, args.page_size)
+    if min(*sizes, args.repeats) < 1:
+        parser.error("--kv-heads, --head-dim, --query-group, --layers, --page-size, --repeats >= 1")
+    return args
+
+
+def parse_case(text: str) -> tuple[int, int, int]:
+    """``ROWS:MIN-MAX`` -> (rows, min, max); ValueError when malformed. Pure."""
+    rows, _, span = text.partition(":")
+    low, _, high = span.partition("-")
+    case = int(rows), int(low), int(high)
+    if not 1 <= case[1] <= case[2] or case[0] < 1:
+        raise ValueError(text)
+    return case
+
+
+def build_case(case: tuple[int, int, int], args: argparse.Namespace, rng: random.Random):
+    """The case's decode spans over a shuffled page pool, the pool, and the new q/k/v."""
+    num_rows, low, high = case
+    lengths = [rng.randint(low, high) for _ in range(num_rows)]
+    tables = [-(-(n + 1) // args.page_size) for n in lengths]
+    page_ids = list(range(sum(tables)))
+    rng.shuffle(page_ids)
+    spans, start = [], 0
+    for row, (length, num_pages) in enumerate(zip(lengths, tables)):
+        spans.append(Span(row, 1, length, page_ids[start : start + num_pages]))
+        start += num_pages
+    shape = (len(page_ids), args.layers, 2, args.page_size, args.kv_heads, args.head_dim)
+    pages = torch.randn(shape)
+    q = torch.randn(num_rows, args.kv_heads * args.query_group, args.head_dim)
+    k, v = torch.randn(2, num_rows, args.kv_heads, args.head_dim)
+    return spans, pages, (q, k, v)
+
+
+def attention_step(spans, pages, qkv, page_size: int, max_batches: int) -> float:
+    """CPU seconds of one step's decode attention in every layer, planned as the model plans it."""
+    started = time.thread_time()
+    plan = plan_attention(spans, page_size, pages.device, max_batches)
+    out = torch.empty_like(qkv[0])
+    for layer in range(pages.shape[1]):
+        for decodes in plan.decodes:
+            out[decodes.rows] = attend_decodes(*qkv, decodes, pages, layer)
+    return time.thread_time() - started
+
+
+def measure(case, args: argparse.Namespace, rng: random.Random) -> dict:
+    spans, pages, qkv = build_case(case, args, rng)
+    samples = {name: [] for name in VARIANTS}
+    for repeat in range(args.repeats + 1):  # the first is a warm-up
+        for name in sorted(VARIANTS, reverse=repeat % 2 == 1):
+            seconds = attention_step(spans, pages, qkv, args.page_size, VARIANTS[name])
+            if repeat:
+                samples[name].append(seconds)
+    grouped = plan_attention(spans, args.page_size, pages.device, MAX_DECODE_BATCHES)
+    ms = {name: 1e3 * statistics.median(times) for name, times in samples.items()}
+    return {
+        "rows": case[0],
+        "tokens": f"{case[1]}-{case[2]}",
+        "batches": len(grouped.decodes),
+        "ms_per_step": ms,
+        "ratio": ms["grouped"] / ms["one batch"],
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    rng = random.Random(args.seed)
+    results = [measure(case, args, rng) for case in args.case_list]
+    table = Table(
+        title=f"decode attention, {args.layers} layers x {args.kv_heads} KV heads, 1 thread, median"
+        f" of {args.repeats}"
+    )
+    for column in ("rows", "tokens", "batches", "one batch ms", "grouped ms", "grouped / one"):
+        table.add_column(column, justify="right")
+    for r in results:
+        ms = r["ms_per_step"]
+        table.add_row(
+            str(r["rows"]),
+            r["tokens"],
+            str(r["batches"]),
+            f"{ms['one batch']:.1f}",
+            f"{ms['grouped']:.1f}",
+            f"{r['ratio']:.2f}",
+        )
+    Console().print(table)
+    if args.json_out:
+        record = {"args": {k: v for k, v in vars(args).items() if k != "json_out"}, "rows": results}
+        write_output(args.json_out, json.dumps(record, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
