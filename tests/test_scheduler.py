@@ -2,9 +2,10 @@
 
 import pytest
 
+from batchgen.cli.run_flags import SCHEDULE_POLICIES
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.runner import run_workload
-from batchgen.engine.scheduler import schedule
+from batchgen.engine.scheduler import ADMISSION_ORDER, schedule
 from batchgen.engine.state import Request, TokenLogprobs
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
@@ -30,6 +31,10 @@ def first_batch(worker: Worker) -> list[str]:
     return schedule(
         worker.state, worker.gpu_kv.free_pages(), worker.cache_config, worker.engine_config
     )
+
+
+def test_every_policy_the_config_and_the_cli_accept_has_an_admission_order():
+    assert sorted(ADMISSION_ORDER) == sorted(SCHEDULE_POLICIES) == ["fcfs", "lof"]
 
 
 def test_fcfs_admits_the_oldest_first(model):

@@ -6,12 +6,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 
 from batchgen.cli.arg_types import non_negative_int, positive_int
+from batchgen.config import EngineConfig
 from batchgen.engine import faults as faults_module
 from batchgen.engine.runner import MAX_IDLE_STEPS
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
 from batchgen.kv.gate import GATE_FLAGS, KvGateConfig
+
+SCHEDULE_POLICIES = typing.get_args(EngineConfig.model_fields["schedule_policy"].annotation)
 
 # Gate field -> (metavar, what the option means); the variable, option and allowed values come from
 # GATE_FLAGS.
@@ -61,7 +65,7 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--schedule-policy",
-        choices=["fcfs", "lof"],
+        choices=SCHEDULE_POLICIES,
         default=None,
         help=(
             "admission order of waiting requests: fcfs (oldest first) or lof (longest output first:"

@@ -155,12 +155,12 @@ def decode_groups(num_pages: Sequence[int], max_batches: int) -> list[list[int]]
     """The decode rows (indices into ``num_pages``, each row's table length) as padded batches.
 
     Every row of a batch is padded to the batch's longest table, so a batch of rows of unequal
-    lengths gathers and attends pages it throws away, and a large one outgrows the CPU caches
-    between its gather and its SDPA. Rows are sorted longest first; a batch is cut in two where
-    that saves the most padded pages, while it saves more than ``DECODE_BATCH_COST_PAGES`` (one
-    more batch's own gather and SDPA calls), into at most ``max_batches`` batches. Pure.
+    lengths gathers and attends pages it throws away, into a buffer per layer of rows x the longest
+    table. Rows are sorted longest first; a batch is cut in two where that saves the most padded
+    pages, while it saves more than ``DECODE_BATCH_COST_PAGES`` (one more batch's own gather and
+    SDPA calls), into at most ``max_batches`` batches. Pure.
     """
-    order = sorted(range(len(num_pages)), key=num_pages.__getitem__, reverse=True)
+    order = sorted(range(len(num_pages)), key=lambda row: num_pages[row], reverse=True)
     lengths = [num_pages[i] for i in order]
     bounds = [0, len(order)]  # batch b is order[bounds[b]:bounds[b + 1]]
     while len(bounds) - 1 < max_batches:
