@@ -116,10 +116,10 @@ def test_bench_kv_ops_times_both_paths_on_every_mix_and_size_and_prints_the_goal
             "recompute_preemptions",
             "tokens_generated",
         }
-    assert "goal plan/legacy <= 1.1x below 512 requests, <= 0.6x from 512 up: " in stdout
+    assert "goal plan/legacy <= 1.1x: " in stdout
 
 
-def test_bench_kv_ops_holds_sizes_from_512_up_to_the_tighter_goal(monkeypatch):
+def test_bench_kv_ops_holds_every_size_to_one_goal(monkeypatch):
     module = script_module(monkeypatch, "bench_kv_ops")
 
     def runs(legacy_ns: int, plan_ns: int) -> dict:
@@ -128,12 +128,12 @@ def test_bench_kv_ops_holds_sizes_from_512_up_to_the_tighter_goal(monkeypatch):
             "plan": [module.Run(dict.fromkeys(module.KV_OPS, plan_ns))],
         }
 
-    rows = [module.summarise("decode", n, runs(1000, 700), 1) for n in (64, 511, 512, 4096)]
+    ratios = {64: 1100, 512: 1200, 4096: 700}  # plan ns per op against legacy's 1000
+    rows = [module.summarise("decode", n, runs(1000, plan), 1) for n, plan in ratios.items()]
     assert [(row["ratio_plan_legacy"], row["goal"], row["met"]) for row in rows] == [
+        (1.1, 1.1, True),
+        (1.2, 1.1, False),
         (0.7, 1.1, True),
-        (0.7, 1.1, True),
-        (0.7, 0.6, False),
-        (0.7, 0.6, False),
     ]
 
 
