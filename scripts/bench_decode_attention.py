@@ -93,7 +93,7 @@ def build_case(case: tuple[int, int, int], args: argparse.Namespace, rng: random
 def attention_step(spans, pages, qkv, page_size: int, max_batches: int) -> float:
     """CPU seconds of one step's decode attention in every layer, planned as the model plans it."""
     started = time.thread_time()
-    plan = plan_attention(spans, page_size, pages.device, max_batches)
+    plan = plan_attention(spans, pages, max_batches)
     out = torch.empty_like(qkv[0])
     for layer in range(pages.shape[1]):
         for decodes in plan.decodes:
@@ -109,7 +109,7 @@ def measure(case, args: argparse.Namespace, rng: random.Random) -> dict:
             seconds = attention_step(spans, pages, qkv, args.page_size, VARIANTS[name])
             if repeat:
                 samples[name].append(seconds)
-    grouped = plan_attention(spans, args.page_size, pages.device, MAX_DECODE_BATCHES)
+    grouped = plan_attention(spans, pages, MAX_DECODE_BATCHES)
     ms = {name: 1e3 * statistics.median(times) for name, times in samples.items()}
     return {
         "rows": case[0],

@@ -340,11 +340,11 @@ def test_bench_throughput_runs_both_systems_on_both_mixes_and_gets_hf_tokens(tmp
 
 def test_bench_decode_attention_times_both_variants_and_cuts_unequal_rows(tmp_path):
     out = tmp_path / "attention.json"
-    toy = ("--cases", "2:1-3,4:2-200", "--layers", "2", "--page-size", "2", "--repeats", "1")
+    toy = ("--cases", "2:1-3,6:2-400", "--layers", "2", "--page-size", "2", "--repeats", "1")
     run_benchmark("bench_decode_attention.py", *toy, "--json-out", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["rows"], row["tokens"]) for row in rows] == [(2, "1-3"), (4, "2-200")]
-    # at most 2 pages against 2: one batch; up to 101 pages against as few as 2: several
+    assert [(row["rows"], row["tokens"]) for row in rows] == [(2, "1-3"), (6, "2-400")]
+    # at most 2 pages against 2: one batch; up to 201 pages against as few as 2: several
     assert rows[0]["batches"] == 1 and rows[1]["batches"] > 1
     for row in rows:
         assert set(row["ms_per_step"]) == {"one batch", "grouped"}

@@ -7,9 +7,10 @@ import pytest
 import torch
 import transformers
 
+from batchgen.model import paged_attention
 from batchgen.model.llama import SeqInput
 from batchgen.model.loader import load_model
-from batchgen.model.paged_attention import Span, plan_attention
+from batchgen.model.paged_attention import Span
 from batchgen.model.paged_kv import gather_kv, kv_page_shape, write_kv
 
 HF_CLASSES = {
@@ -293,7 +294,7 @@ def test_decode_reads_no_slot_past_its_context(small_model):
     assert not batched.logits.isnan().any()
 
 
-def test_decodes_of_unequal_lengths_attend_in_batches_as_each_alone(small_model):
+def test_decodes_of_unequal_lengths_attend_in_batches_as_each_alone(small_model, monkeypatch):
     _, model = small_model
     pages = make_pages(model, page_size=2, num_pages=40)
     vocab = SMALL_GEOMETRY["vocab_size"]
@@ -303,12 +304,12 @@ def test_decodes_of_unequal_lengths_attend_in_batches_as_each_alone(small_model)
         prefill_into_pages(model, pages, random_tokens(3, vocab, seed=seed), table)
     batch = [SeqInput([7], 3, short_tables[0]), SeqInput([8], 39, long_table)]
     batch += [SeqInput([9], 3, table) for table in short_tables[1:]]
-    plan = plan_attention(
-        [Span(row, 1, seq.start_pos, seq.page_ids) for row, seq in enumerate(batch)],
-        page_size=2,
-        device=torch.device("cpu"),
-    )
-    # 20 pages against 2: three short rows padded to 20 pages would waste 54
+    spans = [Span(row, 1, seq.start_pos, seq.page_ids) for row, seq in enumerate(batch)]
+    # a page of one layer's K and V holds 2 x 2 x 2 x 8 floats (256 bytes); at a batch cost of 40
+    # pages, the three short rows padded to the long one's 20 pages would waste 54: they are cut
+    with monkeypatch.context() as patch:
+        patch.setattr(paged_attention, "DECODE_BATCH_COST_BYTES", 256 * 40)
+        plan = paged_attention.plan_attention(spans, pages)
     assert [decodes.rows.tolist() for decodes in plan.decodes] == [[1], [0, 2, 3]]
 
     batched = model(batch, pages)

@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         last_rows = torch.tensor(
             [span.row_start + span.num_new - 1 for span in spans], device=device
         )
-        plan = plan_attention(spans, kv_pages.shape[3], device)
+        plan = plan_attention(spans, kv_pages)
         hidden, new_kv = self.model(token_ids, positions, plan, kv_pages, last_rows)
         return ForwardOutput(
             logits=self.lm_head(hidden).float(), new_kv=list(new_kv.split(num_new, dim=2))

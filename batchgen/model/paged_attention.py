@@ -24,8 +24,9 @@ from torch import Tensor
 
 from batchgen.model.paged_kv import gather_kv, gather_pages, page_table_tensor
 
-# see decode_groups; measured with scripts/bench_decode_attention.py on CPU
-DECODE_BATCH_COST_PAGES = 16
+# One more decode batch (its own gather and SDPA calls in every layer) costs about what gathering
+# and attending this much more K/V of a layer does (scripts/bench_decode_attention.py, on CPU).
+DECODE_BATCH_COST_BYTES = 512 * 1024
 MAX_DECODE_BATCHES = 8
 
 
@@ -130,13 +131,17 @@ def attend_decodes(
 
 
 def plan_attention(
-    spans: list[Span], page_size: int, device: torch.device, max_decode_batches: int | None = None
+    spans: list[Span], kv_pages: Tensor, max_decode_batches: int | None = None
 ) -> AttentionPlan:
     """The spans by kind, decodes in at most ``max_decode_batches`` padded batches
-    (``decode_groups``; default: the device's). Pure."""
+    (``decode_groups``; default: the device's) for attending ``kv_pages``. Pure."""
+    page_size, device = kv_pages.shape[3], kv_pages.device
     decode_spans = [s for s in spans if s.start_pos > 0 and s.num_new == 1]
     max_batches = max_decode_batches or default_decode_batches(device)
-    groups = decode_groups([s.start_pos // page_size + 1 for s in decode_spans], max_batches)
+    layer_page_bytes = kv_pages[0, 0].numel() * kv_pages.element_size()  # its K and V
+    cost_pages = -(-DECODE_BATCH_COST_BYTES // layer_page_bytes)
+    tables = [s.start_pos // page_size + 1 for s in decode_spans]
+    groups = decode_groups(tables, max_batches, cost_pages)
     return AttentionPlan(
         prefills=tuple(s for s in spans if s.start_pos == 0),
         extends=tuple(s for s in spans if s.start_pos > 0 and s.num_new > 1),
@@ -151,21 +156,21 @@ def default_decode_batches(device: torch.device) -> int:
     return 1 if device.type == "cuda" else MAX_DECODE_BATCHES
 
 
-def decode_groups(num_pages: Sequence[int], max_batches: int) -> list[list[int]]:
+def decode_groups(num_pages: Sequence[int], max_batches: int, cost_pages: int) -> list[list[int]]:
     """The decode rows (indices into ``num_pages``, each row's table length) as padded batches.
 
     Every row of a batch is padded to the batch's longest table, so a batch of rows of unequal
     lengths gathers and attends pages it throws away, into a buffer per layer of rows x the longest
     table. Rows are sorted longest first; a batch is cut in two where that saves the most padded
-    pages, while it saves more than ``DECODE_BATCH_COST_PAGES`` (one more batch's own gather and
-    SDPA calls), into at most ``max_batches`` batches. Pure.
+    pages, while it saves more than ``cost_pages`` (what one more batch's own gather and SDPA
+    calls cost, in pages), into at most ``max_batches`` batches. Pure.
     """
     order = sorted(range(len(num_pages)), key=lambda row: num_pages[row], reverse=True)
     lengths = [num_pages[i] for i in order]
     bounds = [0, len(order)]  # batch b is order[bounds[b]:bounds[b + 1]]
     while len(bounds) - 1 < max_batches:
         saved, cut = max(_best_cut(lengths, start, end) for start, end in zip(bounds, bounds[1:]))
-        if saved <= DECODE_BATCH_COST_PAGES:
+        if saved <= cost_pages:
             break
         bisect.insort(bounds, cut)
     return [order[start:end] for start, end in zip(bounds, bounds[1:]) if end > start]
