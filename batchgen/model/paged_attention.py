@@ -15,6 +15,7 @@ Everything here reads ``kv_pages`` and never writes it.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,7 +139,7 @@ def plan_attention(
     page_size, device = kv_pages.shape[3], kv_pages.device
     decode_spans = [s for s in spans if s.start_pos > 0 and s.num_new == 1]
     max_batches = max_decode_batches or default_decode_batches(device)
-    layer_page_bytes = kv_pages[0, 0].numel() * kv_pages.element_size()  # its K and V
+    layer_page_bytes = math.prod(kv_pages.shape[2:]) * kv_pages.element_size()  # its K and V
     cost_pages = -(-DECODE_BATCH_COST_BYTES // layer_page_bytes)
     tables = [s.start_pos // page_size + 1 for s in decode_spans]
     groups = decode_groups(tables, max_batches, cost_pages)
