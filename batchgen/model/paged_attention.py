@@ -141,8 +141,8 @@ def plan_attention(
     max_batches = max_decode_batches or default_decode_batches(device)
     layer_page_bytes = math.prod(kv_pages.shape[2:]) * kv_pages.element_size()  # its K and V
     cost_pages = -(-DECODE_BATCH_COST_BYTES // layer_page_bytes)
-    tables = [s.start_pos // page_size + 1 for s in decode_spans]
-    groups = decode_groups(tables, max_batches, cost_pages)
+    table_lengths = [_pages_read(s, page_size) for s in decode_spans]
+    groups = decode_groups(table_lengths, max_batches, cost_pages)
     return AttentionPlan(
         prefills=tuple(s for s in spans if s.start_pos == 0),
         extends=tuple(s for s in spans if s.start_pos > 0 and s.num_new > 1),
@@ -150,6 +150,11 @@ def plan_attention(
             _plan_decodes([decode_spans[i] for i in group], page_size, device) for group in groups
         ),
     )
+
+
+def _pages_read(decode: Span, page_size: int) -> int:
+    """Pages of its table a decode reads: those up to its new token's. Pure."""
+    return decode.start_pos // page_size + 1
 
 
 def default_decode_batches(device: torch.device) -> int:
@@ -190,7 +195,7 @@ def _best_cut(lengths: Sequence[int], start: int, end: int) -> tuple[int, int]:
 
 def _plan_decodes(spans: list[Span], page_size: int, device: torch.device) -> DecodeBatch:
     """The padded batch of the decode spans (see ``DecodeBatch``). Pure."""
-    tables = [s.page_ids[: s.start_pos // page_size + 1] for s in spans]
+    tables = [s.page_ids[: _pages_read(s, page_size)] for s in spans]
     pages_per_row = max(map(len, tables))
     num_columns = pages_per_row * page_size
     padded_tables, unused_keys = [], []
