@@ -287,10 +287,9 @@ def test_fork_raises_once_its_base_changed():
         lambda fork: fork.release_pages("a"),
         lambda fork: fork.pages_of("a"),
         lambda fork: fork.is_free(0),
-        lambda fork: fork.all_free([0]),
         lambda fork: fork.peek_free_pages(1),
     ],
-    ids=["release_pages", "pages_of", "is_free", "all_free", "peek_free_pages"],
+    ids=["release_pages", "pages_of", "is_free", "peek_free_pages"],
 )
 def test_a_fork_refuses_every_access_once_its_base_changed(access):
     base = PagePool("gpu", 4)

@@ -16,8 +16,7 @@ Token ranges of a request with ``n = num_tokens``::
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
-from operator import attrgetter
+from dataclasses import dataclass, field, replace
 
 from batchgen.kv.backends import AsyncHandle
 
@@ -95,12 +94,9 @@ class RequestState:
             self.load_handle = None
 
     def copy(self) -> RequestState:
-        """A shallow copy: the output lists are shared (KV ops never write them).
-
-        Every field set directly, without ``__init__`` and ``__post_init__``: compare mode copies
-        each request an op writes, on both sides (about 0.25 us, against 0.6 us through
-        ``__init__``)."""
-        new = _new_request_state(RequestState)
+        """A shallow copy: the output lists are shared (KV ops never write them). Every field is
+        set directly, derived ones included: ``__post_init__`` would recompute them."""
+        new = object.__new__(RequestState)
         new.request = self.request
         new.arrival_index = self.arrival_index
         new.phase = self.phase
@@ -135,9 +131,6 @@ class RequestState:
         return [*prompt[start:], *self.output_ids]
 
 
-_new_request_state = object.__new__
-
-
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     """A released request: what it produced and how it ended."""
@@ -162,10 +155,7 @@ class WorkerStats:
     peak_host_pages: int = 0
 
     def copy(self) -> WorkerStats:
-        return WorkerStats(*_stats_fields(self))
-
-
-_stats_fields = attrgetter(*(f.name for f in fields(WorkerStats)))
+        return replace(self)
 
 
 @dataclass(slots=True)

@@ -74,25 +74,11 @@ def refused_grant(pool, grants: Grants) -> PageOwnershipError | None:
     return None
 
 
-# the one type a page id may have (not bool, not a float that is integral)
-PAGE_ID_TYPES = frozenset({int})
-
-
-def check_grants(pool, grants: Grants, all_ids: list[int]) -> None:
-    """Raise the error of :func:`refused_grant` unless every grant is good; ``all_ids``: every id
-    of ``grants``, in order. Pure."""
-    if (
-        PAGE_ID_TYPES.issuperset(map(type, all_ids))
-        and len(set(all_ids)) == len(all_ids)
-        and pool.all_free(all_ids)
-    ):
-        return  # the common case, checked in C; _refused_grant names what is wrong
+def check_grants(pool, grants: Grants) -> None:
+    """Raise the error of :func:`refused_grant` unless every grant is good. Pure."""
     error = refused_grant(pool, grants)
-    if error is None:  # the bulk check and the one per grant disagree: a bug in the pool
-        raise AssertionError(
-            f"{pool.name}: grants {list(grants)} refused in bulk, accepted one by one"
-        )
-    raise error
+    if error is not None:
+        raise error
 
 
 def check_can_allocate(pool, n: int) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from batchgen.kv.page_grants import (
-    PAGE_ID_TYPES,
     Grants,
     PoolEvent,
     check_can_allocate,
@@ -55,16 +54,6 @@ class PagePool:
     def is_free(self, page_id: int) -> bool:
         return 0 <= page_id < self.num_pages and bool(self._free_flags[page_id])
 
-    def all_free(self, page_ids: Sequence[int]) -> bool:
-        """Every id in range and free (one C-level pass)."""
-        if not page_ids:
-            return True
-        return (
-            min(page_ids) >= 0
-            and max(page_ids) < self.num_pages
-            and all(map(self._free_flags.__getitem__, page_ids))
-        )
-
     def owner_ids(self) -> list[str]:
         return [uuid for uuid, pages in self._owned.items() if pages]
 
@@ -89,20 +78,15 @@ class PagePool:
         owner given no ids is left as it is; when no owner is given any, nothing changes
         and forks stay valid. Marks the ids owned in one pass (a plan's grants come in bulk).
         """
-        if len(grants) == 1:  # the common case: no flattening
-            [(_, page_ids)] = grants
-            all_ids = list(page_ids)
-        else:
-            all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
+        all_ids = [page_id for _, page_ids in grants for page_id in page_ids]
         if not all_ids:
             return
-        if self._queue[
-            self._head : self._head + len(all_ids)
-        ] == all_ids and PAGE_ID_TYPES.issuperset(map(type, all_ids)):
+        queue_head = self._queue[self._head : self._head + len(all_ids)]
+        if queue_head == all_ids and all(type(page_id) is int for page_id in all_ids):
             # the queue head (what a plan peeked): in range, free and distinct already
             self._head += len(all_ids)
         else:
-            check_grants(self, grants, all_ids)
+            check_grants(self, grants)
             taken = set(all_ids)
             self._queue = [p for p in self._queue[self._head :] if p not in taken]
             self._head = 0
@@ -235,7 +219,7 @@ class ForkedPagePool:
     def take_pages_for(self, grants: Grants) -> None:
         """See :meth:`PagePool.take_pages_for`. Mutates the fork only."""
         self._check_base()
-        check_grants(self, grants, [page_id for _, page_ids in grants for page_id in page_ids])
+        check_grants(self, grants)
         for uuid, page_ids in grants:
             self._assign(uuid, page_ids)
 
@@ -252,10 +236,6 @@ class ForkedPagePool:
     def is_free(self, page_id: int) -> bool:
         self._check_base()
         return self._is_free(page_id)
-
-    def all_free(self, page_ids: Sequence[int]) -> bool:
-        self._check_base()
-        return all(map(self._is_free, page_ids))
 
     def _is_free(self, page_id: int) -> bool:
         in_base = 0 <= page_id < self.num_pages and self._base._free_flags[page_id]

@@ -64,19 +64,20 @@ def geometry_of(target: KvTarget) -> KvGeometry:
 
 def page_columns(scope: Sequence[RequestState]) -> PageColumns:
     """The uuids, token counts and GPU page tables of ``scope``, as columns. Pure."""
+    # each column from a list: a generator would add a frame per column
     return PageColumns(
-        tuple(r.uuid for r in scope),
-        tuple(r.num_tokens for r in scope),
-        tuple(r.gpu_page_ids for r in scope),
+        tuple([r.uuid for r in scope]),
+        tuple([r.num_tokens for r in scope]),
+        tuple([r.gpu_page_ids for r in scope]),
     )
 
 
 def swapped_columns(scope: Sequence[RequestState]) -> SwappedColumns:
     """The uuids, host page tables and swap steps of ``scope``, as columns. Pure."""
     return SwappedColumns(
-        tuple(r.uuid for r in scope),
-        tuple(r.host_page_ids for r in scope),
-        tuple(r.swapped_step for r in scope),
+        tuple([r.uuid for r in scope]),
+        tuple([r.host_page_ids for r in scope]),
+        tuple([r.swapped_step for r in scope]),
     )
 
 
@@ -130,9 +131,10 @@ class PlanKvPath:
         """The scheduled requests the op must act on: those whose tokens run past their last
         page, or not RUNNING yet (admitted by their grant). The rest are served as they are."""
         requests, page_size = self.target.state.requests, self.geometry.page_size
+        scheduled = [requests[uuid] for uuid in batch]
         needing = [
             req
-            for req in map(requests.__getitem__, batch)
+            for req in scheduled
             if req.phase is not Phase.RUNNING or req.num_tokens > len(req.gpu_page_ids) * page_size
         ]
         return AllocRequest(self.snapshot(), page_columns(needing), tuple(batch))

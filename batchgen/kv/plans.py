@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import json
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -91,11 +92,10 @@ class SwappedColumns:
 
 
 def decode_demand(running: PageColumns, page_size: int) -> int:
-    """GPU pages the ``running`` requests lack, together, for every token to have a slot. Pure."""
-    return sum(
-        pages_needed(num_tokens, page_size) - len(page_ids)
-        for num_tokens, page_ids in zip(running.num_tokens, running.gpu_page_ids)
-    )
+    """GPU pages the ``running`` requests lack, together, for every token to have a slot: the
+    pages their tokens need less the pages they hold. Pure."""
+    needed = sum(map(pages_needed, running.num_tokens, itertools.repeat(page_size)))
+    return needed - sum(map(len, running.gpu_page_ids))
 
 
 class RequestKvView(NamedTuple):
