@@ -11,7 +11,6 @@ well-formed XML, so tools (and tests) can parse it with any XML parser.
 
 from __future__ import annotations
 
-import html
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from importlib import resources
 from typing import NamedTuple
 
 from compare.charts import Mark, Panel, timeline_svg
+from compare.html_cells import code, escape, num, table, td, tr
 from compare.records import DivergenceRecord, LogRecord, RunSummary
 from compare.render import (
     coverage_line,
@@ -29,7 +29,6 @@ from compare.render import (
     plural,
     rate,
     step_range,
-    xml_safe,
 )
 from compare.report import Report
 
@@ -78,12 +77,12 @@ def render_html(
     runs = _runs(logs, binding)
     charted = _charted(runs)
     body = [
-        f"<h1>{_e(binding.title)}</h1>",
+        f"<h1>{escape(binding.title)}</h1>",
         f'<p id="headline" class="{"bad" if report.num_divergences else ""}">'
-        f"{_e(headline(report))}</p>",
-        f'<p id="coverage-line">{_e(coverage_line(report))}</p>',
-        f'<p id="overhead">{_e(overhead_line(report))}</p>',
-        f'<p id="aa">{_e(_aa_line(runs))}</p>',
+        f"{escape(headline(report))}</p>",
+        f'<p id="coverage-line">{escape(coverage_line(report))}</p>',
+        f'<p id="overhead">{escape(overhead_line(report))}</p>',
+        f'<p id="aa">{escape(_aa_line(runs))}</p>',
         _ops_table(report),
         "<h2>Runs</h2>",
         *(_run_section(index, runs[index], binding) for index in charted),
@@ -92,12 +91,12 @@ def render_html(
         _coverage_table(report),
         "<h2>Divergences by field path</h2>",
         _paths_table(report) if report.paths else "<p>No divergence.</p>",
-        f'<p class="meta">Logs: {_e(", ".join(path for path, _ in logs))}</p>',
+        f'<p class="meta">Logs: {escape(", ".join(path for path, _ in logs))}</p>',
     ]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"/>'
         '<meta name="viewport" content="width=device-width, initial-scale=1"/>'
-        f"<title>{_e(binding.title)}</title><style>{_css()}</style></head>\n<body>\n"
+        f"<title>{escape(binding.title)}</title><style>{_css()}</style></head>\n<body>\n"
         + "\n".join(body)
         + "\n</body></html>\n"
     )
@@ -158,7 +157,7 @@ def _aa_line(runs: Sequence[_Run]) -> str:
 def _run_section(index: int, run: _Run, binding: PageBinding) -> str:
     """A run's heading, counts, chart and divergences. Pure."""
     summary = run.summary
-    parts = [f'<section class="run" id="run-{index}"><h3>{_e(run.workload)}</h3>']
+    parts = [f'<section class="run" id="run-{index}"><h3>{escape(run.workload)}</h3>']
     if summary is None:
         parts.append('<p class="bad">No run summary: the run did not end.</p>')
     else:
@@ -193,9 +192,9 @@ def _run_lines(summary: RunSummary) -> list[str]:
             f"{summary.authoritative_seconds:.3g} s authoritative ({ratio:.2f}x)"
         )
     bad = ' class="bad"' if diverged or summary.harness_errors else ""
-    lines = [f'<p class="meta">{_e(meta)}</p>', f"<p{bad}>{_e(counts)}</p>"]
+    lines = [f'<p class="meta">{escape(meta)}</p>', f"<p{bad}>{escape(counts)}</p>"]
     if summary.stopped_by:
-        lines.append(f'<p class="bad">Stopped early: {_e(summary.stopped_by)}</p>')
+        lines.append(f'<p class="bad">Stopped early: {escape(summary.stopped_by)}</p>')
     return lines
 
 
@@ -218,22 +217,22 @@ def _marks(divergences: Sequence[_Listed]) -> list[Mark]:
 
 def _ops_table(report: Report) -> str:
     rows = [
-        _tr(_td(_e(s.op)), _n(s.num_compared), _n(s.num_divergences),
-            _n(rate(s.num_divergences, s.num_compared)))
+        tr(td(escape(s.op)), num(s.num_compared), num(s.num_divergences),
+            num(rate(s.num_divergences, s.num_compared)))
         for s in report.ops
     ]  # fmt: skip
-    return _table("ops", ("op", "compared", "divergences", "rate"), rows)
+    return table("ops", ("op", "compared", "divergences", "rate"), rows)
 
 
 def _divergence_table(divergences: Sequence[_Listed]) -> str:
     rows = [
-        _tr(_n(record.step), _td(_e(record.op)), _td(_e(record.kind)), _code(_paths(record)),
-            _code(command), row_id=row_id)
+        tr(num(record.step), td(escape(record.op)), td(escape(record.kind)), code(_paths(record)),
+            code(command), row_id=row_id)
         for record, row_id, command in divergences[:MAX_LISTED]
     ]  # fmt: skip
-    table = _table("", ("step", "op", "kind", "field paths", "replay"), rows)
+    listed = table("", ("step", "op", "kind", "field paths", "replay"), rows)
     more = len(divergences) - MAX_LISTED
-    return table + (f"<p>... and {more} more divergences in the log.</p>" if more > 0 else "")
+    return listed + (f"<p>... and {more} more divergences in the log.</p>" if more > 0 else "")
 
 
 def _paths(record: DivergenceRecord) -> str:
@@ -252,58 +251,25 @@ def _coverage_table(report: Report) -> str:
     rows = []
     for row in report.coverage:
         unreached, unexpected = row.required and not row.count, row.count and not row.required
-        rows.append(_tr(
-            _code(row.outcome), _td(_e(row.op)), _n(row.count), _n(row.num_runs),
-            _td(_e(first_reached(row))), _td(_e(coverage_note(row))),
-            _td(_e(row.unreachable or row.meaning)),
+        rows.append(tr(
+            code(row.outcome), td(escape(row.op)), num(row.count), num(row.num_runs),
+            td(escape(first_reached(row))), td(escape(coverage_note(row))),
+            td(escape(row.unreachable or row.meaning)),
             row_class="unreached" if unreached else "unexpected" if unexpected else "",
         ))  # fmt: skip
     columns = ("outcome", "op", "count", "runs", "first reached", "note", "meaning")
-    return _table("coverage", columns, rows)
+    return table("coverage", columns, rows)
 
 
 def _paths_table(report: Report) -> str:
     rows = []
     for stats in report.paths:
         sample = stats.samples[0]
-        example = f"<code>{_e(sample.path)}</code> ({_e(sample.workload)} step {sample.step})"
-        rows.append(_tr(
-            _td(_e(stats.op)), _code(stats.path), _n(stats.count), _n(step_range(stats)),
-            _td(_e(", ".join(stats.workloads))), _td(_e(", ".join(stats.kinds))), _td(example),
+        where = f"{escape(sample.workload)} step {sample.step}"
+        example = f"<code>{escape(sample.path)}</code> ({where})"
+        rows.append(tr(
+            td(escape(stats.op)), code(stats.path), num(stats.count), num(step_range(stats)),
+            td(escape(", ".join(stats.workloads))), td(escape(", ".join(stats.kinds))), td(example),
         ))  # fmt: skip
     columns = ("op", "field path", "count", "steps", "workloads", "kinds", "example")
-    return _table("paths", columns, rows)
-
-
-def _table(table_id: str, columns: Sequence[str], rows: Sequence[str]) -> str:
-    head = "".join(f"<th>{_e(column)}</th>" for column in columns)
-    attrs = f' id="{_e(table_id)}"' if table_id else ""
-    return f"<table{attrs}><tr>{head}</tr>\n" + "\n".join(rows) + "</table>"
-
-
-def _tr(*cells: str, row_id: str = "", row_class: str = "") -> str:
-    """A row of ``cells`` (``<td>`` elements). Pure."""
-    attrs = f' id="{_e(row_id)}"' if row_id else ""
-    attrs += f' class="{_e(row_class)}"' if row_class else ""
-    return f"<tr{attrs}>{''.join(cells)}</tr>"
-
-
-def _td(inner: str) -> str:
-    """A cell holding ``inner``, HTML the caller escaped. Pure."""
-    return f"<td>{inner}</td>"
-
-
-def _n(value: object) -> str:
-    """A right-aligned number cell. Pure."""
-    return f'<td class="n">{_e(value)}</td>'
-
-
-def _code(text: str) -> str:
-    """A cell holding ``text`` as code. Pure."""
-    return f"<td><code>{_e(text)}</code></td>"
-
-
-def _e(text: object) -> str:
-    """``text`` as HTML text or an attribute value: markup escaped, and each character XML
-    cannot hold written as its escape (the page stays well-formed). Pure."""
-    return html.escape(xml_safe(str(text)), quote=True)
+    return table("paths", columns, rows)

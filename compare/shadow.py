@@ -44,10 +44,6 @@ _HOOKS = frozenset({"fork", "canonicalize", "context"})  # run's optional callab
 _FAILED = object()  # what `_guard` returns for a hook that raised, where None is a valid result
 
 
-def _no_hook() -> None:
-    return None
-
-
 def _as_observed(authoritative: Observation, shadow: Observation) -> tuple[Any, Any]:
     """Default `canonicalize`: the values the paths returned are already comparable."""
     return authoritative.value, shadow.value
@@ -160,9 +156,9 @@ class ShadowExecutor:
         *,
         authoritative: Callable[[], R],
         shadow: Callable[[F], Any],
-        fork: Callable[[], F] = _no_hook,
+        fork: Callable[[], F] = lambda: None,
         canonicalize: Callable[[Observation, Observation], tuple[Any, Any]] = _as_observed,
-        context: Callable[[], Any] = _no_hook,
+        context: Callable[[], Any] = lambda: None,
         shadow_path: str,
         authoritative_path: str,
     ) -> R:

@@ -87,7 +87,7 @@ class Mix:
         return sum(self.new_tokens)
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Both systems are measured interleaved in one run; compare ratios.",
@@ -121,6 +121,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts (default 0)")
     parser.add_argument("--json-out", type=output_path, help="write the figures as JSON here")
+    return parser
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line, checked; SystemExit naming what is wrong."""
+    parser = build_parser()
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs CUDA, which this machine lacks")

@@ -3,8 +3,7 @@
 :func:`rebuild_target` turns a :class:`compare.DivergenceRecord`'s ``replay`` payload back into
 the op's pre-state (``replay`` runs both paths on it). Nothing outside the record is read.
 
-What comes from the record and what is synthesised (nothing a KV op's
-canonical result depends on is synthesised, except where noted)::
+What the record gives and what is synthesised (nothing an op's result depends on, unless noted)::
 
     record                                  rebuilt as
     request (the op request, JSON)          the op's input: loads observed, uuids released,
@@ -129,9 +128,8 @@ def rebuild_target(record: DivergenceRecord) -> KvTarget:
     )
     gpu = GpuKvPool(geometry.num_gpu_pages, None, pages=gpu_pages)
     host = HostKvPool(geometry.num_host_pages, None, gpu, pages=host_pages)
-    pending: dict[str, None] = {}  # the KV ops only test membership and drop entries
-    if record.replay["op"] in _PRE_FLUSH_OPS:
-        pending = {view.uuid: None for view in views if _served_last_step(view)}
+    pre_flush = record.replay["op"] in _PRE_FLUSH_OPS  # only then is a K/V append pending
+    pending = {view.uuid: None for view in views if pre_flush and _served_last_step(view)}
     return KvTarget(state, gpu, host, pending, model_config, cache_config, engine_config)
 
 
