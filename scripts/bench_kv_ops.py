@@ -29,14 +29,13 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from kv_ops_report import report
 from output_path import output_path, write_output
-from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.engine.state import Request
@@ -191,43 +190,6 @@ def summarise(mix: str, num_requests: int, runs: dict[str, list[Run]], steps: in
     }
 
 
-def render(rows: Sequence[dict], title: str, style: box.Box) -> Table:
-    columns = ("mix", "requests", "legacy us/step", "plan us/step", "plan/legacy", "goal")
-    columns += ("evictions", "loads", "recomputes", "legacy x vs N0", "plan x vs N0")
-    table = Table(*columns, title=title, box=style)
-    first: dict[str, dict] = {}
-    for row in rows:
-        base = first.setdefault(row["mix"], row)
-        stats = row["window_stats"]
-        table.add_row(
-            row["mix"],
-            str(row["num_requests"]),
-            f"{row['legacy_us_per_step']:.0f}",
-            f"{row['plan_us_per_step']:.0f}",
-            f"{row['ratio_plan_legacy']:.2f}",
-            f"<= {row['goal']}x {'met' if row['met'] else 'MISSED'}",
-            str(stats["evictions"]),
-            str(stats["loads"]),
-            str(stats["recompute_preemptions"]),
-            f"{row['legacy_us_per_step'] / base['legacy_us_per_step']:.1f}",
-            f"{row['plan_us_per_step'] / base['plan_us_per_step']:.1f}",
-        )
-    return table
-
-
-def render_ops(rows: Sequence[dict], style: box.Box) -> Table:
-    title = "median us/step by op (legacy / plan)"
-    table = Table("mix", "requests", *KV_OPS, title=title, box=style)
-    for row in rows:
-        by_op = row["us_per_step_by_op"]
-        table.add_row(
-            row["mix"],
-            str(row["num_requests"]),
-            *(f"{by_op['legacy'][op]:.0f} / {by_op['plan'][op]:.0f}" for op in KV_OPS),
-        )
-    return table
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -263,29 +225,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def report(rows: list[dict], args: argparse.Namespace, console: Console) -> None:
-    style = box.MARKDOWN if args.markdown else box.HEAVY_HEAD
-    title = (
-        f"KV bookkeeping per step ({args.clock} clock, {args.steps} timed steps after"
-        f" {args.warmup}, median of {args.repeats}, legacy and plan interleaved)"
-    )
-    console.print(render(rows, title, style))
-    console.print(render_ops(rows, style))
-    for row in rows:
-        stats = row["window_stats"]
-        if row["mix"] == "pressure" and not (stats["evictions"] and stats["loads"]):
-            console.print(
-                f"warning: pressure x {row['num_requests']}: the timed window did not both evict"
-                " and migrate"
-            )
-    missed = [f"{row['mix']} x {row['num_requests']}" for row in rows if not row["met"]]
-    console.print(
-        f"goal plan/legacy <= {GOAL}x: "
-        + ("met" if not missed else "MISSED at " + ", ".join(missed)),
-        highlight=False,
-    )
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)  # the untimed sampler's tiny ops; fewer threads are steadier
@@ -297,7 +236,7 @@ def main() -> None:
             runs = measure(mix, num_requests, args)
             rows.append(summarise(mix, num_requests, runs, args.steps))
             console.log(f"{mix} x {num_requests}: plan/legacy {rows[-1]['ratio_plan_legacy']:.2f}")
-    report(rows, args, console)
+    report(rows, args, console, GOAL)
     if args.json_out:
         record = {
             "benchmark": "kv_ops",

@@ -205,7 +205,7 @@ def test_bench_compare_with_one_size_leaves_out_the_growth_goal(tmp_path):
 def test_bench_compare_collector_off_pauses_the_collector_for_the_timed_steps_only(
     monkeypatch, tmp_path
 ):
-    module = script_module(monkeypatch, "bench_compare")
+    module = script_module(monkeypatch, "compare_bookkeeping")
     enabled_at_steps = []
     step = module.Worker.step
 
@@ -222,7 +222,7 @@ def test_bench_compare_collector_off_pauses_the_collector_for_the_timed_steps_on
 
 
 def test_bench_compare_coverage_off_classifies_nothing_and_decides_the_same(monkeypatch, tmp_path):
-    module = script_module(monkeypatch, "bench_compare")
+    module = script_module(monkeypatch, "compare_bookkeeping")
     workload = module.concurrent_workload(16, 12, 0)
     summaries = {}
     for variant in ("compare", "coverage_off"):

@@ -1,0 +1,63 @@
+"""The GPU half of ``bench_throughput.py``: decode step time against the memory-bandwidth bound
+of reading every weight and the KV once per step, at the copy bandwidth measured in the run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from batchgen.engine.worker import Worker
+from batchgen.engine.workloads import Workload
+
+
+def decode_steps(model, worker: Worker, job: Workload, device: str) -> dict:
+    """Median decode-only step time of ``job`` on a fresh ``worker`` against the bound of reading
+    every weight and the KV once per step at the measured device copy bandwidth."""
+    for request in job.requests:
+        worker.add_request(request.to_request())
+    kv_bytes_per_token = model.config.num_layers * 2 * model.config.num_kv_heads
+    kv_bytes_per_token *= model.config.head_dim * worker.gpu_kv.tensor.element_size()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:  # a lookup reads a row per token, not the table
+        embedding = model.model.embed_tokens.weight
+        weight_bytes -= embedding.numel() * embedding.element_size()
+    bandwidth = copy_bandwidth(device)
+    step_s, bound_s = [], []
+    while worker.has_unfinished():
+        running = [r for r in worker.state.requests.values() if r.num_cached_tokens]
+        before = worker.state.stats.tokens_generated
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        worker.step()
+        torch.cuda.synchronize()
+        # decode-only steps: every request had its prompt cached and got one token
+        if running and worker.state.stats.tokens_generated - before == len(running):
+            step_s.append(time.perf_counter() - started)
+            num_cached = sum(r.num_cached_tokens for r in running)
+            bound_s.append((weight_bytes + num_cached * kv_bytes_per_token) / bandwidth)
+    return {
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes": weight_bytes,
+        "decode_step_ms": 1e3 * statistics.median(step_s),
+        "bound_step_ms": 1e3 * statistics.median(bound_s),
+        "bound_over_step": statistics.median(b / s for b, s in zip(bound_s, step_s)),
+    }
+
+
+def copy_bandwidth(device: str, num_bytes: int = 2**30) -> float:
+    """Bytes/s moved (read + written) by the best of five device-to-device copies."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * num_bytes / best
