@@ -133,6 +133,11 @@ TINY_MODELS: dict[str, ModelConfig] = {
 }
 
 
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens: ``ceil(num_tokens / page_size)``. Pure."""
+    return -(-num_tokens // page_size)
+
+
 def watermark_pages(watermark: float, num_gpu_pages: int) -> int:
     """GPU pages a pool of ``num_gpu_pages`` keeps free (the plan layer computes the same from its
     snapshot)."""

@@ -23,6 +23,7 @@ from output_path import output_path, write_output
 from rich.console import Console
 from rich.table import Table
 
+from batchgen.config import pages_needed
 from batchgen.model.paged_attention import (
     MAX_DECODE_BATCHES,
     Span,
@@ -76,7 +77,7 @@ def build_case(case: tuple[int, int, int], args: argparse.Namespace, rng: random
     """The case's decode spans over a shuffled page pool, the pool, and the new q/k/v."""
     num_rows, low, high = case
     lengths = [rng.randint(low, high) for _ in range(num_rows)]
-    tables = [-(-(n + 1) // args.page_size) for n in lengths]
+    tables = [pages_needed(n + 1, args.page_size) for n in lengths]
     page_ids = list(range(sum(tables)))
     rng.shuffle(page_ids)
     spans, start = [], 0

@@ -37,7 +37,7 @@ from kv_ops_report import report
 from output_path import output_path, write_output
 from rich.console import Console
 
-from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
+from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig, pages_needed
 from batchgen.engine.state import Request
 from batchgen.engine.worker import Worker
 from batchgen.kv.gate import KV_OPS, KvGateConfig
@@ -108,7 +108,7 @@ class RequestStream:
 
 
 def configs(mix: str, num_requests: int) -> tuple[CacheConfig, EngineConfig]:
-    max_pages = -(-(PROMPT_TOKENS[1] + NEW_TOKENS[mix][1]) // PAGE_SIZE)
+    max_pages = pages_needed(PROMPT_TOKENS[1] + NEW_TOKENS[mix][1], PAGE_SIZE)
     mean_pages = (sum(PROMPT_TOKENS) + sum(NEW_TOKENS[mix])) / 2 / PAGE_SIZE
     gpu_fraction, host_fraction = POOL_FRACTION[mix]
     demand = max_pages if mix == "decode" else mean_pages

@@ -49,13 +49,12 @@ from rich.console import Console
 from rich.table import Table
 from throughput_args import parse_args, split
 
-from batchgen.config import CacheConfig, EngineConfig
+from batchgen.config import CacheConfig, EngineConfig, pages_needed
 from batchgen.engine.runner import run_workload
 from batchgen.engine.state import RequestOutput
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.kv.gate import KvGateConfig
-from batchgen.kv.plans import pages_needed
 from batchgen.model.loader import load_model
 from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 
-from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig, ModelConfig
+from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig, ModelConfig, pages_needed
 from batchgen.engine.workloads import Workload, WorkloadRequest
 
 PAGE_SIZE = 16
@@ -118,7 +118,7 @@ def _anchor_pages(
     none is left."""
     # time-averaged pages of a crowd slot: each template weighted by how long it lives
     slot_pages = sum(
-        -(-(p + age + 1) // PAGE_SIZE) for p, new in crowd for age in range(new)
+        pages_needed(p + age + 1, PAGE_SIZE) for p, new in crowd for age in range(new)
     ) / sum(n for _, n in crowd)
     anchor_pages = (usable - round(len(crowd) * slot_pages / OVERCOMMIT)) // n_anchors
     if anchor_pages < 1:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import batchgen.engine.worker as worker_module
+from batchgen.config import pages_needed
 from batchgen.kv.gate import KvGateConfig
-from batchgen.kv.plans import pages_needed
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SCRIPT = SCRIPTS / "scale_check.py"

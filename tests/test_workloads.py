@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from batchgen.config import TINY_MODELS
+from batchgen.config import TINY_MODELS, pages_needed
 from batchgen.engine.runner import run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import (
@@ -14,7 +14,6 @@ from batchgen.engine.workloads import (
     load_workload,
 )
 from batchgen.kv.gate import KvGateConfig
-from batchgen.kv.plans import pages_needed
 from batchgen.model.null_model import NullModel
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 import numbers
 
-from batchgen.config import CacheConfig, ModelConfig
+from batchgen.config import CacheConfig, ModelConfig, pages_needed
 from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
 from batchgen.engine.state import Request, WorkerState
-from batchgen.kv.plans import pages_needed
 
 
 class RequestError(ValueError):

@@ -8,9 +8,8 @@ LOADING + SWAPPED never exceeds ``max_num_seqs``, an invariant the KV policy rel
 
 from __future__ import annotations
 
-from batchgen.config import CacheConfig, EngineConfig
+from batchgen.config import CacheConfig, EngineConfig, pages_needed
 from batchgen.engine.state import Phase, RequestState, WorkerState
-from batchgen.kv.plans import pages_needed
 
 
 def oldest_first(req: RequestState) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.config import CacheConfig, EngineConfig
+from batchgen.config import CacheConfig, EngineConfig, pages_needed
 from batchgen.engine.faults import FaultInjector
 from batchgen.engine.loads import observe_loads
 from batchgen.engine.request_checks import RequestError, check_request
@@ -41,7 +41,6 @@ from batchgen.engine.state import (
 )
 from batchgen.kv.backends import GpuKvPool, HostKvPool
 from batchgen.kv.gate import KvGateConfig, build_kv_path, gate_config
-from batchgen.kv.plans import pages_needed
 from batchgen.kv.target import KvTarget
 from batchgen.kv.tiers import tier_tensors
 from batchgen.model.llama import SeqInput

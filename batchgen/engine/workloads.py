@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from batchgen.config import CacheConfig, EngineConfig, validation_summary
+from batchgen.config import CacheConfig, EngineConfig, pages_needed, validation_summary
 from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
 from batchgen.engine.faults import FaultSpec
 from batchgen.engine.state import Request
@@ -146,7 +146,7 @@ def _l2_trace(name: str, max_context: int, *, seed: int, scale: float, vocab_siz
                 arrival_step=(i // wave) * 60 + rng.randint(0, 8),
             )
         )
-    full = -(-max_context // page_size)
+    full = pages_needed(max_context, page_size)
     cache = CacheConfig(
         page_size=page_size,
         num_gpu_pages=round(full * 1.1 * max(1.0, scale)),

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from batchgen.config import pages_needed
 from batchgen.engine.state import Phase, RequestState
-from batchgen.kv.plans import pages_needed
 from batchgen.kv.target import KvTarget
 
 

@@ -30,8 +30,8 @@ class PageOwnershipError(ValueError):
 
 
 class PoolEvent(NamedTuple):
-    """One allocator mutation: ``kind`` is ``alloc`` or ``release`` (a NamedTuple: journals hold one
-    per page grant, and compare mode compares them, so they are built and compared in C)."""
+    """One allocator mutation: ``kind`` is ``alloc`` or ``release``. A journal holds one per page
+    grant; compare mode compares journals as they are, event by event."""
 
     kind: str
     uuid: str

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+from batchgen.config import pages_needed
 from batchgen.engine.state import DONE_PHASES, Phase, RequestState
 from batchgen.kv.page_grants import PageOwnershipError
 from batchgen.kv.plans import (
@@ -23,7 +24,6 @@ from batchgen.kv.plans import (
     PollAction,
     PollPlan,
     ReleasePlan,
-    pages_needed,
 )
 from batchgen.kv.target import KvTarget
 

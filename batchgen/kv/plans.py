@@ -7,7 +7,8 @@ granted, victims and where they go, loads to start), never the manager's interna
 round-trips through JSON exactly (:func:`to_json` / :func:`from_json`), which the divergence log
 and ``replay`` rely on.
 
-Page arithmetic, shared by every side (the one place it is written)::
+Page arithmetic, shared by every side (``pages_needed`` is written once, in ``batchgen.config``,
+where the model, engine and KV layers all read it)::
 
     pages_needed(n, page_size) = ceil(n / page_size)      pages that hold n tokens
     decode demand               = sum over RUNNING requests of
@@ -25,12 +26,9 @@ from typing import NamedTuple
 
 from pydantic import TypeAdapter
 
+from batchgen.config import pages_needed
+
 frozen = dataclass(frozen=True, slots=True)
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    """Pages that hold ``num_tokens`` tokens: ``ceil(num_tokens / page_size)``. Pure."""
-    return -(-num_tokens // page_size)
 
 
 class Destination(str, enum.Enum):

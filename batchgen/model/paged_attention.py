@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from batchgen.config import pages_needed
 from batchgen.model.paged_kv import gather_kv, gather_pages, page_table_tensor
 
 # One more decode batch (its own gather and SDPA calls in every layer) costs about what gathering
@@ -154,7 +155,7 @@ def plan_attention(
 
 def _pages_read(decode: Span, page_size: int) -> int:
     """Pages of its table a decode reads: those up to its new token's. Pure."""
-    return decode.start_pos // page_size + 1
+    return pages_needed(decode.start_pos + 1, page_size)
 
 
 def default_decode_batches(device: torch.device) -> int:

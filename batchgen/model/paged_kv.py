@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from batchgen.config import ModelConfig
+from batchgen.config import ModelConfig, pages_needed
 
 K_INDEX, V_INDEX = 0, 1
 
@@ -131,7 +131,7 @@ def write_kvs(kv_pages: Tensor, writes: Sequence[tuple[Sequence[int], int, Tenso
 def _check_covered(page_ids: Sequence[int], num_positions: int, page_size: int) -> int:
     """The number of pages that hold ``num_positions`` positions; ValueError if ``page_ids`` has
     fewer. Pure."""
-    num_needed = -(-num_positions // page_size)
+    num_needed = pages_needed(num_positions, page_size)
     if len(page_ids) < num_needed:
         raise ValueError(
             f"page table of {len(page_ids)} pages covers {len(page_ids) * page_size} positions; "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from batchgen.config import pages_needed
 from batchgen.engine.loads import LOAD_TIMEOUT
 from batchgen.engine.state import Phase, RequestState
 from batchgen.kv.manager import eviction_watermark_pages
@@ -28,7 +29,6 @@ from batchgen.kv.plans import (
     PollPlan,
     PollRequest,
     ReleaseRequest,
-    pages_needed,
 )
 from compare import Outcome, RunSummary
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import random
 
-from batchgen.config import CacheConfig, EngineConfig
+from batchgen.config import CacheConfig, EngineConfig, pages_needed
 from batchgen.engine.faults import FaultSpec
 from batchgen.engine.workloads import Workload, WorkloadRequest
-from batchgen.kv.plans import pages_needed
 
 CHOICES = {
     "num_requests": list(range(2, 25)),

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-from batchgen.config import watermark_pages
+from batchgen.config import pages_needed, watermark_pages
 from batchgen.engine.runner import RunResult
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
-from batchgen.kv.plans import pages_needed
 from batchgen.shadow.output_check import compare_exact, compare_outputs
 from batchgen.shadow.validation_report import KvDirection
 from compare import DivergenceRecord, Report, RunSummary
