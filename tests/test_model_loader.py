@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from stepping import step_to_end
 
 from batchgen.config import DTYPE_SIZES, CacheConfig, ModelConfig
 from batchgen.engine.state import Request, RequestOutput
@@ -386,8 +387,7 @@ def test_every_id_of_an_eos_token_id_list_ends_a_request(tmp_path):
             model, cache_config=CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0)
         )
         worker.add_request(prompt)
-        while worker.has_unfinished():
-            worker.step()
+        step_to_end(worker, 100)
         return worker.take_outputs()["r0"]
 
     first = generate(load_model(str(tmp_path))).output_ids[0]

@@ -41,8 +41,11 @@ def run(**gate):
     cache = CacheConfig(page_size=4, num_gpu_pages=16, num_host_pages=8)
     worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=cache, kv_storage=False, **gate)
     worker.add_request(Request("r0", tuple(range(1, 10)), max_new_tokens=2))
-    while worker.has_unfinished():
+    for _ in range(100):
         worker.step()
+        if not worker.has_unfinished():
+            break
+    assert not worker.has_unfinished(), "unfinished after 100 steps"
 
 
 def test_worker_with_a_buggy_manager(monkeypatch):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
+from stepping import step_to_end
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.request_checks import RequestError
@@ -77,9 +78,7 @@ def assert_nothing_left(result: RunResult) -> None:
 
 def finish(worker: Worker) -> None:
     """Step until every request is released, checking the pools after every step."""
-    while worker.has_unfinished():
-        worker.step()
-        worker.check_integrity()
+    step_to_end(worker, 5_000, check_integrity=True)
 
 
 @pytest.fixture(scope="module")
@@ -467,8 +466,7 @@ def test_numpy_scalars_are_accepted_where_ints_and_floats_are(model):
             model, cache_config=CacheConfig(page_size=4, num_gpu_pages=16, num_host_pages=0)
         )
         worker.add_request(request)
-        while worker.has_unfinished():
-            worker.step()
+        step_to_end(worker, 100)
         outputs.append(worker.take_outputs()["r"].output_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 3
 
