@@ -21,7 +21,7 @@ from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.loads import observe_loads
 from batchgen.engine.runner import run_workload
 from batchgen.engine.scheduler import schedule
-from batchgen.engine.state import Phase, Request, RequestState
+from batchgen.engine.state import Phase, Request, RequestState, WorkerStats
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
 from batchgen.kv import appliers
@@ -297,3 +297,12 @@ def test_a_request_copy_has_every_field_of_the_original_and_shares_only_the_outp
     assert copy.output_ids is request.output_ids  # shared: KV ops never write them
     copy.phase, copy.gpu_page_ids = Phase.LOADING, (1, 2)
     assert (request.phase, request.gpu_page_ids) == (Phase.SWAPPED, ())
+
+
+def test_a_counters_copy_has_every_counter_of_the_original_and_is_independent():
+    names = [f.name for f in dataclasses.fields(WorkerStats)]
+    stats = WorkerStats(*range(1, len(names) + 1))  # each counter its own value
+    copy = stats.copy()
+    assert copy is not stats and copy == stats
+    copy.evictions += 10
+    assert stats.evictions == 1

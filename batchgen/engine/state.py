@@ -16,7 +16,7 @@ Token ranges of a request with ``n = num_tokens``::
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from batchgen.kv.backends import AsyncHandle
 
@@ -155,7 +155,16 @@ class WorkerStats:
     peak_host_pages: int = 0
 
     def copy(self) -> WorkerStats:
-        return replace(self)
+        """Every counter, copied (compare mode forks them for each compared op)."""
+        return WorkerStats(
+            self.evictions,
+            self.loads,
+            self.load_failures,
+            self.recompute_preemptions,
+            self.tokens_generated,
+            self.peak_gpu_pages,
+            self.peak_host_pages,
+        )
 
 
 @dataclass(slots=True)
