@@ -646,3 +646,20 @@ def test_bench_sweep_times_each_backend_and_the_drivers_merge(tmp_path):
     assert all(merge["merge_s_per_1000"] > 0 for merge in figures["merge"])
     assert all(0 < merge["html_page_s"] for merge in figures["merge"])
     assert [loop["backend"] for loop in figures["task_loop"]] == ["processes"]
+
+
+def test_bench_compare_end_to_end_reads_compare_modes_kv_share_apart_from_the_run_noise(
+    monkeypatch,
+):
+    module = script_module(monkeypatch, "compare_end_to_end")
+    runs = {
+        "off": {"cpu": [2.0, 1.8, 2.2], "wall": [2.1, 1.9, 2.3], "kv": [0.05, 0.06, 0.07]},
+        "on": {"cpu": [2.3, 1.9, 2.0], "wall": [2.4, 2.0, 2.1], "kv": [0.15, 0.16, 0.20]},
+        "legacy": {"cpu": [2.0, 1.7, 2.1], "wall": [2.1, 1.8, 2.2], "kv": [0.03, 0.03, 0.03]},
+    }
+    e2e = module.summarise(runs, "cpu")
+    assert e2e["ratio"] == e2e["cpu_ratio"] == pytest.approx(1.9 / 1.8)
+    assert e2e["wall_ratio"] == pytest.approx(2.0 / 1.9)
+    assert e2e["plan_legacy_ratio"] == pytest.approx(1.8 / 1.7)
+    assert e2e["compare_kv_share"] == pytest.approx((0.16 - 0.06) / 2.0)  # medians
+    assert module.summarise(runs, "cuda")["ratio"] == pytest.approx(2.0 / 1.9)
