@@ -44,9 +44,9 @@ from tempfile import TemporaryDirectory
 
 from batchgen.shadow.coverage import CATALOG
 from batchgen.shadow.report_page import render_page
-from batchgen.shadow.sweep import sweep_cells, sweep_directions, sweep_workloads
-from batchgen.shadow.sweep_backends import ProcessBackend, RayBackend, SweepBackend
-from batchgen.shadow.sweep_driver import run_sweep
+from batchgen.sweep.backends import ProcessBackend, RayBackend, SweepBackend
+from batchgen.sweep.driver import run_sweep
+from batchgen.sweep.matrix import sweep_cells, sweep_directions, sweep_workloads
 from compare import aggregate, read_log
 
 PLAN = sweep_directions("plan", aa_check=False)
@@ -167,7 +167,7 @@ def sample_lines(kind: str) -> tuple[str, tuple[str, ...]]:
     sys.path.append(str(root / "tests"))
     from sweep_tasks import run_with_reversed_grants
 
-    from batchgen.shadow.sweep import run_cell
+    from batchgen.sweep.matrix import run_cell
 
     cell = sweep_cells(sweep_workloads(["smoke"]), (0,), (None,), PLAN)[0]
     lines = run_with_reversed_grants(cell) if kind == "divergence" else run_cell(cell)

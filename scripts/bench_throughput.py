@@ -56,7 +56,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
-from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES
+from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
 
 PAGE_SIZE = 16
 

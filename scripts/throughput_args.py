@@ -10,7 +10,7 @@ import torch
 from hf_reference import hf_geometry
 from output_path import output_path
 
-from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES
+from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ import pytest
 from injected_bugs import reversed_grants
 
 from batchgen.engine.worker import Worker
-from batchgen.shadow.sweep import SweepCell, run_cell
+from batchgen.sweep.matrix import SweepCell, run_cell
 
 KILLED_AT_STEP = 5  # a killed attempt runs this many worker steps first: it dies mid-run
 

@@ -19,7 +19,7 @@ from batchgen.engine.workloads import Workload, builtin_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
-from batchgen.shadow.validation import BACK_TO_BACK_WORKLOADS, CORPUS_DIR, corpus_workloads
+from batchgen.validation.validate import BACK_TO_BACK_WORKLOADS, CORPUS_DIR, corpus_workloads
 from compare import DivergenceError
 
 

@@ -909,7 +909,7 @@ def test_a_logged_load_divergence_names_each_sides_handle_as_replay_does(
     """The fork's record of the requests before it wrote them holds the worker's objects, which the
     authoritative path then changes: the shadow's load must still be named against the state before
     the op."""
-    from batchgen.shadow.replay import replay_record
+    from batchgen.triage.replay import replay_record
 
     bug = bug_named("retry-keeps-the-failed-loads-handle")
     bug.inject(monkeypatch)

@@ -48,8 +48,8 @@ from batchgen.kv.plans import (
 )
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.coverage import CATALOG, OUTCOMES, REQUIRED, outcomes_of
-from batchgen.shadow.explore_space import random_params, workload_from
-from batchgen.shadow.validation import BACK_TO_BACK_WORKLOADS, CORPUS_DIR, corpus_workloads
+from batchgen.validation.explore_space import random_params, workload_from
+from batchgen.validation.validate import BACK_TO_BACK_WORKLOADS, CORPUS_DIR, corpus_workloads
 
 MARK = "decision:"
 

@@ -11,10 +11,10 @@ from injected_bugs import reversed_grants
 from batchgen.cli import explore as explore_command
 from batchgen.cli import main
 from batchgen.engine.workloads import load_workload
-from batchgen.shadow.explore import BATCH, ExploreError, explore, smallest_cover, write_corpus
-from batchgen.shadow.minimize import minimize_divergence
-from batchgen.shadow.replay import replay_record
-from batchgen.shadow.sweep_backends import ProcessBackend, TaskDone, TaskFailed
+from batchgen.sweep.backends import ProcessBackend, TaskDone, TaskFailed
+from batchgen.triage.minimize import minimize_divergence
+from batchgen.triage.replay import replay_record
+from batchgen.validation.explore import BATCH, ExploreError, explore, smallest_cover, write_corpus
 from compare import DivergenceRecord, read_log
 
 

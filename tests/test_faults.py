@@ -12,7 +12,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
-from batchgen.shadow.output_check import compare_outputs
+from batchgen.validation.output_check import compare_outputs
 
 MODEL = load_model("tiny")
 

@@ -10,7 +10,7 @@ import transformers
 from batchgen.model.llama import SeqInput
 from batchgen.model.loader import load_model
 from batchgen.model.paged_kv import kv_page_shape, write_kv
-from batchgen.shadow.validation import validate_back_to_back
+from batchgen.validation.validate import validate_back_to_back
 
 pytestmark = [
     pytest.mark.gpu,

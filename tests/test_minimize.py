@@ -17,9 +17,9 @@ from batchgen.exit_codes import Terminated
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plans import Destination, EvictionPlan, PollAction, Victim
 from batchgen.model.null_model import NullModel
-from batchgen.shadow.minimize import NotReproduced, minimize_divergence, recorded_workload
-from batchgen.shadow.minimize_search import DivergenceSignature
-from batchgen.shadow.regression import write_regression, write_regression_into
+from batchgen.triage.minimize import NotReproduced, minimize_divergence, recorded_workload
+from batchgen.triage.minimize_search import DivergenceSignature
+from batchgen.triage.regression import write_regression, write_regression_into
 from compare import DivergenceError, DivergenceRecord, read_log
 
 Manager = kv_manager.KVCacheManager

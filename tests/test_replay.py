@@ -24,8 +24,8 @@ from batchgen.kv.plans import (
     Victim,
 )
 from batchgen.model.null_model import NullModel
-from batchgen.shadow.rebuild import PLACEHOLDER_OWNER, ReplayError, rebuild_target
-from batchgen.shadow.replay import replay_record
+from batchgen.triage.rebuild import PLACEHOLDER_OWNER, ReplayError, rebuild_target
+from batchgen.triage.replay import replay_record
 from compare import DivergenceRecord, read_log
 
 Manager = kv_manager.KVCacheManager

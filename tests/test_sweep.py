@@ -21,7 +21,9 @@ from batchgen.engine import runner
 from batchgen.engine.faults import FaultSpecError
 from batchgen.engine.workloads import builtin_workload
 from batchgen.shadow.coverage import CATALOG
-from batchgen.shadow.sweep import (
+from batchgen.sweep.backends import WORKER_DIED, ProcessBackend, RayBackend
+from batchgen.sweep.driver import SWEEP_REPORT_FILES, run_sweep
+from batchgen.sweep.matrix import (
     SweepError,
     fault_schedule,
     run_cell,
@@ -29,8 +31,6 @@ from batchgen.shadow.sweep import (
     sweep_directions,
     sweep_workloads,
 )
-from batchgen.shadow.sweep_backends import WORKER_DIED, ProcessBackend, RayBackend
-from batchgen.shadow.sweep_driver import SWEEP_REPORT_FILES, run_sweep
 from compare import DivergenceRecord, RunSummary, aggregate, parse_record, read_log
 
 TESTS = Path(__file__).resolve().parent

@@ -14,7 +14,7 @@ from sweep_tasks import failing_run, run_with_reversed_grants
 
 from batchgen.cli import main
 from batchgen.cli import sweep as sweep_command
-from batchgen.shadow.sweep_backends import WORKER_DIED
+from batchgen.sweep.backends import WORKER_DIED
 from compare import DivergenceRecord, RunSummary, read_log
 
 SMALL = ["sweep", "--workload", "smoke", "--seeds", "0-1", "--directions", "plan"]

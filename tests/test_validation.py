@@ -17,9 +17,9 @@ import pytest
 from injected_bugs import reversed_grants
 
 import batchgen.kv.manager as kv_manager
-import batchgen.shadow.validation
-import batchgen.shadow.validation_report
-import batchgen.shadow.validation_session
+import batchgen.validation.report
+import batchgen.validation.session
+import batchgen.validation.validate
 from batchgen.cli import main
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.workloads import Workload, WorkloadRequest
@@ -27,9 +27,9 @@ from batchgen.kv.backends import GpuKvPool
 from batchgen.kv.plans import PollAction
 from batchgen.model.loader import load_model
 from batchgen.shadow.coverage import CATALOG
-from batchgen.shadow.validation import validate_back_to_back
-from batchgen.shadow.validation_checks import coverage_failures
-from batchgen.shadow.validation_report import DIRECTIONS, REPORT_FILES
+from batchgen.validation.checks import coverage_failures
+from batchgen.validation.report import DIRECTIONS, REPORT_FILES
+from batchgen.validation.validate import validate_back_to_back
 from compare import (
     DivergenceRecord,
     JsonlSink,
@@ -80,9 +80,9 @@ def use_workloads(monkeypatch, tmp_path, *workloads: Workload, corpus=()) -> lis
     corpus_dir.mkdir()
     for workload in corpus:
         (corpus_dir / f"{workload.name}.json").write_text(workload.to_json())
-    monkeypatch.setattr(batchgen.shadow.validation, "BACK_TO_BACK_WORKLOADS", tuple(paths))
-    monkeypatch.setattr(batchgen.shadow.validation, "CORPUS_DIR", corpus_dir)
-    monkeypatch.setattr(batchgen.shadow.validation, "coverage_failures", lambda report: [])
+    monkeypatch.setattr(batchgen.validation.validate, "BACK_TO_BACK_WORKLOADS", tuple(paths))
+    monkeypatch.setattr(batchgen.validation.validate, "CORPUS_DIR", corpus_dir)
+    monkeypatch.setattr(batchgen.validation.validate, "coverage_failures", lambda report: [])
     return [workload.name for workload in workloads]
 
 
@@ -344,8 +344,8 @@ def test_an_interrupted_validation_leaves_the_last_log_and_reports_and_its_own_p
             raise KeyboardInterrupt
         return session_run(self, *args, **kwargs)
 
-    session_run = batchgen.shadow.validation_session.Session.run
-    session = batchgen.shadow.validation_session.Session
+    session_run = batchgen.validation.session.Session.run
+    session = batchgen.validation.session.Session
     monkeypatch.setattr(session, "run", interrupted_on_the_third_run)
     assert main(["validate", "--reports-dir", str(reports)]) == 130
     assert capsys.readouterr().err.strip().endswith("batchgen: interrupted")
@@ -387,7 +387,7 @@ def test_reports_a_full_disk_cannot_take_are_a_named_failure_and_the_summary_sti
             raise OSError(errno.ENOSPC, "No space left on device")
         write_atomic(path, text)
 
-    monkeypatch.setattr(batchgen.shadow.validation_report, "write_atomic", disk_full)
+    monkeypatch.setattr(batchgen.validation.report, "write_atomic", disk_full)
     reports = tmp_path / "reports"
     assert main(["validate", "--json", "--reports-dir", str(reports)]) == 1
     report = one_json_object(capsys.readouterr().out)

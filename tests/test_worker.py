@@ -20,7 +20,7 @@ from batchgen.kv import tiers
 from batchgen.kv.tiers import PoolAllocationError
 from batchgen.model import loader
 from batchgen.model.loader import load_model
-from batchgen.shadow.output_check import compare_exact, compare_outputs
+from batchgen.validation.output_check import compare_exact, compare_outputs
 
 
 @pytest.fixture(scope="module")

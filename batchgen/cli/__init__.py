@@ -54,10 +54,10 @@ from batchgen.exit_codes import (
 from batchgen.kv.gate import GateError
 from batchgen.kv.tiers import PoolAllocationError
 from batchgen.model.loader import ModelLoadError
-from batchgen.shadow.minimize import MinimizeError
-from batchgen.shadow.rebuild import ReplayError
-from batchgen.shadow.sweep import SweepError
-from batchgen.shadow.sweep_backends import BackendError
+from batchgen.sweep.backends import BackendError
+from batchgen.sweep.matrix import SweepError
+from batchgen.triage.minimize import MinimizeError
+from batchgen.triage.rebuild import ReplayError
 from compare import RecordError
 
 __all__ = ["RENDERERS", "build_parser", "main"]

@@ -7,7 +7,7 @@ import os
 
 from batchgen.cli.arg_types import positive_int
 from batchgen.cli.common import UsageError
-from batchgen.shadow.sweep_backends import ProcessBackend, RayBackend, SweepBackend
+from batchgen.sweep.backends import ProcessBackend, RayBackend, SweepBackend
 
 SERIAL = "serial"  # no backend: every task in this process, one after another
 

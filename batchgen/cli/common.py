@@ -20,7 +20,7 @@ from batchgen.cli.arg_types import MAX_THREADS, scale_float, seed_int, threads_i
 from batchgen.config import TINY_MODELS
 from batchgen.engine.workloads import MAX_SCALE
 from batchgen.model.loader import load_model
-from batchgen.shadow.validation import ProgressCallback
+from batchgen.validation.validate import ProgressCallback
 
 DEVICES = ("cpu", "cuda")
 

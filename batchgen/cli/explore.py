@@ -17,7 +17,7 @@ from batchgen.cli.backend_args import add_backend_args, backend_from_args, check
 from batchgen.cli.common import StdoutConsole, add_output_args, check_directory
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.shadow.coverage import REQUIRED
-from batchgen.shadow.explore import (
+from batchgen.validation.explore import (
     ExploreError,
     ExploreResult,
     explore,

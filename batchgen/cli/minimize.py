@@ -16,9 +16,9 @@ from batchgen.cli.common import UsageError, make_directory, print_warnings, remo
 from batchgen.cli.replay import add_record_args, divergence_record, record_title
 from batchgen.engine.workloads import Workload
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
-from batchgen.shadow.minimize import NotReproduced, minimize_divergence, recorded_run
-from batchgen.shadow.minimize_search import MinimizeResult, TestCallback
-from batchgen.shadow.regression import write_regression_into
+from batchgen.triage.minimize import NotReproduced, minimize_divergence, recorded_run
+from batchgen.triage.minimize_search import MinimizeResult, TestCallback
+from batchgen.triage.regression import write_regression_into
 
 # minimize's default --out-dir: git-ignored, and `make clean` deletes reports/
 MINIMIZED_DIR = "reports/minimized"

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from batchgen.cli.arg_types import non_negative_int
 from batchgen.cli.common import UsageError, print_warnings
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
-from batchgen.shadow.replay import ReplayOutcome, replay_record
+from batchgen.triage.replay import ReplayOutcome, replay_record
 from compare import DivergenceRecord, read_log
 
 

@@ -17,21 +17,21 @@ from batchgen.cli.backend_args import add_backend_args, backend_from_args, check
 from batchgen.cli.common import add_output_args, add_scale_arg, check_directory, make_directory
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
-from batchgen.shadow.sweep import (
+from batchgen.sweep.backends import SweepBackend
+from batchgen.sweep.driver import (
+    DEFAULT_MAX_RETRIES,
+    SWEEP_REPORT_FILES,
+    ProgressCallback,
+    SweepResult,
+    run_sweep,
+)
+from batchgen.sweep.matrix import (
     MAX_RUNS,
     SERVING_PATHS,
     run_cell,
     sweep_cells,
     sweep_directions,
     sweep_workloads,
-)
-from batchgen.shadow.sweep_backends import SweepBackend
-from batchgen.shadow.sweep_driver import (
-    DEFAULT_MAX_RETRIES,
-    SWEEP_REPORT_FILES,
-    ProgressCallback,
-    SweepResult,
-    run_sweep,
 )
 from compare.render import headline, render_text
 

@@ -32,8 +32,8 @@ from batchgen.cli.common import (
 )
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, gate_config
-from batchgen.shadow.validation import CORPUS_DIR, corpus_workloads, validate_back_to_back
-from batchgen.shadow.validation_report import DIRECTIONS, ValidationReport, compare_overhead
+from batchgen.validation.report import DIRECTIONS, ValidationReport, compare_overhead
+from batchgen.validation.validate import CORPUS_DIR, corpus_workloads, validate_back_to_back
 from compare.render import coverage_line
 
 

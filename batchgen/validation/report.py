@@ -1,4 +1,4 @@
-"""What the back-to-back validation (``batchgen.shadow.validation``) reports, and the report files
+"""What the back-to-back validation (``batchgen.validation.validate``) reports, and the report files
 it writes.
 
 Holds the compare-mode directions it runs (``KvDirection``, ``DIRECTIONS``), one

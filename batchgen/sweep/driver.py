@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchgen.shadow.coverage import CATALOG
-from batchgen.shadow.sweep import SweepCell, run_cell
-from batchgen.shadow.sweep_backends import SweepBackend, TaskDone, TaskFailed
-from batchgen.shadow.validation_report import REPORT_FILES, write_reports
+from batchgen.sweep.backends import SweepBackend, TaskDone, TaskFailed
+from batchgen.sweep.matrix import SweepCell, run_cell
+from batchgen.validation.report import REPORT_FILES, write_reports
 from compare import LogRecord, Report, RunSummary, aggregate, parse_record, write_atomic
 from compare.render import render_text
 

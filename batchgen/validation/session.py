@@ -1,6 +1,6 @@
 """One validation's runs and checks: the workers it builds, what each run must show, failures.
 
-``batchgen.shadow.validation`` decides which runs make a validation; a ``Session`` runs them,
+``batchgen.validation.validate`` decides which runs make a validation; a ``Session`` runs them,
 checks each, and collects every failure as one line naming the run and what failed.
 """
 
@@ -19,7 +19,7 @@ from batchgen.engine.runner import RunResult, run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadError
 from batchgen.kv.gate import KvGateConfig
-from batchgen.shadow.validation_checks import (
+from batchgen.validation.checks import (
     divergence_failures,
     eviction_failures,
     first_line,
@@ -29,7 +29,7 @@ from batchgen.shadow.validation_checks import (
     pressure_failures,
     reference_failures,
 )
-from batchgen.shadow.validation_report import KvDirection, ValidationRun
+from batchgen.validation.report import KvDirection, ValidationRun
 from compare import DivergenceRecord, LogWriteError, RunSummary, read_log
 
 # on_progress(label of the run, requests released, requests in the workload)

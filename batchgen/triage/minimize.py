@@ -39,7 +39,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest, load_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
-from batchgen.shadow.minimize_search import (
+from batchgen.triage.minimize_search import (
     DivergenceSignature,
     InterruptCallback,
     MinimizeResult,
@@ -51,7 +51,7 @@ from batchgen.shadow.minimize_search import (
     with_requests,
     with_steps,
 )
-from batchgen.shadow.rebuild import kv_paths
+from batchgen.triage.rebuild import kv_paths
 from compare import DivergenceRecord, ddmin
 
 # the candidates' model; also a record's vocabulary when it names none

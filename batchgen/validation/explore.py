@@ -36,8 +36,8 @@ from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.coverage import REQUIRED
-from batchgen.shadow.explore_space import mutate, random_params, workload_from
-from batchgen.shadow.sweep_backends import SweepBackend, TaskFailed
+from batchgen.sweep.backends import SweepBackend, TaskFailed
+from batchgen.validation.explore_space import mutate, random_params, workload_from
 from compare import DivergenceError
 
 TINY_VOCAB = TINY_MODELS["tiny"].vocab_size  # the corpus replays on the tiny model

@@ -18,7 +18,7 @@ from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
 from batchgen.shadow.fork import fork_target, op_scope
 from batchgen.shadow.forms import canonical_kv, classify, exception_kind
-from batchgen.shadow.rebuild import ReplayError, kv_paths, op_request, rebuild_target
+from batchgen.triage.rebuild import ReplayError, kv_paths, op_request, rebuild_target
 from compare import DivergenceRecord, Observation, compare_observations, diff
 
 

@@ -48,9 +48,9 @@ from batchgen.config import CacheConfig
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.shadow.coverage import CATALOG
-from batchgen.shadow.output_check import NEAR_TIE_TOLERANCES
-from batchgen.shadow.validation_checks import coverage_failures
-from batchgen.shadow.validation_report import (
+from batchgen.validation.checks import coverage_failures
+from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
+from batchgen.validation.report import (
     DIRECTIONS,
     PARTIAL_LOG,
     ValidationReport,
@@ -58,7 +58,7 @@ from batchgen.shadow.validation_report import (
     reports_directory,
     write_reports,
 )
-from batchgen.shadow.validation_session import ProgressCallback, Session
+from batchgen.validation.session import ProgressCallback, Session
 from compare import LogRecord, Report, aggregate
 
 # Built-in names or workload files, run in this order on each shared worker (the last one's pool

@@ -45,7 +45,7 @@ from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
-from batchgen.shadow.validation_report import KvDirection
+from batchgen.validation.report import KvDirection
 from compare import RunSummary, read_log
 
 MODEL = "tiny"  # every run's model: built-in, so a node needs no checkpoint

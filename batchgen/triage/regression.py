@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from batchgen.shadow.minimize_search import MinimizeResult
+from batchgen.triage.minimize_search import MinimizeResult
 from compare import write_atomic
 
 _TEST_TEMPLATE = '''\
