@@ -77,6 +77,13 @@ def add_validate_command(commands) -> None:
         "checked-in corpus, found by batchgen explore); an empty directory runs none, and the "
         "decision-coverage check then fails for what the L2 traces do not reach",
     )
+    parser.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help="stop at the first failed check and exit 1 at once (a compare run stops at its first"
+        " divergence); the summary and reports then cover the runs up to that check, and the"
+        " decision-coverage check is skipped",
+    )
     add_output_args(parser)
     parser.set_defaults(handler=_validate)
 
@@ -99,6 +106,7 @@ def _validate(args: argparse.Namespace) -> int:
             reports_dir=args.reports_dir,
             corpus_dir=args.corpus,
             on_progress=progress_callback(progress),
+            fail_fast=args.fail_fast,
         )
     if args.json:
         print(json.dumps({**report.to_dict(), **context(args)}))

@@ -30,10 +30,15 @@ from batchgen.validation.checks import (
     reference_failures,
 )
 from batchgen.validation.report import KvDirection, ValidationRun
-from compare import DivergenceRecord, LogWriteError, RunSummary, read_log
+from compare import DivergenceError, DivergenceRecord, LogWriteError, RunSummary, read_log
 
 # on_progress(label of the run, requests released, requests in the workload)
 ProgressCallback = Callable[[str, int, int], None]
+
+
+class FailFast(Exception):
+    """Raised by a fail-fast session at its first failed check (the failure is in
+    ``Session.failures``); ``validate_back_to_back`` stops there."""
 
 
 @dataclass
@@ -45,6 +50,8 @@ class Session:
     log: Path  # the compare runs' divergence log
     sources: dict[str, str]  # workload name -> how replay/minimize reload it
     on_progress: ProgressCallback | None
+    # stop at the first failed check (FailFast); compare runs raise at their first divergence
+    fail_fast: bool = False
     runs: list[ValidationRun] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     # direction -> workload -> run
@@ -61,7 +68,7 @@ class Session:
     ) -> None:
         """Every workload in turn on one compare-mode worker; stops at the first run that breaks
         it."""
-        gate = KvGateConfig(path=direction.authoritative, compare="log", compare_log=str(self.log))
+        gate = self.compare_gate(direction)
         worker = Worker(
             self.model,
             cache_config=cache,
@@ -81,8 +88,10 @@ class Session:
                 label = f"{workload.name} {direction.role}"
                 self.failures += leftover_failures(label, worker, result)
                 self.failures += eviction_failures(label, result)
+                self.stop_at_failure()
         finally:
             self.close_log(direction, worker)
+        self.stop_at_failure()
 
     def close_log(self, direction: KvDirection, worker: Worker) -> None:
         """Close a compare worker's log; a write that fails there is a failure of the run."""
@@ -94,7 +103,7 @@ class Session:
     def run_corpus(self, direction: KvDirection, corpus: list[Workload]) -> None:
         """Each corpus workload on a fresh compare-mode worker of its own pools, engine and
         faults: no divergence, nothing left behind."""
-        gate = KvGateConfig(path=direction.authoritative, compare="log", compare_log=str(self.log))
+        gate = self.compare_gate(direction)
         for workload in corpus:
             faults = FaultInjector(FaultSpec.parse(workload.faults)) if workload.faults else None
             worker = Worker(
@@ -109,6 +118,7 @@ class Session:
                     )
             finally:
                 self.close_log(direction, worker)
+            self.stop_at_failure()
 
     def check_against_references(
         self, workloads: tuple[Workload, ...], dtype: str, tolerance: float
@@ -127,6 +137,7 @@ class Session:
                     self.failures += reference_failures(
                         reference, results[workload.name], label, tolerance
                     )
+                    self.stop_at_failure()
 
     def check_against_fresh(self, last: Workload, cache: CacheConfig) -> None:
         """The last workload on a fresh worker (plan path); every direction's run of it must be this
@@ -138,6 +149,18 @@ class Session:
             if last.name in results:
                 label = f"{last.name} {direction.role}"
                 self.failures += fresh_failures(fresh, results[last.name], label)
+                self.stop_at_failure()
+
+    def compare_gate(self, direction: KvDirection) -> KvGateConfig:
+        """A compare run's gates: its direction, logging every divergence to the session's log
+        (fail-fast: raising at the first, after logging it)."""
+        mode = "raise" if self.fail_fast else "log"
+        return KvGateConfig(path=direction.authoritative, compare=mode, compare_log=str(self.log))
+
+    def stop_at_failure(self) -> None:
+        """FailFast when this session fails fast and a check has failed; otherwise nothing."""
+        if self.fail_fast and self.failures:
+            raise FailFast(self.failures[0])
 
     def plain_worker(self, cache: CacheConfig, engine: EngineConfig) -> Worker:
         """A worker on the default (plan) path with compare mode off, whatever the environment
@@ -180,11 +203,16 @@ class Session:
             )
         except (RequestError, WorkloadError):
             raise  # bad input, not a failed check
+        except DivergenceError:  # fail-fast: the run's summary names the divergence
+            self.end_compare_run(label, worker, direction)
+            self.stop_at_failure()
+            return None
         except AssertionError as error:
             self.failures.append(
                 f"{label}: integrity check failed at step {worker.state.step}: {first_line(error)}"
             )
             self.end_compare_run(label, worker, direction)
+            self.stop_at_failure()
             return None
         except Exception as error:  # e.g. a plan the applier rejected on the authoritative path
             self.failures.append(
@@ -192,10 +220,12 @@ class Session:
                 f"{first_line(error)}"
             )
             self.end_compare_run(label, worker, direction)
+            self.stop_at_failure()
             return None
         self.runs.append(ValidationRun.from_result(role, workload.name, result, direction))
         if result.compare_summary is not None:
             self.judge_compare_run(label, direction, result.compare_summary)
+        self.stop_at_failure()
         return result
 
     def end_compare_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:

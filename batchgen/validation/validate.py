@@ -58,7 +58,7 @@ from batchgen.validation.report import (
     reports_directory,
     write_reports,
 )
-from batchgen.validation.session import ProgressCallback, Session
+from batchgen.validation.session import FailFast, ProgressCallback, Session
 from compare import LogRecord, Report, aggregate
 
 # Built-in names or workload files, run in this order on each shared worker (the last one's pool
@@ -76,6 +76,7 @@ def validate_back_to_back(
     reports_dir: str | Path | None = None,
     corpus_dir: str | Path | None = None,
     on_progress: ProgressCallback | None = None,
+    fail_fast: bool = False,
 ) -> ValidationReport:
     """Run the validation on ``model`` (already on ``device``) in every direction and judge it.
     Builds its own workers (explicit gates: the ``BATCHGEN_WORKER_KV_*`` environment does not
@@ -83,7 +84,9 @@ def validate_back_to_back(
     ones; None: a temporary directory). ``corpus_dir``: the corpus's workload files (None: the
     checked-in corpus; an empty directory: none). Raises only for bad input (WorkloadError for a
     bad scale or workload file, RequestError for a model whose context or vocabulary cannot serve
-    the traces); every check that fails is a line in ``failures``."""
+    the traces); every check that fails is a line in ``failures``. ``fail_fast``: stop at the
+    first failed check (its compare runs raise at their first divergence); the report then holds
+    that one failure and the runs before it, and the coverage check is skipped."""
     started = time.perf_counter()
     vocab_size = model.config.vocab_size
     workloads = tuple(
@@ -96,12 +99,18 @@ def validate_back_to_back(
     cache = workloads[-1].cache.model_copy(update={"dtype": dtype})
     with reports_directory(reports_dir) as directory:
         sources = _sources(workloads, corpus, corpus_dir)
-        session = Session(model, device, directory / PARTIAL_LOG, sources, on_progress)
-        _run_every_direction(session, workloads, corpus, cache, scale)
+        session = Session(
+            model, device, directory / PARTIAL_LOG, sources, on_progress, fail_fast=fail_fast
+        )
+        try:
+            _run_every_direction(session, workloads, corpus, cache, scale)
+        except FailFast:
+            pass  # the failure is in session.failures
         session.log = complete_log(directory)  # an interrupted validation leaves the last one
         records = session.read_log()
         compare = aggregate(records, CATALOG)
-        session.failures += coverage_failures(compare)
+        if not (fail_fast and session.failures):  # a stopped validation reached only some
+            session.failures += coverage_failures(compare)
         written = {}
         if reports_dir is not None:
             written = _write_reports(session, directory, compare, records)
