@@ -7,6 +7,7 @@ import numbers
 
 from batchgen.config import CacheConfig, ModelConfig, pages_needed
 from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
+from batchgen.engine.sampling_params import sampling_problem
 from batchgen.engine.state import Request, WorkerState
 
 
@@ -37,6 +38,9 @@ def check_request(
         raise RequestError(
             f"{where}: temperature={request.temperature}; must be a finite number >= 0 (0 = greedy)"
         )
+    problem = sampling_problem(request.sampling, request.max_new_tokens, model.vocab_size)
+    if problem is not None:
+        raise RequestError(f"{where}: sampling.{problem}")
     bad = [t for t in prompt if not 0 <= t < model.vocab_size]
     if bad:
         raise RequestError(

@@ -1,45 +1,151 @@
-"""Token sampling: greedy, or seeded multinomial that ignores batch composition.
+"""Token sampling, batched: greedy rows by one argmax, sampled rows by one masked inverse-CDF draw.
 
-A sampled request draws from a generator seeded by (request seed, uuid,
-position), so its tokens do not depend on which other requests shared the step.
-A temperature below ``GREEDY_BELOW`` samples greedily: dividing the logits by it
-would overflow to infinity, and the distribution is one-hot long before.
+Every step samples all its rows at once: greedy rows (temperature below ``GREEDY_BELOW``) take the
+argmax the top-2 search already found; sampled rows are divided by their temperatures, narrowed by
+their top-k, min-p and top-p masks, and each picks the token where its cumulative probability
+reaches its own uniform draw ``u``. ``u`` is a hash of the request's (seed, uuid, position)
+(``draw_key``; an edge that runs n samples of one prompt gives each its own uuid), so a row's token
+depends on its own logits and nothing else in the batch. The only per-row Python left is reading
+each request's parameters and hashing its key: a uuid is a string, and no tensor op hashes one.
+
+A temperature below ``GREEDY_BELOW`` samples greedily: dividing the logits by it would overflow to
+infinity, and the distribution is one-hot long before. Before ``min_tokens`` new tokens, EOS (unless
+``ignore_eos``) and the stop token ids are masked out, greedy rows included. Reported
+log-probabilities are of the model's distribution, before temperature and masks.
 """
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.state import RequestState, TokenLogprobs
 
 GREEDY_BELOW = 1e-5
 # Logits per block of the top-2 search; a max over blocks is a vectorised reduction, torch.topk over
 # a whole vocabulary is not.
 TOP2_BLOCK = 64
+_DRAW_BITS = 53  # a float64 holds 53 bits exactly
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[RequestState]) -> list[tuple[int, TokenLogprobs]]:
-    """One token per row of ``logits`` [num_reqs, vocab]; pure."""
+def sample(
+    logits: torch.Tensor, reqs: Sequence[RequestState], eos_ids: Sequence[int] = ()
+) -> list[tuple[int, TokenLogprobs]]:
+    """One token per row of ``logits`` [num_reqs, vocab] for ``reqs`` (``eos_ids``: the model's
+    EOS ids, masked out before ``min_tokens``); pure."""
     logits = logits.float()
     top_logits, top_ids = top2(logits)
-    top_lps = (top_logits - log_normaliser(logits, top_logits[:, :1])).tolist()
+    normaliser = log_normaliser(logits, top_logits[:, :1])
+    chosen = top_ids[:, 0].clone()
+    masked = _mask_stops_before_min_tokens(logits, reqs, eos_ids)
+    if masked is not logits:
+        chosen = masked.argmax(dim=-1)
+    sampled_rows = [row for row, r in enumerate(reqs) if r.request.temperature >= GREEDY_BELOW]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        chosen[rows] = draw(masked[rows], [reqs[row] for row in sampled_rows])
+    tokens = chosen.tolist()
+    top_lps = (top_logits - normaliser).tolist()
     top_ids = top_ids.tolist()
-    out = []
+    extras = _requested_logprobs(logits, normaliser, chosen, reqs)
+    return [
+        (token, TokenLogprobs(tuple(top_ids[row]), tuple(top_lps[row]), *extras.get(row, ())))
+        for row, token in enumerate(tokens)
+    ]
+
+
+def draw_key(req: RequestState) -> bytes:
+    """What the uniform draw for ``req``'s next token hashes: its seed, uuid and position. Pure."""
+    return f"{req.request.seed}:{req.uuid}:{req.num_tokens}".encode()
+
+
+def uniform(key: bytes) -> float:
+    """A number in (0, 1] fixed by ``key``: 53 bits of its BLAKE2b hash. Pure."""
+    bits = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> (64 - _DRAW_BITS)
+    return (bits + 1) / 2**_DRAW_BITS
+
+
+def draw(logits: torch.Tensor, reqs: Sequence[RequestState]) -> torch.Tensor:
+    """One token id per row of ``logits`` [rows, vocab] (masked already, -inf = excluded), sampled
+    at each request's temperature under its masks with its own uniform draw; [rows]. Pure.
+
+    The token is the first whose cumulative probability reaches ``u`` times the total (float64):
+    with ``u`` in (0, 1] no token of probability 0 is ever the first to reach it.
+    """
+    params = [r.request.sampling for r in reqs]
+    temperatures = torch.tensor([r.request.temperature for r in reqs], device=logits.device)
+    scaled = logits / temperatures[:, None]
+    if any(p.is_filtered for p in params):
+        scaled = filter_logits(scaled, params)
+    cdf = torch.softmax(scaled.double(), dim=-1).cumsum_(dim=-1)
+    u = torch.tensor([uniform(draw_key(r)) for r in reqs], dtype=torch.float64, device=cdf.device)
+    targets = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, targets).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+
+
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` [rows, vocab] with the tokens each row's top-k, min-p and top-p masks drop set to
+    -inf (in vLLM's order: top-k, then min-p, then top-p on what is left, renormalised). The most
+    likely token always stays. Pure: a new tensor."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    values, order = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    keep = torch.arange(vocab, device=device)[None, :] < top_k[:, None]
+    probs = torch.softmax(values.masked_fill(~keep, -torch.inf), dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    probs = torch.softmax(values.masked_fill(~keep, -torch.inf), dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    keep &= probs.cumsum(dim=-1) - probs < top_p[:, None]  # the mass before a token is below top_p
+    keep[:, 0] = True
+    return torch.empty_like(logits).scatter_(1, order, values.masked_fill(~keep, -torch.inf))
+
+
+def _mask_stops_before_min_tokens(
+    logits: torch.Tensor, reqs: Sequence[RequestState], eos_ids: Sequence[int]
+) -> torch.Tensor:
+    """``logits`` with the ids that would end a request (stop token ids; EOS unless ``ignore_eos``)
+    at -inf in the rows of requests short of their ``min_tokens``; ``logits`` itself when no row
+    is. Pure."""
+    rows, cols = [], []
     for row, req in enumerate(reqs):
-        temperature = req.request.temperature
-        if temperature < GREEDY_BELOW:
-            token = top_ids[row][0]
-        else:
-            key = f"{req.request.seed}:{req.uuid}:{req.num_tokens}".encode()
-            gen = torch.Generator().manual_seed(zlib.crc32(key))
-            probs = torch.softmax(logits[row].cpu() / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=gen))
-        out.append((token, TokenLogprobs(tuple(top_ids[row]), tuple(top_lps[row]))))
-    return out
+        params = req.request.sampling
+        if len(req.output_ids) < params.min_tokens:
+            ids = (*params.stop_token_ids, *(() if params.ignore_eos else eos_ids))
+            rows += [row] * len(ids)
+            cols += ids
+    if not rows:
+        return logits
+    masked = logits.clone()
+    masked[torch.tensor(rows), torch.tensor(cols)] = -torch.inf
+    return masked
+
+
+def _requested_logprobs(
+    logits: torch.Tensor, normaliser: torch.Tensor, chosen: torch.Tensor, reqs
+) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+    """Row -> (the sampled token's log-probability, the top N (id, log-probability)) for each row
+    whose request asks for log-probabilities (``num_logprobs`` not None). Pure."""
+    wanted = [(row, r.request.sampling.num_logprobs) for row, r in enumerate(reqs)]
+    wanted = [(row, n) for row, n in wanted if n is not None]
+    if not wanted:
+        return {}
+    rows = torch.tensor([row for row, _ in wanted], device=logits.device)
+    logprobs = logits[rows] - normaliser[rows]
+    token_lps = logprobs.gather(1, chosen[rows, None]).squeeze(1).tolist()
+    most = max(n for _, n in wanted)
+    top = logprobs.topk(most, dim=-1) if most else None
+    top_ids = top.indices.tolist() if top is not None else [[]] * len(wanted)
+    top_lps = top.values.tolist() if top is not None else [[]] * len(wanted)
+    return {
+        row: (token_lps[i], tuple(zip(top_ids[i][:n], top_lps[i][:n])))
+        for i, (row, n) in enumerate(wanted)
+    }
 
 
 def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from batchgen.engine.sampling_params import DEFAULT_SAMPLING, SamplingParams
 from batchgen.kv.backends import AsyncHandle
 
 
@@ -43,15 +44,20 @@ class Request:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     temperature: float = 0.0  # 0 (or below sampler.GREEDY_BELOW) = greedy
-    seed: int = 0
+    seed: int = 0  # with uuid and position, the key of each random draw (sampler.draw_key)
+    sampling: SamplingParams = DEFAULT_SAMPLING  # top-k/p, min-p, min tokens, stops, logprobs
 
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """Top-2 log-probabilities at one sampled position (for the near-tie rule)."""
+    """Top-2 log-probabilities at one sampled position (for the near-tie rule), and, for a request
+    that asks for them (``SamplingParams.num_logprobs``), the sampled token's and the top N's. All
+    are of the model's distribution, before temperature and masks."""
 
     top_ids: tuple[int, int]
     top_logprobs: tuple[float, float]
+    token_logprob: float | None = None  # the sampled token's; None when not asked for
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
 
 
 @dataclass(slots=True)

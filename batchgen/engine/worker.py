@@ -18,6 +18,7 @@ or through compare mode (``batchgen.shadow.kv_compare``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,12 +40,15 @@ from batchgen.engine.state import (
     RequestState,
     WorkerState,
 )
+from batchgen.engine.stopping import finish_reason
 from batchgen.kv.backends import GpuKvPool, HostKvPool
 from batchgen.kv.gate import KvGateConfig, build_kv_path, gate_config
 from batchgen.kv.target import KvTarget
 from batchgen.kv.tiers import tier_tensors
+from batchgen.kv.verify import KvVerifier
 from batchgen.model.llama import SeqInput
 from batchgen.model.paged_kv import write_kvs
+from compare import JsonlSink
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +120,7 @@ class Worker:
             self.kv_compare = self._kv = self._compare_mode(shadow_path)
         else:
             self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
+        self.kv_verify = self._page_oracle()
 
     def _compare_mode(self, shadow_path: str | None):
         """The KV ops in compare mode (imported only when the gate turns it on)."""
@@ -123,6 +128,18 @@ class Worker:
 
         faults = self.faults.spec.to_spec() if self.faults is not None else None
         return KvCompare(self.kv_target(), self.kv_gate, shadow_path=shadow_path, faults=faults)
+
+    def _page_oracle(self) -> KvVerifier | None:
+        """The page-content oracle when ``kv_gate.verify`` turns it on (and pages hold bytes); its
+        records go to compare mode's log, through compare's sink when compare mode is on."""
+        if self.kv_gate.verify == "off" or self.gpu_kv.tensor is None:
+            return None
+        compare = self.kv_compare
+        sink = compare.sink if compare is not None else JsonlSink(self.kv_gate.compare_log)
+        verifier = KvVerifier(self.kv_target(), self.kv_gate, sink)
+        if compare is not None:
+            compare.verifier = verifier
+        return verifier
 
     def kv_target(self) -> KvTarget:
         """The worker's live state, pools and pending appends, as the KV ops see them."""
@@ -152,6 +169,8 @@ class Worker:
             raise RequestError(f"abort: no live request {uuid!r}")
         if req.phase not in DONE_PHASES:
             req.phase, req.finish_reason = Phase.FINISHED, ABORT_REASON
+        elif self.kv_compare is not None:  # too late: compare mode's history names it
+            self.kv_compare.history.note_abort_of_done(uuid)
 
     def take_outputs(self, uuids: Iterable[str] | None = None) -> dict[str, RequestOutput]:
         """Remove and return released outputs (all, or those of ``uuids`` that are released).
@@ -188,6 +207,8 @@ class Worker:
         observed = observe_loads(self.state, self.engine_config.load_timeout_steps)
         if observed:
             self._kv.poll(observed)
+            if self.kv_verify is not None:
+                self.kv_verify.check_loads()
         done = [r.uuid for r in self.state.requests.values() if r.phase in DONE_PHASES]
         if done:
             self._kv.release(done)
@@ -211,7 +232,9 @@ class Worker:
             if pending.kv is not None
         ]
         if writes and self.gpu_kv.tensor is not None:
-            write_kvs(self.gpu_kv.tensor, writes)
+            verify = self.kv_verify
+            with verify.appends() if verify is not None else contextlib.nullcontext():
+                write_kvs(self.gpu_kv.tensor, writes)
         self._pending_kv_append_tensors.clear()
 
     def _forward_and_sample(self, served: list[str]) -> None:
@@ -233,13 +256,12 @@ class Worker:
             self._pending_kv_append_tensors[req.uuid] = PendingAppend(seq.start_pos, kv)
             req.num_cached_tokens = req.num_tokens
         eos_ids = self.model_config.eos_token_ids
-        for req, (token, logprobs) in zip(reqs, sample(out.logits, reqs)):
+        for req, (token, logprobs) in zip(reqs, sample(out.logits, reqs, eos_ids)):
             req.append_token(token, logprobs)
             self.state.stats.tokens_generated += 1
-            if len(req.output_ids) >= req.request.max_new_tokens:
-                req.phase, req.finish_reason = Phase.FINISHED, "length"
-            elif token in eos_ids:
-                req.phase, req.finish_reason = Phase.FINISHED, "eos"
+            reason = finish_reason(req, token, eos_ids)
+            if reason is not None:
+                req.phase, req.finish_reason = Phase.FINISHED, reason
 
     def _record_peaks(self) -> None:
         stats = self.state.stats
