@@ -9,6 +9,7 @@
     minimize  shrink it, write a regression test     LOG --index N [--out-dir DIR] [--max-tests N]
     explore   search for workloads reaching every KV decision, write a corpus   [--max-runs N]
     sweep     compare mode over a matrix, on Ray     [--workload W] [--seeds A-B] [--faults SPEC]
+    make-checkpoint  the tiny model + a trained tokenizer as an HF directory    DIR [--seed N]
 
 A subcommand is a module of its name with an ``add_<name>_command`` (declares its flags, shares
 ``common``'s, ``arg_types``' value parsers and ``backend_args``) and a handler
@@ -35,6 +36,7 @@ import torch
 
 from batchgen.cli.common import UsageError
 from batchgen.cli.explore import add_explore_command
+from batchgen.cli.make_checkpoint import add_make_checkpoint_command
 from batchgen.cli.minimize import add_minimize_command
 from batchgen.cli.replay import add_replay_command
 from batchgen.cli.report import RENDERERS, add_report_command
@@ -273,4 +275,5 @@ def build_parser() -> argparse.ArgumentParser:
     add_minimize_command(commands)
     add_explore_command(commands)
     add_sweep_command(commands)
+    add_make_checkpoint_command(commands)
     return parser

@@ -1,0 +1,111 @@
+"""``batchgen.LLM``: the engine embedded in a program (an RL rollout loop, a notebook).
+
+::
+
+    from batchgen import LLM, Sampling
+
+    llm = LLM("tiny-ckpt")                      # an HF checkpoint directory with its tokenizer
+    outs = llm.generate(["Once upon a time"], Sampling(max_tokens=8, temperature=0.0))
+    outs[0].completions[0].text                 # the text, its token ids, finish_reason, logprobs
+
+The same ``Worker`` as ``batchgen run`` and ``generate`` runs underneath, with the same KV gate
+(``kv_gate``, else the ``BATCHGEN_WORKER_KV_*`` environment). A prompt's samples draw from
+(seed, the prompt's index in the call, sample index, position): a call repeated gives the same
+tokens, on any batch composition unless a float near-tie flips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from batchgen.config import EngineConfig
+from batchgen.engine.worker import Worker
+from batchgen.entrypoints.pool_sizes import cache_config
+from batchgen.kv.gate import KvGateConfig
+from batchgen.model.loader import load_model
+from batchgen.text.generation import PromptResult, TextEngine, TextPrompt
+from batchgen.text.sampling import Sampling
+from batchgen.text.tokenizer import TextTokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """A checkpoint directory's model and tokenizer on one worker. Not thread-safe: one
+    ``generate`` at a time."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        page_size: int = 16,
+        gpu_pages: int | None = None,
+        host_pages: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_gate: KvGateConfig | None = None,
+    ):
+        """Load the model and tokenizer of ``model_dir``; pools sized as ``pool_sizes`` says.
+        ModelLoadError / TokenizerError naming what is wrong with the directory."""
+        self.tokenizer = TextTokenizer(model_dir)
+        model = load_model(str(model_dir), device=device, dtype=dtype)
+        cache = cache_config(
+            model.config,
+            device=device,
+            dtype=dtype,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            gpu_pages=gpu_pages,
+            host_pages=host_pages,
+        )
+        engine = EngineConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+        self.worker = Worker(
+            model, cache_config=cache, engine_config=engine, kv_gate=kv_gate, device=device
+        )
+        self._engine = TextEngine(self.worker, self.tokenizer)
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling: Sampling | None = None
+    ) -> list[PromptResult]:
+        """Complete each prompt (text, or token ids) with ``sampling`` (default: ``Sampling()``,
+        OpenAI's completion defaults); results in prompt order. RequestError naming the prompt
+        the engine refuses, before any runs. Mutates the worker."""
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]
+        ids = [self._prompt_ids(p) for p in prompts]
+        return self._run(ids, sampling or Sampling())
+
+    def chat(
+        self, conversations: Sequence[list[dict]], sampling: Sampling | None = None
+    ) -> list[PromptResult]:
+        """Reply to each conversation (a list of ``{"role", "content"}`` messages) through the
+        checkpoint's chat template; ``sampling`` defaults to ``Sampling(max_tokens=None)``: the
+        rest of the context, as OpenAI's chat endpoint does. Mutates the worker."""
+        ids = [tuple(self.tokenizer.encode_chat(list(c))) for c in conversations]
+        return self._run(ids, sampling or Sampling(max_tokens=None))
+
+    def _prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            return tuple(self.tokenizer.encode(prompt))
+        return tuple(prompt)
+
+    def _run(self, prompt_ids: list[tuple[int, ...]], sampling: Sampling) -> list[PromptResult]:
+        """Run the prompts to the end; results in prompt order. Mutates the worker."""
+        text_prompts = [TextPrompt(str(i), ids, sampling) for i, ids in enumerate(prompt_ids)]
+        for prompt in text_prompts:  # refuse a bad prompt before any is queued
+            self._engine.check(prompt)
+        for prompt in text_prompts:
+            self._engine.add(prompt)
+        results: dict[str, PromptResult] = {}
+        while self._engine.has_unfinished():
+            results.update((r.key, r) for r in self._engine.step())
+        return [results[p.key] for p in text_prompts]
+
+
+def _is_token_ids(prompt) -> bool:
+    return isinstance(prompt, Sequence) and bool(prompt) and isinstance(prompt[0], int)
