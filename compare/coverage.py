@@ -5,7 +5,9 @@ outcome and boundary of its policy in a catalog (:class:`Outcome`), classifies e
 into the outcomes it reached (``ShadowExecutor``'s ``outcomes`` hook), and the executor counts
 them (:class:`CoverageCounter`): how many times each, and the first step that reached it. Run
 summaries carry the counts; :func:`coverage_rows` merges them over many runs against the catalog,
-so a report can say which outcomes were compared and which never were.
+so a report can say which outcomes were compared and which never were. Interactions (where
+outcomes meet: in sequence inside one op, after a history, across the ops of one step) are
+catalog entries of ``kind`` "interaction", counted the same way and reported apart.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ class Outcome:
     op: str
     meaning: str
     unreachable: str | None = None  # why no run can reach it (and what covers it); None: required
+    # "outcome": one decision; "interaction": outcomes met in one op, after a history, or across
+    # the ops of one step (counted and required alike, reported apart)
+    kind: str = "outcome"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,7 @@ class CoverageRow:
     required: bool  # in the catalog and reachable
     unreachable: str | None  # the catalog's reason, for an outcome no run can reach
     meaning: str
+    kind: str = "outcome"  # the catalog's (Outcome.kind); "outcome" for one it does not list
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,7 @@ def coverage_rows(
                 required=outcome is not None and outcome.unreachable is None,
                 unreachable=outcome.unreachable if outcome else None,
                 meaning=outcome.meaning if outcome else "(not in the catalog)",
+                kind=outcome.kind if outcome else "outcome",
             )
         )
     return tuple(rows)

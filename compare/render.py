@@ -39,12 +39,18 @@ def headline(report: Report) -> str:
 
 
 def coverage_line(report: Report) -> str:
-    """ "decision coverage: R of N required outcomes reached", then those missed, if any."""
+    """ "decision coverage: R of N required outcomes reached", and "interaction coverage: ..."
+    when the catalog lists interactions, then those missed, if any."""
     required = [row for row in report.coverage if row.required]
     if not required:
         return f"decision coverage: {plural(len(report.coverage), 'outcome')} reached"
-    line = f"decision coverage: {len(required) - len(report.unreached)} of {len(required)}"
-    line += " required outcomes reached"
+    parts = []
+    for kind, label in (("outcome", "decision"), ("interaction", "interaction")):
+        rows = [row for row in required if row.kind == kind]
+        if rows or kind == "outcome":
+            num_reached = sum(1 for row in rows if row.count)
+            parts.append(f"{label} coverage: {num_reached} of {len(rows)} required {kind}s reached")
+    line = "; ".join(parts)
     if report.unreached:
         line += f"; never reached: {', '.join(report.unreached)}"
     if report.unexpected:
@@ -211,17 +217,16 @@ def _code(text: str) -> str:
 def render_junit(report: Report) -> str:
     """JUnit XML. Suite ``compare``: one test case per (workload, op), failing where divergences
     exist, and a failing ``harness`` case when the harness itself failed (those ops were not
-    compared). Suite ``coverage``: one case per required outcome, failing when no run reached
-    it."""
+    compared). Suite ``coverage``: one case per required outcome (class ``coverage``) and
+    interaction (class ``coverage.interaction``), failing when no run reached it."""
     suites = ET.Element("testsuites")
     _compare_suite(suites, report)
     required = [row for row in report.coverage if row.required]
     if required:
         suite = _suite(suites, "coverage", len(required), len(report.unreached), 0.0)
         for row in required:
-            case = ET.SubElement(
-                suite, "testcase", classname="coverage", name=xml_safe(row.outcome)
-            )
+            classname = "coverage" if row.kind == "outcome" else f"coverage.{row.kind}"
+            case = ET.SubElement(suite, "testcase", classname=classname, name=xml_safe(row.outcome))
             if not row.count:
                 message = f"no compared {row.op} op reached it: {row.meaning}"
                 ET.SubElement(case, "failure", type="not_reached", message=xml_safe(message))

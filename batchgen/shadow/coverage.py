@@ -1,6 +1,8 @@
 """The KV policy's decision catalog, and the classifier that names what each compared op reached.
 
-Every outcome and boundary of the policy (``batchgen.kv.manager``'s docstring) has a stable id.
+Every outcome and boundary of the policy (``batchgen.kv.manager``'s docstring) has a stable id
+(:data:`DECISIONS`); the catalog adds the interactions where they meet
+(``batchgen.shadow.interactions``), counted, reported and required alike.
 Each branch of ``KVCacheManager`` and ``LegacyKvPath`` names the ids it decides in a
 ``# decision:`` comment (``tests/test_coverage.py`` keeps code and catalog in step), and an
 ``==`` boundary of a comparison is an id of its own (``alloc.exact_fit``: a need exactly equal
@@ -30,6 +32,7 @@ from batchgen.kv.plans import (
     PollRequest,
     ReleaseRequest,
 )
+from batchgen.shadow.interactions import ALLOC_FITS, INTERACTIONS
 from compare import Outcome, RunSummary
 
 _SCHEDULER_INVARIANT = (
@@ -37,13 +40,8 @@ _SCHEDULER_INVARIANT = (
     "exceeds max_num_seqs and migration never meets the limit (tests/test_coverage.py builds "
     "such a state directly and compares both paths on it)"
 )
-_ALLOC_FITS = (
-    "eviction keeps free - D >= W and the scheduler admits a WAITING request only when its "
-    "pages fit above W once every decode has its page, so every scheduled request fits "
-    "(tests/test_coverage.py builds such a state directly and compares both paths on it)"
-)
 
-CATALOG = (
+DECISIONS = (
     Outcome("poll.complete", "poll", "a load landed: RUNNING, its host pages freed"),
     Outcome("poll.retry", "poll", "a failed load is retried, with retries left after it"),
     Outcome("poll.retry.last", "poll", "a failed load takes its last retry (boundary)"),
@@ -79,10 +77,11 @@ CATALOG = (
     Outcome("alloc.admit", "alloc", "a WAITING request is admitted with pages for its prompt"),
     Outcome("alloc.exact_fit", "alloc", "a request needs exactly the free pages (boundary)"),
     Outcome("alloc.does_not_fit", "alloc", "a request is left out: its pages do not fit",
-            unreachable=_ALLOC_FITS),
+            unreachable=ALLOC_FITS),
     Outcome("alloc.fits_after_does_not_fit", "alloc", "a later request fits after one did not",
-            unreachable=_ALLOC_FITS),
+            unreachable=ALLOC_FITS),
 )  # fmt: skip
+CATALOG = DECISIONS + INTERACTIONS  # what reports list and validate requires
 OUTCOMES = {outcome.id: outcome for outcome in CATALOG}
 REQUIRED = tuple(outcome.id for outcome in CATALOG if outcome.unreachable is None)
 

@@ -11,8 +11,10 @@ Per compared op (``compare.ShadowExecutor`` fixes the order)::
                   recording the requests it writes
     canonicalize  both post-states into comparable forms (``forms.canonical_pair``: only what
                   either side wrote)
-    compare       the forms; then, when both paths returned, the decision outcomes the op
-                  reached (``coverage.outcomes_of``, from the plan path's request and plan)
+    compare       the forms; then, when both paths returned, the decision outcomes and the
+                  interactions the op reached (``coverage.outcomes_of``, from the plan path's
+                  request and plan; ``interactions.interactions_of``, with the run's history,
+                  which the op then joins: ``history.RunHistory``)
 
 Only the paths' own exceptions are observations: a failure in forking or canonicalizing is the
 harness's (counted, warned, never a divergence, never raised into the worker). Ops the executor
@@ -35,6 +37,8 @@ from batchgen.kv.target import KvTarget
 from batchgen.shadow.coverage import outcomes_of
 from batchgen.shadow.fork import fork_target, pre_state
 from batchgen.shadow.forms import ShadowRun, canonical_pair, classify, exception_kind
+from batchgen.shadow.history import RunHistory
+from batchgen.shadow.interactions import interactions_of
 from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor, Timeline
 
 
@@ -95,6 +99,7 @@ class KvCompare:
         self.workload, self.seed = workload, seed
         self.workload_source, self.scale = source or workload, scale
         self._summary = None
+        self.history = RunHistory()  # what the interaction classifier reads of the run so far
         self.executor = ShadowExecutor(
             mode=self.gate.compare,
             sample=self.gate.compare_sample,
@@ -214,10 +219,14 @@ class KvCompare:
         return op.decision
 
     def _outcomes(self, op_name: str, op: ComparedOp) -> list[str]:
-        """The decision outcomes a compared op reached (both paths returned)."""
+        """The decision outcomes and interactions a compared op reached (both paths returned);
+        then the op joins the run's history. Mutates ``history``."""
         request, plan = self._decision(op)
-        target = self.target
-        return outcomes_of(op_name, request, plan, target.state.written, target.dropped)
+        written, dropped = self.target.state.written, self.target.dropped
+        reached = outcomes_of(op_name, request, plan, written, dropped)
+        reached += interactions_of(op_name, request, plan, written, dropped, self.history)
+        self.history.record(op_name, request, plan, written)
+        return reached
 
     def _record(self, comparison, op: ComparedOp) -> None:
         """Log a divergence with what replay and minimize need. Mutates the log."""

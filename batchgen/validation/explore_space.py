@@ -28,7 +28,7 @@ CHOICES = {
     "num_host_pages": [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32],
     "max_num_seqs": [1, 2, 3, 4, 6, 8, 16],
     "max_num_batched_tokens": [8, 32, 128, 2048],
-    "max_load_retries": [0, 1, 2],
+    "max_load_retries": [0, 1, 2, 3],
     "load_failure": ["recompute", "fail"],
     "load_timeout_steps": [1, 2, 4, 8],
     "prompt_max": [1, 4, 16, 64],
