@@ -37,11 +37,12 @@ _MODULES = {
         "compare_observations",
         "exception_text",
     ),
-    "compare.shadow": ("ShadowExecutor",),
+    "compare.shadow": ("ShadowExecutor", "is_sampled_step"),
     "compare.errors": ("DivergenceError", "HarnessWarning"),
     "compare.coverage": ("CoverageCounter", "CoverageRow", "Outcome", "OutcomeTally"),
     "compare.records": (
         "SCHEMA_VERSION",
+        "DataChecks",
         "DivergenceRecord",
         "OutcomeCount",
         "LogRecord",

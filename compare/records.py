@@ -51,7 +51,7 @@ class DivergenceRecord(_Record):
     op: str
     authoritative: str  # the path whose result was used, e.g. "plan"
     shadow: str  # the path run on a fork, e.g. "legacy"
-    kind: str  # "state", "copies", "exception", "invalid_plan", ...
+    kind: str  # "state", "copies", "exception", "invalid_plan", "data" (bytes an oracle checked)
     field_paths: list[str]  # flattened paths that differ, e.g. "requests[r17].gpu_pages[3]"
     diff: dict  # JSON-safe explanation of the difference (deepdiff over the differing leaves)
     exception: str | None  # "<path> raised <Type>: <message>" for each side that raised
@@ -118,6 +118,16 @@ class Timeline(_Record):
         return len(next(iter(self.counters.values()), ()))
 
 
+class DataChecks(_Record):
+    """What a run's data oracle (the binding's check of the bytes both paths move) checked."""
+
+    checked: dict[str, int]  # check -> units checked (e.g. "load" -> pages)
+    divergences: dict[str, int]  # check -> divergence records it logged
+    # pattern id -> how often the run issued it (e.g. "copy.load.shuffled" -> batches)
+    patterns: dict[str, int]
+    seconds: float  # the oracle's own time
+
+
 class RunSummary(_Record):
     """Totals of one run, written when it ends: the denominators of a report."""
 
@@ -138,6 +148,7 @@ class RunSummary(_Record):
     coverage: dict[str, OutcomeCount] = {}
     stopped_by: str | None = None
     timeline: Timeline | None = None  # None: the run recorded none
+    data: DataChecks | None = None  # None: the run had no data oracle
 
     @classmethod
     def from_stats(
@@ -151,8 +162,10 @@ class RunSummary(_Record):
         shadow: str,
         stopped_by: str | None = None,
         timeline: Timeline | None = None,
+        data: DataChecks | None = None,
     ) -> RunSummary:
-        """Build a run's summary from its executor's counters and the run's ``timeline``. Pure."""
+        """Build a run's summary from its executor's counters, the run's ``timeline`` and its data
+        oracle's ``data``. Pure."""
         return cls(
             run_id=run_id,
             workload=workload,
@@ -170,6 +183,7 @@ class RunSummary(_Record):
             },
             stopped_by=stopped_by,
             timeline=timeline,
+            data=data,
         )
 
 

@@ -118,11 +118,7 @@ class ShadowExecutor:
         fraction of steps compared). Deterministic and independent of call order. Pure."""
         if self._ops is not None and op not in self._ops:
             return False
-        if self._sample >= 1.0:
-            return True
-        key = f"{self._seed}\0{step}".encode()
-        digest = hashlib.blake2b(key, digest_size=8).digest()
-        return int.from_bytes(digest, "big") / 2.0**64 < self._sample
+        return is_sampled_step(self._seed, step, self._sample)
 
     def run(
         self,
@@ -296,3 +292,12 @@ class ShadowExecutor:
         """Call a classifier; if it fails, report that and keep the divergence as unclassified."""
         kind = self._guard(operation, namer, argument, default=None)
         return kind if kind is not None else UNCLASSIFIED
+
+
+def is_sampled_step(seed: int, step: int, sample: float) -> bool:
+    """Whether ``step`` is among the fraction ``sample`` of steps a run seeded ``seed`` compares:
+    a hash of (seed, step) below ``sample``. Pure."""
+    if sample >= 1.0:
+        return True
+    digest = hashlib.blake2b(f"{seed}\0{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64 < sample

@@ -72,6 +72,7 @@ PRECEDENCE = [  # field, environment value, CLI value, parsed CLI value
     ("compare_log", "env.jsonl", "cli.jsonl", "cli.jsonl"),
     ("compare_ops", "poll", "migrate,evict", ("evict", "migrate")),
     ("load_failure", "fail", "recompute", "recompute"),
+    ("verify", "all", "sample", "sample"),
 ]
 
 
@@ -120,6 +121,8 @@ BAD_VALUES = [  # field, bad value, closest valid value (None: none is close)
     ("compare_sample", "half", None),
     ("compare_sample", "nan", None),
     ("compare_log", "", None),
+    ("verify", "sampel", "sample"),
+    ("verify", "yes", None),
     ("compare_ops", "", None),
     ("compare_ops", " , ", None),
     ("load_failure", "recompte", "recompute"),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.kv import copy_runs, page_copy
+from batchgen.kv import copy_runs
 from batchgen.kv.page_copy import AsyncCopyQueue, CopyError, copy_pages, new_page_tensor
 
 PAGE_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, page_size, num_kv_heads, head_dim
@@ -86,13 +86,12 @@ def test_copy_pages_moves_exact_bytes_and_leaves_other_pages_untouched(pattern):
 def test_host_copies_move_exact_bytes_on_any_number_of_threads(
     pattern, threads, page_shape, monkeypatch
 ):
-    monkeypatch.setattr(copy_runs, "CPU_PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(copy_runs.torch, "get_num_threads", lambda: threads)
     src_ids, dst_ids = ID_PATTERNS[pattern]
     src, dst = make_pool(seed=1, page_shape=page_shape), make_pool(seed=2, page_shape=page_shape)
     expected = reference_copy(src, src_ids, dst, dst_ids)
 
-    copy_pages(src, src_ids, dst, dst_ids)
+    copy_pages(src, src_ids, dst, dst_ids, parallel_min_bytes=0)
 
     assert torch.equal(dst, expected)
 
@@ -112,7 +111,7 @@ def test_host_copies_move_exact_bytes_on_any_number_of_threads(
 def test_host_copies_merge_runs_by_destination_and_share_pages_evenly(
     src_ids, dst_ids, num_shares, shares
 ):
-    runs = copy_runs._pair_runs(np.array(src_ids), np.array(dst_ids))
+    runs = copy_runs.pair_runs(np.array(src_ids), np.array(dst_ids))
     assert copy_runs._split_runs(*runs, num_shares) == shares
 
 
@@ -291,7 +290,7 @@ def test_round_trip_gpu_pool_to_host_and_back_preserves_page_bytes(device, dtype
 @needs_cuda
 @pytest.mark.parametrize("pattern", ID_PATTERNS)
 def test_copy_pages_matches_reference_between_cuda_and_host(pattern, monkeypatch):
-    monkeypatch.setattr(page_copy, "MAX_RUN_BYTES", 3 * make_pool(1)[0].numel() * 4)
+    monkeypatch.setattr(copy_runs, "MAX_RUN_BYTES", 3 * make_pool(1)[0].numel() * 4)
     src_ids, dst_ids = ID_PATTERNS[pattern]
     for src_device, dst_device in [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")]:
         src, dst = make_pool(seed=1).to(src_device), make_pool(seed=2).to(dst_device)
@@ -300,3 +299,68 @@ def test_copy_pages_matches_reference_between_cuda_and_host(pattern, monkeypatch
         copy_pages(src, src_ids, dst, dst_ids)
 
         assert torch.equal(dst.cpu(), expected), (src_device, dst_device)
+
+
+# ---- the CUDA path's index arithmetic, run on CPU tensors ------------------------------------
+# The runs between a GPU and the host (DMA, gather, scatter) and the chunks within one device are
+# cut by index logic that does not care where the tensors live: issued on CPU tensors, it must
+# move exactly the pages the reference copy moves.
+@pytest.mark.parametrize("key_is_dst", [True, False], ids=["keyed_by_dst", "keyed_by_src"])
+@pytest.mark.parametrize("max_run_pages", [1, 3, 64], ids=["runs_of_1", "runs_of_3", "uncut"])
+@pytest.mark.parametrize("pattern", ID_PATTERNS)
+def test_device_runs_move_exactly_the_reference_pages_on_cpu_tensors(
+    pattern, max_run_pages, key_is_dst
+):
+    src_ids, dst_ids = ID_PATTERNS[pattern]
+    src, dst = make_pool(seed=1), make_pool(seed=2)
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+    runs = copy_runs._runs(
+        np.array(src_ids), np.array(dst_ids), key_is_dst=key_is_dst, max_run_pages=max_run_pages
+    )
+
+    copy_runs._copy_runs(src, dst, *runs)
+
+    assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "key_is_dst", "max_run_pages", "expected"),
+    [
+        # keyed by src: 0,1,2 -> 7,8,9 one DMA, 5 -> 3 another
+        (
+            [0, 1, 2, 5],
+            [7, 8, 9, 3],
+            False,
+            64,
+            [(0, 3, 0, 7, True, True), (3, 4, 5, 3, True, True)],
+        ),
+        # keyed by dst 4,5,6: src 9,2,3 is a gather (src not consecutive)
+        ([9, 2, 3], [4, 5, 6], True, 64, [(0, 3, 9, 4, False, True)]),
+        # keyed by src 0,1,2: dst 6,1 is a scatter, and the run is cut at 2 pages
+        ([0, 1, 2], [6, 1, 2], False, 2, [(0, 2, 0, 6, True, False), (2, 3, 2, 2, True, True)]),
+    ],
+    ids=["dma_runs", "gather", "scatter_cut_at_max_run_pages"],
+)
+def test_device_runs_are_cut_where_the_keyed_ids_stop_being_consecutive(
+    src_ids, dst_ids, key_is_dst, max_run_pages, expected
+):
+    runs, sorted_src, sorted_dst = copy_runs._runs(
+        np.array(src_ids), np.array(dst_ids), key_is_dst=key_is_dst, max_run_pages=max_run_pages
+    )
+    assert [tuple(run) for run in runs] == expected
+    key = sorted_dst if key_is_dst else sorted_src
+    assert key.tolist() == sorted(dst_ids if key_is_dst else src_ids)
+
+
+@pytest.mark.parametrize("pattern", ID_PATTERNS)
+def test_copies_within_one_device_chunk_the_pairs_and_move_the_reference_pages(
+    pattern, monkeypatch
+):
+    monkeypatch.setattr(copy_runs, "MAX_RUN_BYTES", 3 * make_pool(1)[0].numel() * 4)
+    src_ids, dst_ids = ID_PATTERNS[pattern]
+    src, dst = make_pool(seed=1), make_pool(seed=2)
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+
+    copy_runs._copy_within_device(src, torch.tensor(src_ids), dst, torch.tensor(dst_ids))
+
+    assert torch.equal(dst, expected)

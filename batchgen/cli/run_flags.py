@@ -38,6 +38,12 @@ KV_FLAG_HELP = {
         "recompute|fail",
         "after a failed load's last retry: recompute the request, or fail it",
     ),
+    "verify": (
+        "off|sample|all",
+        "page-content oracle: digest pages stored to host and check them when their load lands,"
+        " and check the pages a flush appends into; on every step, or on the compare-sampled ones;"
+        " data divergences go to the divergence log",
+    ),
 }
 
 

@@ -17,11 +17,12 @@ op can be checked.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import NamedTuple, Protocol
 
 import torch
 
+from batchgen.kv.copy_runs import CPU_PARALLEL_MIN_BYTES
 from batchgen.kv.page_copy import AsyncCopyQueue, copy_pages
 from batchgen.kv.page_grants import Grants, PoolEvent
 from batchgen.kv.page_pool import ForkedPagePool, PagePool
@@ -156,6 +157,11 @@ class HostKvPool(_KvPool):
         # load is for, the handle: held, so that its id is not reused by another object while the op
         # is compared).
         self.load_handles: dict[int, tuple[str, AsyncHandle]] | None = {} if self.is_fork else None
+        # called with each copy this pool issues between tensors, before it runs (the page-content
+        # oracle, ``batchgen.kv.verify``); None: nobody watches
+        self.on_copy: Callable[[CopyOp], None] | None = None
+        # a store or load batch of this many bytes is shared by copy threads (validation lowers it)
+        self.parallel_min_bytes = CPU_PARALLEL_MIN_BYTES
 
     def record_copies(self, on: bool) -> None:
         """Start (fresh lists) or stop recording the copies issued and the load handles returned.
@@ -172,9 +178,17 @@ class HostKvPool(_KvPool):
             raise ValueError(
                 f"store {uuid}: {len(gpu_page_ids)} GPU pages but {len(host_page_ids)} host pages"
             )
-        self._record(CopyOp("store", uuid, tuple(gpu_page_ids), tuple(host_page_ids)))
+        op = CopyOp("store", uuid, tuple(gpu_page_ids), tuple(host_page_ids))
+        self._record(op)
         if self.tensor is not None and self.gpu.tensor is not None:
-            copy_pages(self.gpu.tensor, gpu_page_ids, self.tensor, host_page_ids)
+            self._watch(op)
+            copy_pages(
+                self.gpu.tensor,
+                gpu_page_ids,
+                self.tensor,
+                host_page_ids,
+                parallel_min_bytes=self.parallel_min_bytes,
+            )
 
     def load_to_gpu_async(self, uuid: str, page_ids: list[int]) -> AsyncHandle:
         """Start copying ``uuid``'s host pages into GPU ``page_ids``; returns its handle.
@@ -186,12 +200,18 @@ class HostKvPool(_KvPool):
             raise ValueError(
                 f"load {uuid}: {len(page_ids)} GPU pages but {len(host_page_ids)} host pages"
             )
-        self._record(CopyOp("load", uuid, tuple(host_page_ids), tuple(page_ids)))
+        op = CopyOp("load", uuid, tuple(host_page_ids), tuple(page_ids))
+        self._record(op)
         if self.tensor is None or self.gpu.tensor is None:
             return self._issued(CompletedHandle())
+        self._watch(op)
         return self._issued(
             self.copy_queue.copy_pages_async(
-                self.tensor, host_page_ids, self.gpu.tensor, list(page_ids)
+                self.tensor,
+                host_page_ids,
+                self.gpu.tensor,
+                list(page_ids),
+                parallel_min_bytes=self.parallel_min_bytes,
             )
         )
 
@@ -202,6 +222,10 @@ class HostKvPool(_KvPool):
     def _record(self, op: CopyOp) -> None:
         if self.copies is not None:
             self.copies.append(op)
+
+    def _watch(self, op: CopyOp) -> None:
+        if self.on_copy is not None:
+            self.on_copy(op)
 
     def _issued(self, handle: AsyncHandle) -> AsyncHandle:
         """``handle``, noted (while copies are recorded) as the handle of the load recorded last."""

@@ -63,8 +63,16 @@ class _Run(NamedTuple):
         return self.stop - self.start
 
 
-def issue_copies(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]) -> None:
-    """Validate, then enqueue every copy on the current stream (CPU: run them); mutates ``dst``."""
+def issue_copies(
+    src: Tensor,
+    src_ids: Sequence[int],
+    dst: Tensor,
+    dst_ids: Sequence[int],
+    *,
+    parallel_min_bytes: int = CPU_PARALLEL_MIN_BYTES,
+) -> None:
+    """Validate, then enqueue every copy on the current stream (CPU: run them); mutates ``dst``.
+    ``parallel_min_bytes``: the host-to-host batch size from which copy threads share it."""
     src_index, dst_index = _checked_ids(src, src_ids, dst, dst_ids)
     if not len(src_index):
         return
@@ -76,16 +84,27 @@ def issue_copies(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequ
         )
         _copy_runs(src, dst, *runs)
     else:
-        _copy_on_host(src, src_index, dst, dst_index)
+        _copy_on_host(src, src_index, dst, dst_index, parallel_min_bytes)
 
 
-def _copy_on_host(src: Tensor, src_index: np.ndarray, dst: Tensor, dst_index: np.ndarray) -> None:
+def num_copy_threads(num_bytes: int, parallel_min_bytes: int) -> int:
+    """Threads a host-to-host batch of ``num_bytes`` is copied on: torch's thread count from
+    ``parallel_min_bytes`` on, else the calling thread alone. Pure."""
+    return torch.get_num_threads() if num_bytes >= parallel_min_bytes else 1
+
+
+def _copy_on_host(
+    src: Tensor,
+    src_index: np.ndarray,
+    dst: Tensor,
+    dst_index: np.ndarray,
+    parallel_min_bytes: int,
+) -> None:
     """Copy host pages by runs (see the module's docstring), on several threads for a large batch;
     mutates ``dst``."""
-    src_starts, dst_starts, lengths = _pair_runs(src_index, dst_index)
+    src_starts, dst_starts, lengths = pair_runs(src_index, dst_index)
     src_pages, dst_pages = _page_bytes(src), _page_bytes(dst)
-    num_bytes = len(src_index) * src_pages.shape[1]
-    num_threads = torch.get_num_threads() if num_bytes >= CPU_PARALLEL_MIN_BYTES else 1
+    num_threads = num_copy_threads(len(src_index) * src_pages.shape[1], parallel_min_bytes)
     shares = _split_runs(src_starts, dst_starts, lengths, num_threads)
 
     def copy(share: list[tuple[int, int, int]]) -> None:
@@ -107,7 +126,7 @@ def _page_bytes(pool: Tensor) -> np.ndarray:
     return pool.view(len(pool), -1).view(torch.uint8).numpy()
 
 
-def _pair_runs(
+def pair_runs(
     src_index: np.ndarray, dst_index: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """First src id, first dst id and length of each run of pairs consecutive on both sides, the

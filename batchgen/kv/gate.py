@@ -8,6 +8,7 @@ Variables (``GATE_FLAGS``; the README's flags table says what each means)::
     BATCHGEN_WORKER_KV_COMPARE_LOG     path              default kv-divergences.jsonl
     BATCHGEN_WORKER_KV_COMPARE_OPS     comma list        default: all five ops
     BATCHGEN_WORKER_KV_LOAD_FAILURE    recompute, fail   default: the engine config's
+    BATCHGEN_WORKER_KV_VERIFY          off, sample, all  default off (page-content oracle)
 
 Precedence: default < environment < CLI option. An unknown name in the family
 (a typo) or a bad value (in the environment even where an option overrides it)
@@ -44,6 +45,7 @@ GATE_FLAGS = {
         f"a comma list of {', '.join(KV_OPS)}",
     ),
     "load_failure": ("BATCHGEN_WORKER_KV_LOAD_FAILURE", "--kv-load-failure", "recompute, fail"),
+    "verify": ("BATCHGEN_WORKER_KV_VERIFY", "--kv-verify", "off, sample, all"),
 }
 
 
@@ -61,6 +63,8 @@ class KvGateConfig(BaseModel):
     compare_ops: tuple[str, ...] = KV_OPS
     # None: keep the engine config's policy
     load_failure: Literal["recompute", "fail"] | None = None
+    # page-content oracle (batchgen.kv.verify): every step, the compare-sampled steps, or none
+    verify: Literal["off", "sample", "all"] = "off"
 
     @field_validator("compare_ops", mode="before")
     @classmethod
@@ -147,7 +151,8 @@ def _validated(values: Mapping[str, object], sources: Mapping[str, str]) -> KvGa
             unknown = [op.strip() for op in ops if op.strip() and op.strip() not in KV_OPS]
             close = difflib.get_close_matches(unknown[0].lower(), KV_OPS, n=1) if unknown else []
         else:
-            choices = allowed.split(", ") if field in ("path", "compare", "load_failure") else []
+            has_choices = field in ("path", "compare", "load_failure", "verify")
+            choices = allowed.split(", ") if has_choices else []
             close = difflib.get_close_matches(str(values.get(field)).lower(), choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         reason = error["msg"].removeprefix("Value error, ")

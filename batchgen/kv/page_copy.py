@@ -16,6 +16,7 @@ queue from one thread run in issue order. Nothing here is process-wide.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from batchgen.kv.copy_runs import cuda_device, issue_copies
+from batchgen.kv.copy_runs import CPU_PARALLEL_MIN_BYTES, cuda_device, issue_copies
 
 
 def new_page_tensor(
@@ -37,14 +38,22 @@ def new_page_tensor(
     return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
 
-def copy_pages(src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]) -> None:
+def copy_pages(
+    src: Tensor,
+    src_ids: Sequence[int],
+    dst: Tensor,
+    dst_ids: Sequence[int],
+    *,
+    parallel_min_bytes: int = CPU_PARALLEL_MIN_BYTES,
+) -> None:
     """Set ``dst[dst_ids[i]] = src[src_ids[i]]`` for every i; mutates ``dst`` only.
 
     Returns once the copy is complete (in stream order for GPU -> GPU, like any
     torch op; host <-> device copies synchronise the current stream).
+    ``parallel_min_bytes``: a host-to-host batch this large is shared by copy threads.
     Raises ValueError for mismatched pools or ids, naming the offending id.
     """
-    issue_copies(src, src_ids, dst, dst_ids)
+    issue_copies(src, src_ids, dst, dst_ids, parallel_min_bytes=parallel_min_bytes)
     if src.device != dst.device:
         torch.cuda.current_stream(cuda_device(src, dst)).synchronize()
 
@@ -115,7 +124,13 @@ class AsyncCopyQueue:
         self._side_streams: dict[int, torch.cuda.Stream] = {}
 
     def copy_pages_async(
-        self, src: Tensor, src_ids: Sequence[int], dst: Tensor, dst_ids: Sequence[int]
+        self,
+        src: Tensor,
+        src_ids: Sequence[int],
+        dst: Tensor,
+        dst_ids: Sequence[int],
+        *,
+        parallel_min_bytes: int = CPU_PARALLEL_MIN_BYTES,
     ) -> CopyHandle:
         """Start ``copy_pages`` behind every copy issued to this queue before it, and return its
         handle.
@@ -126,7 +141,8 @@ class AsyncCopyQueue:
         """
         if src.is_cuda or dst.is_cuda:
             return self.issue_on_side_stream(src, src_ids, dst, dst_ids)
-        return CopyHandle(self.submit(copy_pages, src, tuple(src_ids), dst, tuple(dst_ids)))
+        copy = functools.partial(copy_pages, parallel_min_bytes=parallel_min_bytes)
+        return CopyHandle(self.submit(copy, src, tuple(src_ids), dst, tuple(dst_ids)))
 
     def submit(self, copy: Callable[..., None], *args: object) -> Future[None]:
         """Run ``copy(*args)`` on the worker thread, after every copy submitted before it."""

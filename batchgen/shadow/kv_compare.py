@@ -80,6 +80,8 @@ class KvCompare:
         self.run_id = self.workload = self.workload_source = ""
         self._op: ComparedOp | None = None
         self._summary: RunSummary | None = None  # the current run's summary, once it ended
+        # the worker's page-content oracle (batchgen.kv.verify), when on: its runs are this one's
+        self.verifier = None
         self.executor = self.begin_run("unnamed", seed=0)
 
     # ---- runs ------------------------------------------------------------------------------
@@ -99,6 +101,10 @@ class KvCompare:
         self.workload, self.seed = workload, seed
         self.workload_source, self.scale = source or workload, scale
         self._summary = None
+        if self.verifier is not None:
+            self.verifier.begin_run(
+                self.run_id, workload=workload, seed=seed, replay=self._run_replay()
+            )
         self.history = RunHistory()  # what the interaction classifier reads of the run so far
         self.executor = ShadowExecutor(
             mode=self.gate.compare,
@@ -129,6 +135,7 @@ class KvCompare:
                 shadow=self.shadow_path,
                 stopped_by=stopped_by,
                 timeline=timeline,
+                data=self.verifier.summary() if self.verifier is not None else None,
             )
             self.sink.write(self._summary)
         return self._summary
@@ -228,6 +235,19 @@ class KvCompare:
         self.history.record(op_name, request, plan, written)
         return reached
 
+    def _run_replay(self) -> dict:
+        """What minimize needs of the run to rerun its workload (every record carries it). Pure."""
+        return {
+            "kv_path": self.authoritative_path,
+            "shadow_path": self.shadow_path,
+            "workload_source": self.workload_source,
+            "scale": self.scale,
+            # built-in traces draw their token ids, and so their lengths, from it
+            "vocab_size": self.target.model_config.vocab_size,
+            "engine": self.target.engine_config.model_dump(mode="json"),  # --kv-load-* included
+            "faults": self.faults,
+        }
+
     def _record(self, comparison, op: ComparedOp) -> None:
         """Log a divergence with what replay and minimize need. Mutates the log."""
         request = self._decision(op)[0]
@@ -241,14 +261,7 @@ class KvCompare:
                 "authoritative": (comparison.authoritative.value or {}).get("pools"),
                 "shadow": (comparison.shadow.value or {}).get("pools"),
             },
-            "kv_path": self.authoritative_path,
-            "shadow_path": self.shadow_path,
-            "workload_source": self.workload_source,
-            "scale": self.scale,
-            # built-in traces draw their token ids, and so their lengths, from it
-            "vocab_size": self.target.model_config.vocab_size,
-            "engine": self.target.engine_config.model_dump(mode="json"),  # --kv-load-* included
-            "faults": self.faults,
+            **self._run_replay(),
         }
         record = DivergenceRecord.from_comparison(
             comparison,

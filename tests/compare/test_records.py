@@ -228,7 +228,13 @@ def test_checked_in_schema_matches_the_record_models():
 def test_schema_covers_both_record_types_by_discriminator():
     schema = json_schema()
     assert schema["discriminator"]["propertyName"] == "record_type"
-    assert set(schema["$defs"]) == {"DivergenceRecord", "OutcomeCount", "RunSummary", "Timeline"}
+    assert set(schema["$defs"]) == {
+        "DataChecks",
+        "DivergenceRecord",
+        "OutcomeCount",
+        "RunSummary",
+        "Timeline",
+    }
 
 
 def test_a_run_summary_without_a_timeline_reads_as_none():
