@@ -1,8 +1,8 @@
 """Where records go: an append-only JSON Lines log, its reader, and atomic report writes.
 
-Durability: `JsonlSink.write` hands each complete line to the OS in `os.write` calls on an
-O_APPEND descriptor before returning, so a process killed at any point (SIGKILL included) leaves
-every record written before it intact; at worst the last line is cut short, and `read_log`
+Durability (``compare.jsonl_writer``, the one writer of JSON lines): `JsonlSink.write` hands each
+complete line to the OS before returning, so a process killed at any point (SIGKILL included)
+leaves every record written before it intact; at worst the last line is cut short, and `read_log`
 skips such a torn last line with a warning. A write that fails part way (a full disk) is cut off
 before its error propagates. (Surviving a power loss needs `close()`'s fsync.)
 """
@@ -14,12 +14,12 @@ import os
 import stat
 import tempfile
 import warnings
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from compare.jsonl_writer import JsonLinesFile, is_torn
 from compare.records import DivergenceRecord, LogRecord, RecordError, RunSummary, parse_record
 
 
@@ -35,7 +35,8 @@ class LogWriteError(OSError):
 
 
 class JsonlSink:
-    """Appends records to a JSON Lines file, one line per record.
+    """Appends records to a JSON Lines file, one line per record (through the one durable writer,
+    ``compare.jsonl_writer``).
 
     Mutates the file and its own descriptor. The file and its parent directories are created on the
     first write (or `open`). If the file ends in a line torn by an earlier crash, the first write
@@ -45,54 +46,56 @@ class JsonlSink:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._fd: int | None = None
+        self._file = JsonLinesFile(self.path)
+
+    @property
+    def _fd(self) -> int | None:
+        """The open descriptor, None while closed."""
+        return self._file.fd
 
     def write(self, record: DivergenceRecord | RunSummary) -> None:
         """Append ``record`` as one line. A write that fails part way (a full disk) is cut off again
         before the error propagates (LogWriteError), so the next record never fuses with a partial
         line."""
-        data = (record.model_dump_json() + "\n").encode()
+        line = record.model_dump_json()
         self.open()
-        size = os.fstat(self._fd).st_size
-        view = memoryview(data)
         try:
-            while view:
-                view = view[os.write(self._fd, view) :]
-        except BaseException as error:
-            # part of the line made it (maybe before a signal)
-            if os.fstat(self._fd).st_size != size:
-                os.ftruncate(self._fd, size)
-            if isinstance(error, OSError):
-                raise LogWriteError(self.path, error) from error
-            raise
+            self._file.write_line(line)
+        except OSError as error:
+            raise LogWriteError(self.path, error) from error
 
     def open(self) -> None:
         """Open the file now (the first write does otherwise), creating it and its parent
         directories: an unwritable path fails here, before any work. OSError when it cannot be
         opened; RecordError, the file untouched, when it is not empty and not a log (its first line
         is no record)."""
-        if self._fd is None:
-            self._fd = self._open()
-            self._closer = weakref.finalize(self, os.close, self._fd)
+        if self._file.fd is None:
+            self._open()
             try:
-                _check_is_a_log(self._fd, self.path)
+                _check_is_a_log(self._file.fd, self.path)
             except RecordError:
                 self.close()
                 raise
-            self._end_last_line()
+            tail = self._file.cut_torn_tail()
+            if tail:
+                warnings.warn(
+                    f"{self.path}: last line was cut short (earlier crash?); "
+                    f"dropping its {len(tail)} bytes before appending",
+                    stacklevel=2,
+                )
 
     def close(self) -> None:
         """Flush the file to disk and close it (LogWriteError when the flush fails); a later write
         reopens it."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            self._closer.detach()
-            try:
-                os.fsync(fd)
-            except OSError as error:
-                raise LogWriteError(self.path, error) from error
-            finally:
-                os.close(fd)
+        try:
+            self._file.close()
+        except OSError as error:
+            raise LogWriteError(self.path, error) from error
+
+    def _open(self) -> None:
+        """Create the parent directories and open the file for appending. OSError when refused."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file.open(readable=True)
 
     def __enter__(self) -> JsonlSink:
         return self
@@ -104,27 +107,6 @@ class JsonlSink:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
-
-    def _open(self) -> int:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def _end_last_line(self) -> None:
-        """Make the file end in a newline: a last line without one is cut off with a warning if it
-        is torn (a write cut short by a crash, as `read_log` tells), else ended. Mutates the
-        file."""
-        tail = _last_line(self._fd)
-        if not tail:
-            return
-        if _is_torn(tail):
-            warnings.warn(
-                f"{self.path}: last line was cut short (earlier crash?); "
-                f"dropping its {len(tail)} bytes before appending",
-                stacklevel=2,
-            )
-            os.ftruncate(self._fd, os.fstat(self._fd).st_size - len(tail))
-            return
-        os.write(self._fd, b"\n")
 
 
 def check_log_file(path: str | Path) -> None:
@@ -156,7 +138,7 @@ def _check_is_a_log(fd: int, path: Path) -> None:
     line, newline = first.strip(), first.endswith(b"\n")
     if not line:
         return  # empty, or blank lines only
-    if not newline and line.startswith(b"{") and _is_torn(line):
+    if not newline and line.startswith(b"{") and is_torn(line):
         return  # the start of a record's JSON object, cut short: _end_last_line drops it
     try:
         data = json.loads(line.decode("utf-8"))
@@ -167,34 +149,6 @@ def _check_is_a_log(fd: int, path: Path) -> None:
             f"{path}: not a divergence log (its first line is no record), so nothing is "
             "appended to it; name a new file or an existing log"
         )
-
-
-def _is_torn(tail: bytes) -> bool:
-    """Whether a last line without its newline is a write cut short: not UTF-8 or not whole JSON (no
-    prefix of a record's JSON object is whole JSON). A whole JSON value is a line as written, valid
-    record or not, and so is one nesting too deeply to parse: nothing shows it was cut short.
-    Pure."""
-    try:
-        json.loads(tail.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return True
-    except RecursionError:  # too deep to parse, which is no sign of a cut
-        pass
-    return False
-
-
-def _last_line(fd: int, chunk: int = 1 << 16) -> bytes:
-    """The bytes after the file's last newline (b"" when it ends in one, or is empty). Reads only
-    the tail."""
-    end = size = os.fstat(fd).st_size
-    while end > 0:
-        start = max(0, end - chunk)
-        block = os.pread(fd, end - start, start)
-        newline = block.rfind(b"\n")
-        if newline >= 0:
-            return os.pread(fd, size - (start + newline + 1), start + newline + 1)
-        end = start
-    return os.pread(fd, size, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +184,7 @@ def read_log(path: str | Path) -> LogReadResult:
     try:
         records.append(_parse(path, len(lines) + 1, tail))
     except RecordError as error:
-        if not _is_torn(tail):
+        if not is_torn(tail):
             raise
         warning = f"{error}; skipped as a torn last line"
         return LogReadResult(tuple(records), len(records), 1, (warning,))

@@ -17,7 +17,7 @@ Log-probabilities are left out: the worker keeps only the top two per position, 
 near-tie output check, which compares runs in-process.
 
 The file is replaced: created, or truncated, when the run starts. Each line is handed to
-the OS (``os.write``, repeated for what a partial write left) before the next step runs,
+the OS (``compare.jsonl_writer``, the one durable writer of JSON lines) before the next step runs,
 so a run that stops early (a stall, Ctrl-C, SIGTERM, SIGKILL) leaves a whole line for
 every request released so far; a write that fails part way (a full disk) is cut off
 before its error propagates.
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
 
 from batchgen.cli.common import UsageError, check_output_file, missing_directories, remove_empty
 from batchgen.engine.state import RequestOutput
+from compare.jsonl_writer import JsonLinesFile
 
 
 class OutputsWriteError(OSError):
@@ -91,31 +91,27 @@ def _check_not_a_standard_stream(path: str) -> None:
 
 
 def output_line(output: RequestOutput) -> str:
-    """``output`` as one line of the outputs file, newline included. Pure."""
-    return (
-        json.dumps(
-            {
-                "uuid": output.uuid,
-                "phase": output.phase.value,
-                "finish_reason": output.finish_reason,
-                "output_ids": list(output.output_ids),
-            }
-        )
-        + "\n"
+    """``output`` as one line of the outputs file, without its newline. Pure."""
+    return json.dumps(
+        {
+            "uuid": output.uuid,
+            "phase": output.phase.value,
+            "finish_reason": output.finish_reason,
+            "output_ids": list(output.output_ids),
+        }
     )
 
 
 class OutputsFile:
-    """The outputs file: opened (created or truncated) by :meth:`open`, one line per :meth:`write`.
+    """The outputs file: opened (created or truncated) by :meth:`open`, one line per :meth:`write`,
+    through the one durable writer of JSON lines (``compare.jsonl_writer``).
 
     Mutates the file and its own descriptor. One writer per file.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._fd: int | None = None
-        # a regular file can be cut back to its last whole line; a FIFO cannot
-        self._is_regular = False
+        self._file = JsonLinesFile(self.path)
         self._made: list[Path] = []  # the parent directories open created
         self._created = False  # whether open created the file
 
@@ -128,23 +124,20 @@ class OutputsFile:
         self._created = not os.path.lexists(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            self._file.open()
         except OSError:
             remove_empty(self._made)
             raise
-        self._is_regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
 
     def start(self) -> None:
         """Truncate a regular file: the run starts writing. Mutates the file."""
-        if self._is_regular:
-            os.ftruncate(self._fd, 0)
+        self._file.truncate()
 
     def discard(self) -> None:
         """Close the file unwritten, and remove what :meth:`open` created: the file and its new
         directories."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with suppress(OSError):
+            self._file.close()
         if self._created:
             with suppress(OSError):
                 self.path.unlink()
@@ -153,35 +146,17 @@ class OutputsFile:
     def write(self, output: RequestOutput) -> None:
         """Write ``output``'s line. A write that fails part way is cut off again (on a regular file)
         before the error propagates (OutputsWriteError), so the file ends in whole lines."""
-        data = output_line(output).encode()
-        start = os.lseek(self._fd, 0, os.SEEK_CUR) if self._is_regular else 0
-        view = memoryview(data)
         try:
-            while view:
-                view = view[os.write(self._fd, view) :]
-        except BaseException as error:
-            if self._is_regular and os.lseek(self._fd, 0, os.SEEK_CUR) not in (
-                start,
-                start + len(data),
-            ):
-                # part of the line made it (a full disk, or a signal between writes)
-                os.ftruncate(self._fd, start)
-                os.lseek(self._fd, start, os.SEEK_SET)
-            if isinstance(error, OSError):
-                raise OutputsWriteError(self.path, error) from error
-            raise
+            self._file.write_line(output_line(output))
+        except OSError as error:
+            raise OutputsWriteError(self.path, error) from error
 
     def close(self) -> None:
         """Flush a regular file to disk and close it (OutputsWriteError when the flush fails)."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            try:
-                if self._is_regular:
-                    os.fsync(fd)
-            except OSError as error:
-                raise OutputsWriteError(self.path, error) from error
-            finally:
-                os.close(fd)
+        try:
+            self._file.close()
+        except OSError as error:
+            raise OutputsWriteError(self.path, error) from error
 
     def __enter__(self) -> OutputsFile:
         return self
