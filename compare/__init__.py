@@ -9,6 +9,9 @@ nothing of the code it compares (it never imports `batchgen`).
     observation  Observation, Comparison               one path's outcome; both compared
     shadow       ShadowExecutor                        run both paths, return the authoritative
     errors       DivergenceError, HarnessWarning       what the harness raises and warns
+    budget       CompareBudget, RateChange             the sample rate within a cost budget
+    breaker      CompareBreaker, BreakerWarning        compare off when the harness misbehaves
+    governor     SampleGovernor                        both, over one run's steps
     coverage     Outcome, CoverageCounter              decision outcomes reached, counted
     records      DivergenceRecord, RunSummary          the versioned JSON line schema
                  Timeline                              per-step counters of a run
@@ -39,6 +42,9 @@ _MODULES = {
     ),
     "compare.shadow": ("ShadowExecutor", "is_sampled_step"),
     "compare.errors": ("DivergenceError", "HarnessWarning"),
+    "compare.budget": ("CompareBudget", "RateChange"),
+    "compare.breaker": ("BreakerWarning", "CompareBreaker"),
+    "compare.governor": ("SampleGovernor",),
     "compare.coverage": ("CoverageCounter", "CoverageRow", "Outcome", "OutcomeTally"),
     "compare.records": (
         "SCHEMA_VERSION",
@@ -48,6 +54,7 @@ _MODULES = {
         "LogRecord",
         "RecordError",
         "RunSummary",
+        "SampleRateRecord",
         "Timeline",
         "json_schema",
         "parse_record",

@@ -113,6 +113,8 @@ def _runs(logs: Sequence[tuple[str, Sequence[LogRecord]]], binding: PageBinding)
             if isinstance(record, RunSummary):
                 run.summary = record
                 continue
+            if not isinstance(record, DivergenceRecord):  # a sample rate change
+                continue
             command = binding.replay.format(log=shlex.quote(path), index=index)
             run.divergences.append(_Listed(record, f"d-{log_index}-{index}", command))
             index += 1

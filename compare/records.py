@@ -1,8 +1,9 @@
 """The divergence log's records: one JSON line each, versioned, with a published JSON Schema.
 
-A log holds `DivergenceRecord`s (one per diverging compared step) and a `RunSummary` per run
+A log holds `DivergenceRecord`s (one per diverging compared step), a `RunSummary` per run
 (how many steps were compared, so reports have a denominator; and, optionally, the run's
-`Timeline` of per-step counters the binding chose). `parse_record` reads one line back and says
+`Timeline` of per-step counters the binding chose), and, in runs with a budget or a breaker, a
+`SampleRateRecord` per change of the sample rate. `parse_record` reads one line back and says
 exactly what is wrong with a bad one.
 
 Regenerate the checked-in schema after changing a record:
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from compare.budget import RateChange
 from compare.observation import Comparison, ShadowStats
 
 SCHEMA_VERSION = 2
@@ -148,6 +150,8 @@ class RunSummary(_Record):
     coverage: dict[str, OutcomeCount] = {}
     stopped_by: str | None = None
     timeline: Timeline | None = None  # None: the run recorded none
+    # the step whose op tripped the breaker: nothing compared from there on; left out when None
+    breaker_step: int | None = Field(default=None, exclude_if=lambda step: step is None)
     data: DataChecks | None = None  # None: the run had no data oracle
 
     @classmethod
@@ -163,6 +167,7 @@ class RunSummary(_Record):
         stopped_by: str | None = None,
         timeline: Timeline | None = None,
         data: DataChecks | None = None,
+        breaker_step: int | None = None,
     ) -> RunSummary:
         """Build a run's summary from its executor's counters, the run's ``timeline`` and its data
         oracle's ``data``. Pure."""
@@ -184,12 +189,58 @@ class RunSummary(_Record):
             stopped_by=stopped_by,
             timeline=timeline,
             data=data,
+            breaker_step=breaker_step,
         )
 
 
-LogRecord = Annotated[DivergenceRecord | RunSummary, Field(discriminator="record_type")]
+class SampleRateRecord(_Record):
+    """A change of a run's sample rate (``compare.budget``, ``compare.breaker``): from ``step`` on
+    the run compares the fraction ``new_rate`` of its steps (0: compare mode is off for the rest of
+    the run, and for the rest of ``step`` too). A reader of the log knows from these which steps
+    were compared. Only runs with a budget or a breaker write them (schema 2 is unchanged for the
+    others)."""
 
-_MODELS: dict[str, type[_Record]] = {"divergence": DivergenceRecord, "run_summary": RunSummary}
+    record_type: Literal["sample_rate"] = "sample_rate"
+    schema_version: Literal[2] = SCHEMA_VERSION
+    run_id: str
+    workload: str
+    seed: int
+    step: int
+    old_rate: float
+    new_rate: float
+    cause: Literal["budget", "breaker"]
+    reason: str  # what was measured, in words
+    share: float | None  # the moving share of step time that decided a budget change
+    created_at: float  # Unix time
+
+    @classmethod
+    def from_change(
+        cls, change: RateChange, *, run_id: str, workload: str, seed: int, created_at: float
+    ) -> SampleRateRecord:
+        """The record of one rate change of a run. Pure."""
+        return cls(
+            run_id=run_id,
+            workload=workload,
+            seed=seed,
+            step=change.step,
+            old_rate=change.old_rate,
+            new_rate=change.new_rate,
+            cause=change.cause,
+            reason=change.reason,
+            share=change.share,
+            created_at=created_at,
+        )
+
+
+LogRecord = Annotated[
+    DivergenceRecord | RunSummary | SampleRateRecord, Field(discriminator="record_type")
+]
+
+_MODELS: dict[str, type[_Record]] = {
+    "divergence": DivergenceRecord,
+    "run_summary": RunSummary,
+    "sample_rate": SampleRateRecord,
+}
 
 
 def parse_record(line: str) -> LogRecord:

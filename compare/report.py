@@ -128,6 +128,8 @@ class _Aggregation:
             for op, num_compared in record.steps_compared.items():
                 self.compared[(record.workload, op)] += num_compared
             return
+        if not isinstance(record, DivergenceRecord):  # a sample rate change: counts nothing
+            return
         pair = (record.workload, record.op)
         self.diverged[pair] += 1
         concrete_by_key: dict[str, str] = {}

@@ -189,6 +189,26 @@ class ShadowExecutor:
             raise DivergenceError(comparison) from comparison.shadow.exception
         return result
 
+    @property
+    def sample_rate(self) -> float:
+        """The fraction of steps compared from now on (`compare.governor` moves it)."""
+        return self._sample
+
+    @sample_rate.setter
+    def sample_rate(self, rate: float) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"sample rate must be in [0, 1], not {rate!r}")
+        self._sample = rate
+
+    @property
+    def compare_seconds(self) -> float:
+        """Harness seconds so far (the running total `stats()` reports)."""
+        return self._compare_seconds
+
+    @property
+    def num_harness_errors(self) -> int:
+        return self._harness.count
+
     def stats(self) -> ShadowStats:
         """A frozen snapshot of the counters."""
         return ShadowStats(

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.kv.gate import GATE_FLAGS, KV_OPS, GateError, KvGateConfig, build_kv_path, gate_config
+from batchgen.kv.gate import (
+    BREAKER_DEFAULTS,
+    GATE_FLAGS,
+    KV_OPS,
+    GateError,
+    KvGateConfig,
+    build_kv_path,
+    gate_config,
+)
 
 ENV = {field: env for field, (env, _, _) in GATE_FLAGS.items()}
 CLI = {field: option for field, (_, option, _) in GATE_FLAGS.items()}
@@ -21,7 +29,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # ---- defaults and parsing ---------------------------------------------------------------------
 def test_an_empty_environment_gives_the_documented_defaults():
     config = gate_config({})
-    assert config == KvGateConfig()
+    # a production worker's breaker is on; a gate built in code (validate's, sweep's) has none
+    assert config == KvGateConfig(**BREAKER_DEFAULTS)
+    assert (KvGateConfig().compare_breaker_errors, KvGateConfig().compare_breaker_seconds) == (
+        None,
+        None,
+    )
+    assert (config.compare_budget, config.compare_breaker_errors) == (None, 10)
     assert (
         config.path,
         config.compare,
@@ -33,10 +47,9 @@ def test_an_empty_environment_gives_the_documented_defaults():
 
 
 def test_variables_outside_the_family_are_ignored():
-    assert (
-        gate_config({"PATH": "/usr/bin", "BATCHGEN_SEED": "3", "BATCHGEN_WORKER_OTHER": "x"})
-        == KvGateConfig()
-    )
+    assert gate_config(
+        {"PATH": "/usr/bin", "BATCHGEN_SEED": "3", "BATCHGEN_WORKER_OTHER": "x"}
+    ) == KvGateConfig(**BREAKER_DEFAULTS)
 
 
 @pytest.mark.parametrize(
@@ -53,6 +66,12 @@ def test_variables_outside_the_family_are_ignored():
         # canonical op order, duplicates collapse
         ("compare_ops", "alloc, poll,alloc", ("poll", "alloc")),
         ("load_failure", "fail", "fail"),
+        ("compare_budget", "0.02", 0.02),
+        ("compare_budget", "off", None),
+        ("compare_breaker_errors", "3", 3),
+        ("compare_breaker_errors", "OFF", None),
+        ("compare_breaker_seconds", "0.25", 0.25),
+        ("compare_breaker_seconds", "off", None),
     ],
 )
 def test_each_variable_is_parsed_into_its_field(field, value, expected):
@@ -73,6 +92,9 @@ PRECEDENCE = [  # field, environment value, CLI value, parsed CLI value
     ("compare_ops", "poll", "migrate,evict", ("evict", "migrate")),
     ("load_failure", "fail", "recompute", "recompute"),
     ("verify", "all", "sample", "sample"),
+    ("compare_budget", "0.05", 0.02, 0.02),
+    ("compare_breaker_errors", "5", 3, 3),
+    ("compare_breaker_seconds", "0.5", "2.5", 2.5),
 ]
 
 
@@ -127,6 +149,14 @@ BAD_VALUES = [  # field, bad value, closest valid value (None: none is close)
     ("compare_ops", " , ", None),
     ("load_failure", "recompte", "recompute"),
     ("load_failure", "retry", None),
+    ("compare_budget", "0", None),
+    ("compare_budget", "1", None),
+    ("compare_budget", "2%", None),
+    ("compare_budget", "nan", None),
+    ("compare_breaker_errors", "0", None),
+    ("compare_breaker_errors", "1.5", None),
+    ("compare_breaker_seconds", "-1", None),
+    ("compare_breaker_seconds", "inf", None),
 ]
 
 
@@ -283,7 +313,7 @@ def test_a_misspelt_family_name_in_lower_case_gets_no_upper_case_hint():
 
 
 def test_an_unrelated_batchgen_variable_is_left_alone():
-    assert gate_config({"BATCHGEN_HOME": "/tmp"}) == KvGateConfig()
+    assert gate_config({"BATCHGEN_HOME": "/tmp"}) == gate_config({})
 
 
 def test_a_value_in_the_wrong_case_gets_the_valid_spelling_suggested():

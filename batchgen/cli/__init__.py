@@ -55,6 +55,7 @@ from batchgen.exit_codes import (
 )
 from batchgen.kv.gate import GateError
 from batchgen.kv.tiers import PoolAllocationError
+from batchgen.metrics.config import MetricsConfigError
 from batchgen.model.loader import ModelLoadError
 from batchgen.sweep.backends import BackendError
 from batchgen.sweep.matrix import SweepError
@@ -78,6 +79,7 @@ INPUT_ERRORS = (
     MinimizeError,
     SweepError,
     BackendError,
+    MetricsConfigError,
 )
 
 

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from batchgen.cli.arg_types import positive_int, seconds_float, seed_int
 from batchgen.cli.backend_args import add_backend_args, backend_from_args, check_backend_args
 from batchgen.cli.common import StdoutConsole, add_output_args, check_directory
+from batchgen.cli.run_flags import refuse_production_settings
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.shadow.coverage import REQUIRED
 from batchgen.validation.explore import (
@@ -71,6 +72,7 @@ def add_explore_command(commands) -> None:
 
 
 def _explore(args: argparse.Namespace) -> int:
+    refuse_production_settings("explore")
     check_backend_args(args)
     check_directory("--corpus-dir", args.corpus_dir)
     corpus_dir = Path(args.corpus_dir)

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from batchgen.cli.arg_types import positive_int
 from batchgen.cli.common import UsageError, make_directory, print_warnings, remove_empty
 from batchgen.cli.replay import add_record_args, divergence_record, record_title
+from batchgen.cli.run_flags import refuse_production_settings
 from batchgen.engine.workloads import Workload
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.triage.minimize import NotReproduced, minimize_divergence, recorded_run
@@ -65,6 +66,7 @@ def add_minimize_command(commands) -> None:
 
 
 def _minimize(args: argparse.Namespace) -> int:
+    refuse_production_settings("minimize")
     record, count = divergence_record(args.log, args.index)
     replay = record.replay
     if not replay.get("workload_source"):

@@ -46,6 +46,9 @@ from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, KvGateConfig, gate_config
 from batchgen.kv.plan_checks import PlanRejected
+from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
+from batchgen.metrics.exporter import exporting
+from batchgen.metrics.worker_metrics import WorkerMetrics
 from batchgen.model.llama import LlamaForCausalLM
 from compare import DivergenceError, LogWriteError
 
@@ -80,12 +83,14 @@ def add_run_command(commands) -> None:
         ),
     )
     add_file_args(parser)
+    add_metrics_args(parser)
     add_output_args(parser)
     parser.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     gate = _checked_gate(args)
+    metrics = metrics_config_from_args(os.environ, args)
     workload, model = _workload_and_model(args)
     _warn_scale_ignored(args)
     faults = args.faults if args.faults is not None else workload.faults  # the option replaces
@@ -101,7 +106,8 @@ def _run(args: argparse.Namespace) -> int:
         worker.validate_request(request.to_request())
     outputs = _open_files(args, worker)
     try:
-        result = _run_to_the_end(args, worker, workload, outputs)
+        with exporting(metrics) as worker_metrics:
+            result = _run_to_the_end(args, worker, workload, outputs, worker_metrics)
     except STOPS as error:
         return _stopped(args, workload.name, *_why_stopped(error, worker))
     warn_failed_requests(result)
@@ -148,10 +154,14 @@ def _open_files(args: argparse.Namespace, worker: Worker) -> OutputsFile | None:
 
 
 def _run_to_the_end(
-    args: argparse.Namespace, worker: Worker, workload: Workload, outputs: OutputsFile | None
+    args: argparse.Namespace,
+    worker: Worker,
+    workload: Workload,
+    outputs: OutputsFile | None,
+    metrics: WorkerMetrics | None,
 ) -> RunResult:
     """``run_workload`` with a progress bar, the timeline, divergence log and outputs file each
-    written and closed however the run ends."""
+    written and closed however the run ends, and ``metrics`` watching it."""
     source = (
         args.workload if args.workload in BUILTIN_WORKLOADS else str(Path(args.workload).resolve())
     )
@@ -171,6 +181,7 @@ def _run_to_the_end(
             on_step=lambda done, total: on_progress(workload.name, done, total),
             on_release=outputs.write if outputs is not None else None,
             recorder=recorder,
+            metrics=metrics,
         )
 
 

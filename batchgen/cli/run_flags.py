@@ -13,7 +13,13 @@ from batchgen.config import EngineConfig
 from batchgen.engine import faults as faults_module
 from batchgen.engine.runner import MAX_IDLE_STEPS
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
-from batchgen.kv.gate import GATE_FLAGS, KvGateConfig
+from batchgen.kv.gate import (
+    BREAKER_DEFAULTS,
+    GATE_FLAGS,
+    PRODUCTION_FIELDS,
+    GateError,
+    KvGateConfig,
+)
 
 SCHEDULE_POLICIES = typing.get_args(EngineConfig.model_fields["schedule_policy"].annotation)
 
@@ -37,6 +43,21 @@ KV_FLAG_HELP = {
     "load_failure": (
         "recompute|fail",
         "after a failed load's last retry: recompute the request, or fail it",
+    ),
+    "compare_budget": (
+        "FRACTION|off",
+        "compare mode's share of step time: above it the sample rate goes down, below half of it"
+        " back up (never above --kv-compare-sample); each change is logged",
+    ),
+    "compare_breaker_errors": (
+        "N|off",
+        "turn compare mode off for the rest of the run after N compared ops in a row with a"
+        " harness error",
+    ),
+    "compare_breaker_seconds": (
+        "S|off",
+        "turn compare mode off for the rest of the run after one compared op whose harness time"
+        " is over S seconds",
     ),
     "verify": (
         "off|sample|all",
@@ -92,9 +113,9 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _gate_default(field: str) -> str:
-    default = KvGateConfig.model_fields[field].default
+    default = BREAKER_DEFAULTS.get(field, KvGateConfig.model_fields[field].default)
     if default is None:
-        return "the workload's engine config"
+        return "off" if field in PRODUCTION_FIELDS else "the workload's engine config"
     return ",".join(default) if isinstance(default, tuple) else str(default)
 
 
@@ -132,7 +153,20 @@ def _fault_grammar() -> str:
 
 
 # read only while compare mode is on
-COMPARE_SETTINGS = ("compare_sample", "compare_log", "compare_ops")
+COMPARE_SETTINGS = ("compare_sample", "compare_log", "compare_ops", *PRODUCTION_FIELDS)
+
+
+def refuse_production_settings(command: str, environ=os.environ) -> None:
+    """GateError (exit 2) naming each budget or breaker variable set in ``environ``: ``command``
+    (validate, explore, minimize, sweep) compares every op it runs, and a validation that stops
+    comparing must not pass. Pure."""
+    given = [GATE_FLAGS[field][0] for field in PRODUCTION_FIELDS if GATE_FLAGS[field][0] in environ]
+    if given:
+        raise GateError(
+            f"batchgen {command} compares every op it runs, so it refuses {', '.join(given)}: a"
+            " budget or a breaker stops comparing, and a validation that stops comparing must not"
+            " pass (unset it; batchgen run takes it)"
+        )
 
 
 def applied_scale(args: argparse.Namespace) -> float:

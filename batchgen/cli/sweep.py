@@ -15,6 +15,7 @@ from rich.text import Text
 from batchgen.cli.arg_types import non_negative_int, positive_int, seconds_float, seed_list
 from batchgen.cli.backend_args import add_backend_args, backend_from_args, check_backend_args
 from batchgen.cli.common import add_output_args, add_scale_arg, check_directory, make_directory
+from batchgen.cli.run_flags import refuse_production_settings
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.sweep.backends import SweepBackend
@@ -157,6 +158,7 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    refuse_production_settings("sweep")
     check_backend_args(args)
     check_directory("--reports-dir", args.reports_dir)
     specs = args.workload or list(DEFAULT_WORKLOADS)

@@ -30,6 +30,7 @@ from batchgen.cli.common import (
     progress_bar,
     progress_callback,
 )
+from batchgen.cli.run_flags import refuse_production_settings
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, gate_config
 from batchgen.validation.report import DIRECTIONS, ValidationReport, compare_overhead
@@ -89,6 +90,7 @@ def add_validate_command(commands) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    refuse_production_settings("validate")
     _warn_ignored_gates(os.environ)
     # before the model loads, which can take a minute
     check_directory("--reports-dir", args.reports_dir)

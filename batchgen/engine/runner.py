@@ -168,6 +168,7 @@ def run_workload(
     on_release: Callable[[RequestOutput], None] | None = None,
     run_id: str | None = None,
     recorder: TimelineRecorder | None = None,
+    metrics=None,
 ) -> RunResult:
     """Submit ``workload`` at its arrival steps and step until every request is released (see
     the module docstring). Mutates the worker and ``recorder`` (a new one when None).
@@ -175,7 +176,9 @@ def run_workload(
     the workload's requests once, after the step that released it, in release order. In compare
     mode, the divergences name ``source`` (the workload's name or file) and ``run_id`` (default:
     random). RunStalled past ``max_steps`` (default: the last arrival step plus ``MAX_STEPS``) or
-    after ``MAX_IDLE_STEPS`` steps without progress (or twice the load timeout, if longer)."""
+    after ``MAX_IDLE_STEPS`` steps without progress (or twice the load timeout, if longer).
+    ``metrics`` (a ``batchgen.metrics.WorkerMetrics``) watches the run: its counters after each
+    step, its requests' latencies."""
     compare = worker.kv_compare
     if compare is not None:
         compare.begin_run(
@@ -184,6 +187,8 @@ def run_workload(
     for req in workload.requests:  # reject a bad workload before any step runs
         worker.validate_request(req.to_request())
     recorder = recorder or TimelineRecorder(worker)
+    if metrics is not None:
+        on_step, on_release = metrics.begin_run(worker, workload).chain(on_step, on_release)
     start_step, before, started = worker.state.step, worker.state.stats.copy(), time.perf_counter()
     uuids = {r.uuid for r in workload.requests}
     try:

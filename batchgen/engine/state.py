@@ -75,6 +75,7 @@ class RequestState:
     num_load_retries: int = 0
     swapped_step: int | None = None  # step the KV went to host
     finish_reason: str | None = None  # "length", "eos", "abort", or the failure
+    first_token_step: int | None = None  # the step that sampled its first token (metrics' TTFT)
     # Derived, kept as fields: snapshots read them for thousands of requests per step.
     uuid: str = field(init=False)  # request.uuid
     num_tokens: int = field(init=False)  # prompt + outputs; append_token keeps it
@@ -116,6 +117,7 @@ class RequestState:
         new.num_load_retries = self.num_load_retries
         new.swapped_step = self.swapped_step
         new.finish_reason = self.finish_reason
+        new.first_token_step = self.first_token_step
         new.uuid = self.uuid
         new.num_tokens = self.num_tokens
         return new
@@ -127,6 +129,7 @@ class RequestState:
             finish_reason=self.finish_reason,
             output_ids=tuple(self.output_ids),
             output_logprobs=tuple(self.output_logprobs),
+            first_token_step=self.first_token_step,
         )
 
     def token_ids(self, start: int = 0) -> list[int]:
@@ -146,6 +149,8 @@ class RequestOutput:
     finish_reason: str | None
     output_ids: tuple[int, ...]
     output_logprobs: tuple[TokenLogprobs, ...]
+    # when it came, not what: outputs of equal tokens are equal whichever step sampled them first
+    first_token_step: int | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True)

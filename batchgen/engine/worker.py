@@ -258,6 +258,8 @@ class Worker:
         eos_ids = self.model_config.eos_token_ids
         for req, (token, logprobs) in zip(reqs, sample(out.logits, reqs, eos_ids)):
             req.append_token(token, logprobs)
+            if req.first_token_step is None:
+                req.first_token_step = self.state.step
             self.state.stats.tokens_generated += 1
             reason = finish_reason(req, token, eos_ids)
             if reason is not None:

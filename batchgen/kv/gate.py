@@ -9,6 +9,13 @@ Variables (``GATE_FLAGS``; the README's flags table says what each means)::
     BATCHGEN_WORKER_KV_COMPARE_OPS     comma list        default: all five ops
     BATCHGEN_WORKER_KV_LOAD_FAILURE    recompute, fail   default: the engine config's
     BATCHGEN_WORKER_KV_VERIFY          off, sample, all  default off (page-content oracle)
+    BATCHGEN_WORKER_KV_COMPARE_BUDGET          fraction in (0, 1) or off   default off
+    BATCHGEN_WORKER_KV_COMPARE_BREAKER_ERRORS  int >= 1 or off             default 10 (*)
+    BATCHGEN_WORKER_KV_COMPARE_BREAKER_SECONDS float > 0 or off            default 1.0 (*)
+
+(*) ``gate_config``'s defaults (``BREAKER_DEFAULTS``), a production worker's: a
+``KvGateConfig`` built in code (validate, sweep, explore, minimize) has no breaker unless it
+names one, since a validation that stops comparing must not pass.
 
 Precedence: default < environment < CLI option. An unknown name in the family
 (a typo) or a bad value (in the environment even where an option overrides it)
@@ -20,7 +27,7 @@ only when a path named "legacy" is built (``kv_path_class``).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -45,8 +52,30 @@ GATE_FLAGS = {
         f"a comma list of {', '.join(KV_OPS)}",
     ),
     "load_failure": ("BATCHGEN_WORKER_KV_LOAD_FAILURE", "--kv-load-failure", "recompute, fail"),
+    "compare_budget": (
+        "BATCHGEN_WORKER_KV_COMPARE_BUDGET",
+        "--kv-compare-budget",
+        "a fraction of step time in (0, 1), e.g. 0.02, or off",
+    ),
+    "compare_breaker_errors": (
+        "BATCHGEN_WORKER_KV_COMPARE_BREAKER_ERRORS",
+        "--kv-compare-breaker-errors",
+        "an integer >= 1, or off",
+    ),
+    "compare_breaker_seconds": (
+        "BATCHGEN_WORKER_KV_COMPARE_BREAKER_SECONDS",
+        "--kv-compare-breaker-seconds",
+        "seconds > 0, or off",
+    ),
     "verify": ("BATCHGEN_WORKER_KV_VERIFY", "--kv-verify", "off, sample, all"),
 }
+
+
+# Compare mode's production settings: validate, sweep, explore and minimize refuse them.
+PRODUCTION_FIELDS = ("compare_budget", "compare_breaker_errors", "compare_breaker_seconds")
+# gate_config's breaker where neither the environment nor the CLI sets it: generous, so that only
+# a harness in trouble trips it
+BREAKER_DEFAULTS = {"compare_breaker_errors": 10, "compare_breaker_seconds": 1.0}
 
 
 class GateError(ValueError):
@@ -65,6 +94,16 @@ class KvGateConfig(BaseModel):
     load_failure: Literal["recompute", "fail"] | None = None
     # page-content oracle (batchgen.kv.verify): every step, the compare-sampled steps, or none
     verify: Literal["off", "sample", "all"] = "off"
+    # compare mode's share of step time it may take (compare.budget); None: no budget
+    compare_budget: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False)
+    # the breaker (compare.breaker): harness errors in a row, seconds of one op; None: no limit
+    compare_breaker_errors: int | None = Field(default=None, ge=1)
+    compare_breaker_seconds: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+
+    @field_validator(*PRODUCTION_FIELDS, mode="before")
+    @classmethod
+    def _off_is_none(cls, value):
+        return None if isinstance(value, str) and value.strip().lower() == "off" else value
 
     @field_validator("compare_ops", mode="before")
     @classmethod
@@ -97,27 +136,10 @@ class KvGateConfig(BaseModel):
 def gate_config(
     environ: Mapping[str, str], cli: Mapping[str, object] | None = None
 ) -> KvGateConfig:
-    """Parse the gate family from ``environ``, then apply CLI values (not None) on top."""
-    known = {env for env, _, _ in GATE_FLAGS.values()}
-    for name in environ:
-        # names are case-sensitive: batchgen_worker_kv_path would be ignored, unnoticed
-        upper = name.upper()
-        if name in known or not upper.startswith("BATCHGEN_"):
-            continue
-        # In the family, or a typo of its prefix (BATCHGEN_WORKERS_KV_PATH) close to a valid name.
-        cutoff = 0.6 if upper.startswith(ENV_PREFIX) else 0.85
-        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=cutoff)
-        if upper.startswith(ENV_PREFIX) or close:
-            case_only = upper != name and upper in known  # the right name, in the wrong case
-            hint = (
-                f" (did you mean {close[0]}?{' names are upper-case' if case_only else ''})"
-                if close
-                else ""
-            )
-            raise GateError(
-                f"unknown variable {name}{hint}; valid names: {', '.join(sorted(known))}"
-            )
-    values: dict[str, object] = {}
+    """Parse the gate family from ``environ``, then apply CLI values (not None) on top; the
+    breaker's settings neither sets are ``BREAKER_DEFAULTS``."""
+    check_family_names(environ, {env for env, _, _ in GATE_FLAGS.values()}, ENV_PREFIX, GateError)
+    values: dict[str, object] = dict(BREAKER_DEFAULTS)
     sources: dict[str, str] = {}
     for field, (env, _, _) in GATE_FLAGS.items():
         if env in environ:
@@ -133,6 +155,29 @@ def gate_config(
     values.update(overrides)
     sources.update({field: GATE_FLAGS[field][1] for field in overrides})
     return _validated(values, sources)
+
+
+def check_family_names(
+    environ: Mapping[str, str], known: Collection[str], prefix: str, error: type[Exception]
+) -> None:
+    """``error`` naming the first name of ``environ`` in the family ``prefix`` that is not one of
+    ``known``, or a typo of the prefix close to one of them (``BATCHGEN_WORKERS_KV_PATH``), with
+    the closest valid name and the valid ones. Pure."""
+    for name in environ:
+        # names are case-sensitive: batchgen_worker_kv_path would be ignored, unnoticed
+        upper = name.upper()
+        if name in known or not upper.startswith("BATCHGEN_"):
+            continue
+        cutoff = 0.6 if upper.startswith(prefix) else 0.85
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=cutoff)
+        if upper.startswith(prefix) or close:
+            case_only = upper != name and upper in known  # the right name, in the wrong case
+            hint = (
+                f" (did you mean {close[0]}?{' names are upper-case' if case_only else ''})"
+                if close
+                else ""
+            )
+            raise error(f"unknown variable {name}{hint}; valid names: {', '.join(sorted(known))}")
 
 
 def _validated(values: Mapping[str, object], sources: Mapping[str, str]) -> KvGateConfig:

@@ -40,6 +40,9 @@ from batchgen.shadow.forms import ShadowRun, canonical_pair, classify, exception
 from batchgen.shadow.history import RunHistory
 from batchgen.shadow.interactions import interactions_of
 from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor, Timeline
+from compare.budget import RateChange
+from compare.governor import SampleGovernor
+from compare.records import SampleRateRecord
 
 
 @dataclass(slots=True)
@@ -82,6 +85,9 @@ class KvCompare:
         self._summary: RunSummary | None = None  # the current run's summary, once it ended
         # the worker's page-content oracle (batchgen.kv.verify), when on: its runs are this one's
         self.verifier = None
+        self.clock = time.perf_counter  # every harness time, the budget's too (tests fake it)
+        self.governor: SampleGovernor | None = None  # the run's budget and breaker, when set
+        self.on_record = None  # called with each record once it is logged (batchgen.metrics)
         self.executor = self.begin_run("unnamed", seed=0)
 
     # ---- runs ------------------------------------------------------------------------------
@@ -115,6 +121,15 @@ class KvCompare:
             exception_kind=exception_kind,
             outcomes=self._outcomes,
             on_divergence=self._record,
+            clock=self.clock,
+        )
+        self.governor = SampleGovernor.from_limits(
+            self.executor,
+            budget=self.gate.compare_budget,
+            max_errors_in_row=self.gate.compare_breaker_errors,
+            max_op_seconds=self.gate.compare_breaker_seconds,
+            on_change=self._record_rate,
+            clock=self.clock,
         )
         return self.executor
 
@@ -126,6 +141,8 @@ class KvCompare:
         ``timeline``: the run's per-step KV counters (``batchgen.engine.timeline``). Mutates self
         and the log."""
         if self._summary is None:
+            if self.governor is not None:
+                self.governor.finish()
             self._summary = RunSummary.from_stats(
                 self.executor.stats(),
                 run_id=self.run_id,
@@ -136,8 +153,9 @@ class KvCompare:
                 stopped_by=stopped_by,
                 timeline=timeline,
                 data=self.verifier.summary() if self.verifier is not None else None,
+                breaker_step=self.governor.breaker_step if self.governor is not None else None,
             )
-            self.sink.write(self._summary)
+            self._write(self._summary)
         return self._summary
 
     # ---- the KV path interface -------------------------------------------------------------
@@ -161,8 +179,13 @@ class KvCompare:
         """Run ``op`` on the authoritative path, and, when the executor samples this step, on the
         shadow path on a fork, and compare. Mutates what the op mutates."""
         step, method = self.target.state.step, OP_METHODS[op][0]
+        governor = self.governor
+        if governor is not None:
+            governor.enter_step(step)
         if not self.executor.should_compare(op, step):
             return getattr(self.authoritative, method)(*args)
+        if governor is not None:
+            governor.before_op()
         self._op = ComparedOp(op, args)
         if isinstance(self.authoritative, PlanKvPath):
             self.authoritative.last_request = self.authoritative.last_plan = None
@@ -181,6 +204,8 @@ class KvCompare:
         finally:  # journaling ends with the op, whatever failed
             self.target.record_op(False)
             self._op = None
+            if governor is not None:
+                governor.after_op(step)
 
     def _context(self) -> ComparedOp:
         """The op; with neither side a plan path, its request and plan, planned now (the manager
@@ -271,4 +296,18 @@ class KvCompare:
             replay=replay,
             created_at=time.time(),
         )
+        self._write(record)
+
+    def _record_rate(self, change: RateChange) -> None:
+        """Log a change of the sample rate (the budget's or the breaker's). Mutates the log."""
+        record = SampleRateRecord.from_change(
+            change, run_id=self.run_id, workload=self.workload, seed=self.seed,
+            created_at=time.time(),
+        )  # fmt: skip
+        self._write(record)
+
+    def _write(self, record) -> None:
+        """Log ``record``, then hand it to ``on_record``. Mutates the log."""
         self.sink.write(record)
+        if self.on_record is not None:
+            self.on_record(record)

@@ -225,14 +225,16 @@ def test_checked_in_schema_matches_the_record_models():
     )
 
 
-def test_schema_covers_both_record_types_by_discriminator():
+def test_schema_covers_every_record_type_by_discriminator():
     schema = json_schema()
     assert schema["discriminator"]["propertyName"] == "record_type"
+    assert set(schema["discriminator"]["mapping"]) == {"divergence", "run_summary", "sample_rate"}
     assert set(schema["$defs"]) == {
         "DataChecks",
         "DivergenceRecord",
         "OutcomeCount",
         "RunSummary",
+        "SampleRateRecord",
         "Timeline",
     }
 

@@ -1,0 +1,161 @@
+"""A command's Prometheus metrics: vLLM's names with a ``batchgen:`` prefix, in a registry of its
+own (no process-wide default registry), labelled by workload and nothing per request.
+
+::
+
+    gauges, read from the live run when scraped (nothing per step)
+      batchgen:num_requests_running, _waiting, _swapped, _loading      requests by phase
+      batchgen:gpu_kv_usage_perc, batchgen:host_kv_usage_perc          pages held / pages, 0 to 1
+      batchgen:kv_compare_sample_rate, batchgen:kv_compare_breaker_open
+    counters, from the worker's counters after each step (their increase)
+      batchgen:num_preemptions_total, evictions_total, loads_total, load_failures_total
+      batchgen:prompt_tokens_total, generation_tokens_total
+      batchgen:kv_offload_bytes_total{direction}, kv_offload_seconds_total{direction}
+      batchgen:kv_compare_ops_total{op}, kv_compare_harness_errors_total,
+      batchgen:kv_compare_seconds_total, kv_decision_outcomes_total{outcome}
+    counters, as compare mode writes its records
+      batchgen:kv_compare_divergences_total{op,kind}
+    histograms
+      batchgen:step_duration_seconds, time_to_first_token_seconds, e2e_request_latency_seconds
+
+Every series also has the ``workload`` label. A command with several runs (validate) counts over
+all of them; ``add_summary`` adds the compare counters of a run that ran elsewhere (a sweep's).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from batchgen.metrics.live import PHASE_GAUGES, WORKER_COUNTERS, LiveRun
+from compare import DivergenceRecord, RunSummary
+
+P = "batchgen:"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# the kinds batchgen's compare mode names (batchgen.shadow.forms, and the page-content oracle's)
+DIVERGENCE_KINDS = ("state", "copies", "exception", "invalid_plan", "data")
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class WorkerMetrics:
+    """The metrics of one command. Mutates only its own registry and the live run it watches."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.live: LiveRun | None = None  # the run going on now (the gauges read it)
+        self.port: int | None = None  # where /metrics is served, once it is
+        registry, workload = self.registry, ("workload",)
+        self.worker_counters = {
+            name: Counter(P + name, doc, workload, registry=registry)
+            for name, (_, doc) in WORKER_COUNTERS.items()
+        }
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "prompt tokens of the requests submitted", workload,
+            registry=registry,
+        )  # fmt: skip
+        self.offload_bytes = Counter(
+            P + "kv_offload_bytes", "KV bytes copied between the tiers", (*workload, "direction"),
+            registry=registry,
+        )  # fmt: skip
+        self.offload_seconds = Counter(
+            P + "kv_offload_seconds", "seconds issuing KV copies between the tiers",
+            (*workload, "direction"), registry=registry,
+        )  # fmt: skip
+        self.compare_ops = Counter(
+            P + "kv_compare_ops", "KV ops compared", (*workload, "op"), registry=registry
+        )
+        self.divergences = Counter(
+            P + "kv_compare_divergences", "divergences logged", (*workload, "op", "kind"),
+            registry=registry,
+        )  # fmt: skip
+        self.harness_errors = Counter(
+            P + "kv_compare_harness_errors", "failures inside the compare harness", workload,
+            registry=registry,
+        )  # fmt: skip
+        self.compare_seconds = Counter(
+            P + "kv_compare_seconds", "seconds compare mode added to the KV ops", workload,
+            registry=registry,
+        )  # fmt: skip
+        self.outcomes = Counter(
+            P + "kv_decision_outcomes", "KV policy decision outcomes reached by compared ops",
+            (*workload, "outcome"), registry=registry,
+        )  # fmt: skip
+        self.step_seconds = Histogram(
+            P + "step_duration_seconds", "seconds of one worker step", workload,
+            buckets=STEP_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds", "from a request's arrival step to its first token",
+            workload, buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            P + "e2e_request_latency_seconds", "from a request's arrival step to its release",
+            workload, buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        registry.register(_LiveGauges(self))
+
+    def begin_run(self, worker, workload) -> LiveRun:
+        """Watch the run of ``workload`` on ``worker`` from now on (the gauges read it); its
+        compare records are counted as they are written. Mutates self and the worker's compare
+        binding."""
+        self.live = LiveRun(self, worker, workload)
+        self._start_at_zero(worker, workload.name)
+        if worker.kv_compare is not None:
+            worker.kv_compare.on_record = self.count_record
+        return self.live
+
+    def _start_at_zero(self, worker, workload: str) -> None:
+        """Create the run's series at 0, so that an alert's ``increase()`` sees the first event.
+        Mutates the registry."""
+        for counter in (*self.worker_counters.values(), self.prompt_tokens):
+            counter.labels(workload)
+        compare = worker.kv_compare
+        if compare is None:
+            return
+        self.harness_errors.labels(workload)
+        self.compare_seconds.labels(workload)
+        for op in compare.gate.compare_ops:
+            self.compare_ops.labels(workload, op)
+            for kind in DIVERGENCE_KINDS:
+                self.divergences.labels(workload, op, kind)
+
+    def count_record(self, record) -> None:
+        """Count a compare record as it is written (a divergence, by op and kind). Mutates the
+        counters."""
+        if isinstance(record, DivergenceRecord):
+            self.divergences.labels(record.workload, record.op, record.kind).inc()
+
+    def add_summary(self, summary: RunSummary, workload: str) -> None:
+        """Add the compare counters of a run that ran elsewhere (a sweep's), by its summary.
+        Mutates the counters."""
+        for op, count in summary.steps_compared.items():
+            self.compare_ops.labels(workload, op).inc(count)
+        self.harness_errors.labels(workload).inc(summary.harness_errors)
+        self.compare_seconds.labels(workload).inc(summary.compare_seconds)
+        for outcome, tally in summary.coverage.items():
+            self.outcomes.labels(workload, outcome).inc(tally.count)
+
+
+class _LiveGauges:
+    """The gauges of the live run, computed when the registry is collected (a scrape, the final
+    file): one pass over the live requests per scrape, none per step."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        live = self._metrics.live
+        families = {
+            name: GaugeMetricFamily(P + name, doc, labels=["workload"])
+            for name, doc in (
+                *((name, f"requests {phase.value}") for name, phase in PHASE_GAUGES.items()),
+                ("gpu_kv_usage_perc", "GPU KV pages held, a fraction of the pool"),
+                ("host_kv_usage_perc", "host KV pages held, a fraction of the pool"),
+                ("kv_compare_sample_rate", "fraction of steps compare mode compares now"),
+                ("kv_compare_breaker_open", "1 when the breaker turned compare mode off"),
+            )
+        }
+        if live is not None:
+            for name, value in live.gauges().items():
+                families[name].add_metric([live.workload], value)
+        yield from families.values()
