@@ -50,6 +50,15 @@ def test_the_search_is_the_same_on_a_process_pool():
     assert pooled.reached == serial.reached
 
 
+def test_the_search_reaches_a_named_interaction_and_keeps_the_workload_that_did():
+    result = explore(seed=0, max_runs=16, required={"evict.seq.host_then_recompute"})
+    assert (result.num_runs, result.missed) == (BATCH, ())
+    first = result.reached["evict.seq.host_then_recompute"]
+    kept = next(k for k in result.kept if k.workload.name == first)
+    assert "evict.seq.host_then_recompute" in kept.new_outcomes
+    assert kept.run.coverage["evict.seq.host_then_recompute"] >= 1
+
+
 def test_a_missed_outcome_is_named_with_the_budget_spent():
     result = explore(seed=0, max_runs=2, required={"alloc.does_not_fit"})
     assert (result.num_runs, result.missed) == (2, ("alloc.does_not_fit",))

@@ -32,22 +32,26 @@ DEFAULT_CORPUS_DIR = "reports/explore"
 def add_explore_command(commands) -> None:
     parser = commands.add_parser(
         "explore",
-        help="search for workloads that reach every KV decision outcome; write them as a corpus",
+        help=(
+            "search for workloads that reach every KV decision outcome and interaction; write "
+            "them as a corpus"
+        ),
         description=(
             "A coverage-guided search over workload and fault parameters (pool sizes, page size, "
             "watermark, max_num_seqs, token budget, prompt and output lengths, arrival waves, "
             "aborts, every fault kind, both load-failure policies). Each candidate runs in "
             "compare mode raise (plan authoritative, legacy shadowed) on a bookkeeping-only "
-            "worker; one that reaches a decision outcome no earlier one reached is kept. The "
-            "search stops when every required outcome of the decision catalog is reached, or the "
+            "worker; one that reaches a decision outcome or an interaction (outcomes met in one "
+            "op, after a history, or across one step's ops) no earlier one reached is kept. The "
+            "search stops when every required outcome and interaction is reached, or the "
             "budget is spent, and writes the fewest kept workloads that reach everything it "
             "reached to --corpus-dir as corpus-NN.json (batchgen validate --corpus DIR runs them). "
             "A candidate that diverges is a bug: its workload and divergence log are kept in "
             "--corpus-dir/divergences for batchgen replay and minimize. Candidates run in "
             "batches of 8 (serially here, or on --backend processes or ray); a batch is drawn "
             "from what earlier batches kept, so a seed gives the same search on any backend. "
-            "Exit 0 when every "
-            "required outcome was reached and nothing diverged; 1 otherwise."
+            "Exit 0 when every required outcome and interaction was reached and nothing "
+            "diverged; 1 otherwise."
         ),
     )
     parser.add_argument(
@@ -104,7 +108,7 @@ def _progress() -> Progress:
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} candidates, {task.fields[reached]} outcomes"),
+        TextColumn("{task.completed}/{task.total} candidates, {task.fields[reached]} ids reached"),
         TimeElapsedColumn(),
         console=Console(stderr=True),
     )
@@ -134,7 +138,7 @@ def _print(summary: dict) -> None:
     reached = len([o for o in summary["reached"] if o in REQUIRED])
     lines = [
         f"batchgen explore: {summary['runs']} candidates in {summary['seconds']} s; "
-        f"{reached} of {summary['required']} required outcomes reached",
+        f"{reached} of {summary['required']} required outcomes and interactions reached",
         *(f"  {outcome}: first by {name}" for outcome, name in summary["reached"].items()),
         *(
             f"  MISSED {outcome} after {spent['runs']} candidates ({spent['seconds']} s)"

@@ -112,13 +112,17 @@ def fresh_failures(fresh: RunResult, shared: RunResult, label: str) -> list[str]
 
 
 def coverage_failures(compare: Report) -> list[str]:
-    """A failure line for the required outcomes no run reached, and one for outcomes reached that
-    the catalog says no run can reach. Pure."""
+    """A failure line for the required outcomes no run reached, one for the required
+    interactions, and one for outcomes or interactions reached that the catalog says no run can
+    reach. Pure."""
     failures = []
-    if compare.unreached:
-        failures.append(
-            f"decision coverage: required outcomes never reached: {', '.join(compare.unreached)}"
-        )
+    kinds = {row.outcome: row.kind for row in compare.coverage}
+    for kind, label in (("outcome", "decision"), ("interaction", "interaction")):
+        missed = [outcome for outcome in compare.unreached if kinds[outcome] == kind]
+        if missed:
+            failures.append(
+                f"{label} coverage: required {kind}s never reached: {', '.join(missed)}"
+            )
     if compare.unexpected:
         failures.append(
             "decision coverage: outcomes the catalog marks unreachable (or does not list) were "

@@ -3,10 +3,18 @@
 Each candidate workload (``explore_space``) runs on a fresh bookkeeping-only worker (the
 weightless ``NullModel``: the KV decisions depend on token counts, not on token values) in
 compare mode ``raise``, plan authoritative and legacy shadowed. A candidate that reaches a
-decision outcome no earlier one reached is kept; half the later candidates are mutations of a
-kept one. The search stops when every required outcome is reached, or ``max_runs`` or the time
-budget is spent. The kept candidates are then cut to the fewest that reach everything the search
-reached (greedy set cover, shortest runs first) and written as workload files.
+decision outcome or an interaction (``batchgen.shadow.interactions``) no earlier one reached is
+kept; half the later candidates are mutations of a kept one. The search stops when every
+required outcome and interaction is reached, or ``max_runs`` or the time budget is spent.
+
+Interactions count as "new" because the bugs live where outcomes meet: a plan that checks each
+victim against the host pages free before the op, or that forgets to reset a retry count on
+recompute, passes on workloads that reach every single outcome. Guided by interaction coverage
+rather than by killing mutants: a candidate's interactions come free with its compare-mode run,
+while a mutant's verdict costs a validation (seconds each) per mutant per candidate.
+
+The kept candidates are then cut to the fewest that reach everything the search reached (greedy
+set cover, shortest runs first) and written as workload files.
 
 A plain seeded search rather than hypothesis: the goal is a corpus of workloads that is kept and
 replayed, not a failing example to shrink; a seeded loop is deterministic for a given seed and
@@ -128,8 +136,8 @@ def explore(
     log_dir: Path | None = None,
     backend: SweepBackend | None = None,
 ) -> ExploreResult:
-    """Search until every outcome of ``required`` is reached or the budget is spent.
-    ``on_run(runs done, outcomes reached)`` reports progress; a diverging candidate's workload
+    """Search until every outcome and interaction of ``required`` is reached or the budget is
+    spent. ``on_run(runs done, ids reached)`` reports progress; a diverging candidate's workload
     file and log go to ``log_dir`` (a temporary directory when None); ``backend`` runs the
     candidates (None: this process)."""
     rng, required, started = random.Random(seed), set(required), time.monotonic()
