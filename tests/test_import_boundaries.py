@@ -53,6 +53,10 @@ def forbidden_imports(package: str, forbidden: tuple[str, ...], allowed=()) -> l
         # the worker builds compare mode, imported only when the gate turns it on
         ("batchgen.engine", ("batchgen.shadow",), ("batchgen.shadow.kv_compare",)),
         ("batchgen.shadow", ("batchgen.cli",), ()),
+        # the engine is token ids in, token ids out: text, OpenAI shapes and the LLM API sit above
+        ("batchgen.engine", ("batchgen.text", "batchgen.openai", "batchgen.entrypoints"), ()),
+        ("batchgen.text", ("batchgen.openai", "batchgen.entrypoints", "batchgen.cli"), ()),
+        ("batchgen.openai", ("batchgen.entrypoints", "batchgen.cli"), ()),
     ],
 )
 def test_a_layer_imports_nothing_of_the_layers_above_it(package, forbidden, allowed):

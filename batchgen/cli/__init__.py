@@ -9,6 +9,7 @@
     minimize  shrink it, write a regression test     LOG --index N [--out-dir DIR] [--max-tests N]
     explore   search for workloads reaching every KV decision, write a corpus   [--max-runs N]
     sweep     compare mode over a matrix, on Ray     [--workload W] [--seeds A-B] [--faults SPEC]
+    generate  an OpenAI batch file -> its results    -i IN.jsonl -o OUT.jsonl --model DIR [--resume]
     make-checkpoint  the tiny model + a trained tokenizer as an HF directory    DIR [--seed N]
 
 A subcommand is a module of its name with an ``add_<name>_command`` (declares its flags, shares
@@ -36,6 +37,7 @@ import torch
 
 from batchgen.cli.common import UsageError
 from batchgen.cli.explore import add_explore_command
+from batchgen.cli.generate import add_generate_command
 from batchgen.cli.make_checkpoint import add_make_checkpoint_command
 from batchgen.cli.minimize import add_minimize_command
 from batchgen.cli.replay import add_replay_command
@@ -59,6 +61,7 @@ from batchgen.metrics.config import MetricsConfigError
 from batchgen.model.loader import ModelLoadError
 from batchgen.sweep.backends import BackendError
 from batchgen.sweep.matrix import SweepError
+from batchgen.text.tokenizer import TokenizerError
 from batchgen.triage.minimize import MinimizeError
 from batchgen.triage.rebuild import ReplayError
 from compare import RecordError
@@ -80,6 +83,7 @@ INPUT_ERRORS = (
     SweepError,
     BackendError,
     MetricsConfigError,
+    TokenizerError,
 )
 
 
@@ -277,5 +281,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_minimize_command(commands)
     add_explore_command(commands)
     add_sweep_command(commands)
+    add_generate_command(commands)
     add_make_checkpoint_command(commands)
     return parser
