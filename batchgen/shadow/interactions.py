@@ -40,6 +40,7 @@ NO_PENDING_WHILE_LOADING = (
     "workloads, and compares both paths on a state built for it)"
 )
 _RETRIES = ("0", "1", "2plus")
+_RETRY_WORDS = {"0": "no retry", "1": "one retry", "2plus": "two or more retries"}
 _POLL_ACTIONS = {
     PollAction.COMPLETE: "a load landed",
     PollAction.RETRY: "a failed load is retried",
@@ -67,7 +68,7 @@ INTERACTIONS = (
                  "SWAPPED request stops at the watermark"),
     *(
         _interaction(f"poll.{action.value}.after_retries_{n}",
-                     f"{meaning}, after {n.replace('plus', ' or more')} retries of that load")
+                     f"{meaning}, after {_RETRY_WORDS[n]} of that load")
         for action, meaning in _POLL_ACTIONS.items()
         for n in _RETRIES
     ),
