@@ -88,6 +88,19 @@ def coverage_note(row: CoverageRow) -> str:
     return "NOT REACHED" if row.required and not row.count else ""
 
 
+def data_line(report: Report) -> str | None:
+    """ "data oracle: N load, M append checked, K data divergences; patterns issued: ..." when a
+    run had a data oracle (None otherwise). Pure."""
+    if not (report.data_checked or report.data_patterns):
+        return None
+    checked = ", ".join(f"{n} {check}" for check, n in report.data_checked) or "nothing"
+    line = f"data oracle: {checked} checked in {report.data_seconds:.2f} s, "
+    line += plural(dict(report.kinds).get("data", 0), "data divergence")
+    if report.data_patterns:
+        line += "; patterns issued: " + ", ".join(f"{p} {n}" for p, n in report.data_patterns)
+    return line
+
+
 def overhead_line(report: Report) -> str:
     """Runs, harness errors, and the compare overhead over the authoritative path. Pure."""
     line = f"{plural(report.num_runs, 'run')}, "
@@ -106,8 +119,9 @@ def render_text(report: Report, *, width: int = 120) -> str:
     """The report as plain-text rich tables (for terminals and CI logs)."""
     out = io.StringIO()
     console = Console(file=out, width=width, color_system=None, force_terminal=False)
-    for line in (headline(report), coverage_line(report), overhead_line(report)):
-        console.print(_terminal(line))
+    for line in (headline(report), coverage_line(report), data_line(report), overhead_line(report)):
+        if line is not None:
+            console.print(_terminal(line))
     console.print(
         _table(
             "By op",
@@ -167,6 +181,8 @@ def render_markdown(report: Report, *, max_paths: int = 50) -> str:
     """The report as GitHub-flavoured markdown, sized for a job summary: the divergence count,
     right under it the decision coverage, then the tables."""
     lines = [f"### {headline(report)}", "", _cell(coverage_line(report)), "", overhead_line(report)]
+    if data_line(report) is not None:
+        lines += ["", _cell(data_line(report))]
     lines += ["", "| op | compared | divergences | rate |", "|---|---:|---:|---:|"]
     lines += [
         f"| {_cell(s.op)} | {s.num_compared} | {s.num_divergences} | "

@@ -78,6 +78,11 @@ class Report:
     coverage: tuple[CoverageRow, ...] = ()  # the catalog's outcomes of compared ops, then others
     unreached: tuple[str, ...] = ()  # required outcomes of compared ops that no run reached
     unexpected: tuple[str, ...] = ()  # outcomes reached that the catalog rules out or lacks
+    kinds: tuple[tuple[str, int], ...] = ()  # (kind, divergences), by kind
+    # the runs' data oracles (RunSummary.data), summed: (check, units checked), (pattern id, count)
+    data_checked: tuple[tuple[str, int], ...] = ()
+    data_patterns: tuple[tuple[str, int], ...] = ()
+    data_seconds: float = 0.0  # the data oracles' own time
 
 
 @dataclass(slots=True)
@@ -120,6 +125,9 @@ class _Aggregation:
         self.pair_paths: dict[tuple[str, str], Counter[str]] = {}
         self.paths: dict[tuple[str, str], _PathTally] = {}  # (op, wildcarded path)
         self.runs: list[RunSummary] = []
+        self.kinds: Counter[str] = Counter()
+        self.data_checked: Counter[str] = Counter()
+        self.data_patterns: Counter[str] = Counter()
 
     def add(self, record: LogRecord) -> None:
         """Count one record. Mutates the aggregation."""
@@ -127,11 +135,15 @@ class _Aggregation:
             self.runs.append(record)
             for op, num_compared in record.steps_compared.items():
                 self.compared[(record.workload, op)] += num_compared
+            if record.data is not None:
+                self.data_checked.update(record.data.checked)
+                self.data_patterns.update(record.data.patterns)
             return
         if not isinstance(record, DivergenceRecord):  # a sample rate change: counts nothing
             return
         pair = (record.workload, record.op)
         self.diverged[pair] += 1
+        self.kinds[record.kind] += 1
         concrete_by_key: dict[str, str] = {}
         for path in record.field_paths or [f"<{record.kind}>"]:
             concrete_by_key.setdefault(wildcard(path), path)
@@ -183,6 +195,10 @@ def aggregate(records: Iterable[LogRecord], catalog: Sequence[Outcome] = ()) -> 
         coverage=rows,
         unreached=unreached(rows),
         unexpected=unexpected(rows),
+        kinds=tuple(sorted(seen.kinds.items())),
+        data_checked=tuple(sorted(seen.data_checked.items())),
+        data_patterns=tuple(sorted(seen.data_patterns.items())),
+        data_seconds=sum(run.data.seconds for run in runs if run.data is not None),
     )
 
 

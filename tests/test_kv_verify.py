@@ -3,47 +3,30 @@ the page and the layer; a correct run logs none; the gate flag that turns it on.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from data_plane_bugs import (
+    one_round_trip,
+    runs_whose_destination_does_not_advance,
+    writes_one_slot_late,
+)
 
-from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine import worker as worker_module
 from batchgen.engine.runner import run_workload
 from batchgen.engine.state import Request
 from batchgen.engine.worker import Worker
-from batchgen.engine.workloads import Workload, WorkloadRequest
+from batchgen.engine.workloads import Workload
 from batchgen.kv import copy_runs
 from batchgen.kv import verify as verify_module
 from batchgen.kv.gate import GateError, KvGateConfig, gate_config
 from batchgen.model.loader import load_model
-from batchgen.model.paged_kv import write_kvs
 from compare import DivergenceRecord, is_sampled_step, read_log
 
 LAYERS = (0, 1)  # the tiny model's
-REAL_PAIR_RUNS = copy_runs.pair_runs
 
 
 @pytest.fixture(scope="module")
 def model():
     return load_model("tiny")
-
-
-def one_round_trip() -> Workload:
-    """Two requests over 6 GPU pages of 4 tokens: r1, the younger (11 prompt tokens, 3 pages), is
-    evicted to host once, as one consecutive run, and loaded back once."""
-    requests = [
-        WorkloadRequest(uuid="r0", prompt_ids=[5, 17, 42, 8, 99, 3, 61], max_new_tokens=5),
-        WorkloadRequest(
-            uuid="r1",
-            prompt_ids=[7, 300, 12, 45, 2, 88, 140, 9, 31, 77, 6],
-            max_new_tokens=6,
-            arrival_step=1,
-        ),
-    ]
-    cache = CacheConfig(page_size=4, num_gpu_pages=6, num_host_pages=8)
-    return Workload(
-        name="round-trip", cache=cache, engine=EngineConfig(max_num_seqs=4), requests=requests
-    )
 
 
 def verified_worker(model, workload: Workload, log, **gate) -> Worker:
@@ -74,14 +57,6 @@ def test_a_correct_run_logs_no_data_divergence_and_checks_every_landed_page(mode
     assert summary.patterns == {"copy.store.consecutive": 1, "copy.load.consecutive": 1}
 
 
-def runs_whose_destination_does_not_advance(src_index, dst_index):
-    """``copy_runs.pair_runs`` with a bug: a merged run's pages all go to its first destination."""
-    src_starts, dst_starts, lengths = REAL_PAIR_RUNS(src_index, dst_index)
-    src = np.concatenate([np.arange(s, s + n) for s, n in zip(src_starts, lengths)])
-    dst = np.repeat(dst_starts, lengths)
-    return src, dst, np.ones(len(src), dtype=lengths.dtype)
-
-
 def test_a_copy_run_whose_destination_does_not_advance_is_one_data_divergence(
     model, tmp_path, monkeypatch
 ):
@@ -109,11 +84,6 @@ def test_a_copy_run_whose_destination_does_not_advance_is_one_data_divergence(
     )
     assert record.field_paths == [f"requests[r1].gpu_pages[2].layers[{layer}]" for layer in LAYERS]
     assert worker.kv_verify.summary().divergences == {"load": 1}
-
-
-def writes_one_slot_late(kv_pages, writes):
-    """``write_kvs`` with a bug: every append lands one position after its own."""
-    write_kvs(kv_pages, [(page_ids, start + 1, kv) for page_ids, start, kv in writes])
 
 
 def test_a_write_one_slot_late_is_one_data_divergence_of_the_flush(model, tmp_path, monkeypatch):

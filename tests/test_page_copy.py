@@ -91,7 +91,7 @@ def test_host_copies_move_exact_bytes_on_any_number_of_threads(
     src, dst = make_pool(seed=1, page_shape=page_shape), make_pool(seed=2, page_shape=page_shape)
     expected = reference_copy(src, src_ids, dst, dst_ids)
 
-    copy_pages(src, src_ids, dst, dst_ids, parallel_min_bytes=0)
+    copy_pages(src, src_ids, dst, dst_ids, split=copy_runs.CopySplit(min_bytes=0))
 
     assert torch.equal(dst, expected)
 

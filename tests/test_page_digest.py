@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from batchgen.kv.copy_patterns import copy_patterns
+from batchgen.kv.copy_runs import CopySplit
 from batchgen.kv.page_digest import check_digestible, layer_digests, page_digests
 
 PAGE_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, page_size, num_kv_heads, head_dim
@@ -67,7 +68,7 @@ def test_a_page_layer_of_no_whole_int32_words_is_refused():
 )
 def test_a_copy_batch_is_named_by_its_shape(src_ids, dst_ids, patterns):
     shown = copy_patterns(
-        "load", src_ids, dst_ids, page_bytes=64, host_to_host=True, parallel_min_bytes=2**20
+        "load", src_ids, dst_ids, page_bytes=64, host_to_host=True, split=CopySplit(2**20)
     )
     assert shown == [f"copy.load.{pattern}" for pattern in patterns]
 
@@ -82,9 +83,9 @@ def test_a_batch_is_split_from_the_threshold_on_with_threads_between_host_pools(
 ):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     at = copy_patterns(
-        "store", [0, 1], [2, 3], page_bytes=64, host_to_host=host_to_host, parallel_min_bytes=128
+        "store", [0, 1], [2, 3], page_bytes=64, host_to_host=host_to_host, split=CopySplit(128)
     )
     below = copy_patterns(
-        "store", [0, 1], [2, 3], page_bytes=63, host_to_host=host_to_host, parallel_min_bytes=128
+        "store", [0, 1], [2, 3], page_bytes=63, host_to_host=host_to_host, split=CopySplit(128)
     )
     assert ("copy.store.split" in at, "copy.store.split" in below) == (split, False)

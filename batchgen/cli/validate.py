@@ -35,7 +35,7 @@ from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, gate_config
 from batchgen.validation.report import DIRECTIONS, ValidationReport, compare_overhead
 from batchgen.validation.validate import CORPUS_DIR, corpus_workloads, validate_back_to_back
-from compare.render import coverage_line
+from compare.render import coverage_line, data_line
 
 
 # ---- validate ----------------------------------------------------------------------------------
@@ -211,6 +211,8 @@ def _compare_lines(report: ValidationReport) -> list[str]:
             f" {compare.authoritative_seconds:.2f} s in the authoritative path"
             f" ({overhead:.2f}x){share}"
         )
+    if data_line(compare) is not None:
+        lines.append(data_line(compare))
     if report.reports:
         lines.append(f"reports: {', '.join(report.reports.values())}")
     lines.append(

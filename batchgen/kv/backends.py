@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from batchgen.kv.copy_runs import CPU_PARALLEL_MIN_BYTES
+from batchgen.kv.copy_runs import DEFAULT_SPLIT
 from batchgen.kv.page_copy import AsyncCopyQueue, copy_pages
 from batchgen.kv.page_grants import Grants, PoolEvent
 from batchgen.kv.page_pool import ForkedPagePool, PagePool
@@ -160,8 +160,8 @@ class HostKvPool(_KvPool):
         # called with each copy this pool issues between tensors, before it runs (the page-content
         # oracle, ``batchgen.kv.verify``); None: nobody watches
         self.on_copy: Callable[[CopyOp], None] | None = None
-        # a store or load batch of this many bytes is shared by copy threads (validation lowers it)
-        self.parallel_min_bytes = CPU_PARALLEL_MIN_BYTES
+        # when copy threads share a store or load batch (validation lowers the size)
+        self.copy_split = DEFAULT_SPLIT
 
     def record_copies(self, on: bool) -> None:
         """Start (fresh lists) or stop recording the copies issued and the load handles returned.
@@ -187,7 +187,7 @@ class HostKvPool(_KvPool):
                 gpu_page_ids,
                 self.tensor,
                 host_page_ids,
-                parallel_min_bytes=self.parallel_min_bytes,
+                split=self.copy_split,
             )
 
     def load_to_gpu_async(self, uuid: str, page_ids: list[int]) -> AsyncHandle:
@@ -211,7 +211,7 @@ class HostKvPool(_KvPool):
                 host_page_ids,
                 self.gpu.tensor,
                 list(page_ids),
-                parallel_min_bytes=self.parallel_min_bytes,
+                split=self.copy_split,
             )
         )
 

@@ -10,8 +10,8 @@ named so that a run can count which ones it issued, per direction (``store``: GP
                  other's not
     shuffled     >= 2 pages, neither one run nor scattered: both sides    a memcpy a page (host),
                  scattered, or ranges in another order                    gathers and scatters
-    split        a host-to-host batch of >= parallel_min_bytes with more  shares on copy threads
-                 than one torch thread
+    split        a host-to-host batch the pool's ``CopySplit`` gives more  shares on copy threads
+                 than one thread
 
 Every batch of two or more pages is one run, ``scattered`` or ``shuffled``; ``consecutive`` and
 ``split`` come on top. Ids: ``copy.<direction>.<pattern>`` (``COPY_PATTERN_IDS``).
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from batchgen.kv.copy_runs import num_copy_threads, pair_runs
+from batchgen.kv.copy_runs import CopySplit, pair_runs
 
 DIRECTIONS = ("store", "load")
 PATTERNS = ("single", "consecutive", "scattered", "shuffled", "split")
@@ -37,7 +37,7 @@ def copy_patterns(
     *,
     page_bytes: int,
     host_to_host: bool,
-    parallel_min_bytes: int,
+    split: CopySplit,
 ) -> list[str]:
     """The pattern ids (``copy.<direction>.<pattern>``) the batch shows, in ``PATTERNS`` order.
     ``host_to_host``: both pools on the CPU, where a large batch is split. Pure."""
@@ -53,7 +53,7 @@ def copy_patterns(
             shown.append("scattered")
         elif len(lengths) > 1:
             shown.append("shuffled")
-    if host_to_host and num_copy_threads(len(src) * page_bytes, parallel_min_bytes) > 1:
+    if host_to_host and split.threads_for(len(src) * page_bytes) > 1:
         shown.append("split")
     return [f"copy.{direction}.{pattern}" for pattern in shown]
 

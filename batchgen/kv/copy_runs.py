@@ -31,6 +31,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -42,6 +43,24 @@ MAX_RUN_BYTES = 64 * 2**20
 # Host-to-host batches smaller than this are copied by the calling thread alone: starting threads
 # costs more than they save.
 CPU_PARALLEL_MIN_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class CopySplit:
+    """When a host-to-host batch is shared by copy threads, and by how many (validation lowers
+    the size, so that its small pools split too)."""
+
+    min_bytes: int = CPU_PARALLEL_MIN_BYTES
+    num_threads: int | None = None  # None: torch.get_num_threads()
+
+    def threads_for(self, num_bytes: int) -> int:
+        """Threads a batch of ``num_bytes`` is copied on: one below ``min_bytes``. Pure."""
+        if num_bytes < self.min_bytes:
+            return 1
+        return self.num_threads or torch.get_num_threads()
+
+
+DEFAULT_SPLIT = CopySplit()
 
 
 class _Run(NamedTuple):
@@ -69,10 +88,10 @@ def issue_copies(
     dst: Tensor,
     dst_ids: Sequence[int],
     *,
-    parallel_min_bytes: int = CPU_PARALLEL_MIN_BYTES,
+    split: CopySplit = DEFAULT_SPLIT,
 ) -> None:
     """Validate, then enqueue every copy on the current stream (CPU: run them); mutates ``dst``.
-    ``parallel_min_bytes``: the host-to-host batch size from which copy threads share it."""
+    ``split``: when copy threads share a host-to-host batch."""
     src_index, dst_index = _checked_ids(src, src_ids, dst, dst_ids)
     if not len(src_index):
         return
@@ -84,13 +103,7 @@ def issue_copies(
         )
         _copy_runs(src, dst, *runs)
     else:
-        _copy_on_host(src, src_index, dst, dst_index, parallel_min_bytes)
-
-
-def num_copy_threads(num_bytes: int, parallel_min_bytes: int) -> int:
-    """Threads a host-to-host batch of ``num_bytes`` is copied on: torch's thread count from
-    ``parallel_min_bytes`` on, else the calling thread alone. Pure."""
-    return torch.get_num_threads() if num_bytes >= parallel_min_bytes else 1
+        _copy_on_host(src, src_index, dst, dst_index, split)
 
 
 def _copy_on_host(
@@ -98,13 +111,13 @@ def _copy_on_host(
     src_index: np.ndarray,
     dst: Tensor,
     dst_index: np.ndarray,
-    parallel_min_bytes: int,
+    split: CopySplit,
 ) -> None:
     """Copy host pages by runs (see the module's docstring), on several threads for a large batch;
     mutates ``dst``."""
     src_starts, dst_starts, lengths = pair_runs(src_index, dst_index)
     src_pages, dst_pages = _page_bytes(src), _page_bytes(dst)
-    num_threads = num_copy_threads(len(src_index) * src_pages.shape[1], parallel_min_bytes)
+    num_threads = split.threads_for(len(src_index) * src_pages.shape[1])
     shares = _split_runs(src_starts, dst_starts, lengths, num_threads)
 
     def copy(share: list[tuple[int, int, int]]) -> None:

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from batchgen.kv.copy_runs import CPU_PARALLEL_MIN_BYTES, cuda_device, issue_copies
+from batchgen.kv.copy_runs import DEFAULT_SPLIT, CopySplit, cuda_device, issue_copies
 
 
 def new_page_tensor(
@@ -44,16 +44,16 @@ def copy_pages(
     dst: Tensor,
     dst_ids: Sequence[int],
     *,
-    parallel_min_bytes: int = CPU_PARALLEL_MIN_BYTES,
+    split: CopySplit = DEFAULT_SPLIT,
 ) -> None:
     """Set ``dst[dst_ids[i]] = src[src_ids[i]]`` for every i; mutates ``dst`` only.
 
     Returns once the copy is complete (in stream order for GPU -> GPU, like any
     torch op; host <-> device copies synchronise the current stream).
-    ``parallel_min_bytes``: a host-to-host batch this large is shared by copy threads.
+    ``split``: when copy threads share a host-to-host batch.
     Raises ValueError for mismatched pools or ids, naming the offending id.
     """
-    issue_copies(src, src_ids, dst, dst_ids, parallel_min_bytes=parallel_min_bytes)
+    issue_copies(src, src_ids, dst, dst_ids, split=split)
     if src.device != dst.device:
         torch.cuda.current_stream(cuda_device(src, dst)).synchronize()
 
@@ -130,7 +130,7 @@ class AsyncCopyQueue:
         dst: Tensor,
         dst_ids: Sequence[int],
         *,
-        parallel_min_bytes: int = CPU_PARALLEL_MIN_BYTES,
+        split: CopySplit = DEFAULT_SPLIT,
     ) -> CopyHandle:
         """Start ``copy_pages`` behind every copy issued to this queue before it, and return its
         handle.
@@ -141,7 +141,7 @@ class AsyncCopyQueue:
         """
         if src.is_cuda or dst.is_cuda:
             return self.issue_on_side_stream(src, src_ids, dst, dst_ids)
-        copy = functools.partial(copy_pages, parallel_min_bytes=parallel_min_bytes)
+        copy = functools.partial(copy_pages, split=split)
         return CopyHandle(self.submit(copy, src, tuple(src_ids), dst, tuple(dst_ids)))
 
     def submit(self, copy: Callable[..., None], *args: object) -> Future[None]:

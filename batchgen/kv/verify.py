@@ -95,7 +95,7 @@ class KvVerifier:
                 op.dst_page_ids,
                 page_bytes=host.tensor[0].numel() * host.tensor.element_size(),
                 host_to_host=not (host.tensor.is_cuda or gpu.tensor.is_cuda),
-                parallel_min_bytes=host.parallel_min_bytes,
+                split=host.copy_split,
             )
         )
         step = self.target.state.step

@@ -7,6 +7,7 @@ from batchgen.config import pages_needed, watermark_pages
 from batchgen.engine.runner import RunResult
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
+from batchgen.kv.copy_patterns import COPY_PATTERN_IDS
 from batchgen.validation.output_check import compare_exact, compare_outputs
 from batchgen.validation.report import KvDirection
 from compare import DivergenceRecord, Report, RunSummary
@@ -42,6 +43,29 @@ def divergence_failures(
             f" {_describe(first)}"
         )
     return failures
+
+
+def data_failures(label: str, summary: RunSummary, first: DivergenceRecord | None) -> list[str]:
+    """A line for a compare run's data divergences (page bytes its oracle found changed), naming
+    the ``first``. Pure."""
+    num_data = sum(summary.data.divergences.values()) if summary.data is not None else 0
+    if not num_data:
+        return []
+    checks = ", ".join(f"{check}: {n}" for check, n in sorted(summary.data.divergences.items()))
+    return [
+        f"{label}: {_plural(num_data, 'data divergence')} (page bytes that did not survive a"
+        f" copy or write; {checks}); first: {_describe(first)}"
+    ]
+
+
+def copy_pattern_failures(compare: Report) -> list[str]:
+    """A line naming each copy pattern (``kv.copy_patterns``) no run issued, in either
+    direction. Pure."""
+    issued = dict(compare.data_patterns)
+    missed = [pattern for pattern in COPY_PATTERN_IDS if not issued.get(pattern)]
+    if not missed:
+        return []
+    return [f"copy patterns: never issued: {', '.join(missed)}"]
 
 
 def leftover_failures(label: str, worker: Worker, result: RunResult) -> list[str]:

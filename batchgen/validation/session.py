@@ -18,8 +18,10 @@ from batchgen.engine.request_checks import RequestError
 from batchgen.engine.runner import RunResult, run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadError
+from batchgen.kv.copy_runs import CopySplit
 from batchgen.kv.gate import KvGateConfig
 from batchgen.validation.checks import (
+    data_failures,
     divergence_failures,
     eviction_failures,
     first_line,
@@ -31,6 +33,11 @@ from batchgen.validation.checks import (
 )
 from batchgen.validation.report import KvDirection, ValidationRun
 from compare import DivergenceError, DivergenceRecord, LogWriteError, RunSummary, read_log
+
+# Validation's pools are a few hundred KiB, far below the 4 MiB from which production splits a
+# batch: its compare workers split a store or load from 64 KiB (8 of the tiny model's 8 KiB pages)
+# on two threads, whatever torch's thread count, so both the split and the unsplit copy run.
+VALIDATION_COPY_SPLIT = CopySplit(min_bytes=64 * 2**10, num_threads=2)
 
 # on_progress(label of the run, requests released, requests in the workload)
 ProgressCallback = Callable[[str, int, int], None]
@@ -77,6 +84,7 @@ class Session:
             shadow_path=direction.shadow,
             device=self.device,
         )
+        worker.host_kv.copy_split = VALIDATION_COPY_SPLIT
         try:
             for workload in workloads:
                 result = self.run(
@@ -110,6 +118,7 @@ class Session:
                 self.model, cache_config=workload.cache, engine_config=workload.engine,
                 kv_gate=gate, shadow_path=direction.shadow, faults=faults, device=self.device,
             )  # fmt: skip
+            worker.host_kv.copy_split = VALIDATION_COPY_SPLIT
             try:
                 result = self.run(direction.role, worker, workload, direction=direction)
                 if result is not None:
@@ -155,7 +164,9 @@ class Session:
         """A compare run's gates: its direction, logging every divergence to the session's log
         (fail-fast: raising at the first, after logging it)."""
         mode = "raise" if self.fail_fast else "log"
-        return KvGateConfig(path=direction.authoritative, compare=mode, compare_log=str(self.log))
+        return KvGateConfig(
+            path=direction.authoritative, compare=mode, compare_log=str(self.log), verify="all"
+        )
 
     def stop_at_failure(self) -> None:
         """FailFast when this session fails fast and a check has failed; otherwise nothing."""
@@ -239,6 +250,9 @@ class Session:
         divergence)."""
         first = self.first_divergence(summary.run_id) if summary.divergences else None
         self.failures += divergence_failures(label, direction, summary, first)
+        data = summary.data
+        first_data = self.first_divergence(summary.run_id, kind="data") if data else None
+        self.failures += data_failures(label, summary, first_data)
 
     # ---- the log ---------------------------------------------------------------------------------
     def read_log(self) -> tuple:
@@ -250,14 +264,17 @@ class Session:
         self.failures += [f"divergence log: {warning}" for warning in result.warnings]
         return result.records
 
-    def first_divergence(self, run_id: str) -> DivergenceRecord | None:
+    def first_divergence(self, run_id: str, kind: str | None = None) -> DivergenceRecord | None:
+        """The run's first divergence record in the log (of ``kind``, when given)."""
         if not self.log.exists():
             return None
         return next(
             (
                 record
                 for record in read_log(self.log).records
-                if isinstance(record, DivergenceRecord) and record.run_id == run_id
+                if isinstance(record, DivergenceRecord)
+                and record.run_id == run_id
+                and kind in (None, record.kind)
             ),
             None,
         )

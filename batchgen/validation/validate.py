@@ -48,7 +48,7 @@ from batchgen.config import CacheConfig
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.shadow.coverage import CATALOG
-from batchgen.validation.checks import coverage_failures
+from batchgen.validation.checks import copy_pattern_failures, coverage_failures
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
 from batchgen.validation.report import (
     DIRECTIONS,
@@ -111,6 +111,7 @@ def validate_back_to_back(
         compare = aggregate(records, CATALOG)
         if not (fail_fast and session.failures):  # a stopped validation reached only some
             session.failures += coverage_failures(compare)
+            session.failures += copy_pattern_failures(compare)
         written = {}
         if reports_dir is not None:
             written = _write_reports(session, directory, compare, records)
