@@ -3,11 +3,15 @@ template, stop strings, EOS from generation_config.json, n samples and seeds, vi
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 from batchgen import LLM, Sampling
+from batchgen.cli import main
 from batchgen.engine.request_checks import RequestError
+from batchgen.model.loader import load_model
 from batchgen.text.detokenize import StopStringWatch
 from batchgen.text.tiny_checkpoint import make_checkpoint, train_tokenizer
 from batchgen.text.tokenizer import TextTokenizer, TokenizerError
@@ -119,3 +123,31 @@ def test_a_prompt_the_engine_refuses_fails_the_call_before_any_runs(llm):
 def test_a_directory_without_tokenizer_json_is_refused_naming_the_file(tmp_path):
     with pytest.raises(TokenizerError, match=r"tokenizer\.json: missing"):
         TextTokenizer(tmp_path)
+
+
+def test_the_llm_example_in_the_docs_runs(checkpoint, tmp_path, monkeypatch, capsys):
+    doc = (Path(__file__).parents[1] / "docs" / "generate.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    shutil.copytree(checkpoint, tmp_path / "tiny-ckpt")
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(code, "docs/generate.md", "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and all(line.endswith(" length") for line in printed)
+    assert [len(r.completions) for r in namespace["replies"]] == [2]
+
+
+def test_make_checkpoint_writes_the_seeded_tiny_model_with_its_tokenizer(tmp_path, capsys):
+    assert main(["make-checkpoint", str(tmp_path / "ckpt"), "--seed", "4"]) == 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    loaded, seeded = load_model(str(tmp_path / "ckpt")), load_model("tiny", seed=4)
+    assert loaded.config == seeded.config.model_copy(update={"eos_token_ids": (1,)})
+    state = loaded.state_dict()
+    assert all(torch.equal(state[name], value) for name, value in seeded.state_dict().items())
+    assert TextTokenizer(tmp_path / "ckpt").vocab_size == loaded.config.vocab_size

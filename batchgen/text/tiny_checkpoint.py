@@ -73,8 +73,7 @@ def make_checkpoint(directory: str | Path, seed: int = 0) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     config = TINY_MODELS["tiny"]
-    tokenizer = train_tokenizer(config.vocab_size)
-    bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
+    bos_id, eos_id = write_tokenizer_files(path, config.vocab_size, config.max_context)
     model = load_model("tiny", seed=seed)
     save_file(
         {k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors"
@@ -100,18 +99,25 @@ def make_checkpoint(directory: str | Path, seed: int = 0) -> Path:
     }
     _write_json(path / "config.json", hf_config)
     _write_json(path / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
-    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def write_tokenizer_files(directory: Path, vocab_size: int, max_context: int) -> tuple[int, int]:
+    """The trained BPE's ``tokenizer.json`` and a ``tokenizer_config.json`` with the chat template,
+    in ``directory``; returns the BOS and EOS ids. Mutates the file system."""
+    tokenizer = train_tokenizer(vocab_size)
+    tokenizer.save(str(directory / "tokenizer.json"))
     _write_json(
-        path / "tokenizer_config.json",
+        directory / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": BOS,
             "eos_token": EOS,
-            "model_max_length": config.max_context,
+            "model_max_length": max_context,
             "chat_template": CHAT_TEMPLATE,
         },
     )
-    return path
+    return tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
 
 
 def _write_json(path: Path, data: dict) -> None:
