@@ -59,10 +59,17 @@ class KvVerifier:
         check_digestible(target.gpu_kv.tensor)
         self.target, self.gate, self.sink = target, gate, sink
         self.run_id, self.workload, self.seed = f"verify-{uuid_lib.uuid4().hex[:8]}", "unnamed", 0
-        self.replay: dict = {}  # what minimize needs to rerun the workload (the compare run's)
+        # what minimize needs to rerun the workload: the compare run's, else the worker's paths
+        # and configs (no workload: a run outside compare mode does not name it)
+        self.replay = {
+            "kv_path": gate.path,
+            "shadow_path": gate.shadow_path,
+            "vocab_size": target.model_config.vocab_size,
+            "engine": target.engine_config.model_dump(mode="json"),
+        }
         self._stored: dict[str, _Stored] = {}
         self._landing: dict[str, tuple[_Stored, tuple[int, ...]]] = {}  # uuid -> (stored, GPU ids)
-        self.begin_run(self.run_id, workload=self.workload, seed=0, replay={})
+        self.begin_run(self.run_id, workload=self.workload, seed=0, replay=self.replay)
         target.host_kv.on_copy = self.on_copy
 
     def begin_run(self, run_id: str, *, workload: str, seed: int, replay: dict) -> None:

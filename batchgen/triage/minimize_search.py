@@ -135,7 +135,8 @@ class Search:
     def _run(self, workload: Workload) -> bool:
         self.num_tests += 1
         log = self.log_dir / f"candidate-{self.num_tests}.jsonl"
-        gate = KvGateConfig(path=self.kv_path, compare="log", compare_log=str(log))
+        # verify: a data divergence shows only to the page-content oracle
+        gate = KvGateConfig(path=self.kv_path, compare="log", compare_log=str(log), verify="all")
         # fresh: the schedule replays
         injector = FaultInjector(self.faults) if self.faults is not None else None
         worker = self.make_worker(
@@ -146,6 +147,8 @@ class Search:
         def stop_once_seen(num_released: int, num_requests: int) -> None:
             nonlocal num_logged
             total = sum(worker.kv_compare.executor.stats().num_divergences.values())
+            if worker.kv_verify is not None:
+                total += sum(worker.kv_verify.divergences.values())
             if total > num_logged:
                 num_logged = total
                 if self._logged(log):

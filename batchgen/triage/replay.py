@@ -36,7 +36,13 @@ class ReplayOutcome:
 def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     """Run both paths through the record's op, each on its own rebuilt pre-state, and compare as
     ``compare.ShadowExecutor`` does. Pure function of the record: the targets it mutates are its
-    own."""
+    own. ReplayError for a data divergence: its record holds no page bytes to replay."""
+    if record.kind == "data":
+        raise ReplayError(
+            f"record {record.op} step {record.step} is a data divergence (page bytes), which"
+            " cannot be replayed from a record: forks copy no tensors; rerun its workload with"
+            " `batchgen minimize LOG --index N`"
+        )
     request = op_request(record)
     op, args = record.replay["op"], op_arguments(record.replay["op"], request)
     authoritative_target, shadow_target = rebuild_target(record), rebuild_target(record)
