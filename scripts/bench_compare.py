@@ -33,6 +33,7 @@ Goals (ratios measured side by side in this run):
     python scripts/bench_compare.py --json-out bench_compare.json
     python scripts/bench_compare.py --sizes 64,512 --steps 24 --no-e2e
     python scripts/bench_compare.py --profile 4096      # cProfile of compare mode at N=4096
+    python scripts/bench_compare.py --budget 0.02       # only: sample 1.0 under a 2% budget
     python scripts/bench_compare.py --no-e2e --collector off  # part 1 without the collector
 
 The cyclic collector's scans cost in proportion to the live heap, so at large N they make part of
@@ -58,6 +59,7 @@ from compare_bookkeeping import (
     summarise_sizes,
     summarise_touched,
 )
+from compare_budget_run import budget_runs, budget_table
 from compare_end_to_end import e2e_table, end_to_end
 from output_path import output_path, write_output
 from rich import box
@@ -158,6 +160,13 @@ def parse_args() -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seed of the synthetic traces (default 0)")
     add("--profile", type=int, metavar="N", help="only cProfile compare mode at N requests")
     add(
+        "--budget",
+        type=float,
+        metavar="FRACTION",
+        help="only run L2-4096 with compare off, at sample 1.0 under this cost budget, and on every"
+        " step, --e2e-repeats times each, interleaved (compare_budget_run.py)",
+    )
+    add(
         "--collector",
         choices=["on", "off"],
         default="on",
@@ -177,6 +186,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--profile takes a request count >= 1, got {args.profile}")
     if args.profile is not None and args.json_out:
         parser.error("--profile prints a profile and measures nothing else: leave out --json-out")
+    if args.budget is not None and not 0.0 < args.budget < 1.0:
+        parser.error(f"--budget takes a fraction of step time in (0, 1), got {args.budget}")
     if args.steps < 2 or args.repeats < 1 or args.e2e_repeats < 1:
         parser.error("--steps must be >= 2, --repeats and --e2e-repeats >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -207,6 +218,14 @@ def main() -> None:
         log = Path(scratch) / "divergences.jsonl"
         if args.profile is not None:
             profile(args.profile, args.steps, args.seed, log)
+            return
+        if args.budget is not None:
+            result = budget_runs(args.e2e_repeats, args.budget, log, console)
+            table = budget_table(result)
+            table.box = box.MARKDOWN if args.markdown else box.HEAVY_HEAD
+            console.print(table)
+            if args.json_out:
+                write_output(args.json_out, json.dumps(result, indent=2) + "\n")
             return
         rows, e2e = measure(args, log, console)
     sizes, touched = summarise_sizes(rows), summarise_touched(rows)

@@ -18,6 +18,7 @@ from batchgen.kv.gate import KvGateConfig
 from batchgen.metrics.config import MetricsConfig, MetricsConfigError, metrics_config
 from batchgen.metrics.exporter import exporting
 from batchgen.model.loader import load_model
+from compare import RunSummary, read_log
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,17 @@ def test_scraped_counters_equal_the_run_summary_at_the_end(tiny, tmp_path):
     assert samples[("batchgen:load_failures_total", (w,))] == stats.load_failures
     assert samples[("batchgen:num_preemptions_total", (w,))] == stats.recompute_preemptions
     assert samples[("batchgen:generation_tokens_total", (w,))] == stats.tokens_generated
+    host = worker.host_kv  # every eviction stored pages, every load that ran copied some back
+    for direction, num_pages in host.pages_copied.items():
+        labels = (("direction", direction), w)
+        assert samples[("batchgen:kv_offload_bytes_total", labels)] == num_pages * host.page_bytes
+        assert samples[("batchgen:kv_offload_seconds_total", labels)] == pytest.approx(
+            host.copy_seconds[direction]
+        )
+    assert host.pages_copied["gpu_to_host"] >= stats.evictions > 0
+    assert host.page_bytes == tiny.config.num_layers * 2 * workload.cache.page_size * (
+        tiny.config.num_kv_heads * tiny.config.head_dim * 4
+    )
     prompts = sum(len(r.prompt_ids) for r in workload.requests)
     assert samples[("batchgen:prompt_tokens_total", (w,))] == prompts
     assert samples[("batchgen:step_duration_seconds_count", (w,))] == result.num_steps
@@ -171,3 +183,65 @@ def test_a_port_in_use_is_a_clear_error(tiny):
         ):
             with exporting(MetricsConfig(port=metrics.port)):
                 pass
+
+
+# ---- sweep and validate ------------------------------------------------------------------------
+def test_a_sweep_serves_the_sums_of_its_finished_runs(tmp_path):
+    from sweep_tasks import run_with_reversed_grants
+
+    from batchgen.sweep.backends import ProcessBackend
+    from batchgen.sweep.driver import run_sweep
+    from batchgen.sweep.matrix import sweep_cells, sweep_directions, sweep_workloads
+
+    cells = sweep_cells(
+        sweep_workloads(["smoke"]), (0, 1), (None,), sweep_directions("both", aa_check=False)
+    )
+    with exporting(MetricsConfig(port=0)) as metrics, ProcessBackend(1) as backend:
+        result = run_sweep(
+            cells, backend, run=run_with_reversed_grants, reports_dir=tmp_path,
+            on_run=metrics.add_run,
+        )  # fmt: skip
+        samples = scrape(metrics.port)
+    compare = result.compare
+    diverged = {}
+    for (name, labels), value in samples.items():
+        if name == "batchgen:kv_compare_divergences_total":
+            op = dict(labels)["op"]
+            diverged[op] = diverged.get(op, 0) + value
+    assert diverged == {s.op: float(s.num_divergences) for s in compare.ops if s.num_divergences}
+    compared = {}
+    for (name, labels), value in samples.items():
+        if name == "batchgen:kv_compare_ops_total":
+            compared[dict(labels)["op"]] = compared.get(dict(labels)["op"], 0) + value
+    assert compared == {s.op: float(s.num_compared) for s in compare.ops}
+    assert sum(diverged.values()) > 0
+    evictions = sum(v for (n, _), v in samples.items() if n == "batchgen:evictions_total")
+    runs = [r for r in read_log(result.reports["jsonl"]).records if isinstance(r, RunSummary)]
+    assert len(runs) == len(cells)
+    assert evictions == sum(sum(run.timeline.counters["evictions"]) for run in runs) > 0
+
+
+def test_validate_counts_over_all_its_runs_labelled_by_workload(tiny, tmp_path, monkeypatch):
+    from test_validation import pressure_workload, use_workloads
+
+    from batchgen.validation.validate import validate_back_to_back
+
+    use_workloads(monkeypatch, tmp_path, pressure_workload("pa", seed=1), pressure_workload("pb"))
+    path = tmp_path / "validate.prom"
+    with exporting(MetricsConfig(file=str(path))) as metrics:
+        report = validate_back_to_back(tiny, metrics=metrics, reports_dir=tmp_path / "reports")
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(path.read_text())
+        for sample in family.samples
+    }
+    compared: dict[str, float] = {}
+    for (name, labels), value in samples.items():
+        if name == "batchgen:kv_compare_ops_total":
+            workload = dict(labels)["workload"]
+            compared[workload] = compared.get(workload, 0) + value
+    compare_runs = [run for run in report.runs if run.shadow_path is not None]
+    assert len(compared) == len(compare_runs) > 2  # one label per compare run: workload, direction
+    assert sum(compared.values()) == sum(op.num_compared for op in report.compare.ops)
+    tokens = sum(v for (n, _), v in samples.items() if n == "batchgen:generation_tokens_total")
+    assert tokens == sum(run.summary["tokens_generated"] for run in report.runs)

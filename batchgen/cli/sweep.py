@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -18,6 +19,8 @@ from batchgen.cli.common import add_output_args, add_scale_arg, check_directory,
 from batchgen.cli.run_flags import refuse_production_settings
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
+from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
+from batchgen.metrics.exporter import exporting
 from batchgen.sweep.backends import SweepBackend
 from batchgen.sweep.driver import (
     DEFAULT_MAX_RETRIES,
@@ -68,6 +71,7 @@ def add_sweep_command(commands) -> None:
             " .md, .xml (JUnit) and .json reports go (default: %(default)s)"
         ),
     )
+    add_metrics_args(parser)
     add_output_args(parser)
     parser.set_defaults(handler=_sweep)
 
@@ -175,7 +179,12 @@ def _sweep(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     make_directory("--reports-dir", args.reports_dir)
-    with backend_from_args(args) as backend, _progress_bar() as progress:
+    metrics = metrics_config_from_args(os.environ, args)
+    with (
+        exporting(metrics) as worker_metrics,
+        backend_from_args(args) as backend,
+        _progress_bar() as progress,
+    ):
         deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
         result = run_sweep(
             cells,
@@ -185,6 +194,7 @@ def _sweep(args: argparse.Namespace) -> int:
             max_retries=args.max_retries,
             deadline=deadline,
             on_progress=_progress_callback(progress, len(cells)),
+            on_run=worker_metrics.add_run if worker_metrics is not None else None,
         )
     if args.json:
         facts = {"backend": args.backend, "workers": backend.num_workers}

@@ -33,6 +33,8 @@ from batchgen.cli.common import (
 from batchgen.cli.run_flags import refuse_production_settings
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, gate_config
+from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
+from batchgen.metrics.exporter import exporting
 from batchgen.validation.report import DIRECTIONS, ValidationReport, compare_overhead
 from batchgen.validation.validate import CORPUS_DIR, corpus_workloads, validate_back_to_back
 from compare.render import coverage_line, data_line
@@ -85,11 +87,13 @@ def add_validate_command(commands) -> None:
         " divergence); the summary and reports then cover the runs up to that check, and the"
         " decision-coverage check is skipped",
     )
+    add_metrics_args(parser)
     add_output_args(parser)
     parser.set_defaults(handler=_validate)
 
 
 def _validate(args: argparse.Namespace) -> int:
+    refuse_production_settings("validate")
     refuse_production_settings("validate")
     _warn_ignored_gates(os.environ)
     # before the model loads, which can take a minute
@@ -97,9 +101,10 @@ def _validate(args: argparse.Namespace) -> int:
     if args.corpus is not None and not Path(args.corpus).is_dir():
         raise UsageError(f"--corpus {args.corpus}: not a directory of workload files")
     corpus_workloads(args.corpus or CORPUS_DIR)  # a bad file stops it before the model loads
+    metrics = metrics_config_from_args(os.environ, args)
     model = model_from_args(args)
     make_directory("--reports-dir", args.reports_dir)
-    with progress_bar() as progress:
+    with exporting(metrics) as worker_metrics, progress_bar() as progress:
         report = validate_back_to_back(
             model,
             seed=args.seed,
@@ -109,6 +114,7 @@ def _validate(args: argparse.Namespace) -> int:
             corpus_dir=args.corpus,
             on_progress=progress_callback(progress),
             fail_fast=args.fail_fast,
+            metrics=worker_metrics,
         )
     if args.json:
         print(json.dumps({**report.to_dict(), **context(args)}))
@@ -213,6 +219,8 @@ def _compare_lines(report: ValidationReport) -> list[str]:
         )
     if data_line(compare) is not None:
         lines.append(data_line(compare))
+    if report.hf_oracle:
+        lines.append(report.hf_oracle)
     if report.reports:
         lines.append(f"reports: {', '.join(report.reports.values())}")
     lines.append(

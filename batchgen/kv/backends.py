@@ -17,6 +17,7 @@ op can be checked.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from typing import NamedTuple, Protocol
 
@@ -162,6 +163,16 @@ class HostKvPool(_KvPool):
         self.on_copy: Callable[[CopyOp], None] | None = None
         # when copy threads share a store or load batch (validation lowers the size)
         self.copy_split = DEFAULT_SPLIT
+        # pages copied between the tensors, and the seconds the calls issuing them took, by
+        # direction (batchgen.metrics' kv_offload_*): a store's call runs the whole copy, a load's
+        # call only starts it
+        self.pages_copied = {"gpu_to_host": 0, "host_to_gpu": 0}
+        self.copy_seconds = {"gpu_to_host": 0.0, "host_to_gpu": 0.0}
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (all layers, K and V); 0 without a tensor. Pure."""
+        return 0 if self.tensor is None else self.tensor[0].numel() * self.tensor.element_size()
 
     def record_copies(self, on: bool) -> None:
         """Start (fresh lists) or stop recording the copies issued and the load handles returned.
@@ -182,6 +193,7 @@ class HostKvPool(_KvPool):
         self._record(op)
         if self.tensor is not None and self.gpu.tensor is not None:
             self._watch(op)
+            started = time.perf_counter()
             copy_pages(
                 self.gpu.tensor,
                 gpu_page_ids,
@@ -189,6 +201,7 @@ class HostKvPool(_KvPool):
                 host_page_ids,
                 split=self.copy_split,
             )
+            self._count_copy("gpu_to_host", len(gpu_page_ids), started)
 
     def load_to_gpu_async(self, uuid: str, page_ids: list[int]) -> AsyncHandle:
         """Start copying ``uuid``'s host pages into GPU ``page_ids``; returns its handle.
@@ -205,19 +218,24 @@ class HostKvPool(_KvPool):
         if self.tensor is None or self.gpu.tensor is None:
             return self._issued(CompletedHandle())
         self._watch(op)
-        return self._issued(
-            self.copy_queue.copy_pages_async(
-                self.tensor,
-                host_page_ids,
-                self.gpu.tensor,
-                list(page_ids),
-                split=self.copy_split,
-            )
+        started = time.perf_counter()
+        handle = self.copy_queue.copy_pages_async(
+            self.tensor,
+            host_page_ids,
+            self.gpu.tensor,
+            list(page_ids),
+            split=self.copy_split,
         )
+        self._count_copy("host_to_gpu", len(page_ids), started)
+        return self._issued(handle)
 
     def fork(self, gpu_fork: GpuKvPool) -> HostKvPool:
         """Bookkeeping-only overlay bound to ``gpu_fork``; records copies, issues none."""
         return HostKvPool(self.num_pages, None, gpu_fork, pages=self.pages.fork())
+
+    def _count_copy(self, direction: str, num_pages: int, started: float) -> None:
+        self.pages_copied[direction] += num_pages
+        self.copy_seconds[direction] += time.perf_counter() - started
 
     def _record(self, op: CopyOp) -> None:
         if self.copies is not None:

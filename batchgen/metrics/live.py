@@ -44,6 +44,9 @@ class LiveRun:
         self._start_step = worker.state.step
         self._arrivals = {r.uuid: (r.arrival_step, len(r.prompt_ids)) for r in workload.requests}
         self._stats: WorkerStats = worker.state.stats.copy()
+        host = worker.host_kv
+        self._page_bytes = host.page_bytes
+        self._copied = (dict(host.pages_copied), dict(host.copy_seconds))
         self._compare = _CompareTotals()
         self.started_at = [time.perf_counter()]
 
@@ -69,16 +72,29 @@ class LiveRun:
         metrics, workload = self.metrics, self.workload
         metrics.step_seconds.labels(workload).observe(now - self.started_at[-1])
         self.started_at.append(now)
-        stats = self.worker.state.stats
+        self._add_worker_counters()
+        compare = self.worker.kv_compare
+        if compare is not None:
+            self._compare.add(metrics, workload, compare.executor.stats())
+
+    def _add_worker_counters(self) -> None:
+        """Add the increase of the worker's counters and of its copies between the tiers since the
+        last step. Mutates the counters and self."""
+        metrics, workload, stats = self.metrics, self.workload, self.worker.state.stats
         for name, counter in metrics.worker_counters.items():
             field = WORKER_COUNTERS[name][0]
             increase = getattr(stats, field) - getattr(self._stats, field)
             if increase:
                 counter.labels(workload).inc(increase)
         self._stats = stats.copy()
-        compare = self.worker.kv_compare
-        if compare is not None:
-            self._compare.add(metrics, workload, compare.executor.stats())
+        host, (pages_before, seconds_before) = self.worker.host_kv, self._copied
+        for direction, pages in host.pages_copied.items():
+            if pages != pages_before[direction]:
+                num_bytes = (pages - pages_before[direction]) * self._page_bytes
+                metrics.offload_bytes.labels(workload, direction).inc(num_bytes)
+                seconds = host.copy_seconds[direction] - seconds_before[direction]
+                metrics.offload_seconds.labels(workload, direction).inc(seconds)
+        self._copied = (dict(host.pages_copied), dict(host.copy_seconds))
 
     def release(self, output: RequestOutput) -> None:
         """A request of the run was released: its latency, its first token's, its prompt tokens.

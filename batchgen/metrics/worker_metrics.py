@@ -27,8 +27,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from batchgen.engine.timeline import EVENT_COUNTERS
 from batchgen.metrics.live import PHASE_GAUGES, WORKER_COUNTERS, LiveRun
-from compare import DivergenceRecord, RunSummary
+from compare import DivergenceRecord, RunSummary, parse_record
 
 P = "batchgen:"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -109,6 +110,9 @@ class WorkerMetrics:
         Mutates the registry."""
         for counter in (*self.worker_counters.values(), self.prompt_tokens):
             counter.labels(workload)
+        for direction in worker.host_kv.pages_copied:
+            self.offload_bytes.labels(workload, direction)
+            self.offload_seconds.labels(workload, direction)
         compare = worker.kv_compare
         if compare is None:
             return
@@ -125,15 +129,33 @@ class WorkerMetrics:
         if isinstance(record, DivergenceRecord):
             self.divergences.labels(record.workload, record.op, record.kind).inc()
 
-    def add_summary(self, summary: RunSummary, workload: str) -> None:
-        """Add the compare counters of a run that ran elsewhere (a sweep's), by its summary.
+    def add_run(self, lines: tuple[str, ...]) -> None:
+        """Add a run that ran elsewhere (a sweep's), by its log lines: its divergences, and the
+        counters its summary holds. Mutates the counters."""
+        for line in lines:
+            record = parse_record(line)
+            if isinstance(record, RunSummary):
+                self.add_summary(record)
+            else:
+                self.count_record(record)
+
+    def add_summary(self, summary: RunSummary) -> None:
+        """Add the counters of a run's summary: compare mode's, and the KV events of its timeline.
         Mutates the counters."""
+        workload = summary.workload
+        self.harness_errors.labels(workload)  # at 0, as a watched run's
         for op, count in summary.steps_compared.items():
             self.compare_ops.labels(workload, op).inc(count)
         self.harness_errors.labels(workload).inc(summary.harness_errors)
         self.compare_seconds.labels(workload).inc(summary.compare_seconds)
         for outcome, tally in summary.coverage.items():
             self.outcomes.labels(workload, outcome).inc(tally.count)
+        counters = summary.timeline.counters if summary.timeline is not None else {}
+        in_timeline = {field: name for name, field in EVENT_COUNTERS.items()}
+        for name, (field, _) in WORKER_COUNTERS.items():
+            if in_timeline.get(field) in counters:
+                values = counters[in_timeline[field]]
+                self.worker_counters[name].labels(workload).inc(sum(values))
 
 
 class _LiveGauges:

@@ -99,15 +99,17 @@ def run_sweep(
     max_retries: int = DEFAULT_MAX_RETRIES,
     deadline: float | None = None,
     on_progress: ProgressCallback | None = None,
+    on_run: Callable[[tuple[str, ...]], None] | None = None,
 ) -> SweepResult:
     """Run ``run(cell)`` for every cell on ``backend``, then write the merged log and its reports
     into ``reports_dir`` (see the module docstring).
 
     Stops starting runs at ``deadline`` (``time.monotonic()``). Ctrl-C (KeyboardInterrupt) cancels
     the tasks in flight; the log and reports of what finished are still written, and the result
-    holds the interrupt. Mutates ``reports_dir``'s log and report files."""
+    holds the interrupt. ``on_run(lines)`` gets each run's log lines as it ends (the metrics' sums
+    of finished runs). Mutates ``reports_dir``'s log and report files."""
     started = time.monotonic()
-    merge = _Merge(cells, on_progress)
+    merge = _Merge(cells, on_progress, on_run)
     interrupt = None
     try:
         backend.map_runs(run, cells, merge.add, max_retries=max_retries, deadline=deadline)
@@ -170,6 +172,7 @@ class _Merge:
 
     cells: Sequence[SweepCell]
     on_progress: ProgressCallback | None
+    on_run: Callable[[tuple[str, ...]], None] | None
     lines: dict[int, tuple[str, ...]] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)  # cell index -> failure line
     num_retried: int = 0
@@ -189,6 +192,8 @@ class _Merge:
             self.failures[index] = f"{cell.label} (run {cell.run_id}): {summary.stopped_by}"
         self.num_retried += outcome.num_attempts > 1
         self.num_divergences += sum(summary.divergences.values())
+        if self.on_run is not None:
+            self.on_run(self.lines[index])
         if self.on_progress is not None:
             self.on_progress(len(self.lines), len(self.cells), self.num_divergences)
 

@@ -31,6 +31,7 @@ from batchgen.validation.checks import (
     pressure_failures,
     reference_failures,
 )
+from batchgen.validation.hf_oracle import check_against_hf
 from batchgen.validation.report import KvDirection, ValidationRun
 from compare import DivergenceError, DivergenceRecord, LogWriteError, RunSummary, read_log
 
@@ -59,8 +60,10 @@ class Session:
     on_progress: ProgressCallback | None
     # stop at the first failed check (FailFast); compare runs raise at their first divergence
     fail_fast: bool = False
+    metrics: object = None  # a batchgen.metrics.WorkerMetrics watching every run, or None
     runs: list[ValidationRun] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    hf_oracle: str = ""  # the HF oracle's summary line, once it ran
     # direction -> workload -> run
     shared: dict[KvDirection, dict[str, RunResult]] = field(default_factory=dict)
 
@@ -160,6 +163,16 @@ class Session:
                 self.failures += fresh_failures(fresh, results[last.name], label)
                 self.stop_at_failure()
 
+    def check_against_hf(self, tolerance: float) -> None:
+        """The tiny model's greedy tokens on the HF oracle's checkpoint and workload against HF
+        transformers, on the model's device and dtype (``hf_oracle``); says so and fails nothing
+        when transformers is not installed."""
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        verdict = check_against_hf(self.device, dtype, tolerance)
+        self.hf_oracle = verdict.line
+        self.failures += verdict.failures
+        self.stop_at_failure()
+
     def compare_gate(self, direction: KvDirection) -> KvGateConfig:
         """A compare run's gates: its direction, logging every divergence to the session's log
         (fail-fast: raising at the first, after logging it)."""
@@ -211,6 +224,7 @@ class Session:
                 on_step=on_step,
                 source=self.sources.get(workload.name),
                 scale=scale,
+                metrics=self.metrics,
             )
         except (RequestError, WorkloadError):
             raise  # bad input, not a failed check

@@ -26,6 +26,9 @@ by ``batchgen explore``) reaches the decisions the L2 traces do not: its files c
 pools, engine limits and fault schedules. Together the runs must reach every required outcome of
 the decision catalog (``batchgen.shadow.coverage``), and none the catalog rules out.
 
+Last, the HF oracle (``hf_oracle``): the tiny model's greedy tokens on a short workload under
+KV pressure against HF transformers on the same checkpoint, when transformers is installed.
+
 "Clean after": no GPU or host page held, no load in flight, no live request, and
 ``worker.check_integrity()`` passes. The reference allows near-ties (``output_check``); the fresh
 run batches exactly like a shared one, so it must match token for token, counters included.
@@ -77,6 +80,7 @@ def validate_back_to_back(
     corpus_dir: str | Path | None = None,
     on_progress: ProgressCallback | None = None,
     fail_fast: bool = False,
+    metrics=None,
 ) -> ValidationReport:
     """Run the validation on ``model`` (already on ``device``) in every direction and judge it.
     Builds its own workers (explicit gates: the ``BATCHGEN_WORKER_KV_*`` environment does not
@@ -86,7 +90,8 @@ def validate_back_to_back(
     bad scale or workload file, RequestError for a model whose context or vocabulary cannot serve
     the traces); every check that fails is a line in ``failures``. ``fail_fast``: stop at the
     first failed check (its compare runs raise at their first divergence); the report then holds
-    that one failure and the runs before it, and the coverage check is skipped."""
+    that one failure and the runs before it, and the coverage check is skipped. ``metrics`` (a
+    ``batchgen.metrics.WorkerMetrics``) watches every run, labelled by its workload and role."""
     started = time.perf_counter()
     vocab_size = model.config.vocab_size
     workloads = tuple(
@@ -100,7 +105,13 @@ def validate_back_to_back(
     with reports_directory(reports_dir) as directory:
         sources = _sources(workloads, corpus, corpus_dir)
         session = Session(
-            model, device, directory / PARTIAL_LOG, sources, on_progress, fail_fast=fail_fast
+            model,
+            device,
+            directory / PARTIAL_LOG,
+            sources,
+            on_progress,
+            fail_fast=fail_fast,
+            metrics=metrics,
         )
         try:
             _run_every_direction(session, workloads, corpus, cache, scale)
@@ -125,6 +136,7 @@ def validate_back_to_back(
         compare=compare,
         reports=written,
         wall_s=time.perf_counter() - started,
+        hf_oracle=session.hf_oracle,
     )
 
 
@@ -145,7 +157,8 @@ def _run_every_direction(
     scale: float,
 ) -> None:
     """The back-to-back runs and the corpus in each direction, then (on a shared worker) the
-    output checks against the references and a fresh worker. Mutates ``session``."""
+    output checks against the references and a fresh worker, then the HF oracle (``hf_oracle``).
+    Mutates ``session``."""
     for direction in DIRECTIONS:
         session.run_back_to_back(direction, workloads, cache, workloads[-1].engine, scale)
         session.run_corpus(direction, corpus)
@@ -153,6 +166,7 @@ def _run_every_direction(
         dtype = cache.dtype
         session.check_against_references(workloads, dtype, NEAR_TIE_TOLERANCES[dtype])
         session.check_against_fresh(workloads[-1], cache)
+    session.check_against_hf(NEAR_TIE_TOLERANCES[cache.dtype])
 
 
 def corpus_workloads(corpus_dir: str | Path) -> list[Workload]:
