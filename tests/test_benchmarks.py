@@ -663,3 +663,15 @@ def test_bench_compare_end_to_end_reads_compare_modes_kv_share_apart_from_the_ru
     assert e2e["plan_legacy_ratio"] == pytest.approx(1.8 / 1.7)
     assert e2e["compare_kv_share"] == pytest.approx((0.16 - 0.06) / 2.0)  # medians
     assert module.summarise(runs, "cuda")["ratio"] == pytest.approx(2.0 / 1.9)
+
+
+def test_bench_generate_runs_generate_and_run_on_the_same_tokens_and_prints_the_text_share():
+    done = run_script("bench_generate.py", "--num-lines", "6", "--geometry", "64x1")
+    text = " ".join(done.stdout.split())  # rich wraps lines at the terminal's width
+    verdict = re.search(r"goal text share <= 5%: (met|MISSED)", text)
+    assert verdict is not None, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == (0 if verdict.group(1) == "met" else 1)
+    assert "(batch composition, near-ties): 0;" in text  # six lines admitted together: one schedule
+    tokens = re.findall(r"(run \(token ids\)|generate) │ [\d.]+ │ [\d.]+ │ (\d+) │", text)
+    assert [name for name, _ in tokens] == ["run (token ids)", "generate"]
+    assert tokens[0][1] == tokens[1][1] != "0"
