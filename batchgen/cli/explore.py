@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
@@ -17,6 +19,8 @@ from batchgen.cli.backend_args import add_backend_args, backend_from_args, check
 from batchgen.cli.common import StdoutConsole, add_output_args, check_directory
 from batchgen.cli.run_flags import refuse_production_settings
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
+from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
+from batchgen.metrics.exporter import exporting
 from batchgen.shadow.coverage import REQUIRED
 from batchgen.validation.explore import (
     ExploreError,
@@ -71,6 +75,7 @@ def add_explore_command(commands) -> None:
         "--seed", type=seed_int, default=0, help="search seed (default: %(default)s)"
     )
     add_backend_args(parser, default="serial", serial=True)
+    add_metrics_args(parser)
     add_output_args(parser)
     parser.set_defaults(handler=_explore)
 
@@ -81,8 +86,13 @@ def _explore(args: argparse.Namespace) -> int:
     check_directory("--corpus-dir", args.corpus_dir)
     corpus_dir = Path(args.corpus_dir)
     backend = backend_from_args(args)
+    metrics = metrics_config_from_args(os.environ, args)
     try:
-        with backend or contextlib.nullcontext(), _progress() as progress:
+        with (
+            exporting(metrics) as worker_metrics,
+            backend or contextlib.nullcontext(),
+            _progress() as progress,
+        ):
             task = progress.add_task("explore", total=args.max_runs, reached=0)
             result = explore(
                 seed=args.seed,
@@ -91,6 +101,9 @@ def _explore(args: argparse.Namespace) -> int:
                 log_dir=corpus_dir / "divergences",
                 on_run=lambda runs, reached: progress.update(task, completed=runs, reached=reached),
                 backend=backend,
+                on_log=None
+                if worker_metrics is None
+                else partial(worker_metrics.add_run, workload="explore"),
             )
     except ExploreError as error:  # a harness failure: no corpus is written from half a search
         print(f"batchgen: explore stopped: {error}", file=sys.stderr)

@@ -24,6 +24,8 @@ all of them; ``add_summary`` adds the compare counters of a run that ran elsewhe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
@@ -129,11 +131,14 @@ class WorkerMetrics:
         if isinstance(record, DivergenceRecord):
             self.divergences.labels(record.workload, record.op, record.kind).inc()
 
-    def add_run(self, lines: tuple[str, ...]) -> None:
-        """Add a run that ran elsewhere (a sweep's), by its log lines: its divergences, and the
-        counters its summary holds. Mutates the counters."""
+    def add_run(self, lines: Sequence[str], workload: str | None = None) -> None:
+        """Add a run that ran elsewhere (a sweep's, explore's), by its log lines: its divergences,
+        and the counters its summary holds, labelled ``workload`` (None: the run's own). Mutates
+        the counters."""
         for line in lines:
             record = parse_record(line)
+            if workload is not None:
+                record = record.model_copy(update={"workload": workload})
             if isinstance(record, RunSummary):
                 self.add_summary(record)
             else:

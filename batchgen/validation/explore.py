@@ -135,11 +135,13 @@ def explore(
     on_run: Callable[[int, int], None] | None = None,
     log_dir: Path | None = None,
     backend: SweepBackend | None = None,
+    on_log: Callable[[list[str]], None] | None = None,
 ) -> ExploreResult:
     """Search until every outcome and interaction of ``required`` is reached or the budget is
     spent. ``on_run(runs done, ids reached)`` reports progress; a diverging candidate's workload
     file and log go to ``log_dir`` (a temporary directory when None); ``backend`` runs the
-    candidates (None: this process)."""
+    candidates (None: this process); ``on_log(lines)`` gets each candidate's log lines (the
+    metrics' sums)."""
     rng, required, started = random.Random(seed), set(required), time.monotonic()
     result = ExploreResult([], {}, (), 0, 0.0)
     with tempfile.TemporaryDirectory(prefix="batchgen-explore-") as scratch:
@@ -150,7 +152,7 @@ def explore(
             size = min(BATCH, max_runs - result.num_runs)
             batch = [_draw(result.kept, rng) for _ in range(size)]
             names = [f"explore-{seed}-{result.num_runs + i}" for i in range(size)]
-            _run_batch(result, batch, names, logs, backend)
+            _run_batch(result, batch, names, logs, backend, on_log)
             if on_run is not None:
                 on_run(result.num_runs, len(result.reached))
     result.missed = tuple(sorted(required - result.reached.keys()))
@@ -159,7 +161,7 @@ def explore(
 
 
 def _run_batch(
-    result: ExploreResult, batch: list[dict], names: list[str], logs: Path, backend
+    result: ExploreResult, batch: list[dict], names: list[str], logs: Path, backend, on_log
 ) -> None:
     """Run one batch of candidates and take each in draw order (``_take``). Mutates ``result``."""
     workloads = [workload_from(p, name=n, vocab_size=TINY_VOCAB) for p, n in zip(batch, names)]
@@ -180,6 +182,8 @@ def _run_batch(
         backend.map_runs(candidate_task, jobs, on_done, max_retries=MAX_RETRIES)
     for i in sorted(outcomes):
         _take(result, batch[i], workloads[i], *outcomes[i], logs)
+        if on_log is not None:
+            on_log(outcomes[i][1])
 
 
 def _draw(kept: list[Kept], rng: random.Random) -> dict:
