@@ -24,7 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from batchgen.kv.plans import Destination, PollAction
+from batchgen.engine.state import RequestState
+from batchgen.kv.plans import (
+    AllocPlan,
+    AllocRequest,
+    Destination,
+    EvictionPlan,
+    EvictionRequest,
+    MigrationPlan,
+    MigrationRequest,
+    PollAction,
+    PollPlan,
+    PollRequest,
+    ReleaseRequest,
+)
 from batchgen.shadow.history import RunHistory
 from compare import Outcome
 
@@ -90,7 +103,7 @@ def interactions_of(
     op: str,
     request,
     plan,
-    written: Mapping,
+    written: Mapping[str, RequestState],
     dropped: Collection[str],
     history: RunHistory,
 ) -> list[str]:
@@ -108,14 +121,19 @@ def interactions_of(
     return alloc_interactions(request, plan, history)
 
 
-def poll_interactions(request, plan) -> list[str]:
+def poll_interactions(request: PollRequest, plan: PollPlan) -> list[str]:
     return [
         f"poll.{action.value}.after_retries_{_RETRIES[min(retries, 2)]}"
         for retries, action in zip(request.num_load_retries, plan.actions)
     ]
 
 
-def release_interactions(request, written, dropped, history: RunHistory) -> list[str]:
+def release_interactions(
+    request: ReleaseRequest,
+    written: Mapping[str, RequestState],
+    dropped: Collection[str],
+    history: RunHistory,
+) -> list[str]:
     reached = []
     for uuid in request.uuids:
         if written[uuid].load_handle is not None and uuid in dropped:
@@ -125,10 +143,12 @@ def release_interactions(request, written, dropped, history: RunHistory) -> list
     return reached
 
 
-def eviction_interactions(request, plan, history: RunHistory) -> list[str]:
+def eviction_interactions(
+    request: EvictionRequest, plan: EvictionPlan, history: RunHistory
+) -> list[str]:
     step = request.snapshot.step
     destinations = [victim.destination for victim in plan.victims]
-    reached = _sequence(destinations, Destination.HOST, Destination.RECOMPUTE)
+    reached = _orders(destinations)
     num_host = destinations.count(Destination.HOST)
     if num_host >= 2 and num_host == len(destinations):
         num_pages = sum(len(victim.gpu_page_ids) for victim in plan.victims)
@@ -145,10 +165,10 @@ def eviction_interactions(request, plan, history: RunHistory) -> list[str]:
     return reached
 
 
-def _sequence(destinations: list[Destination], host, recompute) -> list[str]:
+def _orders(destinations: list[Destination]) -> list[str]:
     """``evict.seq.host_then_recompute`` and ``evict.seq.recompute_then_host``, for each order
     the victims' destinations show. Pure."""
-    reached = []
+    host, recompute, reached = Destination.HOST, Destination.RECOMPUTE, []
     for first, then, name in ((host, recompute, "host_then_recompute"),
                               (recompute, host, "recompute_then_host")):  # fmt: skip
         if first in destinations and then in destinations[destinations.index(first) + 1 :]:
@@ -156,7 +176,9 @@ def _sequence(destinations: list[Destination], host, recompute) -> list[str]:
     return reached
 
 
-def migration_interactions(request, plan, history: RunHistory) -> list[str]:
+def migration_interactions(
+    request: MigrationRequest, plan: MigrationPlan, history: RunHistory
+) -> list[str]:
     snapshot, swapped = request.snapshot, request.swapped
     evicted = history.this_step(snapshot.step).evicted_to_host
     loaded = {load.uuid for load in plan.loads}
@@ -176,7 +198,7 @@ def migration_interactions(request, plan, history: RunHistory) -> list[str]:
     return reached
 
 
-def alloc_interactions(request, plan, history: RunHistory) -> list[str]:
+def alloc_interactions(request: AllocRequest, plan: AllocPlan, history: RunHistory) -> list[str]:
     released = history.this_step(request.snapshot.step).released_gpu_page_ids
     reached = [
         "alloc.grant.released_pages_this_step"
