@@ -39,7 +39,7 @@ class CompareBreaker:
             return f"{self.errors_in_row} compared ops in a row had a harness error"
         if self.max_op_seconds is not None and harness_seconds > self.max_op_seconds:
             return (
-                f"one compared op took {harness_seconds:.3f} s of harness time, over the limit"
+                f"one compared op took {harness_seconds:.3g} s of harness time, over the limit"
                 f" of {self.max_op_seconds:g} s"
             )
         return None
