@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from batchgen.cli.common import StdoutConsole, UsageError, check_output_file, key_value_table
 from batchgen.cli.generate_flags import EPILOG, add_generate_args
-from batchgen.cli.run_files import closing_compare_log
+from batchgen.cli.run_files import closing_compare_log, open_compare_log
 from batchgen.cli.run_flags import engine_config_from_args, warn_unused_compare_settings
 from batchgen.config import EngineConfig
 from batchgen.engine.worker import Worker
@@ -156,14 +156,7 @@ def _open_output(args: argparse.Namespace, worker: Worker) -> tuple[JsonLinesFil
     """OUT opened for appending (and the divergence log, so an unwritable one fails now); with
     ``--resume`` a torn last line is cut off and the done lines' keys returned, else OUT is
     emptied. Mutates OUT."""
-    if worker.kv_compare is not None:
-        try:
-            worker.kv_compare.sink.open()
-        except OSError as error:
-            raise UsageError(
-                f"divergence log {worker.kv_gate.compare_log}: cannot open it for writing: "
-                f"{error.strerror or error}"
-            ) from None
+    open_compare_log(worker)
     out = JsonLinesFile(args.output)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     out.open(readable=True)

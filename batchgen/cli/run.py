@@ -25,6 +25,7 @@ from batchgen.cli.run_files import (
     add_file_args,
     check_timeline_path,
     closing_compare_log,
+    open_compare_log,
     open_outputs,
     other_files,
     writing_timeline,
@@ -138,16 +139,12 @@ def _open_files(args: argparse.Namespace, worker: Worker) -> OutputsFile | None:
     """Open the ``--outputs`` file and the divergence log, so an unwritable one fails now, not
     after the run; an outputs file is started (truncated) only once both opened."""
     outputs = open_outputs(args.outputs) if args.outputs is not None else None
-    if worker.kv_compare is not None:
-        try:
-            worker.kv_compare.sink.open()
-        except OSError as error:
-            if outputs is not None:
-                outputs.discard()  # an earlier outputs file stays whole; a new one goes
-            raise UsageError(
-                f"divergence log {worker.kv_gate.compare_log}: cannot open it for writing: "
-                f"{error.strerror or error}"
-            ) from None
+    try:
+        open_compare_log(worker)
+    except UsageError:
+        if outputs is not None:
+            outputs.discard()  # an earlier outputs file stays whole; a new one goes
+        raise
     if outputs is not None:
         outputs.start()
     return outputs

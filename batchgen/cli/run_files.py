@@ -73,6 +73,20 @@ def _timeline_json(workload: str, recorder: TimelineRecorder) -> str:
     return json.dumps({"workload": workload, **recorder.timeline().model_dump()}) + "\n"
 
 
+def open_compare_log(worker: Worker) -> None:
+    """Open the worker's divergence log now, if it has one, so an unwritable one fails before the
+    work (UsageError naming it and the system's reason). Mutates the log's descriptor."""
+    if worker.kv_compare is None:
+        return
+    try:
+        worker.kv_compare.sink.open()
+    except OSError as error:
+        raise UsageError(
+            f"divergence log {worker.kv_gate.compare_log}: cannot open it for writing: "
+            f"{error.strerror or error}"
+        ) from None
+
+
 @contextmanager
 def closing_compare_log(worker: Worker) -> Iterator[None]:
     """Close the worker's divergence log, if it has one, when the block ends. A failed flush raises
