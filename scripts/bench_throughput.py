@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from decode_bound import decode_steps
-from hf_reference import hf_generate, near_tie, save_checkpoint
+from hf_reference import hf_generate, save_checkpoint
 from output_path import write_output
 from rich.console import Console
 from rich.table import Table
@@ -56,6 +56,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.validation.hf_oracle import near_tie
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
 
 PAGE_SIZE = 16

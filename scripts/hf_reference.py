@@ -1,5 +1,6 @@
-"""The HF side of ``bench_throughput.py``: a seeded Llama checkpoint, HF greedy ``generate`` in
-static batches, and the near-tie test of a request whose tokens differ from HF's.
+"""The HF side of ``bench_throughput.py``: a seeded Llama checkpoint and HF greedy ``generate`` in
+static batches (the near-tie test of a request whose tokens differ from HF's is
+``batchgen.validation.hf_oracle.near_tie``, which validate's HF oracle uses too).
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ import math
 
 import torch
 import transformers
-
-from batchgen.engine.state import RequestOutput
 
 # name -> HF LlamaConfig keys; "HxL" names a CPU geometry (head_dim 64, 2 query heads per KV head)
 NAMED_GEOMETRIES = {
@@ -88,22 +87,3 @@ def hf_generate(
         for row, num_new in zip(generated[:, width:].tolist(), batch_new_tokens):
             outputs.append(row[:num_new])
     return outputs
-
-
-def near_tie(hf_tokens: list[int], ours: RequestOutput, tolerance: float) -> bool | None:
-    """None when batchgen's tokens equal HF's; else whether the first differing token is a near-tie:
-    both tokens are batchgen's top two there, their log-probabilities within ``tolerance``. Pure."""
-    ours_tokens = list(ours.output_ids)
-    if ours_tokens == hf_tokens:
-        return None
-    position = next((i for i, (a, b) in enumerate(zip(hf_tokens, ours_tokens)) if a != b), None)
-    if position is None:  # one is a prefix of the other
-        return False
-    logprobs = dict(
-        zip(ours.output_logprobs[position].top_ids, ours.output_logprobs[position].top_logprobs)
-    )
-    tokens = (hf_tokens[position], ours_tokens[position])
-    return (
-        all(t in logprobs for t in tokens)
-        and abs(logprobs[tokens[0]] - logprobs[tokens[1]]) < tolerance
-    )

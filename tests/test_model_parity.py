@@ -5,18 +5,14 @@ import math
 
 import pytest
 import torch
-import transformers
 
 from batchgen.model import paged_attention
 from batchgen.model.llama import SeqInput
 from batchgen.model.loader import load_model
 from batchgen.model.paged_attention import Span
 from batchgen.model.paged_kv import gather_kv, kv_page_shape, write_kv
+from batchgen.validation.hf_oracle import save_hf_model
 
-HF_CLASSES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-}
 SMALL_GEOMETRY = dict(
     vocab_size=97,
     hidden_size=32,
@@ -27,35 +23,6 @@ SMALL_GEOMETRY = dict(
     max_position_embeddings=256,
 )
 NUM_DECODE_STEPS = 8
-
-
-def randomise_(model: torch.nn.Module, seed: int) -> None:
-    """Logits of order 1 (clear argmax), norms and biases away from 1 and 0 so all parameters
-    matter; mutates model."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(".bias"):
-                param.copy_(0.1 * noise)
-            elif name == "model.embed_tokens.weight":
-                param.copy_(noise)
-            else:
-                param.copy_(noise / math.sqrt(param.shape[1]))
-
-
-def save_hf_model(
-    path, arch: str = "llama", *, seed: int = 0, max_shard_size: str | None = None, **geometry
-):
-    """An HF model with seeded random weights, saved to ``path`` in HF format; returns the HF
-    model."""
-    config_class, model_class = HF_CLASSES[arch]
-    hf_model = model_class(config_class(attn_implementation="eager", **geometry)).eval()
-    randomise_(hf_model, seed)
-    hf_model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    return hf_model
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:

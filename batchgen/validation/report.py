@@ -119,6 +119,7 @@ class ValidationReport:
     # report kind -> file written; empty when no reports directory was given
     reports: dict[str, str]
     wall_s: float
+    hf_oracle: str = ""  # the HF oracle's line ("" when the validation stopped before it)
 
     @property
     def ok(self) -> bool:
@@ -149,6 +150,7 @@ class ValidationReport:
             "runs": [run.to_dict() for run in self.runs],
             "reports": dict(self.reports),
             "wall_s": round(self.wall_s, 3),
+            "hf_oracle": self.hf_oracle,
         }
 
 
