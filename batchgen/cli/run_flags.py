@@ -176,13 +176,20 @@ def applied_scale(args: argparse.Namespace) -> float:
 
 def warn_unused_compare_settings(gate: KvGateConfig, cli: dict[str, object]) -> None:
     """A warning on stderr naming each compare setting given (option or variable) while compare mode
-    is off."""
+    is off, but those the page-content oracle reads (``--kv-verify``: the log; sample: the sample
+    too)."""
     if gate.compare != "off":
         return
+    read_by_verify = {
+        "off": (),
+        "all": ("compare_log",),
+        "sample": ("compare_log", "compare_sample"),
+    }
     given = [
         GATE_FLAGS[field][1] if cli[field] is not None else GATE_FLAGS[field][0]
         for field in COMPARE_SETTINGS
-        if cli[field] is not None or GATE_FLAGS[field][0] in os.environ
+        if (cli[field] is not None or GATE_FLAGS[field][0] in os.environ)
+        and field not in read_by_verify[gate.verify]
     ]
     if given:
         print(

@@ -67,6 +67,7 @@ def run_summary(
         **applied,
         "kv_path": gate.path,
         "kv_compare": gate.compare,
+        "kv_verify": gate.verify,
         "max_load_retries": engine.max_load_retries,
         "load_timeout_steps": engine.load_timeout_steps,
         "load_failure": engine.load_failure,
@@ -86,6 +87,14 @@ def run_summary(
                 outcome: tally.model_dump() for outcome, tally in compared.coverage.items()
             },
             "coverage_unreached": list(unreached_outcomes(compared)),
+            "compare_log": gate.compare_log,
+        }
+    if worker.kv_verify is not None:  # the page-content oracle's counts, and where it logs
+        data = worker.kv_verify.summary()
+        summary |= {
+            "data_checked": data.checked,
+            "data_divergences": sum(data.divergences.values()),
+            "copy_patterns": data.patterns,
             "compare_log": gate.compare_log,
         }
     if worker.faults is not None:

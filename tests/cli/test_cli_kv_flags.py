@@ -11,6 +11,7 @@ from injected_bugs import reversed_grants
 from batchgen.cli import main
 from batchgen.engine.workloads import builtin_workload
 from batchgen.kv import manager as kv_manager
+from batchgen.kv.gate import GATE_FLAGS
 from batchgen.kv.plans import AllocPlan, PageGrant
 from compare import DivergenceRecord, RunSummary, read_log
 
@@ -53,10 +54,8 @@ def test_an_option_beats_the_environment(capsys, monkeypatch, tmp_path):
             {"BATCHGEN_WORKER_KV_PAHT": "plan"},
             (
                 "batchgen: error: unknown variable BATCHGEN_WORKER_KV_PAHT (did you mean"
-                " BATCHGEN_WORKER_KV_PATH?); valid names: BATCHGEN_WORKER_KV_COMPARE,"
-                " BATCHGEN_WORKER_KV_COMPARE_LOG, BATCHGEN_WORKER_KV_COMPARE_OPS,"
-                " BATCHGEN_WORKER_KV_COMPARE_SAMPLE, BATCHGEN_WORKER_KV_LOAD_FAILURE,"
-                " BATCHGEN_WORKER_KV_PATH"
+                " BATCHGEN_WORKER_KV_PATH?); valid names: "
+                + ", ".join(sorted(env for env, _, _ in GATE_FLAGS.values()))
             ),
         ),
         (
