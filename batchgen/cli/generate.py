@@ -32,6 +32,8 @@ from batchgen.engine.worker import Worker
 from batchgen.entrypoints.pool_sizes import cache_config
 from batchgen.exit_codes import EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, KvGateConfig, gate_config
+from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
+from batchgen.metrics.exporter import exporting
 from batchgen.model.loader import load_model
 from batchgen.openai.batch_job import BatchJob, JobCounts, numbered_lines, result_keys, scan_input
 from batchgen.text.generation import TextEngine
@@ -53,11 +55,13 @@ def add_generate_command(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_generate_args(parser)
+    add_metrics_args(parser)
     parser.set_defaults(handler=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
     gate = _checked_gate(args)
+    metrics = metrics_config_from_args(os.environ, args)
     num_lines = _checked_files(args, gate)
     tokenizer = TextTokenizer(args.model)  # a directory without one fails before the model loads
     worker = _worker(args, gate)
@@ -73,7 +77,9 @@ def _generate(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     engine.start_run(Path(args.input).name, seed=args.seed, source=str(Path(args.input).resolve()))
-    with closing_compare_log(worker):
+    with exporting(metrics) as worker_metrics, closing_compare_log(worker):
+        if worker_metrics is not None:
+            engine.live = worker_metrics.begin_run(worker, Path(args.input).name)
         try:
             with _ProgressBar(job, num_lines - len(skip)):
                 try:

@@ -188,7 +188,8 @@ def run_workload(
         worker.validate_request(req.to_request())
     recorder = recorder or TimelineRecorder(worker)
     if metrics is not None:
-        on_step, on_release = metrics.begin_run(worker, workload).chain(on_step, on_release)
+        live = metrics.begin_run(worker, workload.name, workload.requests)
+        on_step, on_release = live.chain(on_step, on_release)
     start_step, before, started = worker.state.step, worker.state.stats.copy(), time.perf_counter()
     uuids = {r.uuid for r in workload.requests}
     try:

@@ -2,11 +2,12 @@
 the gauges a scrape reads.
 
 The runner hands ``LiveRun.chain`` its step and release callbacks (``batchgen.engine.runner``);
-after each step the run adds the increase of the worker's counters (and compare mode's) to the
-counters and the step's seconds to the step histogram: a few integers per step, nothing per
-request. Request times count in steps' wall times: a request arrives at the start of its arrival
-step, its first token comes at the end of the step that sampled it, it is done when the step that
-released it ends::
+a driver of its own (``batchgen.text.generation.TextEngine``) calls ``submitted``, ``release`` and
+``end_step`` itself. After each step the run adds the increase of the worker's counters (and
+compare mode's) to the counters and the step's seconds to the step histogram: a few integers per
+step, nothing per request. Request times count in steps' wall times: a request arrives at the
+start of its arrival step, its first token comes at the end of the step that sampled it, it is
+done at the end of the step that sampled its last token (the next step releases it)::
 
     started_at[k]   when the run's step k started (k relative to the run's first step)
 """
@@ -38,11 +39,12 @@ PHASE_GAUGES = {  # gauge -> the phase it counts requests in
 class LiveRun:
     """A run the metrics watch. Mutates the metrics' counters and itself."""
 
-    def __init__(self, metrics, worker, workload) -> None:
-        """``workload``: the run's ``Workload``, whose arrival steps and prompts it reads once."""
-        self.metrics, self.worker, self.workload = metrics, worker, workload.name
+    def __init__(self, metrics, worker, workload: str, requests=()) -> None:
+        """``requests``: the run's workload requests (arrival steps relative to the run's first
+        step, prompts), read once; requests submitted later are ``submitted`` one by one."""
+        self.metrics, self.worker, self.workload = metrics, worker, workload
         self._start_step = worker.state.step
-        self._arrivals = {r.uuid: (r.arrival_step, len(r.prompt_ids)) for r in workload.requests}
+        self._arrivals = {r.uuid: (r.arrival_step, len(r.prompt_ids)) for r in requests}
         self._stats: WorkerStats = worker.state.stats.copy()
         host = worker.host_kv
         self._page_bytes = host.page_bytes
@@ -64,6 +66,12 @@ class LiveRun:
                 on_release(output)
 
         return stepped, released
+
+    def submitted(self, request) -> None:
+        """``request`` (an engine ``Request``) arrives now, at the worker's next step. Mutates
+        self."""
+        step = self.worker.state.step - self._start_step
+        self._arrivals[request.uuid] = (step, len(request.prompt_ids))
 
     def end_step(self) -> None:
         """A step ended: its seconds, the increase of the worker's counters and of compare mode's.

@@ -97,12 +97,12 @@ class WorkerMetrics:
         )  # fmt: skip
         registry.register(_LiveGauges(self))
 
-    def begin_run(self, worker, workload) -> LiveRun:
-        """Watch the run of ``workload`` on ``worker`` from now on (the gauges read it); its
-        compare records are counted as they are written. Mutates self and the worker's compare
-        binding."""
-        self.live = LiveRun(self, worker, workload)
-        self._start_at_zero(worker, workload.name)
+    def begin_run(self, worker, workload: str, requests=()) -> LiveRun:
+        """Watch the run named ``workload`` on ``worker`` from now on (the gauges read it), its
+        ``requests`` those of its workload (``LiveRun``); its compare records are counted as they
+        are written. Mutates self and the worker's compare binding."""
+        self.live = LiveRun(self, worker, workload, requests)
+        self._start_at_zero(worker, workload)
         if worker.kv_compare is not None:
             worker.kv_compare.on_record = self.count_record
         return self.live

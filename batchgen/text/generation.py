@@ -82,6 +82,7 @@ class TextEngine:
         self._watches: dict[str, StopStringWatch] = {}  # sample uuid -> its stop-string watch
         self._recorder: TimelineRecorder | None = None
         self._idle_steps = 0
+        self.live = None  # the run as batchgen.metrics watches it (a LiveRun), or None
 
     @property
     def num_in_flight(self) -> int:
@@ -106,6 +107,8 @@ class TextEngine:
         Mutates the worker and self."""
         for request in self.check(prompt):
             self.worker.add_request(request)
+            if self.live is not None:
+                self.live.submitted(request)
             if prompt.sampling.stop:
                 self._watches[request.uuid] = StopStringWatch(
                     self.tokenizer.tokenizer, prompt.sampling.stop
@@ -122,7 +125,12 @@ class TextEngine:
         if self._recorder is not None:
             self._recorder.record(worker)
         self._watch_stop_strings()
-        results = [r for r in map(self._collect, worker.take_outputs().values()) if r is not None]
+        outputs = worker.take_outputs().values()
+        if self.live is not None:
+            for output in outputs:
+                self.live.release(output)
+            self.live.end_step()
+        results = [r for r in map(self._collect, outputs) if r is not None]
         stuck = (worker.state.stats.tokens_generated, len(worker.state.outputs)) == progress
         self._idle_steps = self._idle_steps + 1 if stuck and not results else 0
         if self._idle_steps >= MAX_IDLE_STEPS:

@@ -4,6 +4,8 @@ breaker (exit 2)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from cli_helpers import run_json
 from prometheus_client.parser import text_string_to_metric_families
@@ -94,3 +96,28 @@ def test_a_misspelt_metrics_variable_exits_2_naming_the_closest(monkeypatch, cap
     monkeypatch.setenv("BATCHGEN_METRICS_FLIE", "m.prom")
     assert main(["run", "--workload", "smoke"]) == 2
     assert "did you mean BATCHGEN_METRICS_FILE?" in capsys.readouterr().err
+
+
+def test_generate_writes_its_metrics_file(tmp_path, capsys):
+    from test_cli_generate import completion, generate, write_input
+
+    from batchgen.text.tiny_checkpoint import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "ckpt")
+    lines = [completion(f"c{i}", max_tokens=4 + i) for i in range(3)]
+    prom = tmp_path / "generate.prom"
+    code = generate(
+        checkpoint, write_input(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl",
+        "--kv-compare", "log", "--kv-compare-log", str(tmp_path / "log.jsonl"),
+        "--metrics-file", str(prom),
+    )  # fmt: skip
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    values = metric_values(prom)
+    job = (("workload", "in.jsonl"),)
+    assert values[("batchgen:generation_tokens_total", job)] == summary["tokens_generated"] > 0
+    assert values[("batchgen:e2e_request_latency_seconds_count", job)] == 3
+    assert values[("batchgen:time_to_first_token_seconds_count", job)] == 3
+    assert values[("batchgen:prompt_tokens_total", job)] > 0
+    compared = sum(v for (n, _), v in values.items() if n == "batchgen:kv_compare_ops_total")
+    assert compared == summary["steps_compared"] > 0
