@@ -623,6 +623,56 @@ CASES: tuple[BadInput, ...] = (
         env={"BATCHGEN_WORKER_KV_COMPARE_SAMPLE": "abc"},
     ),
     case(
+        "gate-budget-above-1",
+        GATE,
+        "a compare budget of more than all of step time",
+        RUN,
+        (
+            "BATCHGEN_WORKER_KV_COMPARE_BUDGET='1.5'",
+            "less than 1",
+            "allowed: a fraction of step time in (0, 1), e.g. 0.02, or off",
+        ),
+        env={"BATCHGEN_WORKER_KV_COMPARE_BUDGET": "1.5"},
+    ),
+    case(
+        "gate-breaker-errors-zero",
+        GATE,
+        "a breaker that trips on no harness error at all",
+        f"{RUN} --kv-compare log --kv-compare-breaker-errors 0",
+        (
+            "--kv-compare-breaker-errors='0'",
+            "greater than or equal to 1",
+            "an integer >= 1, or off",
+        ),
+    ),
+    case(
+        "gate-budget-in-validate",
+        GATE,
+        "a compare budget given to validate, which must compare every op",
+        "validate",
+        (
+            "batchgen validate compares every op it runs, so it refuses"
+            " BATCHGEN_WORKER_KV_COMPARE_BUDGET",
+            "a validation that stops comparing must not pass",
+        ),
+        env={"BATCHGEN_WORKER_KV_COMPARE_BUDGET": "0.02"},
+    ),
+    case(
+        "metrics-port-out-of-range",
+        CLI,
+        "a metrics port past 65535",
+        f"{RUN} --metrics-port 70000",
+        ("--metrics-port='70000'", "allowed: a port number, 0 to 65535"),
+    ),
+    case(
+        "metrics-variable-typo",
+        CLI,
+        "a misspelt BATCHGEN_METRICS_* variable",
+        RUN,
+        ("unknown variable BATCHGEN_METRICS_PROT", "did you mean BATCHGEN_METRICS_PORT?"),
+        env={"BATCHGEN_METRICS_PROT": "9100"},
+    ),
+    case(
         "gate-ops-typo",
         GATE,
         "a misspelt op in the compared ops",
