@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.sampling_params import DEFAULT_SAMPLING, SamplingParams
 from batchgen.engine.state import RequestState, TokenLogprobs
 
 GREEDY_BELOW = 1e-5
@@ -40,22 +40,27 @@ def sample(
     logits = logits.float()
     top_logits, top_ids = top2(logits)
     normaliser = log_normaliser(logits, top_logits[:, :1])
-    chosen = top_ids[:, 0].clone()
-    masked = _mask_stops_before_min_tokens(logits, reqs, eos_ids)
-    if masked is not logits:
-        chosen = masked.argmax(dim=-1)
-    sampled_rows = [row for row, r in enumerate(reqs) if r.request.temperature >= GREEDY_BELOW]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        chosen[rows] = draw(masked[rows], [reqs[row] for row in sampled_rows])
-    tokens = chosen.tolist()
     top_lps = (top_logits - normaliser).tolist()
-    top_ids = top_ids.tolist()
-    extras = _requested_logprobs(logits, normaliser, chosen, reqs)
-    return [
-        (token, TokenLogprobs(tuple(top_ids[row]), tuple(top_lps[row]), *extras.get(row, ())))
+    sampled_rows = [row for row, r in enumerate(reqs) if r.request.temperature >= GREEDY_BELOW]
+    special = [row for row, r in enumerate(reqs) if r.request.sampling is not DEFAULT_SAMPLING]
+    masked = _mask_stops_before_min_tokens(logits, [reqs[row] for row in special], special, eos_ids)
+    if masked is logits and not sampled_rows:  # all greedy, nothing masked: the top-2's argmax
+        chosen, top_ids = top_ids[:, 0], top_ids.tolist()
+        tokens = [ids[0] for ids in top_ids]
+    else:
+        chosen = masked.argmax(dim=-1) if masked is not logits else top_ids[:, 0].clone()
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            chosen[rows] = draw(masked[rows], [reqs[row] for row in sampled_rows])
+        tokens, top_ids = chosen.tolist(), top_ids.tolist()
+    sampled = [
+        (token, TokenLogprobs(tuple(top_ids[row]), tuple(top_lps[row])))
         for row, token in enumerate(tokens)
     ]
+    for row, extra in _requested_logprobs(logits, normaliser, chosen, reqs, special).items():
+        token, lp = sampled[row]
+        sampled[row] = (token, TokenLogprobs(lp.top_ids, lp.top_logprobs, *extra))
+    return sampled
 
 
 def draw_key(req: RequestState) -> bytes:
@@ -107,31 +112,38 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 
 
 def _mask_stops_before_min_tokens(
-    logits: torch.Tensor, reqs: Sequence[RequestState], eos_ids: Sequence[int]
+    logits: torch.Tensor,
+    reqs: Sequence[RequestState],
+    rows: Sequence[int],
+    eos_ids: Sequence[int],
 ) -> torch.Tensor:
     """``logits`` with the ids that would end a request (stop token ids; EOS unless ``ignore_eos``)
-    at -inf in the rows of requests short of their ``min_tokens``; ``logits`` itself when no row
-    is. Pure."""
-    rows, cols = [], []
-    for row, req in enumerate(reqs):
+    at -inf in row ``rows[i]`` for each ``reqs[i]`` short of its ``min_tokens``; ``logits`` itself
+    when no row is. Pure."""
+    masked_rows, cols = [], []
+    for row, req in zip(rows, reqs):
         params = req.request.sampling
         if len(req.output_ids) < params.min_tokens:
             ids = (*params.stop_token_ids, *(() if params.ignore_eos else eos_ids))
-            rows += [row] * len(ids)
+            masked_rows += [row] * len(ids)
             cols += ids
-    if not rows:
+    if not masked_rows:
         return logits
     masked = logits.clone()
-    masked[torch.tensor(rows), torch.tensor(cols)] = -torch.inf
+    masked[torch.tensor(masked_rows), torch.tensor(cols)] = -torch.inf
     return masked
 
 
 def _requested_logprobs(
-    logits: torch.Tensor, normaliser: torch.Tensor, chosen: torch.Tensor, reqs
+    logits: torch.Tensor,
+    normaliser: torch.Tensor,
+    chosen: torch.Tensor,
+    reqs: Sequence[RequestState],
+    rows: Sequence[int],
 ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
-    """Row -> (the sampled token's log-probability, the top N (id, log-probability)) for each row
-    whose request asks for log-probabilities (``num_logprobs`` not None). Pure."""
-    wanted = [(row, r.request.sampling.num_logprobs) for row, r in enumerate(reqs)]
+    """Row -> (the sampled token's log-probability, the top N (id, log-probability)) for each of
+    ``rows`` whose request asks for log-probabilities (``num_logprobs`` not None). Pure."""
+    wanted = [(row, reqs[row].request.sampling.num_logprobs) for row in rows]
     wanted = [(row, n) for row, n in wanted if n is not None]
     if not wanted:
         return {}
