@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from compare import RunSummary
 
@@ -24,6 +25,7 @@ TOY_SIZES = {  # so that a script which failed to refuse the path would still en
     "bench_kv_ops.py": ("--sizes", "8", "--steps", "1", "--warmup", "0", "--repeats", "1"),
     "bench_compare.py": ("--sizes", "8", "--steps", "2", "--repeats", "1", "--no-e2e"),
     "bench_migration.py": ("--pages", "4", "--page-kib", "4", "--repeats", "1"),
+    "bench_kv_verify.py": ("--workload", "smoke", "--repeats", "1"),
     "bench_decode_attention.py": ("--cases", "3:1-40", "--layers", "2", "--repeats", "1"),
     "bench_throughput.py": (
         "--geometry",
@@ -675,3 +677,43 @@ def test_bench_generate_runs_generate_and_run_on_the_same_tokens_and_prints_the_
     tokens = re.findall(r"(run \(token ids\)|generate) │ [\d.]+ │ [\d.]+ │ (\d+) │", text)
     assert [name for name, _ in tokens] == ["run (token ids)", "generate"]
     assert tokens[0][1] == tokens[1][1] != "0"
+
+
+def test_bench_kv_verify_runs_the_workload_with_verify_off_and_all_and_prints_the_ratio(tmp_path):
+    out = tmp_path / "kv_verify.json"
+    toy = TOY_SIZES["bench_kv_verify.py"]
+    stdout = run_benchmark("bench_kv_verify.py", *toy, "--device", "cpu", "--json-out", str(out))
+    figures = json.loads(out.read_text())
+    assert (figures["workload"], figures["repeats"], figures["device"]) == ("smoke", 1, "cpu")
+    assert (figures["tokens_equal"], figures["data_divergences"]) == (True, 0)
+    assert figures["checked"]["load"] > 0 and figures["checked"]["append"] > 0
+    assert len(figures["ratios"]) == 1 and figures["ratio_all_off"] == figures["ratios"][0]
+    assert set(figures["median_wall_s"]) == set(figures["median_cpu_s"]) == {"off", "all"}
+    assert "ratio all/off: wall " in stdout
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--repeats", "0", "--repeats must be >= 1"),
+        ("--scale", "0", "--scale must be > 0, not 0.0"),
+        ("--scale", "nan", "--scale must be > 0, not nan"),
+    ],
+)
+def test_bench_kv_verify_refuses_no_repeats_or_a_scale_not_above_zero(
+    monkeypatch, capsys, flag, value, message
+):
+    args = (*TOY_SIZES["bench_kv_verify.py"], flag, value)
+    assert refusal(monkeypatch, capsys, "bench_kv_verify.py", *args) == (
+        2,
+        f"bench_kv_verify.py: error: {message}",
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs it")
+def test_bench_kv_verify_refuses_cuda_on_a_machine_without_it(monkeypatch, capsys):
+    args = (*TOY_SIZES["bench_kv_verify.py"], "--device", "cuda")
+    assert refusal(monkeypatch, capsys, "bench_kv_verify.py", *args) == (
+        2,
+        "bench_kv_verify.py: error: --device cuda needs CUDA, which this machine lacks",
+    )
