@@ -50,6 +50,19 @@ def _request_outcomes(result: RunResult) -> dict[str, int]:
     }
 
 
+def _production_limits(gate, worker: Worker) -> dict:
+    """Compare mode's budget and breaker as the run ended: the limits, the sample rate, and the
+    step the breaker opened at (None: it did not). Pure."""
+    governor = worker.kv_compare.governor
+    return {
+        "kv_compare_budget": gate.compare_budget,
+        "kv_breaker_errors": gate.compare_breaker_errors,
+        "kv_breaker_seconds": gate.compare_breaker_seconds,
+        "kv_sample_rate_end": worker.kv_compare.executor.sample_rate,
+        "kv_breaker_step": governor.breaker_step if governor is not None else None,
+    }
+
+
 def run_summary(
     result: RunResult, worker: Worker, args: argparse.Namespace, faults: str | None
 ) -> dict:
@@ -88,6 +101,7 @@ def run_summary(
             },
             "coverage_unreached": list(unreached_outcomes(compared)),
             "compare_log": gate.compare_log,
+            **_production_limits(gate, worker),
         }
     if worker.kv_verify is not None:  # the page-content oracle's counts, and where it logs
         data = worker.kv_verify.summary()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_helpers import run_json
+from cli_helpers import one_json_object, run_json
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchgen.cli import main
@@ -58,16 +58,23 @@ def test_the_breaker_options_reach_the_run_and_off_turns_it_off(tmp_path, capsys
     log = tmp_path / "log.jsonl"
     # a limit no op can stay under: the first compared op trips it
     with pytest.warns(BreakerWarning, match="compare mode turned off from step 0"):
-        run_json(
-            capsys, "--kv-compare", "log", "--kv-compare-log", str(log),
-            "--kv-compare-breaker-seconds", "1e-9",
-        )  # fmt: skip
+        assert main(
+            ["run", "--workload", "smoke", "--json", "--kv-compare", "log", "--kv-compare-log",
+             str(log), "--kv-compare-breaker-seconds", "1e-9"]
+        ) == 0  # fmt: skip
     (change,) = [r for r in read_log(log).records if isinstance(r, SampleRateRecord)]
     assert (change.step, change.new_rate, change.cause) == (0, 0.0, "breaker")
-    run_json(
+    tripped = one_json_object(capsys.readouterr().out)
+    assert (tripped["kv_breaker_step"], tripped["kv_sample_rate_end"]) == (0, 0.0)
+    assert (tripped["kv_breaker_errors"], tripped["kv_breaker_seconds"]) == (
+        10,
+        1e-9,
+    )
+    untripped = run_json(
         capsys, "--kv-compare", "log", "--kv-compare-log", str(log),
         "--kv-compare-breaker-seconds", "off", "--kv-compare-breaker-errors", "off",
     )  # fmt: skip
+    assert (untripped["kv_breaker_step"], untripped["kv_compare_budget"]) == (None, None)
     runs = [r for r in read_log(log).records if isinstance(r, RunSummary)]
     assert [run.breaker_step for run in runs] == [0, None]
 
