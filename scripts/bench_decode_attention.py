@@ -87,27 +87,27 @@ def build_case(case: tuple[int, int, int], args: argparse.Namespace, rng: random
     shape = (len(page_ids), args.layers, 2, args.page_size, args.kv_heads, args.head_dim)
     pages = torch.randn(shape)
     q = torch.randn(num_rows, args.kv_heads * args.query_group, args.head_dim)
-    k, v = torch.randn(2, num_rows, args.kv_heads, args.head_dim)
-    return spans, pages, (q, k, v)
+    new_kv = torch.randn(2, num_rows, args.kv_heads, args.head_dim)
+    return spans, pages, (q, new_kv)
 
 
-def attention_step(spans, pages, qkv, page_size: int, max_batches: int) -> float:
+def attention_step(spans, pages, q_kv, page_size: int, max_batches: int) -> float:
     """CPU seconds of one step's decode attention in every layer, planned as the model plans it."""
     started = time.thread_time()
     plan = plan_attention(spans, pages, max_batches)
-    out = torch.empty_like(qkv[0])
+    out = torch.empty_like(q_kv[0])
     for layer in range(pages.shape[1]):
         for decodes in plan.decodes:
-            out[decodes.rows] = attend_decodes(*qkv, decodes, pages, layer)
+            out[decodes.rows] = attend_decodes(*q_kv, decodes, pages, layer)
     return time.thread_time() - started
 
 
 def measure(case, args: argparse.Namespace, rng: random.Random) -> dict:
-    spans, pages, qkv = build_case(case, args, rng)
+    spans, pages, q_kv = build_case(case, args, rng)
     samples = {name: [] for name in VARIANTS}
     for repeat in range(args.repeats + 1):  # the first is a warm-up
         for name in sorted(VARIANTS, reverse=repeat % 2 == 1):
-            seconds = attention_step(spans, pages, qkv, args.page_size, VARIANTS[name])
+            seconds = attention_step(spans, pages, q_kv, args.page_size, VARIANTS[name])
             if repeat:
                 samples[name].append(seconds)
     grouped = plan_attention(spans, pages, MAX_DECODE_BATCHES)

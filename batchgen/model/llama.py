@@ -59,10 +59,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalise in float32, scale in the input dtype (as HF does)."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """Normalise in float32, scale in the input dtype (as HF does; ``F.rms_norm`` is one op
+        for HF's five, with the same float32 result)."""
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -78,17 +78,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (config.rope_theta**exponents), persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin for ``positions`` [N], each [N, head_dim] in ``dtype``."""
+        """cos and signed sin for ``positions`` [N], each [N, 1, head_dim] in ``dtype``: sin's
+        first half negated, as ``apply_rope`` takes it."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return angles.cos().to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` [N, heads, head_dim] with the rotate_half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotate ``x`` [N, heads, head_dim] with the rotate_half convention: HF's
+    ``cat(-x2, x1) * sin`` is ``cat(x2, x1) * cat(-sin, sin)`` exactly (a negation rounds nothing),
+    one roll instead of two slices, a negation and a cat."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaMLP(nn.Module):
@@ -129,6 +131,7 @@ class LlamaAttention(nn.Module):
         q = apply_rope(self.q_proj(x).view(num_rows, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(num_rows, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
+        new_kv = torch.stack((k, v))
         out = torch.empty_like(q)
         for span in plan.prefills:
             out[span.rows] = attend_sequence(
@@ -137,8 +140,8 @@ class LlamaAttention(nn.Module):
         for span in plan.extends:
             out[span.rows] = attend_extend(q, k, v, span, kv_pages, layer)
         for decodes in plan.decodes:
-            out[decodes.rows] = attend_decodes(q, k, v, decodes, kv_pages, layer)
-        return self.o_proj(out.view(num_rows, -1)), torch.stack((k, v))
+            out[decodes.rows] = attend_decodes(q, new_kv, decodes, kv_pages, layer)
+        return self.o_proj(out.view(num_rows, -1)), new_kv
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from batchgen.config import pages_needed
-from batchgen.model.paged_kv import gather_kv, gather_pages, page_table_tensor
+from batchgen.model.paged_kv import gather_kv, gather_slots, page_table_tensor, slot_rows
 
 # One more decode batch (its own gather and SDPA calls in every layer) costs about what gathering
 # and attending this much more K/V of a layer does (scripts/bench_decode_attention.py, on CPU).
@@ -50,26 +50,27 @@ class Span:
 class DecodeBatch:
     """One-token sequences with a cached history, attended as one padded batch of B rows.
 
-    Row b reads its whole pages up to its new token's, padded to the longest such table with its
-    first page, so its key column t is position t (T = pages per row x page size)::
+    Every row reads T = the longest row's start_pos + 1 key columns, slot by slot, so its key
+    column t is position t::
 
-        columns of row b               | keys and values
-        -------------------------------+--------------------------------------------------
-        [0, start_pos)                 | cached, read from its pages
-        start_pos                      | its new token's, from this forward
-        (start_pos, end of its pages)  | zeroed: unwritten slots, which may hold anything
-        padding                        | its first page again, masked; zeroed too when that
-                                       | page is its only one (then not full)
+        columns of row b      | keys and values
+        ----------------------+----------------------------------------------------
+        [0, start_pos)        | cached, read from its pages
+        start_pos             | its new token's, from this forward
+        (start_pos, T)        | its position 0 again, masked
 
-    Unwritten slots are zeroed because masking a score leaves a NaN key or value in; padding
-    repeats a full page of the row's own, so only a row's own cached keys fill it.
+    Padding reads a written slot of the row's own, never an unwritten one (which may hold
+    anything, NaN included, and a NaN key or value survives the masking of its score).
     """
 
     rows: Tensor  # [B] packed row of each decode token
-    page_ids: Tensor  # [B * pages per row] the padded page tables, row after row
-    new_keys: Tensor  # [B] flat key index b * T + start_pos of each new token
-    unused_keys: Tensor  # flat key index b * T + t of every column t zeroed (see the table)
-    key_mask: Tensor  # [B, 1, 1, T] True where a key may be attended
+    batch_rows: Tensor  # [B] 0 .. B-1, the row index of each new token's column
+    key_rows: Tensor  # [layers, 2, B, kv_heads, T] where each key and value is (slot_rows)
+    new_columns: Tensor  # [B] the column of each new token: its start_pos
+    key_mask: Tensor  # [B, 1, 1, T] 0 where a key may be attended, -inf where not
+    # the gathered K/V of one layer, reused by every layer: a fresh buffer of several MiB per
+    # layer costs its page faults each time (glibc maps a large allocation anew)
+    scratch: Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,24 +111,23 @@ def attend_extend(
 
 
 def attend_decodes(
-    q: Tensor, k: Tensor, v: Tensor, decodes: DecodeBatch, kv_pages: Tensor, layer: int
+    q: Tensor, new_kv: Tensor, decodes: DecodeBatch, kv_pages: Tensor, layer: int
 ) -> Tensor:
-    """All decode tokens in one SDPA: each row's query heads are folded under their kv head, so no
-    K/V copy per head."""
+    """All decode tokens of a batch in one SDPA over their keys gathered per kv head, with this
+    forward's ``new_kv`` [2, N, kv_heads, d] in their own columns; each row's query heads are
+    folded under their kv head, so no K/V copy per head."""
     num_batch = len(decodes.rows)
-    keys, values = gather_pages(kv_pages, decodes.page_ids, layer)  # fresh [B * T, kv_heads, d]
-    for cached, new in ((keys, k), (values, v)):
-        # an unwritten slot may hold anything, NaN included, which masking its score leaves in
-        cached.index_fill_(0, decodes.unused_keys, 0)
-        cached.index_copy_(0, decodes.new_keys, new[decodes.rows].to(cached.dtype))
-    num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
-    # [B, kv_heads, group, d]
+    # [2, B, kv_heads, T, d]
+    keys_values = gather_slots(kv_pages, decodes.key_rows[layer], decodes.scratch)
+    # advanced indices on dims 1 and 3 put the batch dim first: [B, 2, kv_heads, d]
+    keys_values[:, decodes.batch_rows, :, decodes.new_columns] = (
+        new_kv[:, decodes.rows].transpose(0, 1).to(keys_values.dtype)
+    )
+    keys_values = keys_values.to(q.dtype)
+    num_kv_heads, head_dim = keys_values.shape[2], keys_values.shape[4]
     grouped_q = q[decodes.rows].view(num_batch, num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
-        grouped_q,
-        keys.to(q.dtype).view(num_batch, -1, num_kv_heads, head_dim).transpose(1, 2),
-        values.to(q.dtype).view(num_batch, -1, num_kv_heads, head_dim).transpose(1, 2),
-        attn_mask=decodes.key_mask,
+        grouped_q, keys_values[0], keys_values[1], attn_mask=decodes.key_mask.to(q.dtype)
     )
     return out.reshape(num_batch, -1, head_dim)
 
@@ -148,7 +148,7 @@ def plan_attention(
         prefills=tuple(s for s in spans if s.start_pos == 0),
         extends=tuple(s for s in spans if s.start_pos > 0 and s.num_new > 1),
         decodes=tuple(
-            _plan_decodes([decode_spans[i] for i in group], page_size, device) for group in groups
+            _plan_decodes([decode_spans[i] for i in group], kv_pages) for group in groups
         ),
     )
 
@@ -194,26 +194,25 @@ def _best_cut(lengths: Sequence[int], start: int, end: int) -> tuple[int, int]:
     )
 
 
-def _plan_decodes(spans: list[Span], page_size: int, device: torch.device) -> DecodeBatch:
+def _plan_decodes(spans: list[Span], kv_pages: Tensor) -> DecodeBatch:
     """The padded batch of the decode spans (see ``DecodeBatch``). Pure."""
+    page_size, device = kv_pages.shape[3], kv_pages.device
     tables = [s.page_ids[: _pages_read(s, page_size)] for s in spans]
     pages_per_row = max(map(len, tables))
-    num_columns = pages_per_row * page_size
-    padded_tables, unused_keys = [], []
-    for row, (span, table) in enumerate(zip(spans, tables)):
-        padded_tables.extend([*table, *[table[0]] * (pages_per_row - len(table))])
-        end_of_zeroed = (len(table) if len(table) > 1 else pages_per_row) * page_size
-        unused_keys.extend(
-            range(row * num_columns + span.start_pos + 1, row * num_columns + end_of_zeroed)
-        )
+    padded = [[*table, *[table[0]] * (pages_per_row - len(table))] for table in tables]
     start_pos = torch.tensor([s.start_pos for s in spans], device=device)
-    row_offsets = torch.arange(len(spans), device=device) * num_columns
-    key_columns = torch.arange(num_columns, device=device)[None, :]  # [1, T]
-    is_used = key_columns <= start_pos[:, None]  # [B, T]
+    columns = torch.arange(int(start_pos.max()) + 1, device=device)[None, :]  # [1, T]
+    positions = torch.where(columns < start_pos[:, None], columns, 0)  # padding: position 0
+    table = page_table_tensor(padded, device)
+    key_mask = torch.zeros(positions.shape, dtype=kv_pages.dtype, device=device)
+    key_mask.masked_fill_(columns > start_pos[:, None], -torch.inf)
+    key_rows = slot_rows(kv_pages, table, positions)
+    head_dim = kv_pages.shape[-1]
     return DecodeBatch(
         rows=torch.tensor([s.row_start for s in spans], device=device),
-        page_ids=page_table_tensor(padded_tables, device),
-        new_keys=row_offsets + start_pos,
-        unused_keys=torch.tensor(unused_keys, dtype=torch.int64, device=device),
-        key_mask=is_used[:, None, None, :],
+        batch_rows=torch.arange(len(spans), device=device),
+        key_rows=key_rows,
+        new_columns=start_pos,
+        key_mask=key_mask[:, None, None, :],
+        scratch=kv_pages.new_empty(key_rows[0].numel() * head_dim),
     )

@@ -72,6 +72,33 @@ def gather_pages(kv_pages: Tensor, page_ids: Tensor, layer: int) -> tuple[Tensor
     return k, v
 
 
+def slot_rows(kv_pages: Tensor, page_table: Tensor, positions: Tensor) -> Tensor:
+    """Where the K and V of positions ``positions`` [B, T] of the page tables ``page_table``
+    [B, pages] live: ``[num_layers, 2, B, kv_heads, T]`` rows of ``kv_pages`` seen as rows of
+    ``head_dim`` (``gather_slots`` reads a layer's). Pure."""
+    _, num_layers, _, page_size, num_kv_heads, _ = kv_pages.shape
+    device = page_table.device
+    pages = page_table.gather(1, positions // page_size)
+    slots = (pages * (num_layers * 2 * page_size) + positions % page_size) * num_kv_heads
+    # layer l, K or V, kv head h: (2 * l + kv) * page_size * num_kv_heads + h rows further on
+    layer_kv = torch.arange(num_layers * 2, device=device).view(num_layers, 2, 1, 1, 1)
+    heads = torch.arange(num_kv_heads, device=device).view(1, 1, 1, num_kv_heads, 1)
+    offsets = layer_kv * (page_size * num_kv_heads) + heads
+    return slots[None, None, :, None, :] + offsets
+
+
+def gather_slots(kv_pages: Tensor, rows: Tensor, out: Tensor) -> Tensor:
+    """K and V at ``rows`` [2, B, kv_heads, T] (a layer of ``slot_rows``) into ``out``, returned as
+    ``[2, B, kv_heads, T, head_dim]``: each (row, kv head) one contiguous matrix of keys, as
+    attention reads it best (a view of whole pages strides over the other heads). Reads
+    ``kv_pages``; mutates ``out`` (``rows.numel() * head_dim`` elements of the pages' dtype, so
+    one buffer serves every layer)."""
+    head_dim = kv_pages.shape[-1]
+    flat = out[: rows.numel() * head_dim].view(-1, head_dim)
+    torch.index_select(kv_pages.view(-1, head_dim), 0, rows.view(-1), out=flat)
+    return flat.view(*rows.shape, head_dim)
+
+
 def gather_kv(
     kv_pages: Tensor, page_ids: Sequence[int], num_tokens: int, layer: int
 ) -> tuple[Tensor, Tensor]:
