@@ -1,5 +1,6 @@
-"""The GPU half of ``bench_throughput.py``: decode step time against the memory-bandwidth bound
-of reading every weight and the KV once per step, at the copy bandwidth measured in the run.
+"""A decode step against its bounds: on a GPU (``bench_throughput.py``) the memory-bandwidth bound
+of reading every weight and the KV once per step, at the copy bandwidth measured in the run; on
+any device (``bench_vllm.py``) the time of a decode step's matmuls alone.
 """
 
 from __future__ import annotations
@@ -61,3 +62,25 @@ def copy_bandwidth(device: str, num_bytes: int = 2**30) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return 2 * num_bytes / best
+
+
+def matmul_step_s(model, num_rows: int, repeats: int = 20) -> float:
+    """Seconds of a decode step's matmuls alone for ``num_rows`` rows (every layer's projections
+    and MLP, then ``lm_head``) on the model's own weights: the best of ``repeats``."""
+    weight = model.lm_head.weight
+    linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    linears.append(model.lm_head)
+    inputs = {  # one [rows, in_features] input per width, as the step's matmuls read
+        m.in_features: torch.randn(
+            num_rows, m.in_features, dtype=weight.dtype, device=weight.device
+        )
+        for m in linears
+    }
+    best = math.inf
+    with torch.inference_mode():
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for linear in linears:
+                linear(inputs[linear.in_features])
+            best = min(best, time.perf_counter() - started)
+    return best

@@ -1,0 +1,76 @@
+"""The vLLM side of ``bench_vllm.py``, run by the python of vLLM's own venv (never batchgen's).
+
+    python vllm_runner.py JOB.json
+
+The job names the checkpoint directory and the engine's settings. The runner builds one
+``vllm.LLM`` from it, writes ``{"ready": true}``, then reads one JSON line per run from stdin
+(``{"prompts": [[ids...]], "new_tokens": [n...]}``) and writes one JSON line back per run: its
+wall seconds and every request's output token ids, greedy, ``ignore_eos``. An empty line or end of
+input ends it. Results go to the runner's original standard output; everything else (vLLM's logs,
+its engine process's) goes to standard error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+JOB_KEYS = ("checkpoint", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "dtype")
+
+
+def read_job(path: str) -> dict:
+    """The job file's settings; ValueError naming the keys it lacks. Pure read."""
+    with open(path) as file:
+        job = json.load(file)
+    missing = [key for key in JOB_KEYS if key not in job]
+    if missing:
+        raise ValueError(f"{path}: job lacks {', '.join(missing)} (needs {', '.join(JOB_KEYS)})")
+    return job
+
+
+def build_llm(job: dict):
+    """One ``vllm.LLM`` over the job's checkpoint (its tokenizer beside it), offline."""
+    from vllm import LLM
+
+    return LLM(
+        model=job["checkpoint"],
+        dtype=job["dtype"],
+        max_num_seqs=job["max_num_seqs"],
+        max_model_len=job["max_model_len"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        seed=0,
+        **job.get("engine_args", {}),
+    )
+
+
+def generate(llm, prompts: list[list[int]], new_tokens: list[int]) -> dict:
+    """Every request's greedy tokens (request order) and the run's wall seconds."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        for n in new_tokens
+    ]
+    requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+    started = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    wall_s = time.perf_counter() - started
+    return {"wall_s": wall_s, "outputs": [list(out.outputs[0].token_ids) for out in outputs]}
+
+
+def main() -> None:
+    results = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's prints, and its children's
+    llm = build_llm(read_job(sys.argv[1]))
+    results.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        run = json.loads(line)
+        results.write(json.dumps(generate(llm, run["prompts"], run["new_tokens"])) + "\n")
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core, which re-imports this module
+    main()

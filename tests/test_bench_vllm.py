@@ -1,0 +1,144 @@
+"""``scripts/bench_vllm.py`` without vLLM: its refusals of bad flags, its figures and table, the
+checkpoint's geometry and tokenizer, and the runner's job file. (The benchmark itself installs
+vLLM in a venv of its own and runs for many minutes: not part of the test suite.)"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_module(monkeypatch, name: str):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    return __import__(name)
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    return script_module(monkeypatch, "bench_vllm")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mixes", "static,bursty"], "--mixes takes a comma list of static, mixed"),
+        (["--mixes", ","], "--mixes takes a comma list of static, mixed"),
+        (["--threads", "0"], "--threads: each count in 1.."),
+        (["--threads", "4096"], "--threads: each count in 1.."),
+        (["--pairs", "0"], "--pairs needs >= 1"),
+        (["--geometry", "100x4"], "geometry '100x4': expected HxL with H a multiple of 64"),
+        (["--geometry", "256x0"], "geometry '256x0': expected HxL"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_is_installed_or_run(bench, capsys, flags, message):
+    with pytest.raises(SystemExit) as exited:
+        bench.parse_args(flags)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_default_command_is_both_mixes_at_both_geometries_one_thread_and_two(bench):
+    args = bench.parse_args([])
+    assert list(args.geometries) == ["256x4", "512x8"]
+    assert args.mixes == "static,mixed" and args.pairs == 5 and args.vocab_size == 4096
+
+
+def test_the_geometry_has_heads_of_32_and_two_query_heads_per_kv_head(bench):
+    keys = bench.parse_args(["--geometry", "512x8"]).geometries["512x8"]
+    assert keys == dict(
+        hidden_size=512,
+        intermediate_size=1360,  # 8 x 512 / 3 = 1365.3, rounded down to a multiple of 8
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=32,
+        vocab_size=4096,
+    )
+
+
+def test_the_ratio_is_the_median_of_the_pairs_with_its_spread(bench):
+    row = bench.summarize([2.0, 1.0, 4.0], [3.0, 2.0, 2.0], num_tokens=100)
+    assert row["ratio"] == 1.5 and row["ratio_min"] == 0.5 and row["ratio_max"] == 2.0
+    assert row["batchgen_tokens_per_s"] == 50.0 and row["vllm_tokens_per_s"] == 50.0
+
+
+def test_pairs_of_unequal_counts_are_refused(bench):
+    with pytest.raises(ValueError):
+        bench.summarize([1.0, 2.0], [1.0], num_tokens=10)
+
+
+def test_requests_differing_are_counted_by_request(bench):
+    assert bench.differing_requests([[1, 2], [3], [4, 5]], [[1, 2], [3], [4, 6]]) == 1
+    assert bench.differing_requests([[1, 2]], [[1, 2]]) == 0
+
+
+def test_the_table_shows_every_figure_and_whether_tokens_are_equal(bench):
+    from rich.console import Console
+
+    row = dict(geometry="256x4", threads=2, mix="mixed", ratio=1.234, ratio_min=1.1, ratio_max=1.3)
+    row.update(batchgen_tokens_per_s=2900.4, vllm_tokens_per_s=2350.0, batchgen_step_ms=9.87)
+    row.update(vllm_step_ms=12.0, matmul_step_ms=1.75, num_requests_differing=0)
+    console = Console(width=200, record=True)
+    console.print(bench.render([row, {**row, "num_requests_differing": 3}], "t"))
+    lines = console.export_text().splitlines()
+    cells = [line for line in lines if "256x4" in line]
+    assert len(cells) == 2
+    for text in ("2900", "2350", "1.23x", "1.10-1.30", "9.9 | 12.0", "1.8"):
+        assert text in cells[0]
+    assert "equal" in cells[0] and "3 differ" in cells[1]
+
+
+def test_the_checkpoint_has_a_tokenizer_of_its_whole_vocabulary(monkeypatch, tmp_path):
+    job = script_module(monkeypatch, "vllm_job")
+    transformers = pytest.importorskip("transformers")
+    keys = job.geometry("64x1", vocab_size=50)
+    job.save_checkpoint_with_tokenizer(str(tmp_path), keys, seed=0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert len(tokenizer) == config["vocab_size"] == 50
+    assert tokenizer.convert_ids_to_tokens([0, 49]) == ["t0", "t49"]
+
+
+def test_both_mixes_have_the_documented_sizes_and_are_seeded(monkeypatch):
+    job = script_module(monkeypatch, "vllm_job")
+    static, mixed = job.build_mixes(["static", "mixed"], vocab_size=4096, seed=3)
+    assert (len(static.prompts), static.max_num_seqs, set(static.new_tokens)) == (32, 32, {64})
+    assert (len(mixed.prompts), mixed.max_num_seqs) == (64, 16)
+    assert all(16 <= n <= 256 for n in mixed.new_tokens)
+    assert all(16 <= len(p) <= 128 and 0 < min(p) for p in static.prompts + mixed.prompts)
+    again = job.build_mixes(["static", "mixed"], vocab_size=4096, seed=3)
+    assert again[1].prompts == mixed.prompts and again[1].new_tokens == mixed.new_tokens
+
+
+def test_the_runner_refuses_a_job_lacking_a_setting_by_name(monkeypatch, tmp_path):
+    runner = script_module(monkeypatch, "vllm_runner")
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"checkpoint": "x", "dtype": "float32"}))
+    with pytest.raises(ValueError, match="lacks max_num_seqs, max_model_len, max_num_batched"):
+        runner.read_job(str(path))
+
+
+def test_a_venv_is_ready_only_once_its_stamp_names_both_specs(monkeypatch, tmp_path):
+    venv = script_module(monkeypatch, "vllm_venv")
+    assert not venv.is_ready(tmp_path)
+    (tmp_path / venv.STAMP).write_text(f"{venv.TORCH_SPEC}\n")
+    assert not venv.is_ready(tmp_path)
+    (tmp_path / venv.STAMP).write_text(f"{venv.TORCH_SPEC} {venv.VLLM_SPEC}\n")
+    assert venv.is_ready(tmp_path)
+
+
+def test_the_matmul_time_of_a_decode_step_is_positive_and_runs_every_linear(monkeypatch):
+    bound = script_module(monkeypatch, "decode_bound")
+    from batchgen.config import TINY_MODELS
+    from batchgen.model.loader import load_model
+
+    model = load_model(next(iter(TINY_MODELS)))
+    calls = []
+    for module in [*model.model.layers.modules(), model.lm_head]:
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    assert bound.matmul_step_s(model, num_rows=3, repeats=2) > 0
+    assert calls == [3] * len(calls) and len(calls) == 2 * (7 * model.config.num_layers + 1)
