@@ -151,3 +151,12 @@ def test_make_checkpoint_writes_the_seeded_tiny_model_with_its_tokenizer(tmp_pat
     state = loaded.state_dict()
     assert all(torch.equal(state[name], value) for name, value in seeded.state_dict().items())
     assert TextTokenizer(tmp_path / "ckpt").vocab_size == loaded.config.vocab_size
+
+
+def test_top_k_1_and_a_tiny_top_p_sample_exactly_the_greedy_text(llm):
+    greedy = [r.completions[0] for r in llm.generate(PROMPTS, GREEDY)]
+    for masks in ({"top_k": 1}, {"top_p": 1e-9}):
+        hot = Sampling(max_tokens=10, temperature=1.5, seed=5, **masks)
+        assert [r.completions[0] for r in llm.generate(PROMPTS, hot)] == greedy
+    free = [r.completions[0] for r in llm.generate(PROMPTS, Sampling(max_tokens=10, seed=5))]
+    assert free != greedy  # without a mask, temperature 1 departs from greedy
