@@ -5,8 +5,8 @@ Order of work: the KV gate and the files are checked (duplicate custom_ids stop 
 exit 2), then the model loads, OUT is opened (replaced, or with ``--resume`` cut back to whole
 lines and read for the lines already done), the job runs under a progress bar, and a summary is
 printed. However the job ends, OUT is closed in whole lines and, in compare mode, the divergence
-log gets the run's summary. A metrics exporter hooks into ``BatchJob.on_progress`` and the
-worker it wraps.
+log gets the run's summary. With ``--metrics-port`` / ``--metrics-file`` the metrics watch the
+text engine's requests, releases and steps (``TextEngine.live``).
 """
 
 from __future__ import annotations
