@@ -19,7 +19,7 @@ own (no process-wide default registry), labelled by workload and nothing per req
       batchgen:step_duration_seconds, time_to_first_token_seconds, e2e_request_latency_seconds
 
 Every series also has the ``workload`` label. A command with several runs (validate) counts over
-all of them; ``add_summary`` adds the compare counters of a run that ran elsewhere (a sweep's).
+all of them; ``add_run`` adds a run that ran elsewhere (a sweep's, explore's) by its log lines.
 """
 
 from __future__ import annotations
@@ -38,6 +38,39 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 # the kinds batchgen's compare mode names (batchgen.shadow.forms, and the page-content oracle's)
 DIVERGENCE_KINDS = ("state", "copies", "exception", "invalid_plan", "data")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# attribute -> (name without the prefix and _total, help, labels beside workload)
+COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "prompt tokens of the requests released", ()),
+    "offload_bytes": ("kv_offload_bytes", "KV bytes copied between the tiers", ("direction",)),
+    "offload_seconds": (
+        "kv_offload_seconds",
+        "seconds of the calls issuing KV copies between the tiers",
+        ("direction",),
+    ),
+    "compare_ops": ("kv_compare_ops", "KV ops compared", ("op",)),
+    "divergences": ("kv_compare_divergences", "divergences logged", ("op", "kind")),
+    "harness_errors": ("kv_compare_harness_errors", "failures inside the compare harness", ()),
+    "compare_seconds": ("kv_compare_seconds", "seconds compare mode added to the KV ops", ()),
+    "outcomes": (
+        "kv_decision_outcomes",
+        "KV policy decision outcomes reached by compared ops",
+        ("outcome",),
+    ),
+}
+# attribute -> (name, help, buckets)
+HISTOGRAMS = {
+    "step_seconds": ("step_duration_seconds", "seconds of one worker step", STEP_BUCKETS),
+    "ttft": (
+        "time_to_first_token_seconds",
+        "from the start of a request's arrival step to the end of its first token's",
+        LATENCY_BUCKETS,
+    ),
+    "latency": (
+        "e2e_request_latency_seconds",
+        "from the start of a request's arrival step to the end of its last token's",
+        LATENCY_BUCKETS,
+    ),
+}
 
 
 class WorkerMetrics:
@@ -47,55 +80,19 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.live: LiveRun | None = None  # the run going on now (the gauges read it)
         self.port: int | None = None  # where /metrics is served, once it is
-        registry, workload = self.registry, ("workload",)
         self.worker_counters = {
-            name: Counter(P + name, doc, workload, registry=registry)
+            name: Counter(P + name, doc, ("workload",), registry=self.registry)
             for name, (_, doc) in WORKER_COUNTERS.items()
         }
-        self.prompt_tokens = Counter(
-            P + "prompt_tokens", "prompt tokens of the requests submitted", workload,
-            registry=registry,
-        )  # fmt: skip
-        self.offload_bytes = Counter(
-            P + "kv_offload_bytes", "KV bytes copied between the tiers", (*workload, "direction"),
-            registry=registry,
-        )  # fmt: skip
-        self.offload_seconds = Counter(
-            P + "kv_offload_seconds", "seconds issuing KV copies between the tiers",
-            (*workload, "direction"), registry=registry,
-        )  # fmt: skip
-        self.compare_ops = Counter(
-            P + "kv_compare_ops", "KV ops compared", (*workload, "op"), registry=registry
-        )
-        self.divergences = Counter(
-            P + "kv_compare_divergences", "divergences logged", (*workload, "op", "kind"),
-            registry=registry,
-        )  # fmt: skip
-        self.harness_errors = Counter(
-            P + "kv_compare_harness_errors", "failures inside the compare harness", workload,
-            registry=registry,
-        )  # fmt: skip
-        self.compare_seconds = Counter(
-            P + "kv_compare_seconds", "seconds compare mode added to the KV ops", workload,
-            registry=registry,
-        )  # fmt: skip
-        self.outcomes = Counter(
-            P + "kv_decision_outcomes", "KV policy decision outcomes reached by compared ops",
-            (*workload, "outcome"), registry=registry,
-        )  # fmt: skip
-        self.step_seconds = Histogram(
-            P + "step_duration_seconds", "seconds of one worker step", workload,
-            buckets=STEP_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self.ttft = Histogram(
-            P + "time_to_first_token_seconds", "from a request's arrival step to its first token",
-            workload, buckets=LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self.latency = Histogram(
-            P + "e2e_request_latency_seconds", "from a request's arrival step to its release",
-            workload, buckets=LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
-        registry.register(_LiveGauges(self))
+        for attribute, (name, doc, labels) in COUNTERS.items():
+            counter = Counter(P + name, doc, ("workload", *labels), registry=self.registry)
+            setattr(self, attribute, counter)
+        for attribute, (name, doc, buckets) in HISTOGRAMS.items():
+            histogram = Histogram(
+                P + name, doc, ("workload",), buckets=buckets, registry=self.registry
+            )
+            setattr(self, attribute, histogram)
+        self.registry.register(_LiveGauges(self))
 
     def begin_run(self, worker, workload: str, requests=()) -> LiveRun:
         """Watch the run named ``workload`` on ``worker`` from now on (the gauges read it), its
