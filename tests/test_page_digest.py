@@ -7,6 +7,7 @@ import torch
 
 from batchgen.kv.copy_patterns import copy_patterns
 from batchgen.kv.copy_runs import CopySplit
+from batchgen.kv.page_checks import append_mismatches, expected_appends
 from batchgen.kv.page_digest import check_digestible, layer_digests, page_digests
 
 PAGE_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, page_size, num_kv_heads, head_dim
@@ -89,3 +90,21 @@ def test_a_batch_is_split_from_the_threshold_on_with_threads_between_host_pools(
         "store", [0, 1], [2, 3], page_bytes=63, host_to_host=host_to_host, split=CopySplit(128)
     )
     assert ("copy.store.split" in at, "copy.store.split" in below) == (split, False)
+
+
+def test_an_append_written_into_its_slots_matches_its_expected_digests_and_one_elsewhere_not():
+    pool = make_pool()  # page_size 4
+    kv = torch.randn((2, 2, 3, 2, 8))  # 3 positions from position 3: page 5 slot 3, page 1 0..1
+    check = expected_appends(pool, [("a", [5, 1], 3, kv)])
+    assert (check.uuids, check.page_ids.tolist()) == (("a", "a"), [5, 1])
+    late = pool.clone()
+    pool[5, :, :, 3], pool[1, :, :, 0:2] = kv[:, :, 0], kv[:, :, 1:3]
+    assert append_mismatches(pool, check) == []
+    late[5, :, :, 3] = kv[:, :, 0]
+    late[1, :, :, 1:3] = kv[:, :, 1:3]  # one slot late on page 1
+    assert [(m.position, m.layer) for m in append_mismatches(late, check)] == [(1, 0), (1, 1)]
+
+
+def test_an_append_its_page_table_does_not_cover_is_left_to_the_write_to_refuse():
+    check = expected_appends(make_pool(), [("a", [0], 2, torch.zeros((2, 2, 4, 2, 8)))])
+    assert check.uuids == () and check.expected.shape == (0, 2)

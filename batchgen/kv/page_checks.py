@@ -56,12 +56,16 @@ def expected_appends(
 ) -> AppendCheck:
     """The digests the pages of ``appends`` (uuid, page table, start position, K/V ``[num_layers,
     2, n, kv_heads, head_dim]``) must have once the K/V are written: the pages as they are now with
-    each K/V in its slots. Pure read of ``pool``."""
+    each K/V in its slots. An append its page table does not cover is left out (the write refuses
+    it). Pure read of ``pool``."""
     page_size = pool.shape[3]
-    uuids, page_ids, local_pages, slots = [], [], [], []
+    uuids, page_ids, local_pages, slots, new_kvs = [], [], [], [], []
     for uuid, table, start, kv in appends:
         positions = np.arange(start, start + kv.shape[2])
         first, last = start // page_size, (start + kv.shape[2] - 1) // page_size
+        if last >= len(table):
+            continue
+        new_kvs.append(kv)
         local_pages.append(len(page_ids) + positions // page_size - first)
         slots.append(positions % page_size)
         touched = list(table[first : last + 1])
@@ -69,7 +73,9 @@ def expected_appends(
         uuids += [uuid] * len(touched)
     index = torch.as_tensor(page_ids, dtype=torch.int64, device=pool.device)
     pages = pool.index_select(0, index)
-    new_kv = torch.cat([kv for *_, kv in appends], dim=2).permute(2, 0, 1, 3, 4)
+    if not new_kvs:
+        return AppendCheck((), index, layer_digests(pages))
+    new_kv = torch.cat(new_kvs, dim=2).permute(2, 0, 1, 3, 4)
     local = torch.as_tensor(np.concatenate(local_pages), device=pool.device)
     slot = torch.as_tensor(np.concatenate(slots), device=pool.device)
     pages[local, :, :, slot] = new_kv.to(device=pool.device, dtype=pool.dtype)

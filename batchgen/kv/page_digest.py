@@ -44,7 +44,8 @@ def page_digests(pool: Tensor, page_ids: Sequence[int] | Tensor) -> Tensor:
 def layer_digests(pages: Tensor) -> Tensor:
     """The digest of each page of ``pages`` ``[n, num_layers, ...]`` per layer: ``[n,
     num_layers]`` int64. Pure."""
-    words = pages.contiguous().view(pages.shape[0], pages.shape[1], -1).view(torch.int32)
+    layer_elements = math.prod(pages.shape[2:])
+    words = pages.contiguous().view(*pages.shape[:2], layer_elements).view(torch.int32)
     weights = torch.arange(words.shape[2], device=pages.device, dtype=torch.int64)
     weights = weights % WEIGHT_PERIOD + 1
     return (words.to(torch.int64) * weights).sum(dim=2)
