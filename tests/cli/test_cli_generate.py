@@ -11,6 +11,7 @@ import time
 import pytest
 
 from batchgen.cli import main
+from batchgen.text.generation import TextEngine
 from batchgen.text.tiny_checkpoint import make_checkpoint
 from batchgen.text.tokenizer import TextTokenizer
 
@@ -208,3 +209,27 @@ def test_compare_mode_shadows_the_job_and_leaves_the_text_unchanged(
         assert sum(summary["steps_compared"].values()) > 0
         assert sum(summary["divergences"].values()) == 0
         assert sum(summary["timeline"]["counters"]["evictions"]) > 0  # the pools were pressed
+
+
+def test_ctrl_c_mid_job_leaves_out_in_whole_lines_and_the_log_its_summary(
+    checkpoint, tmp_path, monkeypatch, capsys
+):
+    lines = [completion(f"i{i}", max_tokens=10) for i in range(20)]
+    input_path = write_input(tmp_path / "in.jsonl", lines)
+    real_step, calls = TextEngine.step, []
+
+    def interrupted(self):
+        calls.append(1)
+        if len(calls) == 25:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(TextEngine, "step", interrupted)
+    log, out = tmp_path / "kv.log", tmp_path / "out.jsonl"
+    flags = ["--max-in-flight", "4", "--kv-compare", "log", "--kv-compare-log", str(log)]
+    assert generate(checkpoint, input_path, out, *flags) == 130
+    assert "batchgen: interrupted" in capsys.readouterr().err
+    done = results(out)  # every line parses
+    assert 0 < len(done) < 20 and out.read_text().endswith("\n")
+    summary = json.loads(log.read_text().splitlines()[-1])
+    assert summary["record_type"] == "run_summary" and "KeyboardInterrupt" in summary["stopped_by"]
