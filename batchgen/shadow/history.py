@@ -52,6 +52,8 @@ class RunHistory:
     def record(self, op: str, request, plan, written: Mapping[str, RequestState] | None) -> None:
         """Take in one compared op: its op request and plan (the plan path's), and the requests
         it wrote, each as it was before (``written``). Mutates self."""
+        if op in ("migrate", "alloc"):  # they leave nothing a later interaction reads
+            return
         step = request.snapshot.step
         self.step = self.this_step(step)
         if op == "poll":

@@ -146,6 +146,8 @@ def release_interactions(
 def eviction_interactions(
     request: EvictionRequest, plan: EvictionPlan, history: RunHistory
 ) -> list[str]:
+    if not plan.victims:  # most steps: nothing to look at
+        return []
     step = request.snapshot.step
     destinations = [victim.destination for victim in plan.victims]
     reached = _orders(destinations)
@@ -180,6 +182,8 @@ def migration_interactions(
     request: MigrationRequest, plan: MigrationPlan, history: RunHistory
 ) -> list[str]:
     snapshot, swapped = request.snapshot, request.swapped
+    if not swapped.uuids:  # most steps: nothing to look at
+        return []
     evicted = history.this_step(snapshot.step).evicted_to_host
     loaded = {load.uuid for load in plan.loads}
     reached = []
@@ -203,8 +207,10 @@ def alloc_interactions(request: AllocRequest, plan: AllocPlan, history: RunHisto
     reached = [
         "alloc.grant.released_pages_this_step"
         for grant in plan.grants
-        if released.intersection(grant.new_page_ids)
+        if released and not released.isdisjoint(grant.new_page_ids)
     ]
+    if not plan.not_fitting:  # every step an engine run takes
+        return reached
     left_out = {entry.uuid for entry in plan.not_fitting}
     first_left_out = next(
         (i for i, uuid in enumerate(request.needing.uuids) if uuid in left_out), None
