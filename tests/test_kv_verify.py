@@ -10,13 +10,13 @@ from data_plane_bugs import (
     writes_one_slot_late,
 )
 
+from batchgen.engine import kv_verify as verify_module
 from batchgen.engine import worker as worker_module
 from batchgen.engine.runner import run_workload
 from batchgen.engine.state import Request
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
 from batchgen.kv import copy_runs
-from batchgen.kv import verify as verify_module
 from batchgen.kv.gate import GateError, KvGateConfig, gate_config
 from batchgen.model.loader import load_model
 from compare import DivergenceRecord, is_sampled_step, read_log

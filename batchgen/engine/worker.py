@@ -27,6 +27,7 @@ import torch
 
 from batchgen.config import CacheConfig, EngineConfig, pages_needed
 from batchgen.engine.faults import FaultInjector
+from batchgen.engine.kv_verify import KvVerifier
 from batchgen.engine.loads import observe_loads
 from batchgen.engine.request_checks import RequestError, check_request
 from batchgen.engine.sampler import sample
@@ -45,7 +46,6 @@ from batchgen.kv.backends import GpuKvPool, HostKvPool
 from batchgen.kv.gate import KvGateConfig, build_kv_path, gate_config
 from batchgen.kv.target import KvTarget
 from batchgen.kv.tiers import tier_tensors
-from batchgen.kv.verify import KvVerifier
 from batchgen.model.llama import SeqInput
 from batchgen.model.paged_kv import write_kvs
 from compare import JsonlSink

@@ -159,7 +159,7 @@ class HostKvPool(_KvPool):
         # is compared).
         self.load_handles: dict[int, tuple[str, AsyncHandle]] | None = {} if self.is_fork else None
         # called with each copy this pool issues between tensors, before it runs (the page-content
-        # oracle, ``batchgen.kv.verify``); None: nobody watches
+        # oracle, ``batchgen.engine.kv_verify``); None: nobody watches
         self.on_copy: Callable[[CopyOp], None] | None = None
         # when copy threads share a store or load batch (validation lowers the size)
         self.copy_split = DEFAULT_SPLIT

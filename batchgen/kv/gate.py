@@ -92,7 +92,7 @@ class KvGateConfig(BaseModel):
     compare_ops: tuple[str, ...] = KV_OPS
     # None: keep the engine config's policy
     load_failure: Literal["recompute", "fail"] | None = None
-    # page-content oracle (batchgen.kv.verify): every step, the compare-sampled steps, or none
+    # page-content oracle (batchgen.engine.kv_verify): every step, the compare-sampled ones, or none
     verify: Literal["off", "sample", "all"] = "off"
     # compare mode's share of step time it may take (compare.budget); None: no budget
     compare_budget: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False)

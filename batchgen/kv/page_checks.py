@@ -1,5 +1,5 @@
-"""What the page-content oracle (``batchgen.kv.verify``) compares: digests of pages as they must
-be against digests of pages as they are. Pure functions over tensors and page tables.
+"""What the page-content oracle (``batchgen.engine.kv_verify``) compares: digests of pages as they
+must be against digests of pages as they are. Pure functions over tensors and page tables.
 
 An append into a request's pages, positions ``[start, start + n)`` of page table ``table``::
 

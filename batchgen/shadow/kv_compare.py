@@ -83,7 +83,7 @@ class KvCompare:
         self.run_id = self.workload = self.workload_source = ""
         self._op: ComparedOp | None = None
         self._summary: RunSummary | None = None  # the current run's summary, once it ended
-        # the worker's page-content oracle (batchgen.kv.verify), when on: its runs are this one's
+        # the worker's page-content oracle (batchgen.engine.kv_verify), when on: runs as this one's
         self.verifier = None
         self.clock = time.perf_counter  # every harness time, the budget's too (tests fake it)
         self.governor: SampleGovernor | None = None  # the run's budget and breaker, when set
