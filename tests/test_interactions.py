@@ -155,6 +155,17 @@ def test_each_poll_action_is_named_by_the_retries_its_load_took_before():
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("action", list(PollAction))
+@pytest.mark.parametrize("retries, suffix", [(0, "0"), (1, "1"), (2, "2plus"), (3, "2plus")])
+def test_every_poll_action_has_an_id_for_no_one_and_two_or_more_retries(action, retries, suffix):
+    error = None if action is PollAction.COMPLETE else "e"
+    request = PollRequest(snapshot(0, 0), ("l",), (error,), (retries,))
+    plan = PollPlan(("l",), (action,), (None,))
+    expected = f"poll.{action.value}.after_retries_{suffix}"
+    assert classify("poll", request, plan) == [expected]
+    assert expected in {interaction.id for interaction in INTERACTIONS}
+
+
 def poll(uuid: str, action: PollAction, step: int) -> tuple[PollRequest, PollPlan]:
     error = None if action is PollAction.COMPLETE else "e"
     request = PollRequest(snapshot(0, 0, step), (uuid,), (error,), (0,))
