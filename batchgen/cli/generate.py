@@ -26,12 +26,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from batchgen.cli.common import StdoutConsole, UsageError, check_output_file, key_value_table
 from batchgen.cli.generate_flags import EPILOG, add_generate_args
 from batchgen.cli.run_files import closing_compare_log, open_compare_log
-from batchgen.cli.run_flags import engine_config_from_args, warn_unused_compare_settings
+from batchgen.cli.run_flags import engine_config_from_args, gate_from_args
 from batchgen.config import EngineConfig
 from batchgen.engine.worker import Worker
 from batchgen.entrypoints.pool_sizes import cache_config
 from batchgen.exit_codes import EXIT_OK
-from batchgen.kv.gate import GATE_FLAGS, KvGateConfig, gate_config
+from batchgen.kv.gate import KvGateConfig
 from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
 from batchgen.metrics.exporter import exporting
 from batchgen.model.loader import load_model
@@ -60,7 +60,7 @@ def add_generate_command(commands) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    gate = _checked_gate(args)
+    gate = gate_from_args(args)
     metrics = metrics_config_from_args(os.environ, args)
     num_lines = _checked_files(args, gate)
     tokenizer = TextTokenizer(args.model)  # a directory without one fails before the model loads
@@ -96,13 +96,6 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         StdoutConsole().print(key_value_table(f"batchgen generate: {args.input}", summary))
     return EXIT_OK
-
-
-def _checked_gate(args: argparse.Namespace) -> KvGateConfig:
-    cli = {name: getattr(args, f"kv_{name}") for name in GATE_FLAGS}
-    gate = gate_config(os.environ, cli)
-    warn_unused_compare_settings(gate, cli)
-    return gate
 
 
 def _checked_files(args: argparse.Namespace, gate: KvGateConfig) -> int:

@@ -34,8 +34,8 @@ from batchgen.cli.run_flags import (
     add_kv_args,
     applied_scale,
     engine_config_from_args,
+    gate_from_args,
     run_epilog,
-    warn_unused_compare_settings,
 )
 from batchgen.cli.run_summary import run_summary, warn_failed_requests
 from batchgen.config import CacheConfig
@@ -45,7 +45,7 @@ from batchgen.engine.timeline import TimelineRecorder
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
-from batchgen.kv.gate import GATE_FLAGS, KvGateConfig, gate_config
+from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
 from batchgen.metrics.exporter import exporting
@@ -123,9 +123,7 @@ def _run(args: argparse.Namespace) -> int:
 def _checked_gate(args: argparse.Namespace) -> KvGateConfig:
     """The KV gate from the flags over the environment, with every flag that names a file or a
     fault SPEC checked before the model loads (which can take a minute)."""
-    cli = {field: getattr(args, f"kv_{field}") for field in GATE_FLAGS}
-    gate = gate_config(os.environ, cli)
-    warn_unused_compare_settings(gate, cli)
+    gate = gate_from_args(args)
     if args.faults is not None:
         FaultSpec.parse(args.faults)
     if args.outputs is not None:

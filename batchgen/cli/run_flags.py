@@ -19,6 +19,7 @@ from batchgen.kv.gate import (
     PRODUCTION_FIELDS,
     GateError,
     KvGateConfig,
+    gate_config,
 )
 
 SCHEDULE_POLICIES = typing.get_args(EngineConfig.model_fields["schedule_policy"].annotation)
@@ -198,6 +199,15 @@ def warn_unused_compare_settings(gate: KvGateConfig, cli: dict[str, object]) -> 
             " (--kv-compare log or raise turns it on)",
             file=sys.stderr,
         )
+
+
+def gate_from_args(args: argparse.Namespace) -> KvGateConfig:
+    """The KV gate: the gate options over the ``BATCHGEN_WORKER_KV_*`` environment (GateError
+    naming a bad value), with a warning for compare settings given while compare mode is off."""
+    cli = {field: getattr(args, f"kv_{field}") for field in GATE_FLAGS}
+    gate = gate_config(os.environ, cli)
+    warn_unused_compare_settings(gate, cli)
+    return gate
 
 
 def engine_config_from_args(engine, args: argparse.Namespace):
