@@ -30,7 +30,9 @@ def llm(checkpoint):
     return LLM(checkpoint, gpu_pages=64, host_pages=8, page_size=16)
 
 
-def test_greedy_text_equals_hf_transformers_generate_with_the_same_tokenizer(checkpoint, llm):
+def test_greedy_text_and_chat_equal_hf_transformers_generate_with_the_same_tokenizer(
+    checkpoint, llm
+):
     transformers = pytest.importorskip("transformers")
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
@@ -44,6 +46,14 @@ def test_greedy_text_equals_hf_transformers_generate_with_the_same_tokenizer(che
         assert result.prompt_ids == tuple(ids[0].tolist())
         assert result.completions[0].token_ids == tuple(new)
         assert result.completions[0].text == tokenizer.decode(new, skip_special_tokens=True)
+
+    messages = [{"role": "user", "content": "Hello! How are you?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    hf = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    reply = llm.chat([messages], GREEDY)[0]
+    assert reply.prompt_ids == tuple(ids[0].tolist())
+    assert reply.completions[0].token_ids == tuple(hf[0, ids.shape[1] :].tolist())
 
 
 def test_the_chat_template_renders_as_transformers_renders_it(checkpoint, llm):
