@@ -157,6 +157,9 @@ def test_sweep_help_explains_every_flag_with_its_default(capsys):
         ("--max-retries", "3"),
         ("--time-budget", "none"),
         ("--reports-dir", "reports/sweep"),
+        ("--metrics-port", "$BATCHGEN_METRICS_PORT, else none"),
+        ("--metrics-host", "$BATCHGEN_METRICS_HOST, else 127.0.0.1"),
+        ("--metrics-file", "$BATCHGEN_METRICS_FILE, else none"),
         ("--json", "off"),
     ]
     usage = text.partition("options:")[0]
