@@ -31,7 +31,7 @@ CUDA_ONLY_FUNCTIONS = {
     "batchgen/kv/page_copy.py": {"issue_on_side_stream", "_side_stream"},
 }
 # docs/validation.md: | `file` | line | operator | `old` → `new` | why equivalent |
-_EQUIVALENT_ROW = re.compile(r"^\| `([^`]+)` \| \d+ \| [\w-]+ \| `(.*)` → `(.*)` \| .+\|$")
+_EQUIVALENT_ROW = re.compile(r"^\| `([^`]+)` \| \d+ \| \S+ \| `(.*)` → `(.*)` \| .+\|$")
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,12 @@ def read_equivalents(doc: Path) -> set[tuple[str, str, str]]:
     if not doc.exists():
         return set()
     rows = (_EQUIVALENT_ROW.match(line) for line in doc.read_text().splitlines())
-    return {(m[1], m[2], m[3]) for m in rows if m}
+    return {(m[1], _cell(m[2]), _cell(m[3])) for m in rows if m}
+
+
+def _cell(text: str) -> str:
+    """A table cell's code as written in the source: ``\\|`` is a ``|`` the table escaped."""
+    return text.replace("\\|", "|")
 
 
 def cuda_only_lines(path: str, source: str) -> set[int]:

@@ -132,9 +132,12 @@ def test_the_equivalents_table_is_read_by_file_and_changed_line(scripts, tmp_pat
         "| file | line | operator | change | why equivalent |\n|---|---|---|---|---|\n"
         "| `batchgen/kv/plan_checks.py` | 130 | ReplaceComparisonOperator_IsNot_NotEq |"
         " `if a is not B:` → `if a != B:` | an enum member is only equal to itself |\n"
+        "| `batchgen/kv/copy_runs.py` | 280 | core/ReplaceComparisonOperator_GtE_NotEq |"
+        " `(i < 0) \\| (i >= n)` → `(i < 0) \\| (i != n)` | a message only |\n"
     )
     assert scripts[2].read_equivalents(doc) == {
-        ("batchgen/kv/plan_checks.py", "if a is not B:", "if a != B:")
+        ("batchgen/kv/plan_checks.py", "if a is not B:", "if a != B:"),
+        ("batchgen/kv/copy_runs.py", "(i < 0) | (i >= n)", "(i < 0) | (i != n)"),
     }
     assert scripts[2].read_equivalents(tmp_path / "none.md") == set()
 
