@@ -7,8 +7,9 @@ runs in its own venv (created once, cached: ``vllm_venv.py``) through ``vllm_run
 loads the model once per mix and geometry (prefix caching off, its other settings the defaults)
 and runs the mix whenever asked. After one warm-up run each, the engines alternate for ``--pairs``
 pairs (batchgen first in even pairs, vLLM first in odd ones); the ratio is the median over pairs
-of vLLM's wall time over batchgen's, printed with its spread, and every run's tokens are checked
-against the other engine's. Beside it, each engine's wall time per step and the matmul time
+of vLLM's wall time over batchgen's, printed with its spread (and the same of CPU seconds, vLLM's
+counted over its engine processes too), and every run's tokens are checked against the other
+engine's. Beside it, each engine's wall time per step and the matmul time
 alone of a decode step of as many rows as the mix runs at once.
 
     static  32 requests, prompts of 16-128 tokens, 64 new tokens each, all at step 0
@@ -82,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def summarize(batchgen_walls: list[float], vllm_walls: list[float], num_tokens: int) -> dict:
     """Both engines' median tokens/s over their pairs and vLLM's wall time over batchgen's per
     pair: median, min and max. Pure."""
-    ratios = [v / b for b, v in zip(batchgen_walls, vllm_walls, strict=True)]
+    ratios = pair_ratios(batchgen_walls, vllm_walls)
     return {
         "batchgen_tokens_per_s": num_tokens / statistics.median(batchgen_walls),
         "vllm_tokens_per_s": num_tokens / statistics.median(vllm_walls),
@@ -90,6 +91,11 @@ def summarize(batchgen_walls: list[float], vllm_walls: list[float], num_tokens: 
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
     }
+
+
+def pair_ratios(batchgen: list[float], vllm: list[float]) -> list[float]:
+    """vLLM's figure over batchgen's, pair by pair. Pure."""
+    return [v / b for b, v in zip(batchgen, vllm, strict=True)]
 
 
 def differing_requests(batchgen: list[list[int]], vllm: list[list[int]]) -> int:
@@ -101,7 +107,7 @@ def render(rows: list[dict], title: str) -> Table:
     """The figures as a table, one row per geometry, threads and mix. Pure."""
     table = Table(title=title)
     columns = ("geometry", "threads", "mix", "batchgen tok/s", "vLLM tok/s", "ratio", "spread")
-    for column in (*columns, "ms/step b | v", "matmul ms", "tokens"):
+    for column in (*columns, "ratio CPU", "ms/step b | v", "matmul ms", "tokens"):
         table.add_column(column, justify="left" if column in ("geometry", "mix") else "right")
     for row in rows:
         table.add_row(
@@ -112,6 +118,7 @@ def render(rows: list[dict], title: str) -> Table:
             f"{row['vllm_tokens_per_s']:.0f}",
             f"{row['ratio']:.2f}x",
             f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}",
+            f"{row['ratio_cpu']:.2f}x ({row['ratio_cpu_min']:.2f}-{row['ratio_cpu_max']:.2f})",
             f"{row['batchgen_step_ms']:.1f} | {row['vllm_step_ms']:.1f}",
             f"{row['matmul_step_ms']:.1f}",
             "equal"
@@ -127,13 +134,18 @@ def measure(model, runner: VllmRunner, mix, pairs: int) -> dict:
     batchgen = run_batchgen_counting(model, mix)
     vllm = runner.run(mix)
     differing = differing_requests(batchgen["outputs"], vllm["outputs"])
-    walls = {"batchgen": [], "vllm": []}
+    walls, cpus = {"batchgen": [], "vllm": []}, {"batchgen": [], "vllm": []}
     for pair in range(pairs):
         for engine in ("batchgen", "vllm") if pair % 2 == 0 else ("vllm", "batchgen"):
             run = run_batchgen_counting(model, mix) if engine == "batchgen" else runner.run(mix)
             walls[engine].append(run["wall_s"])
+            cpus[engine].append(run["cpu_s"])
             differing = max(differing, differing_requests(run["outputs"], vllm["outputs"]))
     row = summarize(walls["batchgen"], walls["vllm"], mix.num_tokens)
+    cpu_ratios = pair_ratios(cpus["batchgen"], cpus["vllm"])
+    row.update(batchgen_cpu_s=cpus["batchgen"], vllm_cpu_s=cpus["vllm"])
+    row.update(ratio_cpu=statistics.median(cpu_ratios), ratio_cpu_min=min(cpu_ratios))
+    row["ratio_cpu_max"] = max(cpu_ratios)
     # vLLM prefills every prompt of a mix in one step (4096 tokens a step): steps as batchgen's
     steps = batchgen["num_steps"]
     row.update(batchgen_wall_s=walls["batchgen"], vllm_wall_s=walls["vllm"], num_steps=steps)
@@ -147,11 +159,11 @@ def run_batchgen_counting(model, mix) -> dict:
     """batchgen's wall seconds, tokens per request and steps for ``mix`` on a fresh worker (its
     construction not timed)."""
     worker, job = new_worker(model, mix, "cpu")
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     result = run_workload(worker, job)
-    wall_s = time.perf_counter() - started
+    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu
     outputs = [list(result.outputs[f"r{i}"].output_ids) for i in range(len(mix.prompts))]
-    return {"wall_s": wall_s, "outputs": outputs, "num_steps": result.num_steps}
+    return {"wall_s": wall_s, "cpu_s": cpu_s, "outputs": outputs, "num_steps": result.num_steps}
 
 
 def run_geometry(name: str, args, python: Path, console: Console, log: Path) -> list[dict]:

@@ -5,9 +5,10 @@
 The job names the checkpoint directory and the engine's settings. The runner builds one
 ``vllm.LLM`` from it, writes ``{"ready": true}``, then reads one JSON line per run from stdin
 (``{"prompts": [[ids...]], "new_tokens": [n...]}``) and writes one JSON line back per run: its
-wall seconds and every request's output token ids, greedy, ``ignore_eos``. An empty line or end of
-input ends it. Results go to the runner's original standard output; everything else (vLLM's logs,
-its engine process's) goes to standard error.
+wall and CPU seconds (its own and its engine processes') and every request's output token ids,
+greedy, ``ignore_eos``. An empty line or end of input ends it. Results go to the runner's
+original standard output; everything else (vLLM's logs, its engine process's) goes to standard
+error.
 """
 
 from __future__ import annotations
@@ -54,10 +55,20 @@ def generate(llm, prompts: list[list[int]], new_tokens: list[int]) -> dict:
         for n in new_tokens
     ]
     requests = [{"prompt_token_ids": prompt} for prompt in prompts]
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), cpu_seconds()
     outputs = llm.generate(requests, params, use_tqdm=False)
-    wall_s = time.perf_counter() - started
-    return {"wall_s": wall_s, "outputs": [list(out.outputs[0].token_ids) for out in outputs]}
+    wall_s, cpu_s = time.perf_counter() - started, cpu_seconds() - cpu
+    tokens = [list(out.outputs[0].token_ids) for out in outputs]
+    return {"wall_s": wall_s, "cpu_s": cpu_s, "outputs": tokens}
+
+
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its live children (vLLM's engine core and its
+    worker): on a loaded machine a multi-process engine gets more CPU than its wall time shows."""
+    import psutil
+
+    me = psutil.Process()
+    return sum(sum(proc.cpu_times()[:2]) for proc in [me, *me.children(recursive=True)])
 
 
 def main() -> None:

@@ -81,12 +81,13 @@ def test_the_table_shows_every_figure_and_whether_tokens_are_equal(bench):
     row = dict(geometry="256x4", threads=2, mix="mixed", ratio=1.234, ratio_min=1.1, ratio_max=1.3)
     row.update(batchgen_tokens_per_s=2900.4, vllm_tokens_per_s=2350.0, batchgen_step_ms=9.87)
     row.update(vllm_step_ms=12.0, matmul_step_ms=1.75, num_requests_differing=0)
+    row.update(ratio_cpu=0.91, ratio_cpu_min=0.8, ratio_cpu_max=1.0)
     console = Console(width=200, record=True)
     console.print(bench.render([row, {**row, "num_requests_differing": 3}], "t"))
     lines = console.export_text().splitlines()
     cells = [line for line in lines if "256x4" in line]
     assert len(cells) == 2
-    for text in ("2900", "2350", "1.23x", "1.10-1.30", "9.9 | 12.0", "1.8"):
+    for text in ("2900", "2350", "1.23x", "1.10-1.30", "0.91x (0.80-1.00)", "9.9 | 12.0", "1.8"):
         assert text in cells[0]
     assert "equal" in cells[0] and "3 differ" in cells[1]
 
