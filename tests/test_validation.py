@@ -83,6 +83,10 @@ def use_workloads(monkeypatch, tmp_path, *workloads: Workload, corpus=()) -> lis
     monkeypatch.setattr(batchgen.validation.validate, "BACK_TO_BACK_WORKLOADS", tuple(paths))
     monkeypatch.setattr(batchgen.validation.validate, "CORPUS_DIR", corpus_dir)
     monkeypatch.setattr(batchgen.validation.validate, "coverage_failures", lambda report: [])
+    # nor the copy patterns: their pages are too few to split a copy
+    monkeypatch.setattr(
+        batchgen.validation.validate, "copy_pattern_failures", lambda report, required: []
+    )
     return [workload.name for workload in workloads]
 
 

@@ -7,7 +7,7 @@ import pytest
 from data_plane_bugs import one_round_trip, runs_whose_destination_does_not_advance
 
 from batchgen.kv import copy_runs
-from batchgen.kv.copy_patterns import COPY_PATTERN_IDS
+from batchgen.kv.copy_patterns import COPY_PATTERN_IDS, issuable_patterns
 from batchgen.model.loader import load_model
 from batchgen.validation.checks import copy_pattern_failures
 from batchgen.validation.report import DIRECTIONS
@@ -75,11 +75,23 @@ def data_record() -> DivergenceRecord:
 
 def test_a_pattern_no_run_issued_is_a_failure_naming_it():
     issued = {pattern: 1 for pattern in COPY_PATTERN_IDS if pattern != "copy.load.split"}
-    assert copy_pattern_failures(aggregate([summary(issued)])) == [
+    report = aggregate([summary(issued)])
+    assert copy_pattern_failures(report, issuable_patterns(host_to_host=True)) == [
         "copy patterns: never issued: copy.load.split"
     ]
     every = {pattern: 2 for pattern in COPY_PATTERN_IDS}
-    assert copy_pattern_failures(aggregate([summary(every)])) == []
+    assert copy_pattern_failures(aggregate([summary(every)]), COPY_PATTERN_IDS) == []
+
+
+def test_with_a_gpu_involved_no_split_is_required():
+    assert issuable_patterns(host_to_host=False) == tuple(
+        pattern for pattern in COPY_PATTERN_IDS if not pattern.endswith(".split")
+    )
+    unsplit = {pattern: 1 for pattern in issuable_patterns(host_to_host=False)}
+    assert (
+        copy_pattern_failures(aggregate([summary(unsplit)]), issuable_patterns(host_to_host=False))
+        == []
+    )
 
 
 def test_reports_count_data_divergences_as_their_own_kind_with_the_checks_and_patterns():

@@ -30,6 +30,12 @@ PATTERNS = ("single", "consecutive", "scattered", "shuffled", "split")
 COPY_PATTERN_IDS = tuple(f"copy.{d}.{p}" for d in DIRECTIONS for p in PATTERNS)
 
 
+def issuable_patterns(*, host_to_host: bool) -> tuple[str, ...]:
+    """The pattern ids copies between the tiers can issue: all, or, with a GPU involved (no copy
+    threads there), all but ``split``. Pure."""
+    return tuple(p for p in COPY_PATTERN_IDS if host_to_host or not p.endswith(".split"))
+
+
 def copy_patterns(
     direction: str,
     src_ids: Sequence[int],

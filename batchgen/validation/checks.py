@@ -7,7 +7,6 @@ from batchgen.config import pages_needed, watermark_pages
 from batchgen.engine.runner import RunResult
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
-from batchgen.kv.copy_patterns import COPY_PATTERN_IDS
 from batchgen.validation.output_check import compare_exact, compare_outputs
 from batchgen.validation.report import KvDirection
 from compare import DivergenceRecord, Report, RunSummary
@@ -58,11 +57,11 @@ def data_failures(label: str, summary: RunSummary, first: DivergenceRecord | Non
     ]
 
 
-def copy_pattern_failures(compare: Report) -> list[str]:
-    """A line naming each copy pattern (``kv.copy_patterns``) no run issued, in either
-    direction. Pure."""
+def copy_pattern_failures(compare: Report, required: tuple[str, ...]) -> list[str]:
+    """A line naming each copy pattern of ``required`` (``kv.copy_patterns``) no run issued.
+    Pure."""
     issued = dict(compare.data_patterns)
-    missed = [pattern for pattern in COPY_PATTERN_IDS if not issued.get(pattern)]
+    missed = [pattern for pattern in required if not issued.get(pattern)]
     if not missed:
         return []
     return [f"copy patterns: never issued: {', '.join(missed)}"]

@@ -49,6 +49,7 @@ import torch
 
 from batchgen.config import CacheConfig
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
+from batchgen.kv.copy_patterns import issuable_patterns
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.shadow.coverage import CATALOG
 from batchgen.validation.checks import copy_pattern_failures, coverage_failures
@@ -122,7 +123,8 @@ def validate_back_to_back(
         compare = aggregate(records, CATALOG)
         if not (fail_fast and session.failures):  # a stopped validation reached only some
             session.failures += coverage_failures(compare)
-            session.failures += copy_pattern_failures(compare)
+            issuable = issuable_patterns(host_to_host=torch.device(device).type == "cpu")
+            session.failures += copy_pattern_failures(compare, issuable)
         written = {}
         if reports_dir is not None:
             written = _write_reports(session, directory, compare, records)
