@@ -9,6 +9,7 @@ from test_validation import one_json_object, pressure_workload, use_workloads
 
 import batchgen.engine.worker
 from batchgen.cli import main
+from batchgen.kv.manager import KVCacheManager
 from batchgen.model.llama import RotaryEmbedding
 from batchgen.validation import hf_oracle
 from batchgen.validation.hf_oracle import check_against_hf
@@ -60,6 +61,16 @@ def test_a_bug_in_the_kv_layout_fails_the_oracle_naming_each_request(bug, monkey
             failure,
         )
     assert verdict.line.endswith(f"{len(verdict.failures)} differ")
+
+
+def test_an_engine_run_that_raises_is_a_named_failure_of_the_oracle(monkeypatch):
+    def broken(self, req):
+        raise RuntimeError("no plan today")
+
+    monkeypatch.setattr(KVCacheManager, "plan_allocation", broken)
+    verdict = check_against_hf("cpu", "float32", TOLERANCE)
+    assert verdict.line == "HF oracle: the engine's run raised"
+    assert verdict.failures == ("HF oracle: raised at step 0: RuntimeError: no plan today",)
 
 
 def test_without_transformers_the_oracle_says_so_and_fails_nothing(monkeypatch):

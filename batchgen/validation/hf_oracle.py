@@ -74,7 +74,12 @@ def check_against_hf(device: str | torch.device, dtype: str, tolerance: float) -
         kv_gate=KvGateConfig(),
         device=device,
     )
-    result = run_workload(worker, workload, check_integrity=True)
+    try:
+        result = run_workload(worker, workload, check_integrity=True)
+    except Exception as error:  # a broken KV path: a failure of the oracle's run, not a crash
+        message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        failure = f"HF oracle: raised at step {worker.state.step}: {message}"
+        return OracleVerdict("HF oracle: the engine's run raised", (failure,))
     failures = []
     for request in workload.requests:
         output = result.outputs[request.uuid]
