@@ -59,25 +59,27 @@ def expected_appends(
     each K/V in its slots. An append its page table does not cover is left out (the write refuses
     it). Pure read of ``pool``."""
     page_size = pool.shape[3]
-    uuids, page_ids, local_pages, slots, new_kvs = [], [], [], [], []
-    for uuid, table, start, kv in appends:
-        positions = np.arange(start, start + kv.shape[2])
-        first, last = start // page_size, (start + kv.shape[2] - 1) // page_size
-        if last >= len(table):
-            continue
-        new_kvs.append(kv)
-        local_pages.append(len(page_ids) + positions // page_size - first)
-        slots.append(positions % page_size)
-        touched = list(table[first : last + 1])
-        page_ids += touched
-        uuids += [uuid] * len(touched)
+    covered = [a for a in appends if (a[2] + a[3].shape[2] - 1) // page_size < len(a[1])]
+    starts = np.array([start for _, _, start, _ in covered], dtype=np.int64)
+    lengths = np.array([kv.shape[2] for *_, kv in covered], dtype=np.int64)
+    firsts, lasts = starts // page_size, (starts + lengths - 1) // page_size
+    page_offsets = np.concatenate([[0], np.cumsum(lasts - firsts + 1)[:-1]]).astype(np.int64)
+    uuids, page_ids = [], []
+    for (uuid, table, _, _), first, last in zip(covered, firsts.tolist(), lasts.tolist()):
+        page_ids += table[first : last + 1]
+        uuids += [uuid] * (last - first + 1)
+    # each appended position, its append's start repeated plus its place in the append
+    row_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    positions = np.repeat(starts - row_starts, lengths) + np.arange(int(lengths.sum()))
+    local_pages = positions // page_size + np.repeat(page_offsets - firsts, lengths)
+    new_kvs = [kv for *_, kv in covered]
     index = torch.as_tensor(page_ids, dtype=torch.int64, device=pool.device)
     pages = pool.index_select(0, index)
     if not new_kvs:
         return AppendCheck((), index, layer_digests(pages))
     new_kv = torch.cat(new_kvs, dim=2).permute(2, 0, 1, 3, 4)
-    local = torch.as_tensor(np.concatenate(local_pages), device=pool.device)
-    slot = torch.as_tensor(np.concatenate(slots), device=pool.device)
+    local = torch.as_tensor(local_pages, device=pool.device)
+    slot = torch.as_tensor(positions % page_size, device=pool.device)
     pages[local, :, :, slot] = new_kv.to(device=pool.device, dtype=pool.dtype)
     return AppendCheck(tuple(uuids), index, layer_digests(pages))
 
