@@ -27,7 +27,13 @@ OUTCOMES = ("killed", "timeout", "survived", "equivalent", "not executed here", 
 # Functions only a CUDA tensor reaches (a CPU validate calls none): never-executed lines in them,
 # like those of an ``if`` whose test reads ``cuda``, are "not executed here".
 CUDA_ONLY_FUNCTIONS = {
-    "batchgen/kv/copy_runs.py": {"_copy_within_device", "_copy_runs", "_runs", "cuda_device"},
+    "batchgen/kv/copy_runs.py": {
+        "_copy_within_device",
+        "_copy_runs",
+        "_runs",
+        "_on_device",
+        "cuda_device",
+    },  # fmt: skip
     "batchgen/kv/page_copy.py": {"issue_on_side_stream", "_side_stream"},
 }
 # docs/validation.md: | `file` | line | operator | `old` → `new` | why equivalent |
