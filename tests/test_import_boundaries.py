@@ -53,6 +53,14 @@ def forbidden_imports(package: str, forbidden: tuple[str, ...], allowed=()) -> l
         # the worker builds compare mode, imported only when the gate turns it on
         ("batchgen.engine", ("batchgen.shadow",), ("batchgen.shadow.kv_compare",)),
         ("batchgen.shadow", ("batchgen.cli",), ()),
+        # validation, triage and sweeps use compare mode; compare mode and what it binds use none
+        *(
+            (layer, ("batchgen.validation", "batchgen.triage", "batchgen.sweep"), ())
+            for layer in ("batchgen.model", "batchgen.kv", "batchgen.engine", "batchgen.shadow")
+        ),
+        ("batchgen.validation", ("batchgen.cli",), ()),
+        ("batchgen.triage", ("batchgen.cli",), ()),
+        ("batchgen.sweep", ("batchgen.cli",), ()),
         # the engine is token ids in, token ids out: text, OpenAI shapes and the LLM API sit above
         ("batchgen.engine", ("batchgen.text", "batchgen.openai", "batchgen.entrypoints"), ()),
         ("batchgen.text", ("batchgen.openai", "batchgen.entrypoints", "batchgen.cli"), ()),
