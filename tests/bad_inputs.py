@@ -249,6 +249,11 @@ def case(
 CLI, GATE, WORKLOAD, CHECKPOINT, LOG, FAULTS = CATEGORIES
 RUN = "run --workload smoke"
 SWEEP = "sweep --workload smoke --reports-dir reports"
+# one /v1/completions line of a batch file for generate: custom_id "a", the prompt to fill in
+GENERATE_LINE = (
+    '{"custom_id": "a", "method": "POST", "url": "/v1/completions",'
+    ' "body": {"model": "ckpt", "prompt": "%s"}}\n'
+)
 LONG_NAME = "x" * 256  # one byte past the longest file name Linux file systems take
 
 CASES: tuple[BadInput, ...] = (
@@ -1065,7 +1070,34 @@ CASES: tuple[BadInput, ...] = (
         ("engine.load_failure", "'recompute' or 'fail'"),
         build=workload(engine={"load_failure": "retry"}),
     ),
+    case(
+        "generate-missing-input",
+        CLI,
+        "generate with a batch file that does not exist",
+        "generate -i in.jsonl -o out.jsonl --model ckpt",
+        ("--input in.jsonl: no such file",),
+        build=checkpoint(),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-duplicate-custom-ids",
+        CLI,
+        "a batch file where two lines share one custom_id",
+        "generate -i in.jsonl -o out.jsonl --model ckpt",
+        ("--input in.jsonl", "used by more than one line ('a')", "each line needs its own"),
+        build=both(checkpoint(), write("in.jsonl", (GENERATE_LINE % "x") + (GENERATE_LINE % "y"))),
+        outputs=("out.jsonl",),
+    ),
     # ---- checkpoint directories ----
+    case(
+        "generate-model-without-tokenizer",
+        CHECKPOINT,
+        "generate on a checkpoint directory without tokenizer.json",
+        "generate -i in.jsonl -o out.jsonl --model ckpt",
+        ("ckpt/tokenizer.json: missing", "needs the checkpoint's fast tokenizer"),
+        build=both(checkpoint(), write("in.jsonl", GENERATE_LINE % "x")),
+        outputs=("out.jsonl",),
+    ),
     case(
         "model-unknown-name",
         CHECKPOINT,
