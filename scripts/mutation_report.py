@@ -31,6 +31,7 @@ CUDA_ONLY_FUNCTIONS = {
         "_copy_within_device",
         "_copy_runs",
         "_runs",
+        "_is_consecutive_between",  # called by _runs alone
         "_on_device",
         "cuda_device",
     },  # fmt: skip
