@@ -84,7 +84,8 @@ def build_case(case: tuple[int, int, int], args: argparse.Namespace, rng: random
     for row, (length, num_pages) in enumerate(zip(lengths, tables)):
         spans.append(Span(row, 1, length, page_ids[start : start + num_pages]))
         start += num_pages
-    shape = (len(page_ids), args.layers, 2, args.page_size, args.kv_heads, args.head_dim)
+    # the layout of paged_kv.kv_page_shape
+    shape = (len(page_ids), args.layers, 2, args.kv_heads, args.page_size, args.head_dim)
     pages = torch.randn(shape)
     q = torch.randn(num_rows, args.kv_heads * args.query_group, args.head_dim)
     new_kv = torch.randn(2, num_rows, args.kv_heads, args.head_dim)

@@ -15,7 +15,7 @@ import torch
 from batchgen.kv import copy_runs
 from batchgen.kv.page_copy import AsyncCopyQueue, CopyError, copy_pages, new_page_tensor
 
-PAGE_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, page_size, num_kv_heads, head_dim
+PAGE_SHAPE = (2, 2, 2, 4, 8)  # num_layers, K/V, num_kv_heads, page_size, head_dim
 NUM_PAGES = 32
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,7 +10,7 @@ from batchgen.kv.copy_runs import CopySplit
 from batchgen.kv.page_checks import append_mismatches, expected_appends
 from batchgen.kv.page_digest import check_digestible, layer_digests, page_digests
 
-PAGE_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, page_size, num_kv_heads, head_dim
+PAGE_SHAPE = (2, 2, 2, 4, 8)  # num_layers, K/V, num_kv_heads, page_size, head_dim
 
 
 def make_pool(num_pages: int = 6, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -31,7 +31,7 @@ def test_digests_hold_one_value_per_page_and_layer_and_equal_pages_digest_equal(
 def test_one_changed_element_changes_only_its_layers_digest(dtype):
     pool = make_pool(dtype=dtype)
     before = page_digests(pool, [3])
-    pool[3, 1, 0, 2, 1, 5] += 1
+    pool[3, 1, 0, 1, 2, 5] += 1  # page 3, layer 1, K, kv head 1, slot 2
     after = page_digests(pool, [3])
     assert after[0, 0] == before[0, 0] and after[0, 1] != before[0, 1]
 
@@ -39,7 +39,7 @@ def test_one_changed_element_changes_only_its_layers_digest(dtype):
 def test_two_swapped_slots_change_the_digest():
     pool = make_pool()
     before = page_digests(pool, [2])
-    pool[2, 0, 0, [0, 3]] = pool[2, 0, 0, [3, 0]]
+    pool[2, 0, 0, :, [0, 3]] = pool[2, 0, 0, :, [3, 0]]
     assert page_digests(pool, [2])[0, 0] != before[0, 0]
 
 
@@ -98,10 +98,10 @@ def test_an_append_written_into_its_slots_matches_its_expected_digests_and_one_e
     check = expected_appends(pool, [("a", [5, 1], 3, kv)])
     assert (check.uuids, check.page_ids.tolist()) == (("a", "a"), [5, 1])
     late = pool.clone()
-    pool[5, :, :, 3], pool[1, :, :, 0:2] = kv[:, :, 0], kv[:, :, 1:3]
+    pool[5, :, :, :, 3], pool[1, :, :, :, 0:2] = kv[:, :, 0], kv[:, :, 1:3].transpose(2, 3)
     assert append_mismatches(pool, check) == []
-    late[5, :, :, 3] = kv[:, :, 0]
-    late[1, :, :, 1:3] = kv[:, :, 1:3]  # one slot late on page 1
+    late[5, :, :, :, 3] = kv[:, :, 0]
+    late[1, :, :, :, 1:3] = kv[:, :, 1:3].transpose(2, 3)  # one slot late on page 1
     assert [(m.position, m.layer) for m in append_mismatches(late, check)] == [(1, 0), (1, 1)]
 
 

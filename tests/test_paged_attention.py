@@ -53,7 +53,7 @@ def test_every_row_is_in_one_batch_longest_first_within_the_cap(num_pages, max_b
 
 def test_the_batch_cost_is_counted_in_pages_of_the_pool_attended(monkeypatch):
     # K and V x 16 tokens x 2 kv heads x 8 dims, float32: 2 KiB per page of a layer
-    pages = torch.zeros(40, 1, 2, 16, 2, 8)
+    pages = torch.zeros(40, 1, 2, 2, 16, 8)
     spans = [Span(0, 1, 16 * 30, list(range(31))), Span(1, 1, 5, [31]), Span(2, 1, 5, [32])]
     monkeypatch.setattr(paged_attention, "DECODE_BATCH_COST_BYTES", 2048 * 60)
     assert len(plan_attention(spans, pages).decodes) == 1  # the cut saves 2 x 30 pages: not more

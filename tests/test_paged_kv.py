@@ -38,8 +38,8 @@ def make_kv(num_tokens: int, offset: float = 0.0) -> torch.Tensor:
     return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + offset
 
 
-def test_page_shape_puts_the_page_outermost():
-    assert kv_page_shape(CONFIG, page_size=5, num_pages=11) == (11, 3, 2, 5, 2, 4)
+def test_page_shape_puts_the_page_outermost_and_the_slot_inside_the_kv_head():
+    assert kv_page_shape(CONFIG, page_size=5, num_pages=11) == (11, 3, 2, 2, 5, 4)
 
 
 def test_position_lives_in_page_table_entry_and_slot():
@@ -50,8 +50,8 @@ def test_position_lives_in_page_table_entry_and_slot():
     for pos in range(13):
         page, slot = page_ids[pos // 5], pos % 5
         for layer in range(CONFIG.num_layers):
-            assert torch.equal(pages[page, layer, 0, slot], new_kv[layer, 0, pos])
-            assert torch.equal(pages[page, layer, 1, slot], new_kv[layer, 1, pos])
+            assert torch.equal(pages[page, layer, 0, :, slot], new_kv[layer, 0, pos])
+            assert torch.equal(pages[page, layer, 1, :, slot], new_kv[layer, 1, pos])
 
 
 def test_write_then_gather_round_trips_across_page_boundaries():
@@ -84,9 +84,9 @@ def test_write_touches_no_other_slot():
     written = torch.zeros(6, 5, dtype=torch.bool)
     written[5, 3:5] = True
     written[2, 0:2] = True
-    untouched = pages.permute(0, 3, 1, 2, 4, 5)[~written]
+    untouched = pages.permute(0, 4, 1, 2, 3, 5)[~written]  # [page, slot, ...] masked
     assert torch.all(untouched == SENTINEL)
-    assert not torch.any(pages.permute(0, 3, 1, 2, 4, 5)[written] == SENTINEL)
+    assert not torch.any(pages.permute(0, 4, 1, 2, 3, 5)[written] == SENTINEL)
 
 
 def test_gather_does_not_modify_pages():

@@ -2,8 +2,8 @@
 
 ::
 
-    GPU pool  [num_gpu_pages,  L, 2, page_size, kv_heads, head_dim]  on the device
-    host pool [num_host_pages, L, 2, page_size, kv_heads, head_dim]  CPU, pinned with CUDA
+    GPU pool  [num_gpu_pages,  L, 2, kv_heads, page_size, head_dim]  on the device
+    host pool [num_host_pages, L, 2, kv_heads, page_size, head_dim]  CPU, pinned with CUDA
 
     store: GPU pages of a request -> its host pages   (synchronous; eviction)
     load : its host pages -> GPU pages                 (async, on the pool's copy queue; migration)

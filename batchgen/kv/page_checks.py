@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from batchgen.kv.page_digest import layer_digests, page_digests
+from batchgen.model.paged_kv import page_size_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,7 @@ def expected_appends(
     2, n, kv_heads, head_dim]``) must have once the K/V are written: the pages as they are now with
     each K/V in its slots. An append its page table does not cover is left out (the write refuses
     it). Pure read of ``pool``."""
-    page_size = pool.shape[3]
+    page_size = page_size_of(pool)
     covered = [a for a in appends if (a[2] + a[3].shape[2] - 1) // page_size < len(a[1])]
     starts = np.array([start for _, _, start, _ in covered], dtype=np.int64)
     lengths = np.array([kv.shape[2] for *_, kv in covered], dtype=np.int64)
@@ -80,7 +81,7 @@ def expected_appends(
     new_kv = torch.cat(new_kvs, dim=2).permute(2, 0, 1, 3, 4)
     local = torch.as_tensor(local_pages, device=pool.device)
     slot = torch.as_tensor(positions % page_size, device=pool.device)
-    pages[local, :, :, slot] = new_kv.to(device=pool.device, dtype=pool.dtype)
+    pages[local, :, :, :, slot] = new_kv.to(device=pool.device, dtype=pool.dtype)
     return AppendCheck(tuple(uuids), index, layer_digests(pages))
 
 

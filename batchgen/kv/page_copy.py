@@ -3,7 +3,7 @@
 Each tier's KV lives in one tensor, page outermost, so one page of all layers is
 one contiguous chunk and a run of consecutive page ids is one contiguous slice::
 
-    pool[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+    pool[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]
          ^ page id  '------------- one page: contiguous -------------'
 
 How a batch is cut into runs and issued is ``copy_runs``' job.

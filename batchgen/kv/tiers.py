@@ -2,8 +2,8 @@
 
 ::
 
-    GPU tier   [num_gpu_pages,  L, 2, page_size, kv_heads, head_dim]  on the worker's device
-    host tier  [num_host_pages, L, 2, page_size, kv_heads, head_dim]  CPU, pinned with CUDA
+    GPU tier   [num_gpu_pages,  L, 2, kv_heads, page_size, head_dim]  on the worker's device
+    host tier  [num_host_pages, L, 2, kv_heads, page_size, head_dim]  CPU, pinned with CUDA
 """
 
 from __future__ import annotations

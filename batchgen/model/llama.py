@@ -29,6 +29,7 @@ from batchgen.model.paged_attention import (
     attend_sequence,
     plan_attention,
 )
+from batchgen.model.paged_kv import page_size_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits of each sequence's last new token and the new tokens' K/V; reads ``kv_pages``,
         never writes it."""
         device = self.model.embed_tokens.weight.device
-        spans = _pack(seqs, page_size=kv_pages.shape[3])
+        spans = _pack(seqs, page_size=page_size_of(kv_pages))
         token_ids = torch.tensor(
             list(itertools.chain.from_iterable(s.token_ids for s in seqs)), device=device
         )

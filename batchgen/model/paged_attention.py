@@ -24,7 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from batchgen.config import pages_needed
-from batchgen.model.paged_kv import gather_kv, gather_slots, page_table_tensor, slot_rows
+from batchgen.model.paged_kv import (
+    block_rows,
+    gather_blocks,
+    gather_kv,
+    page_size_of,
+    page_table_tensor,
+)
 
 # One more decode batch (its own gather and SDPA calls in every layer) costs about what gathering
 # and attending this much more K/V of a layer does (scripts/bench_decode_attention.py, on CPU).
@@ -50,23 +56,25 @@ class Span:
 class DecodeBatch:
     """One-token sequences with a cached history, attended as one padded batch of B rows.
 
-    Every row reads T = the longest row's start_pos + 1 key columns, slot by slot, so its key
-    column t is position t::
+    Every row reads its page table padded to the longest row's, P pages, whole: T = P * page_size
+    key columns, so its key column t is position t::
 
         columns of row b      | keys and values
         ----------------------+----------------------------------------------------
         [0, start_pos)        | cached, read from its pages
         start_pos             | its new token's, from this forward
-        (start_pos, T)        | its position 0 again, masked
+        (start_pos, T)        | zeros, masked
 
-    Padding reads a written slot of the row's own, never an unwritten one (which may hold
-    anything, NaN included, and a NaN key or value survives the masking of its score).
+    The padding is zeroed after each gather: an unwritten slot may hold anything, NaN included,
+    and a NaN key or value survives the masking of its score.
     """
 
     rows: Tensor  # [B] packed row of each decode token
-    batch_rows: Tensor  # [B] 0 .. B-1, the row index of each new token's column
-    key_rows: Tensor  # [layers, 2, B, kv_heads, T] where each key and value is (slot_rows)
-    new_columns: Tensor  # [B] the column of each new token: its start_pos
+    key_blocks: Tensor  # [layers, 2, B, kv_heads, P] where each page of keys is (block_rows)
+    # rows of head_dim of the gathered [2, B, kv_heads, T, head_dim]: each new token's K and V
+    # in (kv, row, kv head) order, and every padding column's
+    new_key_rows: Tensor
+    pad_key_rows: Tensor
     key_mask: Tensor  # [B, 1, 1, T] 0 where a key may be attended, -inf where not
     # the gathered K/V of one layer, reused by every layer: a fresh buffer of several MiB per
     # layer costs its page faults each time (glibc maps a large allocation anew)
@@ -118,13 +126,13 @@ def attend_decodes(
     folded under their kv head, so no K/V copy per head."""
     num_batch = len(decodes.rows)
     # [2, B, kv_heads, T, d]
-    keys_values = gather_slots(kv_pages, decodes.key_rows[layer], decodes.scratch)
-    # advanced indices on dims 1 and 3 put the batch dim first: [B, 2, kv_heads, d]
-    keys_values[:, decodes.batch_rows, :, decodes.new_columns] = (
-        new_kv[:, decodes.rows].transpose(0, 1).to(keys_values.dtype)
-    )
-    keys_values = keys_values.to(q.dtype)
+    keys_values = gather_blocks(kv_pages, decodes.key_blocks[layer], decodes.scratch)
     num_kv_heads, head_dim = keys_values.shape[2], keys_values.shape[4]
+    key_rows = keys_values.view(-1, head_dim)
+    key_rows.index_fill_(0, decodes.pad_key_rows, 0)
+    new_keys_values = new_kv[:, decodes.rows].reshape(-1, head_dim)  # [2 * B * kv_heads, d]
+    key_rows.index_copy_(0, decodes.new_key_rows, new_keys_values.to(key_rows.dtype))
+    keys_values = keys_values.to(q.dtype)
     grouped_q = q[decodes.rows].view(num_batch, num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
         grouped_q, keys_values[0], keys_values[1], attn_mask=decodes.key_mask.to(q.dtype)
@@ -137,7 +145,7 @@ def plan_attention(
 ) -> AttentionPlan:
     """The spans by kind, decodes in at most ``max_decode_batches`` padded batches
     (``decode_groups``; default: the device's) for attending ``kv_pages``. Pure."""
-    page_size, device = kv_pages.shape[3], kv_pages.device
+    page_size, device = page_size_of(kv_pages), kv_pages.device
     decode_spans = [s for s in spans if s.start_pos > 0 and s.num_new == 1]
     max_batches = max_decode_batches or default_decode_batches(device)
     layer_page_bytes = math.prod(kv_pages.shape[2:]) * kv_pages.element_size()  # its K and V
@@ -196,23 +204,26 @@ def _best_cut(lengths: Sequence[int], start: int, end: int) -> tuple[int, int]:
 
 def _plan_decodes(spans: list[Span], kv_pages: Tensor) -> DecodeBatch:
     """The padded batch of the decode spans (see ``DecodeBatch``). Pure."""
-    page_size, device = kv_pages.shape[3], kv_pages.device
+    page_size, device = page_size_of(kv_pages), kv_pages.device
     tables = [s.page_ids[: _pages_read(s, page_size)] for s in spans]
     pages_per_row = max(map(len, tables))
     padded = [[*table, *[table[0]] * (pages_per_row - len(table))] for table in tables]
     start_pos = torch.tensor([s.start_pos for s in spans], device=device)
-    columns = torch.arange(int(start_pos.max()) + 1, device=device)[None, :]  # [1, T]
-    positions = torch.where(columns < start_pos[:, None], columns, 0)  # padding: position 0
-    table = page_table_tensor(padded, device)
-    key_mask = torch.zeros(positions.shape, dtype=kv_pages.dtype, device=device)
-    key_mask.masked_fill_(columns > start_pos[:, None], -torch.inf)
-    key_rows = slot_rows(kv_pages, table, positions)
-    head_dim = kv_pages.shape[-1]
+    columns = torch.arange(pages_per_row * page_size, device=device)[None, :]  # [1, T]
+    padding = columns > start_pos[:, None]
+    key_mask = torch.zeros(padding.shape, dtype=kv_pages.dtype, device=device)
+    key_mask.masked_fill_(padding, -torch.inf)
+    key_blocks = block_rows(kv_pages, page_table_tensor(padded, device))
+    num_rows, num_kv_heads = len(spans), kv_pages.shape[3]
+    # the first key row of each (kv, row, kv head) matrix of the gathered K/V
+    firsts = torch.arange(2 * num_rows * num_kv_heads, device=device).view(2, num_rows, -1)
+    firsts = firsts * columns.shape[1]
+    pad_rows, pad_columns = torch.nonzero(padding, as_tuple=True)
     return DecodeBatch(
         rows=torch.tensor([s.row_start for s in spans], device=device),
-        batch_rows=torch.arange(len(spans), device=device),
-        key_rows=key_rows,
-        new_columns=start_pos,
+        key_blocks=key_blocks,
+        new_key_rows=(firsts + start_pos[None, :, None]).view(-1),
+        pad_key_rows=(firsts[:, pad_rows] + pad_columns[None, :, None]).view(-1),
         key_mask=key_mask[:, None, None, :],
-        scratch=kv_pages.new_empty(key_rows[0].numel() * head_dim),
+        scratch=kv_pages.new_empty(key_blocks[0].numel() * page_size * kv_pages.shape[5]),
     )

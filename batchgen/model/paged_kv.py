@@ -2,11 +2,13 @@
 
 One tensor per tier holds every page::
 
-    kv_pages[page, layer, kv, slot, kv_head, head_dim]      kv: 0 = K, 1 = V
+    kv_pages[page, layer, kv, kv_head, slot, head_dim]      kv: 0 = K, 1 = V
 
 A page is outermost, so one page of every layer is one contiguous chunk (a
-host <-> GPU copy of a page is a single slice). A sequence's page table
-``page_ids`` maps its token positions to slots:
+host <-> GPU copy of a page is a single slice); a slot is inside the kv head,
+so one page of one kv head's keys is one contiguous ``[page_size, head_dim]``
+block, in the order attention reads keys (a decode gathers blocks, not rows).
+A sequence's page table ``page_ids`` maps its token positions to slots:
 
     positions                     | page            | slot
     ------------------------------+-----------------+--------------
@@ -30,9 +32,14 @@ K_INDEX, V_INDEX = 0, 1
 
 
 def kv_page_shape(config: ModelConfig, page_size: int, num_pages: int) -> tuple[int, ...]:
-    """Shape of a tier's page tensor: ``[num_pages, num_layers, 2, page_size, num_kv_heads,
+    """Shape of a tier's page tensor: ``[num_pages, num_layers, 2, num_kv_heads, page_size,
     head_dim]``."""
-    return (num_pages, config.num_layers, 2, page_size, config.num_kv_heads, config.head_dim)
+    return (num_pages, config.num_layers, 2, config.num_kv_heads, page_size, config.head_dim)
+
+
+def page_size_of(kv_pages: Tensor) -> int:
+    """Slots per page of a tier's page tensor. Pure."""
+    return kv_pages.shape[4]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,42 +68,43 @@ def gather_pages(kv_pages: Tensor, page_ids: Tensor, layer: int) -> tuple[Tensor
     """K and V of one layer of whole pages ``page_ids`` [n], each ``[n * page_size, num_kv_heads,
     head_dim]``: slot s of ``page_ids[i]`` is row ``i * page_size + s``, unwritten slots included.
 
-    Pure read: returns fresh tensors. A page of one layer's K (or V) is one contiguous block, so
-    this copies blocks, not slots.
+    Pure read: returns fresh tensors.
     """
-    num_kv_heads, head_dim = kv_pages.shape[4:]
+    num_kv_heads, head_dim = kv_pages.shape[3], kv_pages.shape[5]
     k, v = (
-        kv_pages[:, layer, kv].index_select(0, page_ids).view(-1, num_kv_heads, head_dim)
+        kv_pages[:, layer, kv]
+        .index_select(0, page_ids)
+        .transpose(1, 2)
+        .reshape(-1, num_kv_heads, head_dim)
         for kv in (K_INDEX, V_INDEX)
     )
     return k, v
 
 
-def slot_rows(kv_pages: Tensor, page_table: Tensor, positions: Tensor) -> Tensor:
-    """Where the K and V of positions ``positions`` [B, T] of the page tables ``page_table``
-    [B, pages] live: ``[num_layers, 2, B, kv_heads, T]`` rows of ``kv_pages`` seen as rows of
-    ``head_dim`` (``gather_slots`` reads a layer's). Pure."""
-    _, num_layers, _, page_size, num_kv_heads, _ = kv_pages.shape
+def block_rows(kv_pages: Tensor, page_table: Tensor) -> Tensor:
+    """Where the K and V blocks of the page tables ``page_table`` [B, P] live: ``[num_layers, 2,
+    B, kv_heads, P]`` rows of ``kv_pages`` seen as rows of one ``[page_size, head_dim]`` block
+    (``gather_blocks`` reads a layer's). Pure."""
+    _, num_layers, _, num_kv_heads = kv_pages.shape[:4]
     device = page_table.device
-    pages = page_table.gather(1, positions // page_size)
-    slots = (pages * (num_layers * 2 * page_size) + positions % page_size) * num_kv_heads
-    # layer l, K or V, kv head h: (2 * l + kv) * page_size * num_kv_heads + h rows further on
+    blocks_per_page = num_layers * 2 * num_kv_heads
+    # layer l, K or V, kv head h: (2 * l + kv) * kv_heads + h blocks into the page
     layer_kv = torch.arange(num_layers * 2, device=device).view(num_layers, 2, 1, 1, 1)
     heads = torch.arange(num_kv_heads, device=device).view(1, 1, 1, num_kv_heads, 1)
-    offsets = layer_kv * (page_size * num_kv_heads) + heads
-    return slots[None, None, :, None, :] + offsets
+    offsets = layer_kv * num_kv_heads + heads
+    return (page_table * blocks_per_page)[None, None, :, None, :] + offsets
 
 
-def gather_slots(kv_pages: Tensor, rows: Tensor, out: Tensor) -> Tensor:
-    """K and V at ``rows`` [2, B, kv_heads, T] (a layer of ``slot_rows``) into ``out``, returned as
-    ``[2, B, kv_heads, T, head_dim]``: each (row, kv head) one contiguous matrix of keys, as
-    attention reads it best (a view of whole pages strides over the other heads). Reads
-    ``kv_pages``; mutates ``out`` (``rows.numel() * head_dim`` elements of the pages' dtype, so
-    one buffer serves every layer)."""
-    head_dim = kv_pages.shape[-1]
-    flat = out[: rows.numel() * head_dim].view(-1, head_dim)
-    torch.index_select(kv_pages.view(-1, head_dim), 0, rows.view(-1), out=flat)
-    return flat.view(*rows.shape, head_dim)
+def gather_blocks(kv_pages: Tensor, rows: Tensor, out: Tensor) -> Tensor:
+    """K and V blocks at ``rows`` [2, B, kv_heads, P] (a layer of ``block_rows``) into ``out``,
+    returned as ``[2, B, kv_heads, P * page_size, head_dim]``: each (row, kv head) one contiguous
+    matrix of keys, key t at position t of the row's page table, as attention reads it best.
+    Reads ``kv_pages``; mutates ``out`` (``rows.numel() * page_size * head_dim`` elements of the
+    pages' dtype, so one buffer serves every layer)."""
+    block = page_size_of(kv_pages) * kv_pages.shape[5]
+    flat = out[: rows.numel() * block].view(-1, block)
+    torch.index_select(kv_pages.view(-1, block), 0, rows.view(-1), out=flat)
+    return flat.view(*rows.shape[:3], -1, kv_pages.shape[5])
 
 
 def gather_kv(
@@ -107,7 +115,7 @@ def gather_kv(
 
     Pure read of ``kv_pages``.
     """
-    page_size = kv_pages.shape[3]
+    page_size = page_size_of(kv_pages)
     num_pages = _check_covered(page_ids, num_tokens, page_size)
     table = page_table_tensor(page_ids[:num_pages], kv_pages.device)
     k, v = gather_pages(kv_pages, table, layer)
@@ -129,7 +137,7 @@ def write_kvs(kv_pages: Tensor, writes: Sequence[tuple[Sequence[int], int, Tenso
 
     Mutates ``kv_pages`` at exactly the written slots; the writes must not share a slot.
     """
-    page_size, device = kv_pages.shape[3], kv_pages.device
+    page_size, device = page_size_of(kv_pages), kv_pages.device
     tables, table_starts, starts, lengths = [], [], [], []
     for page_ids, start_pos, new_kv in writes:
         _check_covered(page_ids, start_pos + new_kv.shape[2], page_size)
@@ -149,8 +157,8 @@ def write_kvs(kv_pages: Tensor, writes: Sequence[tuple[Sequence[int], int, Tenso
     ).repeat_interleave(lengths_tensor, output_size=num_slots)
     slots = locate_slots(page_table_tensor(tables, device), flat_positions, page_size)
     new_kvs = torch.cat([new_kv for _, _, new_kv in writes], dim=2)
-    # Advanced indices on dims 0 and 3 put the token dim first: [n, layers, 2, heads, dim].
-    kv_pages[slots.page_index, :, :, slots.slot_index] = new_kvs.permute(2, 0, 1, 3, 4).to(
+    # Advanced indices on dims 0 and 4 put the token dim first: [n, layers, 2, heads, dim].
+    kv_pages[slots.page_index, :, :, :, slots.slot_index] = new_kvs.permute(2, 0, 1, 3, 4).to(
         device=device, dtype=kv_pages.dtype
     )
 
