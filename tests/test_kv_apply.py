@@ -1,18 +1,8 @@
 """Plan application: every invalid plan is rejected, naming its field, with the target untouched;
 valid plans give exactly the expected state.
 
-The target (``make_target``), page_size 4, GPU pool 12 pages, host pool 8, step 7::
-
-    uuid    phase     tokens  cached  GPU pages  host pages  other
-    run0    RUNNING   7       6       0,1        -           demand 0
-    run1    RUNNING   9       8       2,3        -           demand 1, pending append
-    swap2   SWAPPED   7       6       -          0,1         swapped at step 6
-    load3   LOADING   5       4       4,5        2,3         in-flight load, 0 retries
-    wait4   WAITING   5       0       -          -
-    done5   FINISHED  5       4       6,7        -           pending append
-    swap6   SWAPPED   3       2       -          4           swapped at step 6
-
-    GPU free queue 8,9,10,11      host free queue 5,6,7
+The target (``make_target``): ``batchgen.validation.plan_fixture`` draws it (every phase, a load
+in flight, pending appends), page_size 4, GPU pool 12 pages, host pool 8, step 7.
 """
 
 from __future__ import annotations
@@ -22,16 +12,11 @@ import dataclasses
 
 import pytest
 
-from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.engine.state import (
     Phase,
-    Request,
     RequestOutput,
     RequestState,
-    TokenLogprobs,
-    WorkerState,
 )
-from batchgen.engine.worker import PendingAppend
 from batchgen.kv.appliers import (
     apply_alloc_plan,
     apply_eviction_plan,
@@ -39,7 +24,7 @@ from batchgen.kv.appliers import (
     apply_poll_plan,
     apply_release_plan,
 )
-from batchgen.kv.backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
+from batchgen.kv.backends import CopyOp
 from batchgen.kv.gate import build_kv_path
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.kv.plan_path import PlanKvPath
@@ -67,10 +52,18 @@ from batchgen.kv.plans import (
 )
 from batchgen.kv.target import KvTarget
 from batchgen.shadow.fork import view_of
-
-CACHE = CacheConfig(page_size=4, num_gpu_pages=12, num_host_pages=8, watermark=0.0)
-ENGINE = EngineConfig(max_num_seqs=8, max_load_retries=1)
-LOGPROBS = TokenLogprobs((5, 6), (-0.1, -2.5))
+from batchgen.validation.plan_fixture import (
+    ENGINE,
+    LOGPROBS,
+    alloc,
+    evict,
+    make_target,
+    migrate,
+    poll,
+    poll_plan,
+    release,
+)
+from batchgen.validation.plan_fixture import set_fields as _set
 
 
 class FailingHandle:
@@ -85,53 +78,6 @@ class FailingHandle:
     def wait(self) -> None:
         self.num_waits += 1
         raise OSError("injected copy failure")
-
-
-def make_target() -> KvTarget:
-    state = WorkerState(step=7)
-    gpu = GpuKvPool(CACHE.num_gpu_pages)
-    host = HostKvPool(CACHE.num_host_pages, None, gpu)
-    host.record_copies(True)
-
-    def add(uuid, phase, prompt_len, num_outputs, cached, *, gpu_ids=(), host_ids=(), **fields):
-        req = RequestState(
-            Request(uuid, tuple(range(1, prompt_len + 1)), max_new_tokens=16),
-            arrival_index=len(state.requests),
-            phase=phase,
-            output_ids=[5] * num_outputs,
-            output_logprobs=[LOGPROBS] * num_outputs,
-            num_cached_tokens=cached,
-            gpu_page_ids=tuple(gpu_ids),
-            host_page_ids=tuple(host_ids),
-            **fields,
-        )
-        if gpu_ids:
-            gpu.take_pages(uuid, list(gpu_ids))
-        if host_ids:
-            host.take_pages(uuid, list(host_ids))
-        state.requests[uuid] = req
-
-    add("run0", Phase.RUNNING, 6, 1, 6, gpu_ids=(0, 1))
-    add("run1", Phase.RUNNING, 8, 1, 8, gpu_ids=(2, 3))
-    add("swap2", Phase.SWAPPED, 5, 2, 6, host_ids=(0, 1), swapped_step=6)
-    add(
-        "load3",
-        Phase.LOADING,
-        4,
-        1,
-        4,
-        gpu_ids=(4, 5),
-        host_ids=(2, 3),
-        load_handle=CompletedHandle(),
-        load_started_step=6,
-        swapped_step=5,
-    )
-    add("wait4", Phase.WAITING, 5, 0, 0)
-    add("done5", Phase.FINISHED, 3, 2, 4, gpu_ids=(6, 7), finish_reason="length")
-    add("swap6", Phase.SWAPPED, 2, 1, 2, host_ids=(4,), swapped_step=6)
-    state.num_submitted = len(state.requests)
-    pending = {"run1": PendingAppend(8, None), "done5": PendingAppend(4, None)}
-    return KvTarget(state, gpu, host, pending, TINY_MODELS["tiny"], CACHE, ENGINE)
 
 
 def deep_dump(target: KvTarget) -> dict:
@@ -215,45 +161,6 @@ def test_a_request_view_holds_what_a_kv_op_may_read_of_it():
 
 
 # ---- invalid plans -------------------------------------------------------------------------------
-def poll(plan, observed):
-    return lambda target: apply_poll_plan(target, plan, observed)
-
-
-def poll_plan(*steps) -> PollPlan:
-    """A PollPlan from (uuid, action) or (uuid, action, reason) rows, in order."""
-    rows = [(*step, None)[:3] for step in steps]
-    return PollPlan(*(tuple(column) for column in zip(*rows))) if rows else PollPlan((), (), ())
-
-
-def release(plan):
-    return lambda target: apply_release_plan(target, plan)
-
-
-def evict(plan):
-    return lambda target: apply_eviction_plan(target, plan)
-
-
-def migrate(plan):
-    return lambda target: apply_migration_plan(target, plan)
-
-
-def alloc(plan, batch=("run0", "run1", "wait4")):
-    def apply(target):  # the op request of the known scheduled requests, with the whole batch
-        known = [uuid for uuid in batch if uuid in target.state.requests]
-        request = dataclasses.replace(PlanKvPath(target).alloc_request(known), batch=tuple(batch))
-        return apply_alloc_plan(target, plan, request)
-
-    return apply
-
-
-def _set(uuid, **fields):
-    def change(target):
-        for name, value in fields.items():
-            setattr(target.state.requests[uuid], name, value)
-
-    return change
-
-
 COMPLETE, RETRY, RECOMPUTE, FAIL = (
     PollAction.COMPLETE,
     PollAction.RETRY,
