@@ -51,6 +51,7 @@ class Mutant:
     diff: str
     outcome: str
     ran: bool  # False: not run (its line never executes unmutated)
+    job_id: str = ""  # cosmic-ray's, in its session
 
 
 def load_outcomes(directory: Path, equivalents_doc: Path) -> list[Mutant]:
@@ -59,6 +60,9 @@ def load_outcomes(directory: Path, equivalents_doc: Path) -> list[Mutant]:
     equivalents = read_equivalents(equivalents_doc)
     sources = {path: git_source(directory / "src", path) for path in MUTATED_FILES}
     cuda_lines = {path: cuda_only_lines(path, source) for path, source in sources.items()}
+    # a session measured on a CUDA machine evaluates these operands: only its coverage tells
+    on_cpu = not json.loads((directory / "executed.json").read_text()).get("cuda", False)
+    cuda_operands = {path: cuda_only_operand_spans(source) for path, source in sources.items()}
     with use_db(str(directory / "all-mutants.sqlite"), WorkDB.Mode.open) as db:
         by_id = {item.job_id: item for item in db.work_items}
     results = {}
@@ -72,18 +76,28 @@ def load_outcomes(directory: Path, equivalents_doc: Path) -> list[Mutant]:
         path = str(spec.module_path)
         diff, old, new = _diff(path, sources[path], spec)
         result = results.get(item.job_id)
-        outcome = _outcome(result, spec.start_pos[0] in cuda_lines[path])
+        in_cuda_operand = on_cpu and any(
+            start <= spec.start_pos and spec.end_pos <= end for start, end in cuda_operands[path]
+        )
+        outcome = _outcome(result, spec.start_pos[0] in cuda_lines[path], in_cuda_operand)
         if outcome == "survived" and (path, old, new) in equivalents:
             outcome = "equivalent"
         ran = result is None or result.output != NEVER_EXECUTED
-        mutant = Mutant(path, spec.start_pos[0], spec.operator_name, old, new, diff, outcome, ran)
+        mutant = Mutant(
+            path, spec.start_pos[0], spec.operator_name, old, new, diff, outcome, ran, item.job_id
+        )
         mutants.append(mutant)
     return sorted(mutants, key=lambda m: (MUTATED_FILES.index(m.path), m.line, m.operator))
 
 
-def _outcome(result, is_cuda_only: bool) -> str:
+def _outcome(result, is_cuda_only: bool, in_cuda_operand: bool = False) -> str:
+    """``is_cuda_only``: on a CUDA-only line (``cuda_only_lines``); ``in_cuda_operand``: inside an
+    operand a CPU validate never evaluates (``cuda_only_operand_spans``), on a line it executes."""
     if result is None:
         return "pending"
+    never_ran = result.worker_outcome == WorkerOutcome.SKIPPED
+    if in_cuda_operand and (never_ran or result.test_outcome == TestOutcome.SURVIVED):
+        return "not executed here"
     if result.worker_outcome == WorkerOutcome.SKIPPED:
         if result.output == IN_ANNOTATION:
             return "equivalent"
@@ -120,6 +134,24 @@ def cuda_only_lines(path: str, source: str) -> set[int]:
         elif isinstance(node, ast.If) and "cuda" in ast.unparse(node.test):
             lines.update(range(node.body[0].lineno, node.body[-1].end_lineno + 1))
     return lines
+
+
+def cuda_only_operand_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(line, column) start and end of each operand of an ``and`` that comes after an operand
+    ``<tensor>.is_cuda``: Python evaluates it only when that tensor is on CUDA, so on a CPU its
+    line executes while a mutant inside it never runs (``src.is_cuda and dst.is_cuda and
+    src.device != dst.device``: the comparison). Pure."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And)):
+            continue
+        guarded = False
+        for operand in node.values:
+            if guarded:
+                start = (operand.lineno, operand.col_offset)
+                spans.append((start, (operand.end_lineno, operand.end_col_offset)))
+            guarded |= isinstance(operand, ast.Attribute) and operand.attr == "is_cuda"
+    return spans
 
 
 def _diff(path: str, source: str, spec) -> tuple[str, str, str]:

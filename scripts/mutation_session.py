@@ -95,8 +95,8 @@ def write_config(directory: Path, src: Path, timeout_s: float) -> Path:
 
 def measure_executed_lines(directory: Path, src: Path) -> float:
     """Run the unmutated validate once under coverage; write ``executed.json`` (file -> the
-    statement lines it executed, and every statement line). RuntimeError when it fails: every
-    mutant would look killed. Returns its wall time in seconds."""
+    statement lines it executed, and every statement line; whether CUDA was there). RuntimeError
+    when it fails: every mutant would look killed. Returns its wall time in seconds."""
     data = directory / ".coverage"
     command = validate_command(src, directory / "reports")
     python_at = command.index(sys.executable) + 1
@@ -123,7 +123,10 @@ def measure_executed_lines(directory: Path, src: Path) -> float:
     for path in MUTATED_FILES:
         _, statements, _, missing, _ = measured.analysis2(str(src / path))
         lines[path] = {"statements": sorted(statements), "missing": sorted(missing)}
-    (directory / "executed.json").write_text(json.dumps({"wall_s": wall_s, "lines": lines}))
+    import torch  # whether validate could put a pool on CUDA (the report's CUDA-only operands)
+
+    executed = {"wall_s": wall_s, "cuda": torch.cuda.is_available(), "lines": lines}
+    (directory / "executed.json").write_text(json.dumps(executed))
     return wall_s
 
 
@@ -161,20 +164,29 @@ def num_mutants(directory: Path) -> int:
 
 
 def rank_order(items, sources: dict[str, str], seed: int) -> list[str]:
-    """The job ids of ``items`` by seeded rank: a hash of the seed, the file, the operator, the
-    text of the line it changes and which such mutant of that line it is (not its line number,
-    which an edit above it moves). Pure."""
+    """The job ids of ``items`` by seeded rank: a hash of the seed and the mutant's key
+    (``mutant_keys``). Pure."""
+    ranks = {
+        job_id: hashlib.sha256("|".join(map(str, (seed, *key))).encode()).hexdigest()
+        for job_id, key in mutant_keys(items, sources).items()
+    }
+    return sorted(ranks, key=ranks.get)
+
+
+def mutant_keys(items, sources: dict[str, str]) -> dict[str, tuple]:
+    """Each job id's key, the same for the same mutant at another commit: the file, the operator,
+    the text of the line it changes and which such mutant of that line it is (not its line
+    number, which an edit above it moves). Pure."""
     lines = {path: source.splitlines() for path, source in sources.items()}
     seen: dict[tuple, int] = {}
-    ranks = {}
+    keys = {}
     for item in sorted(items, key=_spec_key):
         spec = item.mutations[0]
         path = str(spec.module_path)
         what = (path, spec.operator_name, lines[path][spec.start_pos[0] - 1].strip())
         seen[what] = seen.get(what, -1) + 1  # the k-th such mutant of that line
-        key = "|".join(map(str, (seed, *what, seen[what]))).encode()
-        ranks[item.job_id] = hashlib.sha256(key).hexdigest()
-    return sorted(ranks, key=ranks.get)
+        keys[item.job_id] = (*what, seen[what])
+    return keys
 
 
 def execute(directory: Path, src: Path, config: Path, all_mutants: Path, job_ids: list[str]):

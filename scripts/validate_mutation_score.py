@@ -18,6 +18,11 @@ is equivalent, with the reason there. The score is killed / (killed + survived).
     python scripts/validate_mutation_score.py                  # HEAD, 300 mutants: about an hour
     python scripts/validate_mutation_score.py --report-only    # the table from the cached results
     python scripts/validate_mutation_score.py --commit 1da56cc --sample 300 --seed 0
+    python scripts/validate_mutation_score.py --carry-from 019ed97   # rerun only what may change
+
+``--carry-from C`` copies C's killed and explained-equivalent results to the same mutants at
+``--commit`` and runs the rest (``mutation_carry``): valid while the commits between only add to
+what validate checks; the table's header says how many results were carried, and from where.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mutation_carry import carried_from, carry_results
 from mutation_report import load_outcomes, render_survivors, render_table
 from mutation_session import (
     check_imports_clone,
@@ -85,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="where each commit's session lives (default: %(default)s)",
     )
     parser.add_argument(
+        "--carry-from",
+        default=None,
+        metavar="COMMIT",
+        help="reuse that commit's cached killed and equivalent results for the same mutants, "
+        "run the rest (only while validate merely gained checks since)",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="print the table from the commit's cached session; run nothing",
@@ -123,6 +136,10 @@ def run_session(directory: Path, commit: str, args: argparse.Namespace) -> None:
     config = write_config(directory, src, round(timeout_s))
     all_mutants = init_session(directory, src, config)
     job_ids = draw_sample(all_mutants, directory, args.sample, args.seed)
+    if args.carry_from:
+        earlier = session_dir(args.cache_dir, args.carry_from)
+        copied = carry_results(earlier, directory, REPO / "docs" / "validation.md")
+        print(f"{copied} results carried from {earlier.name}", flush=True)
     print(f"validate on each sampled mutant (timeout {timeout_s:.0f} s) ...", flush=True)
     execute(directory, src, config, all_mutants, job_ids)
 
@@ -139,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     directory = session_dir(args.cache_dir, commit)
+    if args.carry_from:
+        try:
+            args.carry_from = resolve_commit(args.carry_from)
+        except ValueError as error:
+            parser.error(str(error).replace("--commit", "--carry-from"))
+        if not (session_dir(args.cache_dir, args.carry_from) / "session.sqlite").exists():
+            parser.error(f"--carry-from: no session for {args.carry_from[:12]} in {args.cache_dir}")
     if args.report_only and not (directory / "session.sqlite").exists():
         parser.error(f"--report-only: no session for {commit[:12]} in {args.cache_dir}")
     if not args.report_only:
@@ -152,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         f"commit {commit[:12]}: {len(outcomes)} mutants sampled (seed {sample['seed']}) of"
         f" {num_mutants(directory)}; test command: batchgen validate --fail-fast"
     )
+    for earlier, count in carried_from(directory).items():
+        print(f"{count} of these results carried from {earlier} (killed or equivalent there)")
     print(render_table(outcomes))
     survivors = args.survivors or directory / "survivors.md"
     survivors.write_text(render_survivors(outcomes))

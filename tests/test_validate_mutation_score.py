@@ -126,6 +126,37 @@ def test_each_result_gets_its_outcome(scripts):
     assert [report._outcome(r, cuda) for r, cuda, _ in cases] == [want for *_, want in cases]
 
 
+OPERAND_SOURCE = """\
+def check(src, dst):
+    if src.is_cuda and dst.is_cuda and src.device != dst.device:
+        raise ValueError
+    if not src.is_cuda and src.numel() > 0:
+        pass
+"""
+
+
+def test_an_operand_after_an_is_cuda_operand_of_an_and_is_cuda_only_and_the_rest_is_not(scripts):
+    spans = scripts[2].cuda_only_operand_spans(OPERAND_SOURCE)
+    # dst.is_cuda and the device comparison; `not src.is_cuda` is true on a CPU: nothing after it
+    assert spans == [((2, 23), (2, 34)), ((2, 39), (2, 63))]
+
+
+def test_a_survivor_inside_a_cuda_only_operand_is_not_executed_here_and_a_kill_stays_a_kill(
+    scripts,
+):
+    _, session, report = scripts
+    skipped = result(None, session.NEVER_EXECUTED, WorkerOutcome.SKIPPED)
+    cases = [
+        (result(CrOutcome.SURVIVED), "not executed here"),
+        (skipped, "not executed here"),
+        (result(CrOutcome.KILLED, "FAIL ..."), "killed"),
+        (result(None, "boom", WorkerOutcome.EXCEPTION), "error"),
+        (None, "pending"),
+    ]
+    outcomes = [report._outcome(r, False, in_cuda_operand=True) for r, _ in cases]
+    assert outcomes == [want for _, want in cases]
+
+
 def test_the_equivalents_table_is_read_by_file_and_changed_line(scripts, tmp_path):
     doc = tmp_path / "validation.md"
     doc.write_text(
@@ -153,3 +184,50 @@ def test_the_table_counts_each_outcome_per_file_and_scores_killed_over_non_equiv
     assert manager[1:] == ["3", "1", "1", "1", "1", "0", "0", "80.0%"]
     assert total[1:] == manager[1:]
     assert sys.modules["mutation_report"].score({"killed": 0, "timeout": 0, "survived": 0}) is None
+
+
+def test_carry_copies_killed_and_equivalent_results_to_the_same_mutants_and_leaves_survivors(
+    scripts, monkeypatch, tmp_path
+):
+    import mutation_carry as carry  # scripts/ is on the path (the fixture)
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    Mutant = scripts[2].Mutant
+    path = "batchgen/kv/manager.py"
+    earlier, later = tmp_path / "aaaaaaaaaaaa", tmp_path / "bbbbbbbbbbbb"
+    outcomes = {"k": "killed", "t": "timeout", "e": "equivalent", "s": "survived"}
+    results = {
+        "k": result(CrOutcome.KILLED, "FAIL"),
+        "t": result(CrOutcome.KILLED, "timeout"),
+        "e": result(CrOutcome.SURVIVED),
+        "s": result(CrOutcome.SURVIVED),
+    }
+    for directory, ids in ((earlier, "ktes"), (later, "KTESN")):
+        directory.mkdir()
+        with use_db(str(directory / "all-mutants.sqlite"), WorkDB.Mode.create) as db:
+            db.add_work_items([item(i, path, line) for line, i in enumerate(ids, 1)])
+    with use_db(str(earlier / "session.sqlite"), WorkDB.Mode.create) as db:
+        db.add_work_items([item(i, path, 1) for i in results])
+        for job_id, outcome in results.items():
+            db.set_result(job_id, outcome)
+    # the same mutants under other job ids at the later commit; "N" is new there
+    keys = {
+        earlier: {i: (path, "op", i, 0) for i in "ktes"},
+        later: {i: (path, "op", i.lower(), 0) for i in "KTESN"},
+    }
+    monkeypatch.setattr(carry, "_sample_keys", lambda directory: keys[directory])
+    monkeypatch.setattr(
+        carry,
+        "load_outcomes",
+        lambda directory, doc: [
+            Mutant(path, 1, "op", "a", "b", "", outcomes[i], True, i) for i in "ktes"
+        ],
+    )
+
+    assert carry.carry_results(earlier, later, tmp_path / "validation.md") == 3
+    with use_db(str(later / "session.sqlite"), WorkDB.Mode.open) as db:
+        copied = dict(db.results)
+    assert sorted(copied) == ["E", "K", "T"]  # the survivor and the new mutant run again
+    assert copied["T"].output == "timeout" and copied["K"].test_outcome == CrOutcome.KILLED
+    assert carry.carried_from(later) == {"aaaaaaaaaaaa": 3}
+    assert carry.carry_results(earlier, later, tmp_path / "validation.md") == 0  # already there
