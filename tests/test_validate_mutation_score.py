@@ -75,6 +75,20 @@ def test_cuda_only_lines_are_an_if_on_cuda_s_body_and_the_cuda_only_functions(sc
     assert lines == {3, 4, 9, 10}
 
 
+def test_a_copy_handle_s_cuda_event_branches_are_cuda_only_and_its_future_branch_is_not(scripts):
+    path = "batchgen/kv/page_copy.py"
+    source = (SCRIPTS.parent / path).read_text()
+    lines = scripts[2].cuda_only_lines(path, source)
+    numbered = list(enumerate(source.splitlines(), start=1))
+
+    def line_of(text: str) -> int:
+        return next(n for n, line in numbered if line.strip() == text)
+
+    cuda = ["return self._completion.query()", "self._completion.synchronize()"]
+    host = ["return self._completion.done()", "cause = self._completion.exception()"]
+    assert [line_of(text) in lines for text in cuda + host] == [True, True, False, False]
+
+
 def test_annotation_spans_cover_argument_and_return_annotations_only(scripts):
     source = "def f(x: int | None, y=1 | 2) -> str | None:\n    return x | y\n"
     spans = scripts[1].annotation_spans(source)

@@ -83,6 +83,19 @@ class CopyHandle:
         """True once the copy has finished, successfully or not; never blocks."""
         if isinstance(self._completion, Future):
             return self._completion.done()
+        return self._cuda_event_done()
+
+    def wait(self) -> None:
+        """Block until the copy has finished; raise CopyError if it failed."""
+        if isinstance(self._completion, Future):
+            cause = self._completion.exception()
+        else:
+            cause = self._cuda_event_wait()
+        if cause is not None:
+            raise CopyError(cause) from cause
+
+    def _cuda_event_done(self) -> bool:
+        """``done`` for a CUDA event; a failed query is kept in ``_cuda_error`` (mutated)."""
         if self._cuda_error is None:
             try:
                 return self._completion.query()
@@ -90,19 +103,15 @@ class CopyHandle:
                 self._cuda_error = error
         return True
 
-    def wait(self) -> None:
-        """Block until the copy has finished; raise CopyError if it failed."""
-        if isinstance(self._completion, Future):
-            cause = self._completion.exception()
-        else:
-            if self._cuda_error is None:
-                try:
-                    self._completion.synchronize()
-                except RuntimeError as error:
-                    self._cuda_error = error
-            cause = self._cuda_error
-        if cause is not None:
-            raise CopyError(cause) from cause
+    def _cuda_event_wait(self) -> BaseException | None:
+        """Synchronize on the CUDA event; returns why the copy failed (kept in ``_cuda_error``,
+        mutated), None when it succeeded."""
+        if self._cuda_error is None:
+            try:
+                self._completion.synchronize()
+            except RuntimeError as error:
+                self._cuda_error = error
+        return self._cuda_error
 
     @property
     def error(self) -> BaseException | None:
