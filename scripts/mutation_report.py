@@ -33,6 +33,7 @@ CUDA_ONLY_FUNCTIONS = {
         "_runs",
         "_is_consecutive_between",  # called by _runs alone
         "_on_device",
+        "_max_run_pages",  # called by the CUDA paths alone
         "cuda_device",
     },  # fmt: skip
     "batchgen/kv/page_copy.py": {
