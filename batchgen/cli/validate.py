@@ -192,8 +192,10 @@ def _corpus_lines(runs: list) -> list[str]:
 
 
 def _compare_lines(report: ValidationReport) -> list[str]:
-    compare, cache = report.compare, report.cache
+    compare, cache, checks = report.compare, report.cache, report.self_checks
     lines = [
+        f"self-checks: {sum(checks.values())} of {len(checks)} passed (plan refusals, integrity"
+        " corruptions, counters)",
         coverage_line(compare),
         f"steps compared: {by_op({s.op: s.num_compared for s in compare.ops})}",
         (

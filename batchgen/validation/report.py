@@ -120,6 +120,7 @@ class ValidationReport:
     reports: dict[str, str]
     wall_s: float
     hf_oracle: str = ""  # the HF oracle's line ("" when the validation stopped before it)
+    self_checks: dict[str, bool] = dataclasses.field(default_factory=dict)  # id -> passed
 
     @property
     def ok(self) -> bool:
@@ -151,6 +152,11 @@ class ValidationReport:
             "reports": dict(self.reports),
             "wall_s": round(self.wall_s, 3),
             "hf_oracle": self.hf_oracle,
+            "self_checks": {
+                "passed": sum(self.self_checks.values()),
+                "total": len(self.self_checks),
+                "failed": [check for check, passed in self.self_checks.items() if not passed],
+            },
         }
 
 

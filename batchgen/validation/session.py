@@ -33,6 +33,7 @@ from batchgen.validation.checks import (
 )
 from batchgen.validation.hf_oracle import check_against_hf
 from batchgen.validation.report import KvDirection, ValidationRun
+from batchgen.validation.self_checks import TOKENS_CHECK, counter_failures, self_check_results
 from compare import DivergenceError, DivergenceRecord, LogWriteError, RunSummary, read_log
 
 # Validation's pools are a few hundred KiB, far below the 4 MiB from which production splits a
@@ -64,8 +65,24 @@ class Session:
     runs: list[ValidationRun] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     hf_oracle: str = ""  # the HF oracle's summary line, once it ran
+    self_checks: dict[str, bool] = field(default_factory=dict)  # self-check id -> passed
     # direction -> workload -> run
     shared: dict[KvDirection, dict[str, RunResult]] = field(default_factory=dict)
+
+    def run_self_checks(self) -> None:
+        """The plan refusals and integrity corruptions (``self_checks``), each recorded as passed
+        or failed; fail-fast stops at the first that fails."""
+        for check_id, failure in self_check_results():
+            self.self_checks[check_id] = failure is None
+            if failure is not None:
+                self.failures.append(failure)
+                self.stop_at_failure()
+
+    def judge_counters(self, label: str, result: RunResult) -> None:
+        """The counter self-check on one finished run: passed while it held on every run."""
+        failures = counter_failures(label, result)
+        self.self_checks[TOKENS_CHECK] = self.self_checks.get(TOKENS_CHECK, True) and not failures
+        self.failures += failures
 
     # ---- the three kinds of run ----------------------------------------------------------------
     def run_back_to_back(
@@ -248,6 +265,7 @@ class Session:
             self.stop_at_failure()
             return None
         self.runs.append(ValidationRun.from_result(role, workload.name, result, direction))
+        self.judge_counters(label, result)
         if result.compare_summary is not None:
             self.judge_compare_run(label, direction, result.compare_summary)
         self.stop_at_failure()

@@ -26,8 +26,10 @@ by ``batchgen explore``) reaches the decisions the L2 traces do not: its files c
 pools, engine limits and fault schedules. Together the runs must reach every required outcome of
 the decision catalog (``batchgen.shadow.coverage``), and none the catalog rules out.
 
-Last, the HF oracle (``hf_oracle``): the tiny model's greedy tokens on a short workload under
-KV pressure against HF transformers on the same checkpoint, when transformers is installed.
+First, the self-checks (``self_checks``): malformed plans the plan checks must refuse and
+corrupted workers the integrity check must catch; and after every run, its counters against its
+outputs. Last, the HF oracle (``hf_oracle``): the tiny model's greedy tokens on a short workload
+under KV pressure against HF transformers on the same checkpoint, when transformers is installed.
 
 "Clean after": no GPU or host page held, no load in flight, no live request, and
 ``worker.check_integrity()`` passes. The reference allows near-ties (``output_check``); the fresh
@@ -139,6 +141,7 @@ def validate_back_to_back(
         reports=written,
         wall_s=time.perf_counter() - started,
         hf_oracle=session.hf_oracle,
+        self_checks=dict(session.self_checks),
     )
 
 
@@ -158,9 +161,10 @@ def _run_every_direction(
     cache: CacheConfig,
     scale: float,
 ) -> None:
-    """The back-to-back runs and the corpus in each direction, then (on a shared worker) the
-    output checks against the references and a fresh worker, then the HF oracle (``hf_oracle``).
-    Mutates ``session``."""
+    """The self-checks (``self_checks``), the back-to-back runs and the corpus in each direction,
+    then (on a shared worker) the output checks against the references and a fresh worker, then
+    the HF oracle (``hf_oracle``). Mutates ``session``."""
+    session.run_self_checks()
     for direction in DIRECTIONS:
         session.run_back_to_back(direction, workloads, cache, workloads[-1].engine, scale)
         session.run_corpus(direction, corpus)
