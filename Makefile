@@ -25,7 +25,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check --quiet batchgen compare tests scripts
 	$(VENV)/bin/ruff check --quiet batchgen compare tests scripts
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache

@@ -185,13 +185,10 @@ def test_a_run_that_stops_early_is_a_result_whose_summary_says_why(monkeypatch):
 
 # ---- the merged log, on every backend ----------------------------------------------------------
 def test_every_backend_and_number_of_workers_gives_the_same_merged_log(tmp_path, ray_instance):
-    cells = smoke_cells(seeds=(0, 1), faults=(None, "load_fail=0.3,abort=0.05"))
+    # four cells on two workers: each worker runs several, finishing out of order
+    cells = smoke_cells(seeds=(0,), faults=(None, "load_fail=0.3,abort=0.05"))
     results = {}
-    for name, backend in (
-        ("processes-1", ProcessBackend(1)),
-        ("processes-2", ProcessBackend(2)),
-        ("ray-2", RayBackend()),
-    ):
+    for name, backend in (("processes-2", ProcessBackend(2)), ("ray-2", RayBackend())):
         with backend:
             results[name] = run_sweep(
                 cells, backend, run=run_with_reversed_grants, reports_dir=tmp_path / name
@@ -203,7 +200,7 @@ def test_every_backend_and_number_of_workers_gives_the_same_merged_log(tmp_path,
     for name, result in results.items():
         assert comparable(log_lines(result)) == expected, name
         assert untimed(result.compare) == untimed(aggregate(records, CATALOG)), name
-        assert (result.num_done, result.num_retried, result.failures) == (8, 0, ()), name
+        assert (result.num_done, result.num_retried, result.failures) == (4, 0, ()), name
         assert set(result.reports) == set(SWEEP_REPORT_FILES), name
         assert all(Path(path).exists() for path in result.reports.values()), name
     page = ET.parse(results["ray-2"].reports["html"]).getroot()
