@@ -59,13 +59,23 @@ def test_a_page_layer_of_no_whole_int32_words_is_refused():
     [
         ([4], [9], ["single"]),
         ([0, 1, 2], [5, 6, 7], ["consecutive"]),
-        ([0, 1, 2], [7, 2, 5], ["scattered"]),  # src a range, dst not
-        ([8, 3, 5], [0, 1, 2], ["scattered"]),  # dst a range, src not
+        ([0, 1, 2], [7, 2, 5], ["scattered_dst"]),  # src a range, dst not
+        ([0, 1, 2], [5, 6, 9], ["consecutive", "scattered_dst"]),  # 0->5, 1->6 one run; 2->9
+        ([8, 3, 5], [0, 1, 2], ["scattered_src"]),  # dst a range, src not
         ([9, 2, 6], [4, 0, 7], ["shuffled"]),  # neither side a range
         ([2, 1, 0], [5, 6, 7], ["shuffled"]),  # both ranges, reversed
         ([0, 1, 9, 4], [3, 4, 0, 8], ["consecutive", "shuffled"]),  # a run among scattered pairs
     ],
-    ids=["single", "one_run", "src_range", "dst_range", "both_scattered", "reversed", "mixed"],
+    ids=[
+        "single",
+        "one_run",
+        "src_range",
+        "src_range_with_a_run",
+        "dst_range",
+        "both_scattered",
+        "reversed",
+        "mixed",
+    ],
 )
 def test_a_copy_batch_is_named_by_its_shape(src_ids, dst_ids, patterns):
     shown = copy_patterns(
