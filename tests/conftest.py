@@ -35,3 +35,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# The longest modules (their Ray and process-pool sweeps), collected first: make test spreads
+# whole modules over the cores, and one of these started last would run on alone at the end.
+LONGEST_MODULES = ("test_sweep.py", "test_benchmarks.py", "test_sweep_cli.py", "test_faults.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Move the tests of ``LONGEST_MODULES`` to the front, in that order; mutates ``items``."""
+
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_MODULES.index(name) if name in LONGEST_MODULES else len(LONGEST_MODULES)
+
+    items.sort(key=rank)  # stable: every module keeps its own order
