@@ -160,3 +160,27 @@ def test_a_token_counter_off_by_one_per_step_fails_validate_at_the_counter_check
         f"self-check {TOKENS_CHECK}: pa legacy/plan: stats.tokens_generated is "
     )
     assert report["self_checks"]["failed"] == [TOKENS_CHECK]
+
+
+def test_validate_prints_how_many_self_checks_passed_and_each_failure(
+    monkeypatch, tmp_path, capsys
+):
+    real_check_integrity = Worker.check_integrity
+
+    def without_stray_append_check(worker):
+        worker.kv_target().pending_appends.pop("ghost", None)
+        real_check_integrity(worker)
+
+    monkeypatch.setattr(Worker, "check_integrity", without_stray_append_check)
+    use_workloads(monkeypatch, tmp_path, pressure_workload("pa", seed=1))
+    assert main(["validate", "--fail-fast", "--reports-dir", str(tmp_path / "reports")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    total = len(PLAN_REFUSALS) + len(CORRUPTIONS)
+    assert (
+        f"self-checks: {total - 1} of {total} passed (plan refusals, integrity corruptions,"
+        " counters)" in lines
+    )
+    assert [line for line in lines if line.startswith("FAIL ")] == [
+        "FAIL self-check integrity.stray_append: check_integrity accepted a pending append of a"
+        " request no longer live"
+    ]
