@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.kv import copy_runs
+from batchgen.kv import copy_patterns, copy_runs
 from batchgen.kv.page_copy import AsyncCopyQueue, CopyError, copy_pages, new_page_tensor
 
 PAGE_SHAPE = (2, 2, 2, 4, 8)  # num_layers, K/V, num_kv_heads, page_size, head_dim
@@ -113,6 +113,25 @@ def test_host_copies_merge_runs_by_destination_and_share_pages_evenly(
 ):
     runs = copy_runs.pair_runs(np.array(src_ids), np.array(dst_ids))
     assert copy_runs._split_runs(*runs, num_shares) == shares
+
+
+def test_host_runs_are_the_maximal_runs_of_a_batch_and_place_every_page_where_it_belongs():
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # blocks of consecutive pairs, a few destinations swapped
+        num_pages = int(rng.integers(2, 16))
+        src_ids = rng.permutation(32)[:num_pages] if rng.random() < 0.3 else np.arange(num_pages)
+        dst_ids = np.arange(num_pages) + int(rng.integers(0, 16))
+        for _ in range(int(rng.integers(0, 3))):
+            i, j = rng.integers(0, num_pages, 2)
+            dst_ids[[i, j]] = dst_ids[[j, i]]
+        src_starts, dst_starts, lengths = copy_runs.pair_runs(src_ids, dst_ids)
+        placed = {
+            int(d + k): int(s + k)
+            for s, d, n in zip(src_starts, dst_starts, lengths)
+            for k in range(n)
+        }
+        assert placed == dict(zip(dst_ids.tolist(), src_ids.tolist()))
+        assert len(lengths) == copy_patterns._num_runs(src_ids, dst_ids)
 
 
 def test_copy_pages_moves_bfloat16_bytes_exactly():
