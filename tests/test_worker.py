@@ -454,6 +454,8 @@ def test_take_outputs_of_something_that_is_no_collection_is_a_type_error(model):
     worker = Worker(model, cache_config=CacheConfig(page_size=4, num_gpu_pages=8, num_host_pages=0))
     with pytest.raises(TypeError, match=r"^take_outputs takes a collection of uuids, not int 5$"):
         worker.take_outputs(5)
+    with pytest.raises(TypeError, match=r"^take_outputs takes a collection of uuids, not the str"):
+        worker.take_outputs("r0")  # one uuid: its characters are no uuids
 
 
 def test_numpy_scalars_are_accepted_where_ints_and_floats_are(model):

@@ -85,6 +85,8 @@ PLAN_REFUSALS = (
     # poll
     _r("poll.unobserved", "a poll that leaves an observed load out",
        poll(poll_plan(), LANDED), "PollPlan.uuids"),
+    _r("poll.not_observed", "a poll acting on a load that was not observed",
+       poll(poll_plan(("load3", COMPLETE), ("run0", COMPLETE)), LANDED), "PollPlan.uuids"),
     _r("poll.not_loading", "a poll of a request that is not LOADING",
        poll(poll_plan(("load3", COMPLETE), ("run0", COMPLETE)), LANDED | {"run0": None}),
        "PollPlan.uuids[1]"),
