@@ -169,8 +169,9 @@ def _diff(path: str, source: str, spec) -> tuple[str, str, str]:
             source.splitlines(), mutated.splitlines(), path, path, n=1, lineterm=""
         )
     )
-    old = next((line[1:].strip() for line in diff[2:] if line.startswith("-")), "")
-    new = next((line[1:].strip() for line in diff[2:] if line.startswith("+")), "")
+    # the first changed line that is not blank (a removed decorator takes a blank line with it)
+    old = next((line[1:].strip() for line in diff[2:] if line[:1] == "-" and line[1:].strip()), "")
+    new = next((line[1:].strip() for line in diff[2:] if line[:1] == "+" and line[1:].strip()), "")
     return "\n".join(diff), old, new
 
 
