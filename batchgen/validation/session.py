@@ -246,30 +246,25 @@ class Session:
         except (RequestError, WorkloadError):
             raise  # bad input, not a failed check
         except DivergenceError:  # fail-fast: the run's summary names the divergence
-            self.end_compare_run(label, worker, direction)
-            self.stop_at_failure()
-            return None
+            broke_off = None
         except AssertionError as error:
-            self.failures.append(
-                f"{label}: integrity check failed at step {worker.state.step}: {first_line(error)}"
-            )
-            self.end_compare_run(label, worker, direction)
-            self.stop_at_failure()
-            return None
+            broke_off = f"integrity check failed at step {worker.state.step}: {first_line(error)}"
         except Exception as error:  # e.g. a plan the applier rejected on the authoritative path
-            self.failures.append(
-                f"{label}: raised at step {worker.state.step}: {type(error).__name__}: "
-                f"{first_line(error)}"
+            broke_off = (
+                f"raised at step {worker.state.step}: {type(error).__name__}: {first_line(error)}"
             )
-            self.end_compare_run(label, worker, direction)
+        else:
+            self.runs.append(ValidationRun.from_result(role, workload.name, result, direction))
+            self.judge_counters(label, result)
+            if result.compare_summary is not None:
+                self.judge_compare_run(label, direction, result.compare_summary)
             self.stop_at_failure()
-            return None
-        self.runs.append(ValidationRun.from_result(role, workload.name, result, direction))
-        self.judge_counters(label, result)
-        if result.compare_summary is not None:
-            self.judge_compare_run(label, direction, result.compare_summary)
+            return result
+        if broke_off is not None:
+            self.failures.append(f"{label}: {broke_off}")
+        self.end_compare_run(label, worker, direction)
         self.stop_at_failure()
-        return result
+        return None
 
     def end_compare_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:
         """Judge the divergences of a compare run that broke off (its summary: the one the runner
