@@ -11,6 +11,7 @@ from pathlib import Path
 from batchgen.cli.common import UsageError, check_output_file, print_warnings
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.shadow.coverage import CATALOG
+from batchgen.shadow.report_page import render_page
 from compare import LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.render import headline, render_json, render_junit, render_markdown, render_text
 
@@ -113,8 +114,6 @@ def _report(args: argparse.Namespace) -> int:
         vouch = "they vouch" if len(logs) > 1 else "it vouches"
         print_warnings([f"{', '.join(logs)}: {NOTHING_COMPARED}, so {vouch} for nothing"])
     if args.format == "html":
-        from batchgen.shadow.report_page import render_page  # loads matplotlib: only for a page
-
         text = render_page(report, [(path, result.records) for path, result in zip(logs, results)])
     else:
         text = RENDERERS[args.format](report)

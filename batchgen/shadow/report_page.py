@@ -1,7 +1,5 @@
 """The KV binding of the HTML report (``compare.html``): what each run's chart shows, from the
 timeline the runner records (``batchgen.engine.timeline``), and how a divergence is replayed.
-
-Importing it loads matplotlib: callers import it when they render a page, not at start-up.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from batchgen.config import CacheConfig
 from batchgen.engine.runner import RunResult
+from batchgen.shadow.report_page import render_page
 from compare import LogRecord, Report, write_atomic
 from compare.render import render_json, render_junit, render_markdown
 
@@ -182,8 +183,6 @@ def write_reports(directory: Path, compare: Report, records: Sequence[LogRecord]
         path = directory / name
         try:
             if kind == "html":
-                from batchgen.shadow.report_page import render_page  # loads matplotlib
-
                 write_atomic(path, render_page(compare, [(str(log), records)]))
             else:
                 write_atomic(path, _RENDERERS[kind](compare))
