@@ -122,11 +122,7 @@ def validate_back_to_back(
             pass  # the failure is in session.failures
         session.log = complete_log(directory)  # an interrupted validation leaves the last one
         records = session.read_log()
-        compare = aggregate(records, CATALOG)
-        if not (fail_fast and session.failures):  # a stopped validation reached only some
-            session.failures += coverage_failures(compare)
-            issuable = issuable_patterns(host_to_host=torch.device(device).type == "cpu")
-            session.failures += copy_pattern_failures(compare, issuable)
+        compare = _judge_coverage(session, records, device)
         written = {}
         if reports_dir is not None:
             written = _write_reports(session, directory, compare, records)
@@ -143,6 +139,18 @@ def validate_back_to_back(
         hf_oracle=session.hf_oracle,
         self_checks=dict(session.self_checks),
     )
+
+
+def _judge_coverage(session: Session, records: Sequence[LogRecord], device) -> Report:
+    """The compare runs' log aggregated; unless a fail-fast session stopped at a failure (it
+    reached only some), every reachable outcome, interaction and copy pattern must be in it.
+    Mutates ``session.failures``."""
+    compare = aggregate(records, CATALOG)
+    if not (session.fail_fast and session.failures):
+        session.failures += coverage_failures(compare)
+        issuable = issuable_patterns(host_to_host=torch.device(device).type == "cpu")
+        session.failures += copy_pattern_failures(compare, issuable)
+    return compare
 
 
 def _sources(
