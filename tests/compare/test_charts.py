@@ -98,6 +98,12 @@ def test_y_ticks_are_round_integers_from_0_at_most_four_intervals_and_reach_the_
     assert y_ticks(0, high) == ticks
 
 
+def test_each_panel_labels_its_y_ticks_and_the_last_panel_its_x_ticks():
+    labels = [t for t in texts(chart()) if t.isdigit()]
+    # held: 0 .. 5 and its capacity 6; events: 0 .. 1; x: steps 10 .. 14
+    assert labels == ["0", "2", "4", "6", "0", "1", "10", "11", "12", "13", "14"]
+
+
 def test_y_ticks_reach_below_0_for_a_negative_value():
     assert y_ticks(-3, 7) == [-5, 0, 5, 10]
 
