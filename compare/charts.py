@@ -65,11 +65,16 @@ class Mark:
 
 @dataclass(frozen=True, slots=True)
 class _Frame:
-    """A panel's plot area in the viewBox and the data ranges it spans (x: steps, y: values)."""
+    """A panel's plot area in the viewBox and the data ranges it spans (x: steps, y: values; the
+    y axis from its first tick to its last)."""
 
     top: float
     x_range: tuple[int, int]
-    y_range: tuple[int, int]
+    y_ticks: tuple[int, ...]
+
+    @property
+    def y_range(self) -> tuple[int, int]:
+        return self.y_ticks[0], self.y_ticks[-1]
 
     def x(self, step: float) -> float:
         low, high = self.x_range
@@ -106,7 +111,7 @@ def timeline_svg(
     ]
     for index, panel in enumerate(panels):
         top = _TOP + index * (_PANEL_HEIGHT + _PANEL_GAP)
-        frame = _Frame(top, x_range, _y_range(panel, timeline))
+        frame = _Frame(top, x_range, _panel_y_ticks(panel, timeline))
         frames.append(frame)
         parts += _axes_svg(frame, panel.title)
         parts += _series_svg(frame, panel, timeline, labels)
@@ -167,14 +172,13 @@ def nice_step(span: int, max_intervals: int) -> int:
         power *= 10
 
 
-def _y_range(panel: Panel, timeline: Timeline) -> tuple[int, int]:
-    """The panel's y axis ends: its ticks around 0 and every value it draws. Pure."""
+def _panel_y_ticks(panel: Panel, timeline: Timeline) -> tuple[int, ...]:
+    """The panel's y ticks: around 0 and every value it draws. Pure."""
     values = [0]
     for name in panel.counters:
         values += timeline.counters.get(name, ())
     values += [timeline.levels[name] for name in panel.levels if name in timeline.levels]
-    ticks = y_ticks(min(values), max(values))
-    return ticks[0], ticks[-1]
+    return tuple(y_ticks(min(values), max(values)))
 
 
 def _axes_svg(frame: _Frame, title: str) -> list[str]:
@@ -185,7 +189,7 @@ def _axes_svg(frame: _Frame, title: str) -> list[str]:
     for step in x_ticks(*frame.x_range):
         x = _n(frame.x(step))
         parts.append(f'<line x1="{x}" y1="{_n(frame.top)}" x2="{x}" y2="{bottom}"/>')
-    for value in y_ticks(*frame.y_range):
+    for value in frame.y_ticks:
         y = _n(frame.y(value))
         parts.append(f'<line x1="{left}" y1="{y}" x2="{right}" y2="{y}"/>')
     parts.append("</g>")
@@ -193,7 +197,7 @@ def _axes_svg(frame: _Frame, title: str) -> list[str]:
         f'<rect x="{left}" y="{_n(frame.top)}" width="{_PLOT_WIDTH}" height="{_PANEL_HEIGHT}"'
         f' fill="none" stroke="{_FRAME_COLOUR}"/>'
     )
-    for value in y_ticks(*frame.y_range):
+    for value in frame.y_ticks:
         y = _n(frame.y(value))
         parts.append(f'<text x="{left - 5}" y="{y}" dy="0.35em" text-anchor="end">{value}</text>')
     middle = _n(frame.top + _PANEL_HEIGHT / 2)

@@ -104,8 +104,12 @@ def test_each_panel_labels_its_y_ticks_and_the_last_panel_its_x_ticks():
     assert labels == ["0", "2", "4", "6", "0", "1", "10", "11", "12", "13", "14"]
 
 
-def test_y_ticks_reach_below_0_for_a_negative_value():
+def test_y_ticks_reach_below_0_for_a_negative_value_and_the_chart_labels_exactly_those():
     assert y_ticks(-3, 7) == [-5, 0, 5, 10]
+    assert y_ticks(-1, 7) == [-2, 0, 2, 4, 6, 8]
+    timeline = Timeline(first_step=0, counters={"held": [-1, 7]})
+    labels = [t for t in texts(chart(timeline, (Panel("held", ("held",)),))) if t != "held"]
+    assert labels[:6] == ["-2", "0", "2", "4", "6", "8"]
 
 
 def test_nice_steps_are_1_2_2_5_or_5_times_a_power_of_ten_and_whole():
