@@ -141,7 +141,9 @@ def validate_back_to_back(
     )
 
 
-def _judge_coverage(session: Session, records: Sequence[LogRecord], device) -> Report:
+def _judge_coverage(
+    session: Session, records: Sequence[LogRecord], device: str | torch.device
+) -> Report:
     """The compare runs' log aggregated; unless a fail-fast session stopped at a failure (it
     reached only some), every reachable outcome, interaction and copy pattern must be in it.
     Mutates ``session.failures``."""
