@@ -3,6 +3,7 @@ checkpoint's geometry and tokenizer, and the runner's job file. (The benchmark i
 vLLM in a venv of its own and runs for many minutes: not part of the test suite.)"""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ def script_module(monkeypatch, name: str):
 
 @pytest.fixture
 def bench(monkeypatch):
+    """The script, on a machine of two CPUs whatever runs the tests (its --threads check and its
+    default "1,2" read the CPUs this process may use)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     return script_module(monkeypatch, "bench_vllm")
 
 
