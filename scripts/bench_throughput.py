@@ -136,7 +136,7 @@ def new_worker(
     model, mix: Mix, device: str, schedule_policy: str = "fcfs"
 ) -> tuple[Worker, Workload]:
     """A worker for ``mix`` whose KV pages have the model's dtype, and the workload."""
-    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     job = workload(mix, dtype, schedule_policy)
     worker = Worker(
         model,

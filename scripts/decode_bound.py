@@ -13,6 +13,9 @@ import torch
 
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
+from batchgen.model.onednn_linear import OneDNNLinear
+
+LINEARS = (torch.nn.Linear, OneDNNLinear)
 
 
 def decode_steps(model, worker: Worker, job: Workload, device: str) -> dict:
@@ -67,8 +70,8 @@ def copy_bandwidth(device: str, num_bytes: int = 2**30) -> float:
 def matmul_step_s(model, num_rows: int, repeats: int = 20) -> float:
     """Seconds of a decode step's matmuls alone for ``num_rows`` rows (every layer's projections
     and MLP, then ``lm_head``) on the model's own weights: the best of ``repeats``."""
-    weight = model.lm_head.weight
-    linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    weight = model.model.embed_tokens.weight
+    linears = [m for m in model.model.layers.modules() if isinstance(m, LINEARS)]
     linears.append(model.lm_head)
     inputs = {  # one [rows, in_features] input per width, as the step's matmuls read
         m.in_features: torch.randn(

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from stepping import step_to_end
 
-from batchgen.config import DTYPE_SIZES, CacheConfig, ModelConfig
+from batchgen.config import DTYPE_SIZES, TINY_MODELS, CacheConfig, ModelConfig
 from batchgen.engine.state import Request, RequestOutput
 from batchgen.engine.worker import Worker
 from batchgen.model import loader
@@ -399,7 +399,7 @@ def test_every_id_of_an_eos_token_id_list_ends_a_request(tmp_path):
 
 
 def tiny_weight_bytes(dtype: str) -> int:
-    model = load_model("tiny")
+    model = LlamaForCausalLM(TINY_MODELS["tiny"])
     return sum(param.numel() for param in model.parameters()) * DTYPE_SIZES[dtype]
 
 

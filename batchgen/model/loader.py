@@ -22,6 +22,7 @@ from batchgen.model.hf_checkpoint import (
     read_config,
 )
 from batchgen.model.llama import LlamaForCausalLM
+from batchgen.model.onednn_linear import can_pack, pack_linears
 
 # config's dtype names are torch's
 SUPPORTED_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
@@ -71,6 +72,8 @@ def load_model(
             _no_memory(spec, num_bytes, dtype, "the CPU allocator refused")
         ) from None
     model.tie_weights()
+    if can_pack(torch.device(device), torch_dtype):
+        pack_linears(model, skip=(model.lm_head,) if config.tie_word_embeddings else ())
     return model.to(device).requires_grad_(False).eval()
 
 
