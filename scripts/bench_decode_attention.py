@@ -1,10 +1,11 @@
-"""Decode attention over KV pages: one padded batch against batches of similar lengths.
+"""Decode attention over KV pages: the in-place kernel against padded SDPA batches.
 
 Every case is a step's decode rows with context lengths drawn from MIN,MAX tokens over shuffled
-page ids (a pool after a while of serving), attended in every layer as the model does
-(``attend_decodes`` of each batch ``plan_attention`` plans): once as one batch padded to the
-longest row, once in the batches ``decode_groups`` cuts. The two run interleaved ``--repeats``
-times; each figure is the median CPU time of one step's attention over all layers.
+page ids (a pool after a while of serving), attended in every layer as the model does (each batch
+``plan_attention`` plans): once by the kernel reading the pages in place (``paged_decode``, what
+a CPU runs in float32), once as one padded batch, once in the padded batches ``decode_groups``
+cuts (what other devices run). The three run interleaved ``--repeats`` times; each figure is the
+median CPU time of one step's attention over all layers, one thread.
 
     python scripts/bench_decode_attention.py
     python scripts/bench_decode_attention.py --cases 32:100-400 --kv-heads 8 --layers 16
@@ -24,20 +25,16 @@ from rich.console import Console
 from rich.table import Table
 
 from batchgen.config import pages_needed
-from batchgen.model.paged_attention import (
-    MAX_DECODE_BATCHES,
-    Span,
-    attend_decodes,
-    plan_attention,
-)
+from batchgen.model.paged_attention import MAX_DECODE_BATCHES, Span, plan_attention
 
-VARIANTS = {"one batch": 1, "grouped": MAX_DECODE_BATCHES}  # name -> max decode batches
+# name -> (in place, max decode batches)
+VARIANTS = {"in place": (True, 1), "one batch": (False, 1), "grouped": (False, MAX_DECODE_BATCHES)}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="Both variants are measured interleaved in one run; compare ratios.",
+        epilog="The variants are measured interleaved in one run; compare ratios.",
     )
     parser.add_argument(
         "--cases",
@@ -92,14 +89,14 @@ def build_case(case: tuple[int, int, int], args: argparse.Namespace, rng: random
     return spans, pages, (q, new_kv)
 
 
-def attention_step(spans, pages, q_kv, page_size: int, max_batches: int) -> float:
+def attention_step(spans, pages, q_kv, in_place: bool, max_batches: int) -> float:
     """CPU seconds of one step's decode attention in every layer, planned as the model plans it."""
     started = time.thread_time()
-    plan = plan_attention(spans, pages, max_batches)
+    plan = plan_attention(spans, pages, max_batches, in_place)
     out = torch.empty_like(q_kv[0])
     for layer in range(pages.shape[1]):
         for decodes in plan.decodes:
-            out[decodes.rows] = attend_decodes(*q_kv, decodes, pages, layer)
+            out[decodes.rows] = decodes.attend(*q_kv, pages, layer)
     return time.thread_time() - started
 
 
@@ -108,10 +105,10 @@ def measure(case, args: argparse.Namespace, rng: random.Random) -> dict:
     samples = {name: [] for name in VARIANTS}
     for repeat in range(args.repeats + 1):  # the first is a warm-up
         for name in sorted(VARIANTS, reverse=repeat % 2 == 1):
-            seconds = attention_step(spans, pages, q_kv, args.page_size, VARIANTS[name])
+            seconds = attention_step(spans, pages, q_kv, *VARIANTS[name])
             if repeat:
                 samples[name].append(seconds)
-    grouped = plan_attention(spans, pages, MAX_DECODE_BATCHES)
+    grouped = plan_attention(spans, pages, MAX_DECODE_BATCHES, in_place=False)
     ms = {name: 1e3 * statistics.median(times) for name, times in samples.items()}
     return {
         "rows": case[0],
@@ -119,6 +116,7 @@ def measure(case, args: argparse.Namespace, rng: random.Random) -> dict:
         "batches": len(grouped.decodes),
         "ms_per_step": ms,
         "ratio": ms["grouped"] / ms["one batch"],
+        "in_place_ratio": ms["in place"] / ms["grouped"],
     }
 
 
@@ -131,7 +129,8 @@ def main() -> None:
         title=f"decode attention, {args.layers} layers x {args.kv_heads} KV heads, 1 thread, median"
         f" of {args.repeats}"
     )
-    for column in ("rows", "tokens", "batches", "one batch ms", "grouped ms", "grouped / one"):
+    columns = ("rows", "tokens", "batches", "one batch ms", "grouped ms", "grouped / one")
+    for column in (*columns, "in place ms", "in place / grouped"):
         table.add_column(column, justify="right")
     for r in results:
         ms = r["ms_per_step"]
@@ -142,6 +141,8 @@ def main() -> None:
             f"{ms['one batch']:.1f}",
             f"{ms['grouped']:.1f}",
             f"{r['ratio']:.2f}",
+            f"{ms['in place']:.1f}",
+            f"{r['in_place_ratio']:.2f}",
         )
     Console().print(table)
     if args.json_out:

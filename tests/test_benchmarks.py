@@ -349,8 +349,8 @@ def test_bench_decode_attention_times_both_variants_and_cuts_unequal_rows(tmp_pa
     # at most 2 pages against 2: one batch; up to 201 pages against as few as 2: several
     assert rows[0]["batches"] == 1 and rows[1]["batches"] > 1
     for row in rows:
-        assert set(row["ms_per_step"]) == {"one batch", "grouped"}
-        assert row["ratio"] > 0
+        assert set(row["ms_per_step"]) == {"in place", "one batch", "grouped"}
+        assert row["ratio"] > 0 and row["in_place_ratio"] > 0
 
 
 @pytest.mark.parametrize("case", ["3", "3:5", "0:1-4", "3:4-1", "a:1-2"])

@@ -104,8 +104,17 @@ PARITY_CASES = {
 }
 
 
+@pytest.fixture(params=["in place", "padded"])
+def decode_path(request, monkeypatch) -> str:
+    """Each decode attention on CPU: the kernel reading pages in place (float32 pages on a CPU),
+    and the padded SDPA batches every other device runs."""
+    if request.param == "padded":
+        monkeypatch.setattr(paged_attention, "attends_in_place", lambda kv_pages: False)
+    return request.param
+
+
 @pytest.mark.parametrize("case", PARITY_CASES.values(), ids=PARITY_CASES.keys())
-def test_prefill_and_greedy_decode_match_hf(tmp_path, case):
+def test_prefill_and_greedy_decode_match_hf(tmp_path, case, decode_path):
     geometry = case["geometry"]
     hf_model = save_hf_model(
         tmp_path, case["arch"], seed=3, max_shard_size=case.get("max_shard_size"), **geometry
@@ -158,7 +167,7 @@ def prefill_into_pages(model, pages, token_ids: list[int], page_ids: list[int]) 
     write_kv(pages, page_ids, 0, model([SeqInput(token_ids, 0, page_ids)], pages).new_kv[0])
 
 
-def test_mixed_batch_matches_each_sequence_alone_and_hf(small_model):
+def test_mixed_batch_matches_each_sequence_alone_and_hf(small_model, decode_path):
     hf_model, model = small_model
     pages = make_pages(model, page_size=5, num_pages=40)
     vocab = SMALL_GEOMETRY["vocab_size"]
@@ -241,7 +250,7 @@ def test_invalid_batches_are_rejected(small_model):
         model([SeqInput([1], 4, [0])], pages)
 
 
-def test_decode_reads_no_slot_past_its_context(small_model):
+def test_decode_reads_no_slot_past_its_context(small_model, decode_path):
     _, model = small_model
     pages = make_pages(model, page_size=4, num_pages=12)  # NaN wherever nothing was written
     history = random_tokens(9, SMALL_GEOMETRY["vocab_size"], seed=4)
@@ -261,7 +270,10 @@ def test_decode_reads_no_slot_past_its_context(small_model):
     assert not batched.logits.isnan().any()
 
 
-def test_decodes_of_unequal_lengths_attend_in_batches_as_each_alone(small_model, monkeypatch):
+def test_padded_decodes_of_unequal_lengths_attend_in_batches_as_each_alone(
+    small_model, monkeypatch
+):
+    monkeypatch.setattr(paged_attention, "attends_in_place", lambda kv_pages: False)
     _, model = small_model
     pages = make_pages(model, page_size=2, num_pages=40)
     vocab = SMALL_GEOMETRY["vocab_size"]

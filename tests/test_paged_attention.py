@@ -1,12 +1,13 @@
-"""How decode rows are batched for attention: ``decode_groups``, and the cost ``plan_attention``
-gives it."""
+"""How decode rows are batched for attention: one in-place batch for float32 pages on a CPU;
+elsewhere padded batches (``decode_groups``), and the cost ``plan_attention`` gives them."""
 
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from batchgen.model import paged_attention
-from batchgen.model.paged_attention import Span, decode_groups, plan_attention
+from batchgen.model.paged_attention import DecodeBatch, Span, decode_groups, plan_attention
+from batchgen.model.paged_decode import InPlaceDecodes
 
 COST = 16  # pages a cut must save
 
@@ -51,12 +52,25 @@ def test_every_row_is_in_one_batch_longest_first_within_the_cap(num_pages, max_b
     assert flat == sorted(num_pages, reverse=True)
 
 
+def test_float32_pages_on_a_cpu_attend_every_decode_in_one_in_place_batch():
+    spans = [Span(0, 1, 16 * 30, list(range(31))), Span(1, 5, 0, [31]), Span(6, 1, 5, [32])]
+    (in_place,) = plan_attention(spans, torch.zeros(40, 1, 2, 2, 16, 8)).decodes
+    assert isinstance(in_place, InPlaceDecodes)
+    assert in_place.rows.tolist() == [0, 6]
+    assert in_place.num_cached.tolist() == [480, 5]
+    # tables cut to the pages read (up to the new token's), then padded with each one's first
+    assert in_place.page_tables.tolist() == [list(range(31)), [32] * 31]
+    (padded,) = plan_attention(spans, torch.zeros(40, 1, 2, 2, 16, 8, dtype=torch.bfloat16)).decodes
+    assert isinstance(padded, DecodeBatch)
+
+
 def test_the_batch_cost_is_counted_in_pages_of_the_pool_attended(monkeypatch):
     # K and V x 16 tokens x 2 kv heads x 8 dims, float32: 2 KiB per page of a layer
     pages = torch.zeros(40, 1, 2, 2, 16, 8)
     spans = [Span(0, 1, 16 * 30, list(range(31))), Span(1, 1, 5, [31]), Span(2, 1, 5, [32])]
     monkeypatch.setattr(paged_attention, "DECODE_BATCH_COST_BYTES", 2048 * 60)
-    assert len(plan_attention(spans, pages).decodes) == 1  # the cut saves 2 x 30 pages: not more
+    # the cut saves 2 x 30 pages: not more
+    assert len(plan_attention(spans, pages, in_place=False).decodes) == 1
     monkeypatch.setattr(paged_attention, "DECODE_BATCH_COST_BYTES", 2048 * 59)
-    assert len(plan_attention(spans, pages).decodes) == 2
-    assert len(plan_attention(spans, pages, max_decode_batches=1).decodes) == 1
+    assert len(plan_attention(spans, pages, in_place=False).decodes) == 2
+    assert len(plan_attention(spans, pages, max_decode_batches=1, in_place=False).decodes) == 1

@@ -24,7 +24,6 @@ from batchgen.config import ModelConfig
 from batchgen.model.paged_attention import (
     AttentionPlan,
     Span,
-    attend_decodes,
     attend_extend,
     attend_sequence,
     plan_attention,
@@ -141,7 +140,7 @@ class LlamaAttention(nn.Module):
         for span in plan.extends:
             out[span.rows] = attend_extend(q, k, v, span, kv_pages, layer)
         for decodes in plan.decodes:
-            out[decodes.rows] = attend_decodes(q, new_kv, decodes, kv_pages, layer)
+            out[decodes.rows] = decodes.attend(q, new_kv, kv_pages, layer)
         return self.o_proj(out.view(num_rows, -1)), new_kv
 
 

@@ -6,7 +6,9 @@ and every layer attends with it:
     kind     | start_pos | new tokens | attention
     ---------+-----------+------------+------------------------------------------------
     prefill  | 0         | n >= 1     | SDPA with is_causal over its own tokens
-    decode   | > 0       | 1          | padded, masked SDPA per batch of similar lengths
+    decode   | > 0       | 1          | on CPU in float32: a kernel reading the pages in place
+             |           |            | (``paged_decode``); else padded, masked SDPA per batch
+             |           |            | of similar lengths
     extend   | > 0       | n > 1      | SDPA over cached + new K/V with an explicit mask
 
 Everything here reads ``kv_pages`` and never writes it.
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from batchgen.config import pages_needed
+from batchgen.model.paged_decode import InPlaceDecodes, attends_in_place, plan_in_place
 from batchgen.model.paged_kv import (
     block_rows,
     gather_blocks,
@@ -80,6 +83,9 @@ class DecodeBatch:
     # layer costs its page faults each time (glibc maps a large allocation anew)
     scratch: Tensor
 
+    def attend(self, q: Tensor, new_kv: Tensor, kv_pages: Tensor, layer: int) -> Tensor:
+        return attend_decodes(q, new_kv, self, kv_pages, layer)
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
@@ -87,7 +93,8 @@ class AttentionPlan:
 
     prefills: tuple[Span, ...]
     extends: tuple[Span, ...]
-    decodes: tuple[DecodeBatch, ...]  # the decodes in padded batches of similar table lengths
+    # the decodes: one in-place batch, or padded batches of similar table lengths
+    decodes: tuple[DecodeBatch | InPlaceDecodes, ...]
 
 
 def attend_sequence(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Tensor:
@@ -141,20 +148,33 @@ def attend_decodes(
 
 
 def plan_attention(
-    spans: list[Span], kv_pages: Tensor, max_decode_batches: int | None = None
+    spans: list[Span],
+    kv_pages: Tensor,
+    max_decode_batches: int | None = None,
+    in_place: bool | None = None,
 ) -> AttentionPlan:
-    """The spans by kind, decodes in at most ``max_decode_batches`` padded batches
-    (``decode_groups``; default: the device's) for attending ``kv_pages``. Pure."""
+    """The spans by kind for attending ``kv_pages``: the decodes as one in-place batch where
+    ``in_place`` (default: ``attends_in_place``), else in at most ``max_decode_batches`` padded
+    batches (``decode_groups``; default: the device's). Pure."""
     page_size, device = page_size_of(kv_pages), kv_pages.device
     decode_spans = [s for s in spans if s.start_pos > 0 and s.num_new == 1]
+    prefills = tuple(s for s in spans if s.start_pos == 0)
+    extends = tuple(s for s in spans if s.start_pos > 0 and s.num_new > 1)
+    if in_place is None:
+        in_place = attends_in_place(kv_pages)
+    if decode_spans and in_place:
+        tables = [s.page_ids[: _pages_read(s, page_size)] for s in decode_spans]
+        starts = [s.start_pos for s in decode_spans]
+        rows = [s.row_start for s in decode_spans]
+        return AttentionPlan(prefills, extends, (plan_in_place(rows, starts, tables, kv_pages),))
     max_batches = max_decode_batches or default_decode_batches(device)
     layer_page_bytes = math.prod(kv_pages.shape[2:]) * kv_pages.element_size()  # its K and V
     cost_pages = -(-DECODE_BATCH_COST_BYTES // layer_page_bytes)
     table_lengths = [_pages_read(s, page_size) for s in decode_spans]
     groups = decode_groups(table_lengths, max_batches, cost_pages)
     return AttentionPlan(
-        prefills=tuple(s for s in spans if s.start_pos == 0),
-        extends=tuple(s for s in spans if s.start_pos > 0 and s.num_new > 1),
+        prefills,
+        extends,
         decodes=tuple(
             _plan_decodes([decode_spans[i] for i in group], kv_pages) for group in groups
         ),

@@ -1,0 +1,84 @@
+"""Decode attention on CPU that reads each row's K/V from its pages in place (a numba kernel).
+
+The torch path (``paged_attention.attend_decodes``) gathers a padded copy of every row's K/V per
+layer and hands it to SDPA: the K/V cross memory three times, padding included, and SDPA splits
+these small shapes poorly over threads. Here each (decode row, kv head) is one task, run in
+parallel over numba's threads (as many as torch's)::
+
+    for each query head j of the kv head's group, over positions t < start_pos from the pages
+    and the new token's own K/V at start_pos:
+        score[t] = q_j . k_t * scale
+        out_j = sum_t softmax(score)[t] * v_t
+
+Nothing is copied or padded, and no slot past a row's new token is read (an unwritten slot, NaN
+or not, cannot reach the output). Sums run in any order (``fastmath`` reassociation, so they
+vectorise), as SDPA's blocked sums do in theirs; float32 pages and queries only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def attends_in_place(kv_pages: Tensor) -> bool:
+    """Whether decodes over ``kv_pages`` take this kernel: float32 pages on a CPU. Pure."""
+    return kv_pages.device.type == "cpu" and kv_pages.dtype == torch.float32
+
+
+@dataclass(frozen=True, slots=True)
+class InPlaceDecodes:
+    """Every decode row of a forward, attended by the kernel; built once, used by every layer."""
+
+    rows: Tensor  # [B] packed row of each decode token
+    page_tables: np.ndarray  # [B, P] int64, each row's table padded with its first page
+    num_cached: np.ndarray  # [B] int64: each row's start_pos, the positions read from pages
+
+    def attend(self, q: Tensor, new_kv: Tensor, kv_pages: Tensor, layer: int) -> Tensor:
+        """Attention output [B, heads, d] of the rows' queries (rows of ``q`` [N, heads, d]) over
+        their pages of ``layer`` and their new K/V (rows of ``new_kv`` [2, N, kv_heads, d]).
+        Reads ``kv_pages``."""
+        num_rows, num_heads, head_dim = len(self.rows), q.shape[1], q.shape[2]
+        num_kv_heads = kv_pages.shape[3]
+        tasks = num_rows * num_kv_heads
+        queries = q[self.rows].float().reshape(tasks, num_heads // num_kv_heads, head_dim)
+        new_k, new_v = new_kv[:, self.rows].float().reshape(2, tasks, head_dim)
+        out = torch.empty_like(queries)
+        # imported here: numba and the compiled kernel load only in a process that decodes
+        from batchgen.model.paged_decode_kernel import attend_pages, use_threads
+
+        use_threads(torch.get_num_threads())
+        attend_pages(
+            queries.numpy(),
+            new_k.numpy(),
+            new_v.numpy(),
+            kv_pages.numpy(),
+            layer,
+            self.page_tables,
+            self.num_cached,
+            np.float32(1 / math.sqrt(head_dim)),
+            out.numpy(),
+        )
+        return out.view(num_rows, num_heads, head_dim).to(q.dtype)
+
+
+def plan_in_place(
+    row_starts: Sequence[int],
+    start_positions: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    kv_pages: Tensor,
+) -> InPlaceDecodes:
+    """The decode rows at packed rows ``row_starts``, each with ``start_positions`` cached tokens
+    and its page table (covering them). Pure."""
+    longest = max(map(len, tables))
+    padded = [[*table, *[table[0]] * (longest - len(table))] for table in tables]
+    return InPlaceDecodes(
+        rows=torch.tensor(row_starts, device=kv_pages.device),
+        page_tables=np.array(padded, dtype=np.int64),
+        num_cached=np.array(start_positions, dtype=np.int64),
+    )

@@ -1,0 +1,110 @@
+"""The in-place decode kernel computes what the padded SDPA batches compute, reads nothing past a
+row's new token, and gives the same bits on any number of threads."""
+
+import random
+
+import numba
+import pytest
+import torch
+
+from batchgen.model.paged_attention import Span, plan_attention
+from batchgen.model.paged_decode import InPlaceDecodes, attends_in_place
+
+
+def nan_pages(num_pages: int, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int):
+    """Pages holding NaN in every slot, as unwritten memory may."""
+    return torch.full((num_pages, num_layers, 2, num_kv_heads, page_size, head_dim), torch.nan)
+
+
+def decode_case(num_heads, num_kv_heads, page_size, start_positions, num_layers=2, seed=0):
+    """Decode spans on shuffled pages whose slots before each row's new token hold random K/V and
+    every other slot NaN; queries and new K/V for them."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    head_dim = 8
+    tables_pages = [-(-(start + 1) // page_size) for start in start_positions]
+    page_ids = list(range(sum(tables_pages) + 3))
+    rng.shuffle(page_ids)
+    pages = nan_pages(len(page_ids), num_layers, num_kv_heads, page_size, head_dim)
+    spans, taken = [], 0
+    for row, (start, num_pages) in enumerate(zip(start_positions, tables_pages)):
+        table = page_ids[taken : taken + num_pages]
+        taken += num_pages
+        for position in range(start):
+            slot = pages[table[position // page_size], :, :, :, position % page_size]
+            slot.copy_(torch.randn(slot.shape, generator=generator))
+        spans.append(Span(row, 1, start, table))
+    num_rows = len(spans)
+    q = torch.randn(num_rows, num_heads, head_dim, generator=generator)
+    new_kv = torch.randn(2, num_rows, num_kv_heads, head_dim, generator=generator)
+    return spans, pages, q, new_kv
+
+
+def padded(spans, pages, q, new_kv, layer):
+    out = torch.empty_like(q)
+    for decodes in plan_attention(spans, pages, in_place=False).decodes:
+        out[decodes.rows] = decodes.attend(q, new_kv, pages, layer)
+    return out
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, page_size, start_positions",
+    [
+        (4, 4, 4, [1, 7, 30]),  # one query head per kv head
+        (4, 2, 16, [3, 16, 17, 40]),  # two per kv head; a row exactly filling a page
+        (8, 2, 1, [1, 2, 9]),  # four per kv head; one slot per page
+        (2, 1, 5, [24]),  # one row
+    ],
+)
+def test_in_place_attention_equals_the_padded_batches(
+    num_heads, num_kv_heads, page_size, start_positions
+):
+    spans, pages, q, new_kv = decode_case(num_heads, num_kv_heads, page_size, start_positions)
+    (in_place,) = plan_attention(spans, pages).decodes
+    assert isinstance(in_place, InPlaceDecodes)
+    for layer in range(pages.shape[1]):
+        out = in_place.attend(q, new_kv, pages, layer)
+        assert not out.isnan().any()  # the NaN slots past each new token are never read
+        expected = padded(spans, pages, q, new_kv, layer)
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_the_rows_given_are_the_rows_attended():
+    # packed rows 0 and 2 are decodes; row 1 is another sequence's prefill
+    spans, pages, q, new_kv = decode_case(4, 2, 4, [5, 3, 9])
+    decodes = [spans[0], Span(2, 1, spans[2].start_pos, spans[2].page_ids)]
+    (in_place,) = plan_attention(decodes, pages).decodes
+    alone = [plan_attention([span], pages).decodes[0] for span in decodes]
+    both = in_place.attend(q, new_kv, pages, layer=1)
+    for row, decode in enumerate(alone):
+        torch.testing.assert_close(both[row], decode.attend(q, new_kv, pages, layer=1)[0])
+
+
+def test_bfloat16_queries_over_float32_pages_come_back_in_bfloat16():
+    spans, pages, q, new_kv = decode_case(4, 2, 4, [6, 11])
+    (in_place,) = plan_attention(spans, pages).decodes
+    out = in_place.attend(q.bfloat16(), new_kv.bfloat16(), pages, layer=0)
+    assert out.dtype == torch.bfloat16
+    exact = in_place.attend(q.bfloat16().float(), new_kv.bfloat16().float(), pages, layer=0)
+    assert torch.equal(out, exact.bfloat16())
+
+
+def test_one_thread_and_two_give_the_same_bits():
+    spans, pages, q, new_kv = decode_case(4, 2, 4, [6, 11, 19, 2])
+    (in_place,) = plan_attention(spans, pages).decodes
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = in_place.attend(q, new_kv, pages, layer=0)
+        torch.set_num_threads(2)
+        two = in_place.attend(q, new_kv, pages, layer=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert numba.get_num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
+
+
+def test_only_float32_pages_on_a_cpu_attend_in_place():
+    assert attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8))
+    assert not attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8, dtype=torch.bfloat16))
+    assert not attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8, device="meta"))
