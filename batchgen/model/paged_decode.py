@@ -12,7 +12,8 @@ parallel over numba's threads (as many as torch's)::
 
 Nothing is copied or padded, and no slot past a row's new token is read (an unwritten slot, NaN
 or not, cannot reach the output). Sums run in any order (``fastmath`` reassociation, so they
-vectorise), as SDPA's blocked sums do in theirs; float32 pages and queries only.
+vectorise), as SDPA's blocked sums do in theirs. Pages must be float32; queries of another
+dtype are attended in float32 and come back in their own.
 
 numba's OpenMP threads, like torch's, do not survive a fork: a process forked after the kernel ran
 is ended by numba at its first kernel call. Start workers with ``spawn`` or ``forkserver`` (as
