@@ -21,12 +21,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from batchgen.config import pages_needed
-from batchgen.model.paged_decode import InPlaceDecodes, attends_in_place, plan_in_place
+from batchgen.model.paged_decode import InPlaceDecodes, attends_in_place
 from batchgen.model.paged_kv import (
     block_rows,
     gather_blocks,
@@ -163,10 +164,7 @@ def plan_attention(
     if in_place is None:
         in_place = attends_in_place(kv_pages)
     if decode_spans and in_place:
-        tables = [s.page_ids[: _pages_read(s, page_size)] for s in decode_spans]
-        starts = [s.start_pos for s in decode_spans]
-        rows = [s.row_start for s in decode_spans]
-        return AttentionPlan(prefills, extends, (plan_in_place(rows, starts, tables, kv_pages),))
+        return AttentionPlan(prefills, extends, (_plan_in_place(decode_spans, kv_pages),))
     max_batches = max_decode_batches or default_decode_batches(device)
     layer_page_bytes = math.prod(kv_pages.shape[2:]) * kv_pages.element_size()  # its K and V
     cost_pages = -(-DECODE_BATCH_COST_BYTES // layer_page_bytes)
@@ -222,12 +220,28 @@ def _best_cut(lengths: Sequence[int], start: int, end: int) -> tuple[int, int]:
     )
 
 
+def _padded_tables(spans: list[Span], page_size: int) -> list[list[int]]:
+    """Each decode's page table cut to the pages it reads, padded with its first page to the
+    longest. Pure."""
+    tables = [s.page_ids[: _pages_read(s, page_size)] for s in spans]
+    pages_per_row = max(map(len, tables))
+    return [[*table, *[table[0]] * (pages_per_row - len(table))] for table in tables]
+
+
+def _plan_in_place(spans: list[Span], kv_pages: Tensor) -> InPlaceDecodes:
+    """The decode spans as one batch for the in-place kernel (see ``InPlaceDecodes``). Pure."""
+    return InPlaceDecodes(
+        rows=torch.tensor([s.row_start for s in spans], device=kv_pages.device),
+        page_tables=np.array(_padded_tables(spans, page_size_of(kv_pages)), dtype=np.int64),
+        num_cached=np.array([s.start_pos for s in spans], dtype=np.int64),
+    )
+
+
 def _plan_decodes(spans: list[Span], kv_pages: Tensor) -> DecodeBatch:
     """The padded batch of the decode spans (see ``DecodeBatch``). Pure."""
     page_size, device = page_size_of(kv_pages), kv_pages.device
-    tables = [s.page_ids[: _pages_read(s, page_size)] for s in spans]
-    pages_per_row = max(map(len, tables))
-    padded = [[*table, *[table[0]] * (pages_per_row - len(table))] for table in tables]
+    padded = _padded_tables(spans, page_size)
+    pages_per_row = len(padded[0])
     start_pos = torch.tensor([s.start_pos for s in spans], device=device)
     columns = torch.arange(pages_per_row * page_size, device=device)[None, :]  # [1, T]
     padding = columns > start_pos[:, None]

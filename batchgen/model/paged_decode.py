@@ -23,7 +23,6 @@ is ended by numba at its first kernel call. Start workers with ``spawn`` or ``fo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,20 +69,3 @@ class InPlaceDecodes:
             out.numpy(),
         )
         return out.view(num_rows, num_heads, head_dim).to(q.dtype)
-
-
-def plan_in_place(
-    row_starts: Sequence[int],
-    start_positions: Sequence[int],
-    tables: Sequence[Sequence[int]],
-    kv_pages: Tensor,
-) -> InPlaceDecodes:
-    """The decode rows at packed rows ``row_starts``, each with ``start_positions`` cached tokens
-    and its page table (covering them). Pure."""
-    longest = max(map(len, tables))
-    padded = [[*table, *[table[0]] * (longest - len(table))] for table in tables]
-    return InPlaceDecodes(
-        rows=torch.tensor(row_starts, device=kv_pages.device),
-        page_tables=np.array(padded, dtype=np.int64),
-        num_cached=np.array(start_positions, dtype=np.int64),
-    )

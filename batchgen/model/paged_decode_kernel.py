@@ -24,52 +24,75 @@ def attend_pages(q, new_k, new_v, kv_pages, layer, page_tables, num_cached, scal
     """The kernel, one task per (row, kv head), all the kv head's query heads at each key: ``q``,
     ``out`` [tasks, group, d]; ``new_k``, ``new_v`` [tasks, d]; ``kv_pages`` [page, layer, kv,
     kv_head, slot, d]. Writes ``out``."""
-    num_tasks, group, head_dim = q.shape
-    num_kv_heads, page_size = kv_pages.shape[3], kv_pages.shape[4]
+    num_tasks, group = q.shape[:2]
+    num_kv_heads, page_size, head_dim = kv_pages.shape[3], kv_pages.shape[4], kv_pages.shape[5]
     blocks = kv_pages.reshape(-1, page_size, head_dim)  # one per (page, layer, kv, kv head)
     blocks_per_page = kv_pages.shape[1] * 2 * num_kv_heads
     for task in numba.prange(num_tasks):
         row, head = task // num_kv_heads, task % num_kv_heads
         num_keys = num_cached[row]
-        num_pages = (num_keys + page_size - 1) // page_size
-        key_block = 2 * layer * num_kv_heads + head
-        value_block = key_block + num_kv_heads
-        task_q, task_out = q[task], out[task]
+        table = page_tables[row] * blocks_per_page + 2 * layer * num_kv_heads + head  # key blocks
         scores = np.empty((group, num_keys + 1), dtype=np.float32)
-        for page in range(num_pages):
-            keys = blocks[page_tables[row, page] * blocks_per_page + key_block]
-            first = page * page_size
-            for slot in range(min(page_size, num_keys - first)):
-                for j in range(group):
-                    dot = np.float32(0.0)
-                    for e in range(head_dim):
-                        dot += task_q[j, e] * keys[slot, e]
-                    scores[j, first + slot] = dot * scale
         totals = np.empty(group, dtype=np.float32)
+        _score_keys(q[task], blocks, table, num_keys, scale, scores)
+        _exp_scores_with_new_token(
+            q[task], new_k[task], new_v[task], scale, scores, totals, out[task]
+        )
+        _add_weighted_values(scores, blocks, table + num_kv_heads, num_keys, out[task])
         for j in range(group):
-            dot = np.float32(0.0)
-            for e in range(head_dim):
-                dot += task_q[j, e] * new_k[task, e]
-            scores[j, num_keys] = dot * scale
-            peak = scores[j, 0]
-            for t in range(1, num_keys + 1):
-                peak = max(peak, scores[j, t])
-            total = np.float32(0.0)
-            for t in range(num_keys + 1):
-                weight = np.exp(scores[j, t] - peak)
-                scores[j, t] = weight
-                total += weight
-            totals[j] = total
-            for e in range(head_dim):
-                task_out[j, e] = scores[j, num_keys] * new_v[task, e]
-        for page in range(num_pages):
-            values = blocks[page_tables[row, page] * blocks_per_page + value_block]
-            first = page * page_size
-            for slot in range(min(page_size, num_keys - first)):
-                for j in range(group):
-                    weight = scores[j, first + slot]
-                    for e in range(head_dim):
-                        task_out[j, e] += weight * values[slot, e]
-        for j in range(group):
-            for e in range(head_dim):
-                task_out[j, e] /= totals[j]
+            out[task, j] /= totals[j]
+
+
+@numba.njit(fastmath=FASTMATH, boundscheck=False, inline="always")
+def _score_keys(task_q, blocks, key_blocks, num_keys, scale, scores):
+    """``scores[j, t]`` = query j . key t * scale for the ``num_keys`` keys of the blocks at
+    ``key_blocks`` (one per page). Writes ``scores``."""
+    page_size = blocks.shape[1]
+    for page in range((num_keys + page_size - 1) // page_size):
+        keys = blocks[key_blocks[page]]
+        first = page * page_size
+        for slot in range(min(page_size, num_keys - first)):
+            for j in range(task_q.shape[0]):
+                dot = np.float32(0.0)
+                for e in range(task_q.shape[1]):
+                    dot += task_q[j, e] * keys[slot, e]
+                scores[j, first + slot] = dot * scale
+
+
+@numba.njit(fastmath=FASTMATH, boundscheck=False, inline="always")
+def _exp_scores_with_new_token(task_q, new_k, new_v, scale, scores, totals, task_out):
+    """The new token's score in the last column, each row of ``scores`` replaced by its softmax
+    numerator (``totals`` the denominators), and ``task_out`` started at the new token's weighted
+    value. Writes all three."""
+    num_keys = scores.shape[1] - 1
+    for j in range(task_q.shape[0]):
+        dot = np.float32(0.0)
+        for e in range(task_q.shape[1]):
+            dot += task_q[j, e] * new_k[e]
+        scores[j, num_keys] = dot * scale
+        peak = scores[j, 0]
+        for t in range(1, num_keys + 1):
+            peak = max(peak, scores[j, t])
+        total = np.float32(0.0)
+        for t in range(num_keys + 1):
+            weight = np.exp(scores[j, t] - peak)
+            scores[j, t] = weight
+            total += weight
+        totals[j] = total
+        for e in range(task_q.shape[1]):
+            task_out[j, e] = scores[j, num_keys] * new_v[e]
+
+
+@numba.njit(fastmath=FASTMATH, boundscheck=False, inline="always")
+def _add_weighted_values(scores, blocks, value_blocks, num_keys, task_out):
+    """``task_out[j] += scores[j, t] * value t`` over the ``num_keys`` values of the blocks at
+    ``value_blocks``. Writes ``task_out``."""
+    page_size = blocks.shape[1]
+    for page in range((num_keys + page_size - 1) // page_size):
+        values = blocks[value_blocks[page]]
+        first = page * page_size
+        for slot in range(min(page_size, num_keys - first)):
+            for j in range(task_out.shape[0]):
+                weight = scores[j, first + slot]
+                for e in range(task_out.shape[1]):
+                    task_out[j, e] += weight * values[slot, e]
