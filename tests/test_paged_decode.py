@@ -4,11 +4,13 @@ row's new token, and gives the same bits on any number of threads."""
 import random
 
 import numba
+import numpy as np
 import pytest
 import torch
 
 from batchgen.model.paged_attention import Span, plan_attention
 from batchgen.model.paged_decode import InPlaceDecodes, attends_in_place
+from batchgen.model.paged_decode_kernel import _exp_nonpositive
 
 
 def nan_pages(num_pages: int, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int):
@@ -108,3 +110,26 @@ def test_only_float32_pages_on_a_cpu_attend_in_place():
     assert attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8))
     assert not attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8, dtype=torch.bfloat16))
     assert not attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8, device="meta"))
+
+
+@numba.njit
+def exp_each(xs):
+    out = np.empty_like(xs)
+    for i in range(xs.shape[0]):
+        out[i] = _exp_nonpositive(xs[i])
+    return out
+
+
+def test_the_kernels_exp_is_within_one_ulp_of_the_exact_value_where_float32_is_normal():
+    xs = np.linspace(-87.33, 0, 200_001, dtype=np.float32)
+    exact = np.exp(xs.astype(np.float64))
+    ulps = np.abs(exp_each(xs) - exact) / np.spacing(exact.astype(np.float32))
+    assert ulps.max() <= 1.0
+
+
+def test_the_kernels_exp_at_its_edges():
+    xs = np.array([0.0, -0.0, -1e-30, -87.34, -100.0, -np.inf, np.nan], dtype=np.float32)
+    got = exp_each(xs)
+    assert got[:3].tolist() == [1.0, 1.0, 1.0]
+    assert got[3:6].tolist() == [0.0, 0.0, 0.0]  # under float32's smallest normal
+    assert np.isnan(got[6])
