@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from batchgen.kv.copy_runs import DEFAULT_SPLIT, CopySplit, cuda_device, issue_copies
+from batchgen.kv.huge_pages import zeros_on_huge_pages
 
 
 def new_page_tensor(
@@ -34,7 +35,10 @@ def new_page_tensor(
     device: torch.device | str,
     pin_memory: bool = False,
 ) -> Tensor:
-    """A zero-filled pool of pages; ``pin_memory`` (CPU only, needs CUDA) makes DMA async."""
+    """A zero-filled pool of pages; ``pin_memory`` (CPU only, needs CUDA) makes DMA async. An
+    unpinned CPU pool lies on huge pages where the system allows (``huge_pages``)."""
+    if torch.device(device).type == "cpu" and not pin_memory:
+        return zeros_on_huge_pages(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
 
