@@ -1,5 +1,6 @@
 """CPU KV pools lie on 2 MiB pages where Linux offers them (transparent huge pages)."""
 
+import mmap
 import sys
 from pathlib import Path
 
@@ -39,9 +40,8 @@ def test_a_cpu_pool_of_the_worker_starts_on_a_huge_page():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
 def test_linux_accepts_the_request():
-    pool = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)
-    start = -pool.data_ptr() % HUGE_PAGE_BYTES
-    assert advise_huge_pages(pool.data_ptr() + start, HUGE_PAGE_BYTES)
+    mapping = mmap.mmap(-1, 2 * HUGE_PAGE_BYTES)
+    assert advise_huge_pages(mapping, 0, HUGE_PAGE_BYTES)
 
 
 @pytest.mark.skipif(
@@ -49,5 +49,16 @@ def test_linux_accepts_the_request():
     reason="this system offers no transparent huge pages",
 )
 def test_the_pool_is_backed_by_huge_pages_once_written():
+    # heap memory another tensor touched and freed first, as a worker's earlier pools leave it
+    torch.ones(8, HUGE_PAGE_BYTES // 4)  # made and freed at once
     pool = zeros_on_huge_pages((8, HUGE_PAGE_BYTES // 4), torch.float32)
-    assert huge_bytes_mapped_at(pool.data_ptr()) >= HUGE_PAGE_BYTES
+    assert huge_bytes_mapped_at(pool.data_ptr()) >= 7 * HUGE_PAGE_BYTES
+
+
+def test_a_mapping_the_system_refuses_is_a_memory_error(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match="cannot map 64 bytes"):
+        zeros_on_huge_pages((16,), torch.float32)
