@@ -104,20 +104,20 @@ def build_mixes(args: argparse.Namespace, vocab_size: int) -> list[Mix]:
     return [mixes[name] for name in split(args.mixes)]
 
 
-def workload(mix: Mix, dtype: str, schedule_policy: str) -> Workload:
-    """The mix as a batchgen workload, all at step 0, with ``dtype`` pools that hold every request.
-    Pure."""
+def workload(mix: Mix, dtype: str, schedule_policy: str, page_size: int = PAGE_SIZE) -> Workload:
+    """The mix as a batchgen workload, all at step 0, with ``dtype`` pools of ``page_size`` slots a
+    page that hold every request. Pure."""
     requests = [
         WorkloadRequest(uuid=f"r{i}", prompt_ids=prompt, max_new_tokens=num_new)
         for i, (prompt, num_new) in enumerate(zip(mix.prompts, mix.new_tokens))
     ]
     num_pages = sum(
-        pages_needed(len(p) + n, PAGE_SIZE) for p, n in zip(mix.prompts, mix.new_tokens)
+        pages_needed(len(p) + n, page_size) for p, n in zip(mix.prompts, mix.new_tokens)
     )
     return Workload(
         name=mix.name,
         cache=CacheConfig(
-            page_size=PAGE_SIZE,
+            page_size=page_size,
             num_gpu_pages=num_pages + 1,
             num_host_pages=0,
             dtype=dtype,
@@ -133,11 +133,12 @@ def workload(mix: Mix, dtype: str, schedule_policy: str) -> Workload:
 
 
 def new_worker(
-    model, mix: Mix, device: str, schedule_policy: str = "fcfs"
+    model, mix: Mix, device: str, schedule_policy: str = "fcfs", page_size: int = PAGE_SIZE
 ) -> tuple[Worker, Workload]:
-    """A worker for ``mix`` whose KV pages have the model's dtype, and the workload."""
+    """A worker for ``mix`` whose KV pages have the model's dtype and ``page_size`` slots, and the
+    workload."""
     dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
-    job = workload(mix, dtype, schedule_policy)
+    job = workload(mix, dtype, schedule_policy, page_size)
     worker = Worker(
         model,
         cache_config=job.cache,

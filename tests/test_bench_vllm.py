@@ -2,6 +2,7 @@
 checkpoint's geometry and tokenizer, and the runner's job file. (The benchmark itself installs
 vLLM in a venv of its own and runs for many minutes: not part of the test suite.)"""
 
+import io
 import json
 import os
 from pathlib import Path
@@ -32,6 +33,8 @@ def bench(monkeypatch):
         (["--threads", "0"], "--threads: each count in 1.."),
         (["--threads", "4096"], "--threads: each count in 1.."),
         (["--pairs", "0"], "--pairs needs >= 1"),
+        (["--page-size", "24"], "--page-size takes a multiple of 16 (both engines' KV blocks)"),
+        (["--page-size", "0"], "--page-size takes a multiple of 16 (both engines' KV blocks)"),
         (["--geometry", "100x4"], "geometry '100x4': expected HxL with H a multiple of 64"),
         (["--geometry", "256x0"], "geometry '256x0': expected HxL"),
     ],
@@ -47,6 +50,7 @@ def test_the_default_command_is_both_mixes_at_both_geometries_one_thread_and_two
     args = bench.parse_args([])
     assert list(args.geometries) == ["256x4", "512x8"]
     assert args.mixes == "static,mixed" and args.pairs == 5 and args.vocab_size == 4096
+    assert args.page_size == 128  # vLLM's KV block size on a CPU, for both engines
 
 
 def test_the_geometry_has_heads_of_32_and_two_query_heads_per_kv_head(bench):
@@ -123,6 +127,25 @@ def test_the_runner_refuses_a_job_lacking_a_setting_by_name(monkeypatch, tmp_pat
     path.write_text(json.dumps({"checkpoint": "x", "dtype": "float32"}))
     with pytest.raises(ValueError, match="lacks max_num_seqs, max_model_len, max_num_batched"):
         runner.read_job(str(path))
+
+
+def test_vllm_runs_with_the_page_size_batchgen_runs_and_no_prefix_cache(monkeypatch, tmp_path):
+    job = script_module(monkeypatch, "vllm_job")
+    started = []
+
+    class Process:  # the runner process, ready at once and never started
+        def __init__(self, argv, **kwargs):
+            started.append((argv, kwargs["env"]))
+            self.stdout = io.StringIO('{"ready": true}\n')
+
+    monkeypatch.setattr(job.subprocess, "Popen", Process)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    mix = job.build_mixes(["mixed"], vocab_size=64, seed=0)[0]
+    job.VllmRunner(Path("python"), str(tmp_path), mix, 2, 128, tmp_path / "vllm.log")
+    settings = json.loads((tmp_path / "vllm-job-mixed.json").read_text())
+    assert settings["engine_args"] == {"enable_prefix_caching": False, "block_size": 128}
+    assert settings["max_num_seqs"] == 16 and settings["dtype"] == "float32"
+    assert started[0][1]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
 
 
 def test_a_venv_is_ready_only_once_its_stamp_names_both_specs(monkeypatch, tmp_path):
