@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--page-size",
         type=int,
         default=VLLM_CPU_BLOCK_SIZE,
-        help="tokens per KV page, both engines (a multiple of 16; default %(default)s, vLLM's on a"
+        help="tokens per KV page, both engines (a multiple of 32; default %(default)s, vLLM's on a"
         " CPU)",
     )
     parser.add_argument("--vocab-size", type=int, default=4096, help="(default 4096)")
@@ -88,9 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--threads: each count in 1..{num_cpus} (this machine's CPUs)")
     if args.pairs < 1 or args.vocab_size < 2:
         parser.error("--pairs needs >= 1, --vocab-size >= 2")
-    if args.page_size < 16 or args.page_size % 16:
+    if args.page_size < 32 or args.page_size % 32:
         parser.error(
-            f"--page-size takes a multiple of 16 (both engines' KV blocks), got {args.page_size}"
+            f"--page-size takes a multiple of 32 (both engines' KV blocks; vLLM's CPU attention"
+            f" needs it), got {args.page_size}"
         )
     return args
 

@@ -33,8 +33,11 @@ def bench(monkeypatch):
         (["--threads", "0"], "--threads: each count in 1.."),
         (["--threads", "4096"], "--threads: each count in 1.."),
         (["--pairs", "0"], "--pairs needs >= 1"),
-        (["--page-size", "24"], "--page-size takes a multiple of 16 (both engines' KV blocks)"),
-        (["--page-size", "0"], "--page-size takes a multiple of 16 (both engines' KV blocks)"),
+        (
+            ["--page-size", "16"],
+            "--page-size takes a multiple of 32 (both engines' KV blocks; vLLM's",
+        ),
+        (["--page-size", "0"], "--page-size takes a multiple of 32"),
         (["--geometry", "100x4"], "geometry '100x4': expected HxL with H a multiple of 64"),
         (["--geometry", "256x0"], "geometry '256x0': expected HxL"),
     ],
