@@ -60,9 +60,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalise in float32, scale in the input dtype (as HF does; ``F.rms_norm`` is one op
-        for HF's five, with the same float32 result)."""
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        for HF's five, with the same float32 result). The scaling writes the fresh normalised
+        tensor in place: no buffer of the whole batch per norm."""
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return normed.mul_(self.weight)
 
 
 class RotaryEmbedding(nn.Module):
@@ -101,7 +102,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """``down(silu(gate(x)) * up(x))``, the activation and product in place on the gate's
+        output (HF's ops, the same values; a prefill's [tokens, intermediate] buffers are the
+        largest of a forward, and each fresh one costs its page faults)."""
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -161,12 +165,13 @@ class LlamaDecoderLayer(nn.Module):
         kv_pages: Tensor,
         layer: int,
     ) -> tuple[Tensor, Tensor]:
-        """New hidden [N, hidden] and this layer's new K/V [2, N, kv_heads, head_dim]."""
+        """New hidden [N, hidden] and this layer's new K/V [2, N, kv_heads, head_dim]; each
+        residual sum is written into the fresh sublayer output (the same sums as HF's)."""
         attn_out, new_kv = self.self_attn(
             self.input_layernorm(hidden), cos, sin, plan, kv_pages, layer
         )
-        hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), new_kv
+        hidden = attn_out.add_(hidden)
+        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden), new_kv
 
 
 class LlamaModel(nn.Module):
