@@ -11,7 +11,10 @@ pairs (batchgen first in even pairs, vLLM first in odd ones); the ratio is the m
 of vLLM's wall time over batchgen's, printed with its spread (and the same of CPU seconds, vLLM's
 counted over its engine processes too), and every run's tokens are checked against the other
 engine's. Beside it, each engine's wall time per step and the matmul time
-alone of a decode step of as many rows as the mix runs at once.
+alone of a decode step of as many rows as the mix runs at once; then one more batchgen run with
+every matmul timed, and the "ceiling": vLLM's median wall time over the seconds batchgen spent in
+matmuls, the ratio batchgen would reach if everything but its matmuls took no time. Where the
+ceiling is below a goal, no work outside the matmuls can reach it.
 
     static  32 requests, prompts of 16-128 tokens, 64 new tokens each, all at step 0
     mixed   64 requests, prompts of 16-128 tokens, 16-256 new tokens, 16 at a time
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import torch
 from bench_throughput import new_worker
-from decode_bound import matmul_step_s
+from decode_bound import matmul_step_s, timed_linears
 from output_path import output_path, write_output
 from rich.console import Console
 from rich.table import Table
@@ -123,7 +126,7 @@ def render(rows: list[dict], title: str) -> Table:
     """The figures as a table, one row per geometry, threads and mix. Pure."""
     table = Table(title=title)
     columns = ("geometry", "threads", "mix", "batchgen tok/s", "vLLM tok/s", "ratio", "spread")
-    for column in (*columns, "ratio CPU", "ms/step b | v", "matmul ms", "tokens"):
+    for column in (*columns, "ratio CPU", "ms/step b | v", "matmul ms", "ceiling", "tokens"):
         table.add_column(column, justify="left" if column in ("geometry", "mix") else "right")
     for row in rows:
         table.add_row(
@@ -137,6 +140,7 @@ def render(rows: list[dict], title: str) -> Table:
             f"{row['ratio_cpu']:.2f}x ({row['ratio_cpu_min']:.2f}-{row['ratio_cpu_max']:.2f})",
             f"{row['batchgen_step_ms']:.1f} | {row['vllm_step_ms']:.1f}",
             f"{row['matmul_step_ms']:.1f}",
+            f"{row['ceiling']:.2f}x",
             "equal"
             if not row["num_requests_differing"]
             else f"{row['num_requests_differing']} differ",
@@ -172,6 +176,10 @@ def measure(model, runner: VllmRunner, mix, pairs: int, page_size: int) -> dict:
     row["batchgen_step_ms"] = 1e3 * statistics.median(walls["batchgen"]) / steps
     row["vllm_step_ms"] = 1e3 * statistics.median(walls["vllm"]) / steps
     row["num_requests_differing"] = differing
+    with timed_linears(model) as matmul_s:
+        run_batchgen_counting(model, mix, page_size)
+    row["batchgen_matmul_s"] = matmul_s[0]
+    row["ceiling"] = statistics.median(walls["vllm"]) / matmul_s[0]
     return row
 
 

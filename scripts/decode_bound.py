@@ -1,13 +1,16 @@
 """A decode step against its bounds: on a GPU (``bench_throughput.py``) the memory-bandwidth bound
 of reading every weight and the KV once per step, at the copy bandwidth measured in the run; on
-any device (``bench_vllm.py``) the time of a decode step's matmuls alone.
+any device (``bench_vllm.py``) the time of a decode step's matmuls alone, and of every matmul of a
+whole run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -87,3 +90,27 @@ def matmul_step_s(model, num_rows: int, repeats: int = 20) -> float:
                 linear(inputs[linear.in_features])
             best = min(best, time.perf_counter() - started)
     return best
+
+
+@contextlib.contextmanager
+def timed_linears(model) -> Iterator[list[float]]:
+    """Inside the block, the wall seconds of every call of every linear of ``model`` (its layers'
+    and ``lm_head``) add up in the one-element list yielded. Mutates the linears' hooks while
+    inside (two ``perf_counter`` calls a matmul); synchronous devices only (the CPU)."""
+    seconds, started = [0.0], {}
+
+    def start(module, inputs) -> None:
+        started[module] = time.perf_counter()
+
+    def stop(module, inputs, output) -> None:
+        seconds[0] += time.perf_counter() - started.pop(module)
+
+    linears = [m for m in model.model.layers.modules() if isinstance(m, LINEARS)]
+    handles = []
+    for linear in [*linears, model.lm_head]:
+        handles += [linear.register_forward_pre_hook(start), linear.register_forward_hook(stop)]
+    try:
+        yield seconds
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -90,14 +91,15 @@ def test_the_table_shows_every_figure_and_whether_tokens_are_equal(bench):
 
     row = dict(geometry="256x4", threads=2, mix="mixed", ratio=1.234, ratio_min=1.1, ratio_max=1.3)
     row.update(batchgen_tokens_per_s=2900.4, vllm_tokens_per_s=2350.0, batchgen_step_ms=9.87)
-    row.update(vllm_step_ms=12.0, matmul_step_ms=1.75, num_requests_differing=0)
+    row.update(vllm_step_ms=12.0, matmul_step_ms=1.75, ceiling=1.456, num_requests_differing=0)
     row.update(ratio_cpu=0.91, ratio_cpu_min=0.8, ratio_cpu_max=1.0)
     console = Console(width=200, record=True)
     console.print(bench.render([row, {**row, "num_requests_differing": 3}], "t"))
     lines = console.export_text().splitlines()
     cells = [line for line in lines if "256x4" in line]
     assert len(cells) == 2
-    for text in ("2900", "2350", "1.23x", "1.10-1.30", "0.91x (0.80-1.00)", "9.9 | 12.0", "1.8"):
+    figures = ("2900", "2350", "1.23x", "1.10-1.30", "0.91x (0.80-1.00)", "9.9 | 12.0", "1.8")
+    for text in (*figures, "1.46x"):
         assert text in cells[0]
     assert "equal" in cells[0] and "3 differ" in cells[1]
 
@@ -172,3 +174,24 @@ def test_the_matmul_time_of_a_decode_step_is_positive_and_runs_every_linear(monk
             module.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
     assert bound.matmul_step_s(model, num_rows=3, repeats=2) > 0
     assert calls == [3] * len(calls) and len(calls) == 2 * (7 * model.config.num_layers + 1)
+
+
+def test_every_matmul_of_a_forward_is_timed_inside_the_block_and_none_after_it(monkeypatch):
+    bound = script_module(monkeypatch, "decode_bound")
+    import time
+
+    from batchgen.config import TINY_MODELS
+    from batchgen.model.llama import SeqInput
+    from batchgen.model.loader import load_model
+    from batchgen.model.paged_kv import kv_page_shape
+
+    model = load_model(next(iter(TINY_MODELS)))
+    pages = torch.zeros(kv_page_shape(model.config, 16, 2))
+    clock = iter(range(1000))  # every perf_counter call one second later than the last
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    with bound.timed_linears(model) as seconds:
+        model.forward([SeqInput([1, 2, 3], 0, [0])], pages)
+    assert seconds == [7 * model.config.num_layers + 1]  # one second per matmul
+    model.forward([SeqInput([1, 2, 3], 0, [1])], pages)
+    assert seconds == [7 * model.config.num_layers + 1]
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
