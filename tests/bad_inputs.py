@@ -41,6 +41,7 @@ from batchgen.kv.plans import (
     to_jsonable,
 )
 from batchgen.model.llama import LlamaForCausalLM
+from batchgen.model.stacked import hf_tensors
 from compare import DivergenceRecord, RunSummary
 
 CATEGORIES = (
@@ -154,7 +155,8 @@ def checkpoint(
         path.mkdir(parents=True)
         torch.manual_seed(0)
         model = LlamaForCausalLM(ModelConfig.from_hf_dict(HF_CONFIG))
-        state = {name: param.detach().clone() for name, param in model.named_parameters()}
+        named = hf_tensors(dict(model.named_parameters()), model.config)
+        state = {name: tensor.detach().clone() for name, tensor in named.items()}
         (path / "config.json").write_text(json.dumps(config if config is not None else HF_CONFIG))
         save_file(tensors(state) if tensors else state, path / "model.safetensors")
 

@@ -14,6 +14,7 @@ from batchgen.engine.worker import Worker
 from batchgen.model import loader
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.loader import SUPPORTED_DTYPES, ModelLoadError, load_model
+from batchgen.model.stacked import hf_tensors
 
 HF_CONFIG = dict(
     model_type="llama",
@@ -31,8 +32,9 @@ NUM_TENSORS_PER_LAYER = 9
 def reference_tensors(hf_config: dict) -> dict[str, torch.Tensor]:
     """A full state dict for ``hf_config`` (default torch init), as a checkpoint would hold it."""
     model = LlamaForCausalLM(ModelConfig.from_hf_dict(hf_config))
-    # tied lm_head not listed
-    return {name: param.detach().clone() for name, param in model.named_parameters()}
+    # under HF's names; a tied lm_head.weight is not listed
+    tensors = hf_tensors(dict(model.named_parameters()), model.config)
+    return {name: tensor.detach().clone() for name, tensor in tensors.items()}
 
 
 def write_checkpoint(directory, hf_config: dict = HF_CONFIG, tensors: dict | None = None):

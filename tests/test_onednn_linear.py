@@ -56,9 +56,9 @@ def test_load_model_packs_float32_cpu_models_and_saves_the_same_state_dict():
     packed = load_model("tiny")
     dense = load_model("tiny", dtype="bfloat16")
     layer = packed.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, OneDNNLinear)
+    assert isinstance(layer.self_attn.qkv_proj, OneDNNLinear)
     assert isinstance(layer.mlp.down_proj, OneDNNLinear)
-    assert isinstance(dense.model.layers[0].self_attn.q_proj, nn.Linear)
+    assert isinstance(dense.model.layers[0].self_attn.qkv_proj, nn.Linear)
     state, dense_state = packed.state_dict(), dense.state_dict()
     assert list(state) == list(dense_state)
     assert all(torch.equal(state[name].bfloat16(), dense_state[name]) for name in state)

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Qwen2) whose attention reads its history from KV pages.
 
-Parameter names match HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``, so an HF
-state dict loads as is. A forward packs the new tokens of every sequence into
+Parameters are HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``'s, but for q/k/v and gate/up,
+each stacked into one matrix (``stacked``): the loader fills them from HF's names, and
+``state_dict`` gives HF's names back. A forward packs the new tokens of every sequence into
 one ``[total_tokens, hidden]`` matrix for the projections and the MLP; only
 attention is per kind of sequence (prefill, decode, extend), planned once per
 forward by ``paged_attention``, which holds the three attentions.
@@ -29,6 +30,7 @@ from batchgen.model.paged_attention import (
     plan_attention,
 )
 from batchgen.model.paged_kv import page_size_of
+from batchgen.model.stacked import hf_tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,15 +99,16 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        # HF's gate_proj and up_proj, stacked (``stacked``): one matmul
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``down(silu(gate(x)) * up(x))``, the activation and product in place on the gate's
-        output (HF's ops, the same values; a prefill's [tokens, intermediate] buffers are the
-        largest of a forward, and each fresh one costs its page faults)."""
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        """``down(silu(gate(x)) * up(x))``, the product in place on the activation's fresh output
+        (HF's ops, the same values; a prefill's [tokens, intermediate] buffers are the largest of
+        a forward, and each fresh one costs its page faults)."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaAttention(nn.Module):
@@ -115,9 +118,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        # HF's q_proj, k_proj and v_proj, stacked (``stacked``): one matmul
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
     def forward(
@@ -131,12 +135,14 @@ class LlamaAttention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Attention output [N, hidden] and this layer's new K/V [2, N, kv_heads, head_dim]; reads
         ``kv_pages`` only."""
-        num_rows = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(num_rows, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(num_rows, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
-        new_kv = torch.stack((k, v))
-        out = torch.empty_like(q)
+        num_rows, num_roped = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_rows, num_roped + self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(qkv[:, :num_roped], cos, sin).split(
+            (self.num_heads, self.num_kv_heads), dim=1
+        )
+        new_kv = torch.stack((k, qkv[:, num_roped:]))
+        k, v = new_kv
+        out = q.new_empty(q.shape)
         for span in plan.prefills:
             out[span.rows] = attend_sequence(
                 q[span.rows], k[span.rows], v[span.rows], key_mask=None
@@ -214,6 +220,11 @@ class LlamaForCausalLM(nn.Module):
         mutates lm_head."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def state_dict(self, *args, **kwargs) -> dict[str, Tensor]:
+        """The weights as an HF checkpoint names and shapes them: each stacked projection as its
+        HF parts (``stacked.hf_tensors``). Pure."""
+        return hf_tensors(super().state_dict(*args, **kwargs), self.config)
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqInput], kv_pages: Tensor) -> ForwardOutput:

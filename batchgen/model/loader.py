@@ -23,6 +23,7 @@ from batchgen.model.hf_checkpoint import (
 )
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.onednn_linear import can_pack, pack_linears
+from batchgen.model.stacked import hf_tensors, stacked_location
 
 # config's dtype names are torch's
 SUPPORTED_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
@@ -135,15 +136,28 @@ def _meta_model(config: ModelConfig) -> LlamaForCausalLM:
 
 
 def _expected_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
-    """Every parameter to fill, in module order; a tied ``lm_head.weight`` is not listed (it is the
-    embedding)."""
-    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+    """Every tensor to fill, under HF's names, in module order; a tied ``lm_head.weight`` is not
+    listed (it is the embedding)."""
+    tensors = hf_tensors(dict(model.named_parameters()), model.config)
+    return {name: tuple(tensor.shape) for name, tensor in tensors.items()}
 
 
-def _assign_parameter(model: nn.Module, name: str, tensor: Tensor) -> None:
-    """Replace parameter ``name`` of ``model`` by ``tensor``; mutates the owning submodule."""
-    module_name, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+def _assign_parameter(model: LlamaForCausalLM, name: str, tensor: Tensor) -> None:
+    """Make ``tensor`` the HF tensor ``name`` of ``model``: the parameter itself, or its rows of a
+    stacked parameter (which is first allocated like ``tensor`` while still on the meta device).
+    Mutates the owning submodule."""
+    location = stacked_location(name, model.config)
+    module_name, _, attr = (name if location is None else location[0]).rpartition(".")
+    module = model.get_submodule(module_name)
+    if location is None:
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+        return
+    _, start, end = location
+    stacked = getattr(module, attr)
+    if stacked.is_meta:
+        stacked = nn.Parameter(tensor.new_empty(stacked.shape), requires_grad=False)
+        setattr(module, attr, stacked)
+    stacked.data[start:end] = tensor
 
 
 def _seeded_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> Iterator[tuple[str, Tensor]]:
