@@ -61,7 +61,10 @@ VLLM_CPU_BLOCK_SIZE = 128
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked; SystemExit naming what is wrong."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # the whole method in --help: what is measured, how the engines alternate, what each column is
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--geometry", default="256x4,512x8", help="comma list of HxL")
     parser.add_argument("--mixes", default="static,mixed", help="comma list (default both)")
     parser.add_argument("--threads", default="1,2", help="comma list of thread counts (1,2)")

@@ -50,6 +50,14 @@ def test_bad_flags_are_refused_before_anything_is_installed_or_run(bench, capsys
     assert message in capsys.readouterr().err
 
 
+def test_help_explains_the_method_and_every_column(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    shown = capsys.readouterr().out
+    for text in ("alternate", "ratio is the median over", "ceiling", "static  32 requests"):
+        assert text in shown
+
+
 def test_the_default_command_is_both_mixes_at_both_geometries_one_thread_and_two(bench):
     args = bench.parse_args([])
     assert list(args.geometries) == ["256x4", "512x8"]
