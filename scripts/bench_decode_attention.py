@@ -96,7 +96,7 @@ def attention_step(spans, pages, q_kv, in_place: bool, max_batches: int) -> floa
     out = torch.empty_like(q_kv[0])
     for layer in range(pages.shape[1]):
         for decodes in plan.decodes:
-            out[decodes.rows] = decodes.attend(*q_kv, pages, layer)
+            decodes.attend(*q_kv, pages, layer, out)
     return time.thread_time() - started
 
 

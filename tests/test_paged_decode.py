@@ -45,7 +45,14 @@ def decode_case(num_heads, num_kv_heads, page_size, start_positions, num_layers=
 def padded(spans, pages, q, new_kv, layer):
     out = torch.empty_like(q)
     for decodes in plan_attention(spans, pages, in_place=False).decodes:
-        out[decodes.rows] = decodes.attend(q, new_kv, pages, layer)
+        decodes.attend(q, new_kv, pages, layer, out)
+    return out
+
+
+def attended(decodes, q, new_kv, pages, layer):
+    """Every packed row after ``decodes`` attended into a NaN-filled output."""
+    out = torch.full(q.shape, torch.nan, dtype=q.dtype)
+    decodes.attend(q, new_kv, pages, layer, out)
     return out
 
 
@@ -65,29 +72,43 @@ def test_in_place_attention_equals_the_padded_batches(
     (in_place,) = plan_attention(spans, pages).decodes
     assert isinstance(in_place, InPlaceDecodes)
     for layer in range(pages.shape[1]):
-        out = in_place.attend(q, new_kv, pages, layer)
-        assert not out.isnan().any()  # the NaN slots past each new token are never read
+        out = attended(in_place, q, new_kv, pages, layer)
+        # every row written; the NaN slots past each new token are never read
+        assert not out.isnan().any()
         expected = padded(spans, pages, q, new_kv, layer)
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
 
 
-def test_the_rows_given_are_the_rows_attended():
+def test_the_rows_given_are_the_rows_attended_and_the_only_rows_written():
     # packed rows 0 and 2 are decodes; row 1 is another sequence's prefill
     spans, pages, q, new_kv = decode_case(4, 2, 4, [5, 3, 9])
     decodes = [spans[0], Span(2, 1, spans[2].start_pos, spans[2].page_ids)]
     (in_place,) = plan_attention(decodes, pages).decodes
-    alone = [plan_attention([span], pages).decodes[0] for span in decodes]
-    both = in_place.attend(q, new_kv, pages, layer=1)
-    for row, decode in enumerate(alone):
-        torch.testing.assert_close(both[row], decode.attend(q, new_kv, pages, layer=1)[0])
+    both = attended(in_place, q, new_kv, pages, layer=1)
+    assert both[1].isnan().all()
+    for decode in decodes:
+        (alone,) = plan_attention([decode], pages).decodes
+        row = decode.row_start
+        torch.testing.assert_close(both[row], attended(alone, q, new_kv, pages, layer=1)[row])
+
+
+def test_rows_of_any_strides_are_read_in_place_with_the_same_bits():
+    # the model's queries are a view of RoPE's output over q and k heads; its K/V a stack's halves
+    spans, pages, q, new_kv = decode_case(4, 2, 4, [6, 11, 19])
+    (in_place,) = plan_attention(spans, pages).decodes
+    q_and_k = torch.cat((q, new_kv[0]), dim=1)
+    strided_q = q_and_k[:, : q.shape[1]]
+    assert not strided_q.is_contiguous()
+    out = attended(in_place, strided_q, new_kv, pages, layer=0)
+    assert torch.equal(out, attended(in_place, q, new_kv, pages, layer=0))
 
 
 def test_bfloat16_queries_over_float32_pages_come_back_in_bfloat16():
     spans, pages, q, new_kv = decode_case(4, 2, 4, [6, 11])
     (in_place,) = plan_attention(spans, pages).decodes
-    out = in_place.attend(q.bfloat16(), new_kv.bfloat16(), pages, layer=0)
+    out = attended(in_place, q.bfloat16(), new_kv.bfloat16(), pages, layer=0)
     assert out.dtype == torch.bfloat16
-    exact = in_place.attend(q.bfloat16().float(), new_kv.bfloat16().float(), pages, layer=0)
+    exact = attended(in_place, q.bfloat16().float(), new_kv.bfloat16().float(), pages, layer=0)
     assert torch.equal(out, exact.bfloat16())
 
 
@@ -97,9 +118,9 @@ def test_one_thread_and_two_give_the_same_bits():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = in_place.attend(q, new_kv, pages, layer=0)
+        one = attended(in_place, q, new_kv, pages, layer=0)
         torch.set_num_threads(2)
-        two = in_place.attend(q, new_kv, pages, layer=0)
+        two = attended(in_place, q, new_kv, pages, layer=0)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)

@@ -150,7 +150,7 @@ class LlamaAttention(nn.Module):
         for span in plan.extends:
             out[span.rows] = attend_extend(q, k, v, span, kv_pages, layer)
         for decodes in plan.decodes:
-            out[decodes.rows] = decodes.attend(q, new_kv, kv_pages, layer)
+            decodes.attend(q, new_kv, kv_pages, layer, out)
         return self.o_proj(out.view(num_rows, -1)), new_kv
 
 

@@ -84,8 +84,10 @@ class DecodeBatch:
     # layer costs its page faults each time (glibc maps a large allocation anew)
     scratch: Tensor
 
-    def attend(self, q: Tensor, new_kv: Tensor, kv_pages: Tensor, layer: int) -> Tensor:
-        return attend_decodes(q, new_kv, self, kv_pages, layer)
+    def attend(self, q: Tensor, new_kv: Tensor, kv_pages: Tensor, layer: int, out: Tensor) -> None:
+        """The batch's attention (``attend_decodes``) written into its rows of ``out``; reads
+        ``kv_pages``."""
+        out[self.rows] = attend_decodes(q, new_kv, self, kv_pages, layer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +233,7 @@ def _padded_tables(spans: list[Span], page_size: int) -> list[list[int]]:
 def _plan_in_place(spans: list[Span], kv_pages: Tensor) -> InPlaceDecodes:
     """The decode spans as one batch for the in-place kernel (see ``InPlaceDecodes``). Pure."""
     return InPlaceDecodes(
-        rows=torch.tensor([s.row_start for s in spans], device=kv_pages.device),
+        rows=np.array([s.row_start for s in spans], dtype=np.int64),
         page_tables=np.array(_padded_tables(spans, page_size_of(kv_pages)), dtype=np.int64),
         num_cached=np.array([s.start_pos for s in spans], dtype=np.int64),
     )

@@ -39,33 +39,34 @@ def attends_in_place(kv_pages: Tensor) -> bool:
 class InPlaceDecodes:
     """Every decode row of a forward, attended by the kernel; built once, used by every layer."""
 
-    rows: Tensor  # [B] packed row of each decode token
+    rows: np.ndarray  # [B] int64: packed row of each decode token
     page_tables: np.ndarray  # [B, P] int64, each row's table padded with its first page
     num_cached: np.ndarray  # [B] int64: each row's start_pos, the positions read from pages
 
-    def attend(self, q: Tensor, new_kv: Tensor, kv_pages: Tensor, layer: int) -> Tensor:
-        """Attention output [B, heads, d] of the rows' queries (rows of ``q`` [N, heads, d]) over
-        their pages of ``layer`` and their new K/V (rows of ``new_kv`` [2, N, kv_heads, d]).
-        Reads ``kv_pages``."""
-        num_rows, num_heads, head_dim = len(self.rows), q.shape[1], q.shape[2]
-        num_kv_heads = kv_pages.shape[3]
-        tasks = num_rows * num_kv_heads
-        queries = q[self.rows].float().reshape(tasks, num_heads // num_kv_heads, head_dim)
-        new_k, new_v = new_kv[:, self.rows].float().reshape(2, tasks, head_dim)
-        out = torch.empty_like(queries)
+    def attend(self, q: Tensor, new_kv: Tensor, kv_pages: Tensor, layer: int, out: Tensor) -> None:
+        """The rows' attention over their pages of ``layer`` and their new K/V (rows of ``q`` [N,
+        heads, d] and ``new_kv`` [2, N, kv_heads, d]), written into the same rows of ``out`` [N,
+        heads, d]. Reads the rows in place, as the projections left them: no copy of a query,
+        key or output row. Reads ``kv_pages``; writes those rows of ``out``."""
+        if q.dtype != torch.float32 or out.dtype != torch.float32:  # attended in float32
+            attended = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            self.attend(q.float(), new_kv.float(), kv_pages, layer, attended)
+            rows = torch.from_numpy(self.rows)
+            out[rows] = attended[rows].to(out.dtype)
+            return
         # imported here: numba and the compiled kernel load only in a process that decodes
         from batchgen.model.paged_decode_kernel import attend_pages, use_threads
 
         use_threads(torch.get_num_threads())
         attend_pages(
-            queries.numpy(),
-            new_k.numpy(),
-            new_v.numpy(),
+            q.numpy(),
+            new_kv[0].numpy(),
+            new_kv[1].numpy(),
+            self.rows,
             kv_pages.numpy(),
             layer,
             self.page_tables,
             self.num_cached,
-            np.float32(1 / math.sqrt(head_dim)),
+            np.float32(1 / math.sqrt(q.shape[2])),
             out.numpy(),
         )
-        return out.view(num_rows, num_heads, head_dim).to(q.dtype)

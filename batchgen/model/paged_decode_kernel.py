@@ -31,27 +31,34 @@ def use_threads(count: int) -> None:
 
 
 @numba.njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False)
-def attend_pages(q, new_k, new_v, kv_pages, layer, page_tables, num_cached, scale, out):
-    """The kernel, one task per (row, kv head), all the kv head's query heads at each key: ``q``,
-    ``out`` [tasks, group, d]; ``new_k``, ``new_v`` [tasks, d]; ``kv_pages`` [page, layer, kv,
-    kv_head, slot, d]. Writes ``out``."""
-    num_tasks, group = q.shape[:2]
-    num_kv_heads, page_size, head_dim = kv_pages.shape[3], kv_pages.shape[4], kv_pages.shape[5]
+def attend_pages(q, new_k, new_v, rows, kv_pages, layer, page_tables, num_cached, scale, out):
+    """The kernel, one task per (decode b, kv head), all the kv head's query heads at each key:
+    ``q``, ``out`` [N, heads, d] and ``new_k``, ``new_v`` [N, kv_heads, d] are a forward's packed
+    rows, of which decode b is row ``rows[b]`` (any strides: each task copies its own queries and
+    new K/V into a contiguous block first); ``kv_pages`` [page, layer, kv, kv_head, slot, d].
+    Writes the decodes' rows of ``out``, nothing else."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, page_size = kv_pages.shape[3], kv_pages.shape[4]
+    group = num_heads // num_kv_heads
     blocks = kv_pages.reshape(-1, page_size, head_dim)  # one per (page, layer, kv, kv head)
     blocks_per_page = kv_pages.shape[1] * 2 * num_kv_heads
-    for task in numba.prange(num_tasks):
-        row, head = task // num_kv_heads, task % num_kv_heads
-        num_keys = num_cached[row]
-        table = page_tables[row] * blocks_per_page + 2 * layer * num_kv_heads + head  # key blocks
+    for task in numba.prange(rows.shape[0] * num_kv_heads):
+        decode, head = task // num_kv_heads, task % num_kv_heads
+        row, heads = rows[decode], slice(head * group, (head + 1) * group)
+        num_keys = num_cached[decode]
+        table = page_tables[decode] * blocks_per_page + 2 * layer * num_kv_heads + head  # K blocks
+        task_q = np.ascontiguousarray(q[row, heads])
+        task_k = np.ascontiguousarray(new_k[row, head])
+        task_v = np.ascontiguousarray(new_v[row, head])
+        task_out = np.empty((group, head_dim), dtype=np.float32)
         scores = np.empty((group, num_keys + 1), dtype=np.float32)
         totals = np.empty(group, dtype=np.float32)
-        _score_keys(q[task], blocks, table, num_keys, scale, scores)
-        _exp_scores_with_new_token(
-            q[task], new_k[task], new_v[task], scale, scores, totals, out[task]
-        )
-        _add_weighted_values(scores, blocks, table + num_kv_heads, num_keys, out[task])
+        _score_keys(task_q, blocks, table, num_keys, scale, scores)
+        _exp_scores_with_new_token(task_q, task_k, task_v, scale, scores, totals, task_out)
+        _add_weighted_values(scores, blocks, table + num_kv_heads, num_keys, task_out)
         for j in range(group):
-            out[task, j] /= totals[j]
+            for e in range(head_dim):
+                out[row, head * group + j, e] = task_out[j, e] / totals[j]
 
 
 @numba.njit(fastmath=FASTMATH, boundscheck=False, inline="always")
