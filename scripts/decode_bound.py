@@ -70,12 +70,17 @@ def copy_bandwidth(device: str, num_bytes: int = 2**30) -> float:
     return 2 * num_bytes / best
 
 
+def step_linears(model) -> list[torch.nn.Module]:
+    """Every linear a forward runs, in order: each layer's projections and MLP, then
+    ``lm_head``. Pure."""
+    return [*(m for m in model.model.layers.modules() if isinstance(m, LINEARS)), model.lm_head]
+
+
 def matmul_step_s(model, num_rows: int, repeats: int = 20) -> float:
     """Seconds of a decode step's matmuls alone for ``num_rows`` rows (every layer's projections
     and MLP, then ``lm_head``) on the model's own weights: the best of ``repeats``."""
     weight = model.model.embed_tokens.weight
-    linears = [m for m in model.model.layers.modules() if isinstance(m, LINEARS)]
-    linears.append(model.lm_head)
+    linears = step_linears(model)
     inputs = {  # one [rows, in_features] input per width, as the step's matmuls read
         m.in_features: torch.randn(
             num_rows, m.in_features, dtype=weight.dtype, device=weight.device
@@ -105,9 +110,8 @@ def timed_linears(model) -> Iterator[list[float]]:
     def stop(module, inputs, output) -> None:
         seconds[0] += time.perf_counter() - started.pop(module)
 
-    linears = [m for m in model.model.layers.modules() if isinstance(m, LINEARS)]
     handles = []
-    for linear in [*linears, model.lm_head]:
+    for linear in step_linears(model):
         handles += [linear.register_forward_pre_hook(start), linear.register_forward_hook(stop)]
     try:
         yield seconds

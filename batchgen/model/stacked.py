@@ -18,6 +18,7 @@ In each decoder layer, along the output rows (q, kv: heads x head_dim; i: interm
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 from torch import Tensor
 
@@ -68,7 +69,7 @@ def stacked_location(name: str, config: ModelConfig) -> tuple[str, int, int] | N
     return None
 
 
-def _starts(parts: tuple[tuple[str, int], ...]) -> itertools.accumulate:
+def _starts(parts: tuple[tuple[str, int], ...]) -> Iterator[int]:
     """The first row of each part. Pure."""
     return itertools.accumulate((num_rows for _, num_rows in parts), initial=0)
 
