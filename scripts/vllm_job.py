@@ -78,16 +78,19 @@ class VllmRunner:
     def __init__(
         self, python: Path, checkpoint: str, mix: Mix, threads: int, page_size: int, log: Path
     ):
-        """Starts the process (vLLM's engine bound to ``threads`` CPUs, KV blocks of
-        ``page_size`` tokens) and waits until its model is loaded; writes the job file into
-        ``checkpoint`` and vLLM's logs to ``log``."""
+        """Starts the process (all of vLLM on the first ``threads`` CPUs, its compute threads
+        bound to them, KV blocks of ``page_size`` tokens) and waits until its model is loaded;
+        writes the job file into ``checkpoint`` and vLLM's logs to ``log``."""
         job = Path(checkpoint) / f"vllm-job-{mix.name}.json"
+        cpus = bind_cpus(threads)
         settings = dict(checkpoint=checkpoint, max_num_seqs=mix.max_num_seqs, dtype="float32")
+        # every process of vLLM runs on these CPUs (vllm_runner), not only its compute threads
+        settings["cpus"] = [int(cpu) for cpu in cpus.split(",")]
         settings.update(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
         # each run sends the same prompts: a prefix cache would skip their prefill after the first
         settings.update(engine_args=dict(enable_prefix_caching=False, block_size=page_size))
         job.write_text(json.dumps(settings))
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind_cpus(threads))
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpus)
         env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.log = log
         with log.open("a") as stderr:

@@ -6,7 +6,9 @@ The job names the checkpoint directory and the engine's settings. The runner bui
 ``vllm.LLM`` from it, writes ``{"ready": true}``, then reads one JSON line per run from stdin
 (``{"prompts": [[ids...]], "new_tokens": [n...]}``) and writes one JSON line back per run: its
 wall and CPU seconds (its own and its engine processes') and every request's output token ids,
-greedy, ``ignore_eos``. An empty line or end of input ends it. Results go to the runner's
+greedy, ``ignore_eos``. An empty line or end of input ends it. The runner first confines itself
+to the job's ``cpus``, so vLLM's every process (its front end and engine core, not only its
+compute threads) runs on the CPUs batchgen is given. Results go to the runner's
 original standard output; everything else (vLLM's logs, its engine process's) goes to standard
 error.
 """
@@ -18,7 +20,14 @@ import os
 import sys
 import time
 
-JOB_KEYS = ("checkpoint", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "dtype")
+JOB_KEYS = (
+    "checkpoint",
+    "max_num_seqs",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "dtype",
+    "cpus",
+)
 
 
 def read_job(path: str) -> dict:
@@ -44,6 +53,14 @@ def build_llm(job: dict):
         seed=0,
         **job.get("engine_args", {}),
     )
+
+
+def start_engine(path: str):
+    """The LLM of the job at ``path``, built once this process is confined to the job's CPUs,
+    so every process vLLM starts inherits them. Mutates this process's CPU affinity."""
+    job = read_job(path)
+    os.sched_setaffinity(0, job["cpus"])
+    return build_llm(job)
 
 
 def generate(llm, prompts: list[list[int]], new_tokens: list[int]) -> dict:
@@ -74,7 +91,7 @@ def cpu_seconds() -> float:
 def main() -> None:
     results = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's prints, and its children's
-    llm = build_llm(read_job(sys.argv[1]))
+    llm = start_engine(sys.argv[1])
     results.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         if not line.strip():

@@ -159,6 +159,19 @@ def test_vllm_runs_with_the_page_size_batchgen_runs_and_no_prefix_cache(monkeypa
     assert settings["engine_args"] == {"enable_prefix_caching": False, "block_size": 128}
     assert settings["max_num_seqs"] == 16 and settings["dtype"] == "float32"
     assert started[0][1]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert settings["cpus"] == [0, 1]
+
+
+def test_the_whole_vllm_engine_is_confined_to_the_cpus_before_it_is_built(monkeypatch, tmp_path):
+    runner = script_module(monkeypatch, "vllm_runner")
+    events = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: events.append((pid, cpus)))
+    monkeypatch.setattr(runner, "build_llm", lambda job: events.append("built") or "llm")
+    path = tmp_path / "job.json"
+    job = dict(checkpoint="x", max_num_seqs=16, max_model_len=512, max_num_batched_tokens=4096)
+    path.write_text(json.dumps(dict(job, dtype="float32", cpus=[0])))
+    assert runner.start_engine(str(path)) == "llm"
+    assert events == [(0, [0]), "built"]
 
 
 def test_a_venv_is_ready_only_once_its_stamp_names_both_specs(monkeypatch, tmp_path):
