@@ -8,14 +8,14 @@ with KV pages (vLLM's blocks) of the same size (``--page-size``, default 128: vL
 vLLM runs in its own venv (created once, cached: ``vllm_venv.py``) through ``vllm_runner.py``,
 which loads the model once per mix and geometry (prefix caching off, its other settings the
 defaults) and runs the mix whenever asked. After one warm-up run each, the engines alternate for
-``--pairs`` pairs (batchgen first in even pairs, vLLM first in odd ones); the ratio is the median
-over pairs of vLLM's wall time over batchgen's, printed with its spread (and the same of CPU
-seconds, vLLM's counted over its engine processes too), and every run's tokens are checked against
-the other engine's. Beside it, each engine's wall time per step and the matmul time alone of a
-decode step of as many rows as the mix runs at once; then one more batchgen run with every matmul
-timed, and the "ceiling": vLLM's median wall time over the seconds batchgen spent in matmuls, the
-ratio batchgen would reach if everything but its matmuls took no time. Where the ceiling is below a
-goal, no work outside the matmuls can reach it.
+``--pairs`` pairs (batchgen first in even pairs, vLLM first in odd ones); the
+ratio is the median over pairs of vLLM's wall time over batchgen's, printed with its spread (and
+the same of CPU seconds, vLLM's counted over its engine processes too), and every run's tokens are
+checked against the other engine's. Beside it, each engine's wall time per step and the matmul time
+alone of a decode step of as many rows as the mix runs at once; then one more batchgen run with
+every matmul timed, and the "ceiling": vLLM's median wall time over the seconds batchgen spent in
+matmuls, the ratio batchgen would reach if everything but its matmuls took no time. Where the
+ceiling is below a goal, no work outside the matmuls can reach it.
 
     static  32 requests, prompts of 16-128 tokens, 64 new tokens each, all at step 0
     mixed   64 requests, prompts of 16-128 tokens, 16-256 new tokens, 16 at a time

@@ -17,6 +17,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -54,18 +55,45 @@ class ForwardOutput:
     new_kv: list[Tensor]
 
 
+def fuses_on_cpu(x: Tensor) -> bool:
+    """Whether ``x``'s elementwise steps run as ``fused_cpu``'s kernels: float32 on a CPU. Pure."""
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def fused_cpu():
+    """The kernels module, imported at first use: numba loads only where a forward fuses."""
+    from batchgen.model import fused_cpu as kernels
+
+    return kernels
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Normalise in float32, scale in the input dtype (as HF does; ``F.rms_norm`` is one op
-        for HF's five, with the same float32 result). The scaling writes the fresh normalised
-        tensor in place: no buffer of the whole batch per norm."""
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The scaled norm of ``x + residual`` and that sum, the residual stream (``x`` itself
+        without a residual): vLLM's and SGLang's fused residual, the same sums as HF's. Normalised
+        in float32, scaled in the input dtype, as HF does; float32 on a CPU is one kernel
+        (``fused_cpu``). Writes the sum into ``x``."""
+        if fuses_on_cpu(x):
+            out, weight, eps = (
+                torch.empty_like(x),
+                self.weight.detach().numpy(),
+                np.float32(self.eps),
+            )
+            if residual is None:
+                fused_cpu().rms_norm(x.numpy(), weight, eps, out.numpy())
+            else:
+                fused_cpu().add_rms_norm(x.numpy(), residual.numpy(), weight, eps, out.numpy())
+            return out, x
+        if residual is not None:
+            x = x.add_(residual)
+        # F.rms_norm is one op for HF's five, with the same float32 result
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
-        return normed.mul_(self.weight)
+        return normed.mul_(self.weight), x
 
 
 class RotaryEmbedding(nn.Module):
@@ -94,6 +122,31 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     ``cat(-x2, x1) * sin`` is ``cat(x2, x1) * cat(-sin, sin)`` exactly (a negation rounds nothing),
     one roll instead of two slices, a negation and a cat."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def rope_split(
+    qkv: Tensor, cos: Tensor, signed_sin: Tensor, num_heads: int
+) -> tuple[Tensor, Tensor]:
+    """From ``qkv`` [N, heads + 2 * kv_heads, d], q rotated [N, heads, d] and the new K (rotated)
+    and V stacked [2, N, kv_heads, d]; float32 on a CPU as one kernel with ``apply_rope``'s bits.
+    Pure."""
+    num_rows, num_kv_heads, head_dim = qkv.shape[0], (qkv.shape[1] - num_heads) // 2, qkv.shape[2]
+    if fuses_on_cpu(qkv):
+        q = qkv.new_empty(num_rows, num_heads, head_dim)
+        new_kv = qkv.new_empty(2, num_rows, num_kv_heads, head_dim)
+        arrays = (
+            qkv.numpy(),
+            cos.numpy(),
+            signed_sin.numpy(),
+            num_heads,
+            q.numpy(),
+            new_kv.numpy(),
+        )
+        fused_cpu().rope_split(*arrays)
+        return q, new_kv
+    num_roped = num_heads + num_kv_heads
+    q, k = apply_rope(qkv[:, :num_roped], cos, signed_sin).split((num_heads, num_kv_heads), dim=1)
+    return q, torch.stack((k, qkv[:, num_roped:]))
 
 
 class LlamaMLP(nn.Module):
@@ -135,12 +188,9 @@ class LlamaAttention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Attention output [N, hidden] and this layer's new K/V [2, N, kv_heads, head_dim]; reads
         ``kv_pages`` only."""
-        num_rows, num_roped = x.shape[0], self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_rows, num_roped + self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(qkv[:, :num_roped], cos, sin).split(
-            (self.num_heads, self.num_kv_heads), dim=1
-        )
-        new_kv = torch.stack((k, qkv[:, num_roped:]))
+        num_rows = x.shape[0]
+        qkv = self.qkv_proj(x).view(num_rows, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, new_kv = rope_split(qkv, cos, sin, self.num_heads)
         k, v = new_kv
         out = q.new_empty(q.shape)
         for span in plan.prefills:
@@ -165,19 +215,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: Tensor,
+        residual: Tensor | None,
         cos: Tensor,
         sin: Tensor,
         plan: AttentionPlan,
         kv_pages: Tensor,
         layer: int,
-    ) -> tuple[Tensor, Tensor]:
-        """New hidden [N, hidden] and this layer's new K/V [2, N, kv_heads, head_dim]; each
-        residual sum is written into the fresh sublayer output (the same sums as HF's)."""
-        attn_out, new_kv = self.self_attn(
-            self.input_layernorm(hidden), cos, sin, plan, kv_pages, layer
-        )
-        hidden = attn_out.add_(hidden)
-        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden), new_kv
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """This layer's MLP output and the residual stream [N, hidden] (the next norm sums them),
+        and its new K/V [2, N, kv_heads, head_dim]. ``hidden`` is the previous layer's output, or
+        the embeddings with ``residual`` None. Writes each residual sum into the fresh sublayer
+        output it adds to."""
+        x, residual = self.input_layernorm(hidden, residual)
+        attn_out, new_kv = self.self_attn(x, cos, sin, plan, kv_pages, layer)
+        x, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(x), residual, new_kv
 
 
 class LlamaModel(nn.Module):
@@ -198,13 +250,14 @@ class LlamaModel(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Final-normed hidden of ``output_rows`` and new K/V [layers, 2, N, kv_heads, head_dim] in
         the pages' dtype."""
-        hidden = self.embed_tokens(token_ids)
+        hidden, residual = self.embed_tokens(token_ids), None
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         layer_kvs = []
         for layer, decoder in enumerate(self.layers):
-            hidden, layer_kv = decoder(hidden, cos, sin, plan, kv_pages, layer)
-            layer_kvs.append(layer_kv.to(kv_pages.dtype))
-        return self.norm(hidden[output_rows]), torch.stack(layer_kvs)
+            hidden, residual, layer_kv = decoder(hidden, residual, cos, sin, plan, kv_pages, layer)
+            layer_kvs.append(layer_kv)
+        normed, _ = self.norm(hidden[output_rows], residual[output_rows])
+        return normed, torch.stack(layer_kvs).to(kv_pages.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -236,11 +289,10 @@ class LlamaForCausalLM(nn.Module):
             list(itertools.chain.from_iterable(s.token_ids for s in seqs)), device=device
         )
         num_new = [span.num_new for span in spans]
-        pos_offsets = torch.tensor(
-            [span.start_pos - span.row_start for span in spans], device=device
-        )
-        positions = torch.arange(len(token_ids), device=device) + pos_offsets.repeat_interleave(
-            torch.tensor(num_new, device=device), output_size=len(token_ids)
+        # one tensor from a list: a decode's few rows cost a few small ops each otherwise
+        positions = torch.tensor(
+            [pos for span in spans for pos in range(span.start_pos, span.start_pos + span.num_new)],
+            device=device,
         )
         last_rows = torch.tensor(
             [span.row_start + span.num_new - 1 for span in spans], device=device

@@ -158,7 +158,8 @@ def plan_attention(
 ) -> AttentionPlan:
     """The spans by kind for attending ``kv_pages``: the decodes as one in-place batch where
     ``in_place`` (default: ``attends_in_place``), else in at most ``max_decode_batches`` padded
-    batches (``decode_groups``; default: the device's). Pure."""
+    batches (``decode_groups``; default: the device's). Pure but for numba's thread count, set
+    for an in-place batch (``_plan_in_place``)."""
     page_size, device = page_size_of(kv_pages), kv_pages.device
     decode_spans = [s for s in spans if s.start_pos > 0 and s.num_new == 1]
     prefills = tuple(s for s in spans if s.start_pos == 0)
@@ -231,7 +232,11 @@ def _padded_tables(spans: list[Span], page_size: int) -> list[list[int]]:
 
 
 def _plan_in_place(spans: list[Span], kv_pages: Tensor) -> InPlaceDecodes:
-    """The decode spans as one batch for the in-place kernel (see ``InPlaceDecodes``). Pure."""
+    """The decode spans as one batch for the in-place kernel (see ``InPlaceDecodes``), whose calls
+    in this forward run on torch's thread count: sets numba's, once a forward, not once a layer."""
+    from batchgen.model.paged_decode_kernel import use_threads  # numba loads where it decodes
+
+    use_threads(torch.get_num_threads())
     return InPlaceDecodes(
         rows=np.array([s.row_start for s in spans], dtype=np.int64),
         page_tables=np.array(_padded_tables(spans, page_size_of(kv_pages)), dtype=np.int64),

@@ -37,7 +37,8 @@ def attends_in_place(kv_pages: Tensor) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class InPlaceDecodes:
-    """Every decode row of a forward, attended by the kernel; built once, used by every layer."""
+    """Every decode row of a forward, attended by the kernel; built once, used by every layer.
+    The kernel runs on as many threads as torch did when the plan was built (``use_threads``)."""
 
     rows: np.ndarray  # [B] int64: packed row of each decode token
     page_tables: np.ndarray  # [B, P] int64, each row's table padded with its first page
@@ -55,9 +56,8 @@ class InPlaceDecodes:
             out[rows] = attended[rows].to(out.dtype)
             return
         # imported here: numba and the compiled kernel load only in a process that decodes
-        from batchgen.model.paged_decode_kernel import attend_pages, use_threads
+        from batchgen.model.paged_decode_kernel import attend_pages
 
-        use_threads(torch.get_num_threads())
         attend_pages(
             q.numpy(),
             new_kv[0].numpy(),

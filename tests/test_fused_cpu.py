@@ -1,0 +1,95 @@
+"""The fused CPU kernels compute what the torch ops they replace compute: RoPE with its exact
+bits, the residual sum exactly and its RMSNorm to float32 rounding; only float32 on a CPU takes
+them."""
+
+import pytest
+import torch
+
+from batchgen.model.llama import RMSNorm, apply_rope, fuses_on_cpu, rope_split
+
+
+def rope_tables(num_rows: int, head_dim: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [N, 1, d] as ``RotaryEmbedding`` lays them out, for random angles."""
+    angles = torch.rand(num_rows, 1, head_dim // 2, generator=generator) * 100
+    angles = torch.cat((angles, angles), dim=-1)
+    half = head_dim // 2
+    signed_sin = torch.cat((-angles[..., :half].sin(), angles[..., half:].sin()), dim=-1)
+    return angles.cos(), signed_sin
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 8), (6, 6, 4), (2, 1, 64)]
+)
+def test_rope_split_gives_apply_ropes_bits_and_the_new_kv_stacked(
+    num_heads, num_kv_heads, head_dim
+):
+    generator = torch.Generator().manual_seed(0)
+    num_rows = 5
+    qkv = torch.randn(num_rows, num_heads + 2 * num_kv_heads, head_dim, generator=generator)
+    cos, sin = rope_tables(num_rows, head_dim, generator)
+    q, new_kv = rope_split(qkv, cos, sin, num_heads)
+    roped = apply_rope(qkv[:, : num_heads + num_kv_heads], cos, sin)
+    assert torch.equal(q, roped[:, :num_heads])
+    assert torch.equal(new_kv[0], roped[:, num_heads:])
+    assert torch.equal(new_kv[1], qkv[:, num_heads + num_kv_heads :])
+    assert new_kv.shape == (2, num_rows, num_kv_heads, head_dim)
+
+
+def test_rope_split_in_bfloat16_takes_the_torch_path_with_the_same_layout():
+    generator = torch.Generator().manual_seed(1)
+    qkv = torch.randn(3, 8, 8, generator=generator).bfloat16()
+    cos, sin = (t.bfloat16() for t in rope_tables(3, 8, generator))
+    q, new_kv = rope_split(qkv, cos, sin, num_heads=4)
+    assert torch.equal(q, apply_rope(qkv[:, :4], cos, sin))
+    assert torch.equal(new_kv[1], qkv[:, 6:]) and new_kv.dtype == torch.bfloat16
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm in float32."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def seeded_norm(hidden_size: int) -> RMSNorm:
+    norm = RMSNorm(hidden_size, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden_size, generator=torch.Generator().manual_seed(2)) + 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("hidden_size", [8, 96, 512])
+def test_the_norm_with_a_residual_writes_the_exact_sum_into_x_and_norms_it(hidden_size):
+    generator = torch.Generator().manual_seed(3)
+    norm = seeded_norm(hidden_size)
+    x, residual = (torch.randn(7, hidden_size, generator=generator) for _ in range(2))
+    expected_sum, residual_before = x + residual, residual.clone()
+    with torch.inference_mode():
+        normed, summed = norm(x, residual)
+    assert summed is x and torch.equal(x, expected_sum)
+    assert torch.equal(residual, residual_before)
+    expected = hf_rms_norm(expected_sum, norm.weight.detach(), norm.eps)
+    torch.testing.assert_close(normed, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_the_norm_without_a_residual_leaves_x_and_returns_it_as_the_stream():
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(4))
+    before, norm = x.clone(), seeded_norm(96)
+    with torch.inference_mode():
+        normed, stream = norm(x)
+    assert stream is x and torch.equal(x, before)
+    torch.testing.assert_close(normed, hf_rms_norm(x, norm.weight.detach(), norm.eps))
+
+
+def test_the_fused_norm_agrees_with_the_torch_norm_of_bfloat16_inputs_cast_back():
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    norm = seeded_norm(64)
+    with torch.inference_mode():
+        fused, _ = norm(x.float())
+        via_torch, _ = norm.bfloat16()(x)
+    assert via_torch.dtype == torch.bfloat16
+    torch.testing.assert_close(via_torch.float(), fused, atol=0.02, rtol=0.02)
+
+
+def test_only_float32_on_a_cpu_fuses():
+    assert fuses_on_cpu(torch.zeros(2, 3))
+    assert not fuses_on_cpu(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert not fuses_on_cpu(torch.zeros(2, 3, device="meta"))
