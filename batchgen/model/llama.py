@@ -79,11 +79,8 @@ class RMSNorm(nn.Module):
         in float32, scaled in the input dtype, as HF does; float32 on a CPU is one kernel
         (``fused_cpu``). Writes the sum into ``x``."""
         if fuses_on_cpu(x):
-            out, weight, eps = (
-                torch.empty_like(x),
-                self.weight.detach().numpy(),
-                np.float32(self.eps),
-            )
+            out = torch.empty_like(x)
+            weight, eps = self.weight.detach().numpy(), np.float32(self.eps)
             if residual is None:
                 fused_cpu().rms_norm(x.numpy(), weight, eps, out.numpy())
             else:
@@ -134,15 +131,8 @@ def rope_split(
     if fuses_on_cpu(qkv):
         q = qkv.new_empty(num_rows, num_heads, head_dim)
         new_kv = qkv.new_empty(2, num_rows, num_kv_heads, head_dim)
-        arrays = (
-            qkv.numpy(),
-            cos.numpy(),
-            signed_sin.numpy(),
-            num_heads,
-            q.numpy(),
-            new_kv.numpy(),
-        )
-        fused_cpu().rope_split(*arrays)
+        kernel = fused_cpu().rope_split
+        kernel(qkv.numpy(), cos.numpy(), signed_sin.numpy(), num_heads, q.numpy(), new_kv.numpy())
         return q, new_kv
     num_roped = num_heads + num_kv_heads
     q, k = apply_rope(qkv[:, :num_roped], cos, signed_sin).split((num_heads, num_kv_heads), dim=1)
