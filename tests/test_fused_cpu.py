@@ -5,7 +5,7 @@ them."""
 import pytest
 import torch
 
-from batchgen.model.llama import RMSNorm, apply_rope, fuses_on_cpu, rope_split
+from batchgen.model.elementwise import RMSNorm, apply_rope, fuses_on_cpu, rope_split
 
 
 def rope_tables(num_rows: int, head_dim: int, generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from test_validation import one_json_object, pressure_workload, use_workloads
 import batchgen.engine.worker
 from batchgen.cli import main
 from batchgen.kv.manager import KVCacheManager
-from batchgen.model.llama import RotaryEmbedding
+from batchgen.model.elementwise import RotaryEmbedding
 from batchgen.validation import hf_oracle
 from batchgen.validation.hf_oracle import check_against_hf
 

@@ -7,7 +7,7 @@ ops, RoPE over q and k with the new K/V's stack about ten; each kernel here is o
     add_rms_norm   x + residual (written into x) and its RMSNorm, scaled: what vLLM and SGLang
                    call fused_add_rms_norm; the sum of squares in another order than torch's
     rope_split     q rotated, and the new K (rotated) and V stacked as the pages take them;
-                   the same products and sums as ``llama.apply_rope``, rounded alike: same bits
+                   ``elementwise.apply_rope``'s products and sums, rounded alike: same bits
 
 Compiled on first call and cached on disk beside this file, as ``paged_decode_kernel`` is.
 """
@@ -54,8 +54,8 @@ def _norm_row(x, weight, eps, out):
 @numba.njit(cache=True, boundscheck=False)
 def rope_split(qkv, cos, signed_sin, num_heads, q_out, kv_out):
     """``qkv`` [N, heads + 2 * kv_heads, d] (q, k, v heads in order) with each row's ``cos`` and
-    ``signed_sin`` [N, 1, d] (``llama.RotaryEmbedding``): the rotated q into ``q_out`` [N, heads,
-    d], the rotated k and the v into ``kv_out`` [2, N, kv_heads, d]. Each element is
+    ``signed_sin`` [N, 1, d] (``elementwise.RotaryEmbedding``): the rotated q into ``q_out``
+    [N, heads, d], the rotated k and the v into ``kv_out`` [2, N, kv_heads, d]. Each element is
     ``x[e] * cos[e] + x[e +- d/2] * signed_sin[e]`` in float32, no product fused into its sum:
     ``apply_rope``'s bits. Writes ``q_out`` and ``kv_out``."""
     num_kv_heads, head_dim = kv_out.shape[2], qkv.shape[2]

@@ -17,12 +17,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.config import ModelConfig
+from batchgen.model.elementwise import RMSNorm, RotaryEmbedding, rope_split
 from batchgen.model.paged_attention import (
     AttentionPlan,
     Span,
@@ -53,90 +53,6 @@ class ForwardOutput:
     logits: Tensor  # [num_seqs, vocab_size] float32: logits of each sequence's LAST new token
     # per seq: [num_layers, 2, n_new, num_kv_heads, head_dim] in kv_pages.dtype (K after RoPE)
     new_kv: list[Tensor]
-
-
-def fuses_on_cpu(x: Tensor) -> bool:
-    """Whether ``x``'s elementwise steps run as ``fused_cpu``'s kernels: float32 on a CPU. Pure."""
-    return x.device.type == "cpu" and x.dtype == torch.float32
-
-
-def fused_cpu():
-    """The kernels module, imported at first use: numba loads only where a forward fuses."""
-    from batchgen.model import fused_cpu as kernels
-
-    return kernels
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The scaled norm of ``x + residual`` and that sum, the residual stream (``x`` itself
-        without a residual): vLLM's and SGLang's fused residual, the same sums as HF's. Normalised
-        in float32, scaled in the input dtype, as HF does; float32 on a CPU is one kernel
-        (``fused_cpu``). Writes the sum into ``x``."""
-        if fuses_on_cpu(x):
-            out = torch.empty_like(x)
-            weight, eps = self.weight.detach().numpy(), np.float32(self.eps)
-            if residual is None:
-                fused_cpu().rms_norm(x.numpy(), weight, eps, out.numpy())
-            else:
-                fused_cpu().add_rms_norm(x.numpy(), residual.numpy(), weight, eps, out.numpy())
-            return out, x
-        if residual is not None:
-            x = x.add_(residual)
-        # F.rms_norm is one op for HF's five, with the same float32 result
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
-        return normed.mul_(self.weight), x
-
-
-class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE; ``inv_freq`` is a float32 buffer computed on CPU, not in state
-    dicts."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        exponents = (
-            torch.arange(0, config.head_dim, 2, dtype=torch.int64, device="cpu").float()
-            / config.head_dim
-        )
-        self.register_buffer("inv_freq", 1.0 / (config.rope_theta**exponents), persistent=False)
-
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and signed sin for ``positions`` [N], each [N, 1, head_dim] in ``dtype``: sin's
-        first half negated, as ``apply_rope`` takes it."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-        return angles.cos().to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
-
-
-def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """Rotate ``x`` [N, heads, head_dim] with the rotate_half convention: HF's
-    ``cat(-x2, x1) * sin`` is ``cat(x2, x1) * cat(-sin, sin)`` exactly (a negation rounds nothing),
-    one roll instead of two slices, a negation and a cat."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def rope_split(
-    qkv: Tensor, cos: Tensor, signed_sin: Tensor, num_heads: int
-) -> tuple[Tensor, Tensor]:
-    """From ``qkv`` [N, heads + 2 * kv_heads, d], q rotated [N, heads, d] and the new K (rotated)
-    and V stacked [2, N, kv_heads, d]; float32 on a CPU as one kernel with ``apply_rope``'s bits.
-    Pure."""
-    num_rows, num_kv_heads, head_dim = qkv.shape[0], (qkv.shape[1] - num_heads) // 2, qkv.shape[2]
-    if fuses_on_cpu(qkv):
-        q = qkv.new_empty(num_rows, num_heads, head_dim)
-        new_kv = qkv.new_empty(2, num_rows, num_kv_heads, head_dim)
-        kernel = fused_cpu().rope_split
-        kernel(qkv.numpy(), cos.numpy(), signed_sin.numpy(), num_heads, q.numpy(), new_kv.numpy())
-        return q, new_kv
-    num_roped = num_heads + num_kv_heads
-    q, k = apply_rope(qkv[:, :num_roped], cos, signed_sin).split((num_heads, num_kv_heads), dim=1)
-    return q, torch.stack((k, qkv[:, num_roped:]))
 
 
 class LlamaMLP(nn.Module):
