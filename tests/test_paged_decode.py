@@ -18,12 +18,13 @@ def nan_pages(num_pages: int, num_layers: int, num_kv_heads: int, page_size: int
     return torch.full((num_pages, num_layers, 2, num_kv_heads, page_size, head_dim), torch.nan)
 
 
-def decode_case(num_heads, num_kv_heads, page_size, start_positions, num_layers=2, seed=0):
+def decode_case(
+    num_heads, num_kv_heads, page_size, start_positions, num_layers=2, seed=0, head_dim=8
+):
     """Decode spans on shuffled pages whose slots before each row's new token hold random K/V and
     every other slot NaN; queries and new K/V for them."""
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
-    head_dim = 8
     tables_pages = [-(-(start + 1) // page_size) for start in start_positions]
     page_ids = list(range(sum(tables_pages) + 3))
     rng.shuffle(page_ids)
@@ -57,18 +58,21 @@ def attended(decodes, q, new_kv, pages, layer):
 
 
 @pytest.mark.parametrize(
-    "num_heads, num_kv_heads, page_size, start_positions",
+    "num_heads, num_kv_heads, page_size, start_positions, head_dim",
     [
-        (4, 4, 4, [1, 7, 30]),  # one query head per kv head
-        (4, 2, 16, [3, 16, 17, 40]),  # two per kv head; a row exactly filling a page
-        (8, 2, 1, [1, 2, 9]),  # four per kv head; one slot per page
-        (2, 1, 5, [24]),  # one row
+        (4, 4, 4, [1, 7, 30], 8),  # one query head per kv head
+        (4, 2, 16, [3, 16, 17, 40], 8),  # two per kv head; a row exactly filling a page
+        (8, 2, 1, [1, 2, 9], 8),  # four per kv head; one slot per page
+        (2, 1, 5, [24], 8),  # one row
+        (4, 2, 32, [2, 9, 70], 64),  # rows of four cache lines, keys asked for rows ahead
     ],
 )
 def test_in_place_attention_equals_the_padded_batches(
-    num_heads, num_kv_heads, page_size, start_positions
+    num_heads, num_kv_heads, page_size, start_positions, head_dim
 ):
-    spans, pages, q, new_kv = decode_case(num_heads, num_kv_heads, page_size, start_positions)
+    spans, pages, q, new_kv = decode_case(
+        num_heads, num_kv_heads, page_size, start_positions, head_dim=head_dim
+    )
     (in_place,) = plan_attention(spans, pages).decodes
     assert isinstance(in_place, InPlaceDecodes)
     for layer in range(pages.shape[1]):

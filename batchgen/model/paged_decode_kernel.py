@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 # reassociation and contraction let the dot products vectorise; NaN and infinity keep their meaning
@@ -22,6 +22,12 @@ EXP_POLY = tuple(np.float32(c) for c in (1.98756915e-4, 1.39819995e-3, 8.3334519
 EXP_POLY += tuple(np.float32(c) for c in (4.16657959e-2, 1.66666655e-1, 5.00000012e-1))
 LOG2E = np.float32(1.4426950408889634)
 SMALLEST_EXPONENT = np.float32(-87.33654)  # e**x is under float32's smallest normal below this
+
+# Between a forward's matmuls the pages come from DRAM, where one core's hardware prefetchers
+# leave the kernel at about 5 GB/s; asking for keys this many rows ahead (and each value row as
+# its key is scored) brings it to about 7, a fifth off its time (docs/benchmarks-engine.md)
+KEY_ROWS_AHEAD = 8
+FLOATS_PER_CACHE_LINE = 16
 
 
 def use_threads(count: int) -> None:
@@ -38,22 +44,24 @@ def attend_pages(q, new_k, new_v, rows, kv_pages, layer, page_tables, num_cached
     new K/V into a contiguous block first); ``kv_pages`` [page, layer, kv, kv_head, slot, d].
     Writes the decodes' rows of ``out``, nothing else."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, page_size = kv_pages.shape[3], kv_pages.shape[4]
+    num_layers, num_kv_heads, page_size = kv_pages.shape[1], kv_pages.shape[3], kv_pages.shape[4]
     group = num_heads // num_kv_heads
     blocks = kv_pages.reshape(-1, page_size, head_dim)  # one per (page, layer, kv, kv head)
-    blocks_per_page = kv_pages.shape[1] * 2 * num_kv_heads
-    for task in numba.prange(rows.shape[0] * num_kv_heads):
+    num_tasks = rows.shape[0] * num_kv_heads
+    for task in numba.prange(num_tasks):
         decode, head = task // num_kv_heads, task % num_kv_heads
         row, heads = rows[decode], slice(head * group, (head + 1) * group)
         num_keys = num_cached[decode]
-        table = page_tables[decode] * blocks_per_page + 2 * layer * num_kv_heads + head  # K blocks
+        table = _key_blocks(page_tables[decode], layer, head, num_layers, num_kv_heads)
         task_q = np.ascontiguousarray(q[row, heads])
         task_k = np.ascontiguousarray(new_k[row, head])
         task_v = np.ascontiguousarray(new_v[row, head])
         task_out = np.empty((group, head_dim), dtype=np.float32)
         scores = np.empty((group, num_keys + 1), dtype=np.float32)
         totals = np.empty(group, dtype=np.float32)
-        _score_keys(task_q, blocks, table, num_keys, scale, scores)
+        if task + 1 < num_tasks:  # most often this thread's next task
+            _prefetch_first_keys(task + 1, blocks, layer, page_tables, num_cached, kv_pages.shape)
+        _score_keys(task_q, blocks, table, table + num_kv_heads, num_keys, scale, scores)
         _exp_scores_with_new_token(task_q, task_k, task_v, scale, scores, totals, task_out)
         _add_weighted_values(scores, blocks, table + num_kv_heads, num_keys, task_out)
         for j in range(group):
@@ -61,15 +69,39 @@ def attend_pages(q, new_k, new_v, rows, kv_pages, layer, page_tables, num_cached
                 out[row, head * group + j, e] = task_out[j, e] / totals[j]
 
 
+@numba.njit(boundscheck=False, inline="always")
+def _key_blocks(pages, layer, head, num_layers, num_kv_heads):
+    """The blocks of ``attend_pages``'s ``blocks`` that hold kv head ``head``'s keys of ``layer``
+    in ``pages`` (a page id, or an array of them); its values are ``num_kv_heads`` blocks on.
+    Pure."""
+    return (pages * num_layers + layer) * 2 * num_kv_heads + head
+
+
+@numba.njit(boundscheck=False, inline="always")
+def _prefetch_first_keys(task, blocks, layer, page_tables, num_cached, page_shape):
+    """Asks for the first ``KEY_ROWS_AHEAD`` keys of ``task`` in ``attend_pages``'s ``blocks``
+    of pages of ``page_shape``. Reads nothing."""
+    num_layers, num_kv_heads = page_shape[1], page_shape[3]
+    decode, head = task // num_kv_heads, task % num_kv_heads
+    first_block = blocks[_key_blocks(page_tables[decode, 0], layer, head, num_layers, num_kv_heads)]
+    for slot in range(min(KEY_ROWS_AHEAD, num_cached[decode])):
+        _prefetch_row(first_block, slot)
+
+
 @numba.njit(fastmath=FASTMATH, boundscheck=False, inline="always")
-def _score_keys(task_q, blocks, key_blocks, num_keys, scale, scores):
+def _score_keys(task_q, blocks, key_blocks, value_blocks, num_keys, scale, scores):
     """``scores[j, t]`` = query j . key t * scale for the ``num_keys`` keys of the blocks at
-    ``key_blocks`` (one per page). Writes ``scores``."""
+    ``key_blocks`` (one per page), each key's value row (``value_blocks``) asked for as it goes.
+    Writes ``scores``."""
     page_size = blocks.shape[1]
     for page in range((num_keys + page_size - 1) // page_size):
-        keys = blocks[key_blocks[page]]
+        keys, values = blocks[key_blocks[page]], blocks[value_blocks[page]]
         first = page * page_size
-        for slot in range(min(page_size, num_keys - first)):
+        num_slots = min(page_size, num_keys - first)
+        for slot in range(num_slots):
+            if slot + KEY_ROWS_AHEAD < num_slots:
+                _prefetch_row(keys, slot + KEY_ROWS_AHEAD)
+            _prefetch_row(values, slot)
             for j in range(task_q.shape[0]):
                 dot = np.float32(0.0)
                 for e in range(task_q.shape[1]):
@@ -146,3 +178,40 @@ def _float32_from_bits(typingctx, bits):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.int32), codegen
+
+
+@numba.njit(boundscheck=False, inline="always")
+def _prefetch_row(block, row):
+    """Asks the cache for every line of ``block[row]`` (a C-contiguous 2-d array). Reads
+    nothing."""
+    for column in range(0, block.shape[1], FLOATS_PER_CACHE_LINE):
+        _prefetch(block, row, column)
+
+
+@intrinsic
+def _prefetch(typingctx, array, row, column):
+    """LLVM's prefetch of ``array[row, column]``'s cache line for a read (numba has none)."""
+
+    def codegen(context, builder, signature, args):
+        array_type, row_type, column_type = signature.args
+        indices = [
+            context.cast(builder, args[1], row_type, types.intp),
+            context.cast(builder, args[2], column_type, types.intp),
+        ]
+        array_struct = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(
+            context, builder, array_type, array_struct, indices, wraparound=False
+        )
+        byte_pointer = ir.IntType(8).as_pointer()
+        int32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]),
+            "llvm.prefetch.p0",
+        )
+        # read, keep in all cache levels, data cache
+        flags = [ir.Constant(int32, 0), ir.Constant(int32, 3), ir.Constant(int32, 1)]
+        builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), *flags])
+        return context.get_dummy_value()
+
+    return types.void(array, row, column), codegen
