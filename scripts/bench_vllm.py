@@ -11,7 +11,10 @@ defaults) and runs the mix whenever asked. After one warm-up run each, the engin
 ``--pairs`` pairs (batchgen first in even pairs, vLLM first in odd ones); the
 ratio is the median over pairs of vLLM's wall time over batchgen's, printed with its spread (and
 the same of CPU seconds, vLLM's counted over its engine processes too), and every run's tokens are
-checked against the other engine's. Beside it, each engine's wall time per step and the matmul time
+checked against the other engine's. Each engine allocates as it is meant to run: batchgen's glibc
+malloc keeps freed memory (``host_malloc``, as its command line sets it), and vLLM gets tcmalloc
+in ``LD_PRELOAD`` where the system has it (``apt-get install libtcmalloc-minimal4``), as vLLM's
+CPU guide asks. Beside it, each engine's wall time per step and the matmul time
 alone of a decode step of as many rows as the mix runs at once; then one more batchgen run with
 every matmul timed, and the "ceiling": vLLM's median wall time over the seconds batchgen spent in
 matmuls, the ratio batchgen would reach if everything but its matmuls took no time. Where the
@@ -48,9 +51,11 @@ from vllm_job import (
     build_mixes,
     geometry,
     save_checkpoint_with_tokenizer,
+    vllm_preload,
 )
 from vllm_venv import DEFAULT_VENV, ensure_venv
 
+from batchgen.engine.host_malloc import keep_freed_memory
 from batchgen.engine.runner import run_workload
 from batchgen.model.loader import load_model
 
@@ -229,6 +234,13 @@ def main(argv: list[str] | None = None) -> None:
     log = Path(tempfile.gettempdir()) / "bench_vllm.log"
     console.print(f"vLLM's venv: {args.venv}; its logs: {log}")
     python = ensure_venv(args.venv, log)
+    # each engine's allocator as it is meant to run: batchgen's CLI keeps freed memory, vLLM's
+    # guide preloads tcmalloc (vllm_preload)
+    allocators = dict(
+        batchgen="glibc, keeping freed memory" if keep_freed_memory() else "the C library's",
+        vllm="tcmalloc" if "tcmalloc" in vllm_preload() else "glibc (no tcmalloc found)",
+    )
+    console.print(f"allocators: batchgen {allocators['batchgen']}; vLLM {allocators['vllm']}")
     rows = []
     for name in args.geometries:
         rows += run_geometry(name, args, python, console, log)
@@ -239,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json_out:
         record = {"args": {k: str(v) for k, v in vars(args).items() if k != "json_out"}}
         record.update(torch=torch.__version__, python=sys.version.split()[0], rows=rows)
+        record["allocators"] = allocators
         write_output(args.json_out, json.dumps(record, indent=2) + "\n")
     differing = sum(row["num_requests_differing"] for row in rows)
     if differing:

@@ -4,6 +4,7 @@ mixes, and the handle on a vLLM runner process (``vllm_runner.py`` in vLLM's ven
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import os
 import random
@@ -66,6 +67,16 @@ def build_mixes(names: list[str], vocab_size: int, seed: int) -> list[Mix]:
     return [mixes[name] for name in names]
 
 
+def vllm_preload() -> str:
+    """``LD_PRELOAD`` for vLLM's process: tcmalloc where the system has it (Debian's
+    ``libtcmalloc-minimal4``), as vLLM's CPU install guide asks and as its engine warns without
+    it, added to this process's own; batchgen's side keeps freed memory its own way
+    (``host_malloc``). Pure read."""
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    inherited = os.environ.get("LD_PRELOAD", "")
+    return ":".join(filter(None, (tcmalloc, inherited)))
+
+
 def bind_cpus(threads: int) -> str:
     """The CPU ids both engines run on with ``threads`` threads: the first ones this process may
     use (``VLLM_CPU_OMP_THREADS_BIND`` syntax). Pure read."""
@@ -90,7 +101,7 @@ class VllmRunner:
         # each run sends the same prompts: a prefix cache would skip their prefill after the first
         settings.update(engine_args=dict(enable_prefix_caching=False, block_size=page_size))
         job.write_text(json.dumps(settings))
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpus)
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpus, LD_PRELOAD=vllm_preload())
         env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.log = log
         with log.open("a") as stderr:

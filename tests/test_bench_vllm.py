@@ -145,6 +145,8 @@ def test_the_runner_refuses_a_job_lacking_a_setting_by_name(monkeypatch, tmp_pat
 def test_vllm_runs_with_the_page_size_batchgen_runs_and_no_prefix_cache(monkeypatch, tmp_path):
     job = script_module(monkeypatch, "vllm_job")
     started = []
+    # ldconfig, which finds tcmalloc, would run under the stand-in Popen
+    monkeypatch.setattr(job, "vllm_preload", lambda: "libtcmalloc_minimal.so.4")
 
     class Process:  # the runner process, ready at once and never started
         def __init__(self, argv, **kwargs):
@@ -159,7 +161,26 @@ def test_vllm_runs_with_the_page_size_batchgen_runs_and_no_prefix_cache(monkeypa
     assert settings["engine_args"] == {"enable_prefix_caching": False, "block_size": 128}
     assert settings["max_num_seqs"] == 16 and settings["dtype"] == "float32"
     assert started[0][1]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert started[0][1]["LD_PRELOAD"] == "libtcmalloc_minimal.so.4"
     assert settings["cpus"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "found, inherited, expected",
+    [
+        ("libtcmalloc_minimal.so.4", "", "libtcmalloc_minimal.so.4"),
+        ("libtcmalloc_minimal.so.4", "libx.so", "libtcmalloc_minimal.so.4:libx.so"),
+        (None, "libx.so", "libx.so"),
+        (None, "", ""),
+    ],
+)
+def test_vllm_gets_tcmalloc_preloaded_where_the_system_has_it(
+    monkeypatch, found, inherited, expected
+):
+    job = script_module(monkeypatch, "vllm_job")
+    monkeypatch.setattr(job.ctypes.util, "find_library", lambda name: found)
+    monkeypatch.setenv("LD_PRELOAD", inherited)
+    assert job.vllm_preload() == expected
 
 
 def test_the_whole_vllm_engine_is_confined_to_the_cpus_before_it_is_built(monkeypatch, tmp_path):

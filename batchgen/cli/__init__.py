@@ -46,6 +46,7 @@ from batchgen.cli.run import add_run_command
 from batchgen.cli.sweep import add_sweep_command
 from batchgen.cli.validate import add_validate_command
 from batchgen.engine.faults import FaultSpecError
+from batchgen.engine.host_malloc import keep_freed_memory
 from batchgen.engine.request_checks import RequestError
 from batchgen.engine.workloads import WorkloadError
 from batchgen.exit_codes import (
@@ -95,7 +96,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: the process's), run the subcommand, return its exit code."""
+    """Parse ``argv`` (default: the process's), run the subcommand, return its exit code. Sets
+    the process's malloc to keep freed memory (``host_malloc``)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -110,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_BAD_INPUT
     stdout, sys.stdout = sys.stdout, _CheckedStdout(sys.stdout)
+    keep_freed_memory()  # a forward's activations reuse freed memory, no page faults a step
     try:
         code = args.handler(args)
         # a write that fails (a full disk behind a redirect) fails here, not after exit

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from batchgen.config import EngineConfig
+from batchgen.engine.host_malloc import keep_freed_memory
 from batchgen.engine.worker import Worker
 from batchgen.entrypoints.pool_sizes import cache_config
 from batchgen.kv.gate import KvGateConfig
@@ -49,7 +50,9 @@ class LLM:
         kv_gate: KvGateConfig | None = None,
     ):
         """Load the model and tokenizer of ``model_dir``; pools sized as ``pool_sizes`` says.
-        ModelLoadError / TokenizerError naming what is wrong with the directory."""
+        ModelLoadError / TokenizerError naming what is wrong with the directory. Sets the
+        process's malloc to keep freed memory (``host_malloc``), as the command line does."""
+        keep_freed_memory()
         self.tokenizer = TextTokenizer(model_dir)
         model = load_model(str(model_dir), device=device, dtype=dtype)
         cache = cache_config(
