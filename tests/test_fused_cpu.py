@@ -20,28 +20,32 @@ def rope_tables(num_rows: int, head_dim: int, generator) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 8), (6, 6, 4), (2, 1, 64)]
 )
-def test_rope_split_gives_apply_ropes_bits_and_the_new_kv_stacked(
+def test_rope_split_gives_apply_ropes_bits_and_writes_the_new_kv_into_its_layers_slot(
     num_heads, num_kv_heads, head_dim
 ):
     generator = torch.Generator().manual_seed(0)
     num_rows = 5
     qkv = torch.randn(num_rows, num_heads + 2 * num_kv_heads, head_dim, generator=generator)
     cos, sin = rope_tables(num_rows, head_dim, generator)
-    q, new_kv = rope_split(qkv, cos, sin, num_heads)
+    forward_kv = torch.full((3, 2, num_rows, num_kv_heads, head_dim), torch.nan)
+    q = rope_split(qkv, cos, sin, num_heads, forward_kv[1])
     roped = apply_rope(qkv[:, : num_heads + num_kv_heads], cos, sin)
     assert torch.equal(q, roped[:, :num_heads])
-    assert torch.equal(new_kv[0], roped[:, num_heads:])
-    assert torch.equal(new_kv[1], qkv[:, num_heads + num_kv_heads :])
-    assert new_kv.shape == (2, num_rows, num_kv_heads, head_dim)
+    assert torch.equal(forward_kv[1, 0], roped[:, num_heads:])
+    assert torch.equal(forward_kv[1, 1], qkv[:, num_heads + num_kv_heads :])
+    # the other layers' slots untouched
+    assert forward_kv[0].isnan().all() and forward_kv[2].isnan().all()
 
 
 def test_rope_split_in_bfloat16_takes_the_torch_path_with_the_same_layout():
     generator = torch.Generator().manual_seed(1)
     qkv = torch.randn(3, 8, 8, generator=generator).bfloat16()
     cos, sin = (t.bfloat16() for t in rope_tables(3, 8, generator))
-    q, new_kv = rope_split(qkv, cos, sin, num_heads=4)
+    new_kv = torch.empty(2, 3, 2, 8, dtype=torch.bfloat16)
+    q = rope_split(qkv, cos, sin, num_heads=4, kv_out=new_kv)
     assert torch.equal(q, apply_rope(qkv[:, :4], cos, sin))
-    assert torch.equal(new_kv[1], qkv[:, 6:]) and new_kv.dtype == torch.bfloat16
+    assert torch.equal(new_kv[0], apply_rope(qkv[:, 4:6], cos, sin))
+    assert torch.equal(new_kv[1], qkv[:, 6:])
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -82,18 +82,18 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 
 
 def rope_split(
-    qkv: Tensor, cos: Tensor, signed_sin: Tensor, num_heads: int
-) -> tuple[Tensor, Tensor]:
-    """From ``qkv`` [N, heads + 2 * kv_heads, d], q rotated [N, heads, d] and the new K (rotated)
-    and V stacked [2, N, kv_heads, d]; float32 on a CPU as one kernel with ``apply_rope``'s bits.
-    Pure."""
-    num_rows, num_kv_heads, head_dim = qkv.shape[0], (qkv.shape[1] - num_heads) // 2, qkv.shape[2]
+    qkv: Tensor, cos: Tensor, signed_sin: Tensor, num_heads: int, kv_out: Tensor
+) -> Tensor:
+    """From ``qkv`` [N, heads + 2 * kv_heads, d], q rotated [N, heads, d], and the new K
+    (rotated) and V stacked into ``kv_out`` [2, N, kv_heads, d] (a layer's slot of the forward's
+    new K/V); float32 on a CPU as one kernel with ``apply_rope``'s bits. Writes ``kv_out``."""
+    num_rows, head_dim = qkv.shape[0], qkv.shape[2]
+    num_roped = num_heads + kv_out.shape[2]
     if fuses_on_cpu(qkv):
         q = qkv.new_empty(num_rows, num_heads, head_dim)
-        new_kv = qkv.new_empty(2, num_rows, num_kv_heads, head_dim)
         kernel = fused_cpu().rope_split
-        kernel(qkv.numpy(), cos.numpy(), signed_sin.numpy(), num_heads, q.numpy(), new_kv.numpy())
-        return q, new_kv
-    num_roped = num_heads + num_kv_heads
-    q, k = apply_rope(qkv[:, :num_roped], cos, signed_sin).split((num_heads, num_kv_heads), dim=1)
-    return q, torch.stack((k, qkv[:, num_roped:]))
+        kernel(qkv.numpy(), cos.numpy(), signed_sin.numpy(), num_heads, q.numpy(), kv_out.numpy())
+        return q
+    q, k = apply_rope(qkv[:, :num_roped], cos, signed_sin).split((num_heads, kv_out.shape[2]), 1)
+    kv_out[0], kv_out[1] = k, qkv[:, num_roped:]
+    return q

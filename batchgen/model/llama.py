@@ -91,12 +91,13 @@ class LlamaAttention(nn.Module):
         plan: AttentionPlan,
         kv_pages: Tensor,
         layer: int,
-    ) -> tuple[Tensor, Tensor]:
-        """Attention output [N, hidden] and this layer's new K/V [2, N, kv_heads, head_dim]; reads
-        ``kv_pages`` only."""
+        new_kv: Tensor,
+    ) -> Tensor:
+        """Attention output [N, hidden], with this layer's new K/V written into ``new_kv`` [2, N,
+        kv_heads, head_dim]; reads ``kv_pages``."""
         num_rows = x.shape[0]
         qkv = self.qkv_proj(x).view(num_rows, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, new_kv = rope_split(qkv, cos, sin, self.num_heads)
+        q = rope_split(qkv, cos, sin, self.num_heads, new_kv)
         k, v = new_kv
         out = q.new_empty(q.shape)
         for span in plan.prefills:
@@ -107,7 +108,7 @@ class LlamaAttention(nn.Module):
             out[span.rows] = attend_extend(q, k, v, span, kv_pages, layer)
         for decodes in plan.decodes:
             decodes.attend(q, new_kv, kv_pages, layer, out)
-        return self.o_proj(out.view(num_rows, -1)), new_kv
+        return self.o_proj(out.view(num_rows, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,15 +128,16 @@ class LlamaDecoderLayer(nn.Module):
         plan: AttentionPlan,
         kv_pages: Tensor,
         layer: int,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """This layer's MLP output and the residual stream [N, hidden] (the next norm sums them),
-        and its new K/V [2, N, kv_heads, head_dim]. ``hidden`` is the previous layer's output, or
-        the embeddings with ``residual`` None. Writes each residual sum into the fresh sublayer
-        output it adds to."""
+        new_kv: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """This layer's MLP output and the residual stream [N, hidden] (the next norm sums them);
+        its new K/V written into ``new_kv`` [2, N, kv_heads, head_dim]. ``hidden`` is the previous
+        layer's output, or the embeddings with ``residual`` None. Writes each residual sum into
+        the fresh sublayer output it adds to."""
         x, residual = self.input_layernorm(hidden, residual)
-        attn_out, new_kv = self.self_attn(x, cos, sin, plan, kv_pages, layer)
+        attn_out = self.self_attn(x, cos, sin, plan, kv_pages, layer, new_kv)
         x, residual = self.post_attention_layernorm(attn_out, residual)
-        return self.mlp(x), residual, new_kv
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -155,15 +157,19 @@ class LlamaModel(nn.Module):
         output_rows: Tensor,
     ) -> tuple[Tensor, Tensor]:
         """Final-normed hidden of ``output_rows`` and new K/V [layers, 2, N, kv_heads, head_dim] in
-        the pages' dtype."""
+        the pages' dtype: each layer writes its own slot, so no copy gathers them."""
         hidden, residual = self.embed_tokens(token_ids), None
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        layer_kvs = []
+        attention = self.layers[0].self_attn
+        new_kv = hidden.new_empty(
+            len(self.layers), 2, len(token_ids), attention.num_kv_heads, attention.head_dim
+        )
         for layer, decoder in enumerate(self.layers):
-            hidden, residual, layer_kv = decoder(hidden, residual, cos, sin, plan, kv_pages, layer)
-            layer_kvs.append(layer_kv)
+            hidden, residual = decoder(
+                hidden, residual, cos, sin, plan, kv_pages, layer, new_kv[layer]
+            )
         normed, _ = self.norm(hidden[output_rows], residual[output_rows])
-        return normed, torch.stack(layer_kvs).to(kv_pages.dtype)
+        return normed, new_kv.to(kv_pages.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
