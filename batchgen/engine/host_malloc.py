@@ -31,10 +31,12 @@ def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep freed memory for reuse (see the module's docstring); True if
     it took every setting, False where the C library is not glibc (the settings are then left as
     they were). Mutates the process's malloc settings."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    gnu_get_libc_version = getattr(ctypes.CDLL(None), "gnu_get_libc_version", None)
-    if mallopt is None or gnu_get_libc_version is None:
+    libc = ctypes.CDLL(None)  # the C library this process runs on
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
         return False
-    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    settings += ((M_TOP_PAD, TOP_PAD),)
-    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
+    settings = {
+        M_MMAP_THRESHOLD: MMAP_THRESHOLD,
+        M_TRIM_THRESHOLD: TRIM_THRESHOLD,
+        M_TOP_PAD: TOP_PAD,
+    }
+    return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings.items())
