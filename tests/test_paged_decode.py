@@ -1,7 +1,10 @@
 """The in-place decode kernel computes what the padded SDPA batches compute, reads nothing past a
 row's new token, and gives the same bits on any number of threads."""
 
+import os
 import random
+import subprocess
+import sys
 
 import numba
 import numpy as np
@@ -128,6 +131,31 @@ def test_one_thread_and_two_give_the_same_bits():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(*outputs)
+
+
+# a process set to one torch thread plans and attends a decode, numba started with two threads
+ONE_THREAD_DECODE = """
+import torch
+torch.set_num_threads(1)
+from batchgen.model.paged_attention import Span, plan_attention
+pages = torch.zeros(2, 1, 2, 1, 4, 8)
+(in_place,) = plan_attention([Span(0, 1, 3, [1])], pages).decodes
+in_place.attend(torch.ones(1, 2, 8), torch.ones(2, 1, 1, 8), pages, 0, torch.empty(1, 2, 8))
+print(torch.get_num_threads())
+"""
+
+
+def test_a_decode_leaves_torchs_thread_count_as_it_was():
+    # numba's threads share torch's OpenMP runtime, and starting them once gave torch their count
+    environment = dict(os.environ, NUMBA_NUM_THREADS="2")
+    run = subprocess.run(
+        [sys.executable, "-c", ONE_THREAD_DECODE],
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.split() == ["1"]
 
 
 def test_only_float32_pages_on_a_cpu_attend_in_place():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
@@ -32,7 +33,16 @@ FLOATS_PER_CACHE_LINE = 16
 
 def use_threads(count: int) -> None:
     """Run the next kernel calls on ``count`` of numba's threads (at most as many as it started;
-    at least one). Mutates numba's thread count for the calling thread."""
+    at least one), torch's own count left as it was. Mutates numba's thread count for the calling
+    thread; starts numba's threads at the first call.
+
+    numba and torch share one OpenMP runtime (both load ``libgomp.so.1``), and starting numba's
+    threads sets the runtime's thread count to numba's, one per CPU: a process set to one thread
+    would run its matmuls on every CPU from its first decode on. So the threads start here, and
+    torch's count is put back."""
+    torch_threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts numba's threads if they have not started
+    torch.set_num_threads(torch_threads)
     numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
 
 
