@@ -11,7 +11,9 @@ defaults) and runs the mix whenever asked. After one warm-up run each, the engin
 ``--pairs`` pairs (batchgen first in even pairs, vLLM first in odd ones); the
 ratio is the median over pairs of vLLM's wall time over batchgen's, printed with its spread (and
 the same of CPU seconds, vLLM's counted over its engine processes too), and every run's tokens are
-checked against the other engine's. Each engine allocates as it is meant to run: batchgen's glibc
+checked against the other engine's. While batchgen runs, every vLLM process is stopped (SIGSTOP to
+the runner's process group, SIGCONT after): idle, they still wake a few hundred times a second on
+the same CPUs. Each engine allocates as it is meant to run: batchgen's glibc
 malloc keeps freed memory (``host_malloc``, as its command line sets it), and vLLM gets tcmalloc
 in ``LD_PRELOAD`` where the system has it (``apt-get install libtcmalloc-minimal4``), as vLLM's
 CPU guide asks. Beside it, each engine's wall time per step and the matmul time
@@ -160,17 +162,18 @@ def render(rows: list[dict], title: str) -> Table:
 def measure(model, runner: VllmRunner, mix, pairs: int, page_size: int) -> dict:
     """One warm-up run each, then ``pairs`` alternating pairs; walls, tokens compared on every
     run, steps per run."""
-    batchgen = run_batchgen_counting(model, mix, page_size)
+    with runner.paused():
+        batchgen = run_batchgen_counting(model, mix, page_size)
     vllm = runner.run(mix)
     differing = differing_requests(batchgen["outputs"], vllm["outputs"])
     walls, cpus = {"batchgen": [], "vllm": []}, {"batchgen": [], "vllm": []}
     for pair in range(pairs):
         for engine in ("batchgen", "vllm") if pair % 2 == 0 else ("vllm", "batchgen"):
-            run = (
-                run_batchgen_counting(model, mix, page_size)
-                if engine == "batchgen"
-                else runner.run(mix)
-            )
+            if engine == "batchgen":
+                with runner.paused():
+                    run = run_batchgen_counting(model, mix, page_size)
+            else:
+                run = runner.run(mix)
             walls[engine].append(run["wall_s"])
             cpus[engine].append(run["cpu_s"])
             differing = max(differing, differing_requests(run["outputs"], vllm["outputs"]))
@@ -185,7 +188,7 @@ def measure(model, runner: VllmRunner, mix, pairs: int, page_size: int) -> dict:
     row["batchgen_step_ms"] = 1e3 * statistics.median(walls["batchgen"]) / steps
     row["vllm_step_ms"] = 1e3 * statistics.median(walls["vllm"]) / steps
     row["num_requests_differing"] = differing
-    with timed_linears(model) as matmul_s:
+    with runner.paused(), timed_linears(model) as matmul_s:
         run_batchgen_counting(model, mix, page_size)
     row["batchgen_matmul_s"] = matmul_s[0]
     row["ceiling"] = statistics.median(walls["vllm"]) / matmul_s[0]

@@ -5,6 +5,9 @@ vLLM in a venv of its own and runs for many minutes: not part of the test suite.
 import io
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,6 +196,49 @@ def test_the_whole_vllm_engine_is_confined_to_the_cpus_before_it_is_built(monkey
     path.write_text(json.dumps(dict(job, dtype="float32", cpus=[0])))
     assert runner.start_engine(str(path)) == "llm"
     assert events == [(0, [0]), "built"]
+
+
+# a parent that starts a child and waits on it, as the runner and vLLM's engine core do
+PARENT_AND_CHILD = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def stopped(pids: list[int], timeout_s: float = 5.0) -> list[bool]:
+    """Whether each of ``pids`` is stopped (state T in ``/proc/PID/stat``), once every one is or
+    ``timeout_s`` has passed: a signal takes effect when its process next runs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0] == "T")
+        if all(states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_paused_stops_every_process_of_the_runner_until_the_block_ends(monkeypatch):
+    job = script_module(monkeypatch, "vllm_job")
+    runner = object.__new__(job.VllmRunner)  # its process only; no vLLM started
+    runner.process = subprocess.Popen(
+        [sys.executable, "-c", PARENT_AND_CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    child = int(runner.process.stdout.readline())
+    try:
+        with runner.paused():
+            assert stopped([runner.process.pid, child]) == [True, True]
+        assert stopped([runner.process.pid, child], timeout_s=0) == [False, False]
+    finally:
+        os.killpg(runner.process.pid, 9)
+        runner.process.wait()
 
 
 def test_a_venv_is_ready_only_once_its_stamp_names_both_specs(monkeypatch, tmp_path):
