@@ -179,3 +179,27 @@ def test_gather_pages_reads_whole_pages_in_table_order():
     assert k.shape == v.shape == (8, CONFIG.num_kv_heads, CONFIG.head_dim)
     assert torch.equal(k[:2], make_kv(6)[2, 0, 4:]) and torch.equal(k[4:], make_kv(6)[2, 0, :4])
     assert torch.equal(v[:2], make_kv(6)[2, 1, 4:]) and torch.all(v[2:4] == SENTINEL)
+
+
+def test_float32_pages_on_a_cpu_take_the_same_bytes_as_the_indexed_write():
+    # float32 pages are written by kv_write_kernel, float64 ones by torch's indexed assignment
+    writes = [
+        ([7, 2], 0, make_kv(6)),
+        ([5, 0, 9], 9, make_kv(1, offset=1_000.0)),
+        ([3, 11, 1], 2, make_kv(7, offset=2_000.0)),
+    ]
+    by_kernel = make_pages(page_size=4, num_pages=12)
+    by_index = make_pages(page_size=4, num_pages=12, dtype=torch.float64)
+    write_kvs(by_kernel, writes)
+    write_kvs(by_index, writes)
+    assert torch.equal(by_kernel.double(), by_index)
+
+
+def test_the_kernel_converts_other_dtypes_to_the_float32_pages():
+    pages = make_pages(page_size=4, num_pages=3)
+    new_kv = torch.randn(CONFIG.num_layers, 2, 5, CONFIG.num_kv_heads, CONFIG.head_dim)
+    write_kv(pages, [2, 0], 1, new_kv.bfloat16())
+    k, v = gather_kv(pages, [2, 0], 6, layer=2)
+    assert torch.equal(k[1:], new_kv[2, 0].bfloat16().float())
+    assert torch.equal(v[1:], new_kv[2, 1].bfloat16().float())
+    assert torch.all(k[0] == SENTINEL)

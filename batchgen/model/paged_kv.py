@@ -23,6 +23,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -133,11 +134,12 @@ def write_kv(kv_pages: Tensor, page_ids: Sequence[int], start_pos: int, new_kv: 
 
 
 def write_kvs(kv_pages: Tensor, writes: Sequence[tuple[Sequence[int], int, Tensor]]) -> None:
-    """Each ``(page_ids, start_pos, new_kv)`` of ``writes`` as ``write_kv`` does it, in one write.
+    """Each ``(page_ids, start_pos, new_kv)`` of ``writes`` as ``write_kv`` does it, in one write:
+    float32 pages on a CPU by ``kv_write_kernel``, others by one indexed assignment.
 
     Mutates ``kv_pages`` at exactly the written slots; the writes must not share a slot.
     """
-    page_size, device = page_size_of(kv_pages), kv_pages.device
+    page_size = page_size_of(kv_pages)
     tables, table_starts, starts, lengths = [], [], [], []
     for page_ids, start_pos, new_kv in writes:
         _check_covered(page_ids, start_pos + new_kv.shape[2], page_size)
@@ -145,7 +147,29 @@ def write_kvs(kv_pages: Tensor, writes: Sequence[tuple[Sequence[int], int, Tenso
         tables.extend(page_ids)
         starts.append(start_pos)
         lengths.append(new_kv.shape[2])
-    num_slots = sum(lengths)
+    new_kvs = torch.cat([new_kv for _, _, new_kv in writes], dim=2)
+    if kv_pages.device.type == "cpu" and kv_pages.dtype == torch.float32:
+        # imported here: numba loads only where pages are float32 on a CPU
+        from batchgen.model.kv_write_kernel import write_runs
+
+        runs = (np.array(values, dtype=np.int64) for values in (tables, table_starts, starts))
+        new_kvs = new_kvs.to(device="cpu", dtype=torch.float32)
+        write_runs(kv_pages.numpy(), new_kvs.numpy(), *runs, np.array(lengths, dtype=np.int64))
+    else:
+        _write_indexed(kv_pages, new_kvs, tables, table_starts, starts, lengths)
+
+
+def _write_indexed(
+    kv_pages: Tensor,
+    new_kvs: Tensor,
+    tables: list[int],
+    table_starts: list[int],
+    starts: list[int],
+    lengths: list[int],
+) -> None:
+    """``kv_write_kernel.write_runs``'s writes as one advanced-index assignment of torch's, on any
+    device and dtype. Mutates ``kv_pages`` at exactly those slots."""
+    page_size, device, num_slots = page_size_of(kv_pages), kv_pages.device, sum(lengths)
     lengths_tensor = torch.tensor(lengths, device=device)
     # position in the concatenated page tables, i.e. its table's first slot plus its position
     first_slots = torch.tensor(table_starts, device=device) * page_size + torch.tensor(
@@ -156,7 +180,6 @@ def write_kvs(kv_pages: Tensor, writes: Sequence[tuple[Sequence[int], int, Tenso
         first_slots - row_starts
     ).repeat_interleave(lengths_tensor, output_size=num_slots)
     slots = locate_slots(page_table_tensor(tables, device), flat_positions, page_size)
-    new_kvs = torch.cat([new_kv for _, _, new_kv in writes], dim=2)
     # Advanced indices on dims 0 and 4 put the token dim first: [n, layers, 2, heads, dim].
     kv_pages[slots.page_index, :, :, :, slots.slot_index] = new_kvs.permute(2, 0, 1, 3, 4).to(
         device=device, dtype=kv_pages.dtype
