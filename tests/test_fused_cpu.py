@@ -93,6 +93,22 @@ def test_the_fused_norm_agrees_with_the_torch_norm_of_bfloat16_inputs_cast_back(
     torch.testing.assert_close(via_torch.float(), fused, atol=0.02, rtol=0.02)
 
 
+def test_the_fused_norm_scales_by_the_weight_it_holds_now():
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(6))
+    norm = seeded_norm(16)
+    unit_scaled = hf_rms_norm(x, torch.ones(16), norm.eps)
+    with torch.inference_mode():
+        norm(x.clone())  # the weight's numpy view is made and kept
+        norm.load_state_dict({"weight": torch.full((16,), 2.0)})  # copied into the same memory
+        after_load, _ = norm(x.clone())
+        norm.weight = torch.nn.Parameter(torch.full((16,), 3.0))  # a new Parameter
+        after_new_parameter, _ = norm(x.clone())
+        norm.weight.data = torch.full((16,), 5.0)  # new memory under the same Parameter
+        after_new_data, _ = norm(x.clone())
+    for normed, scale in ((after_load, 2), (after_new_parameter, 3), (after_new_data, 5)):
+        torch.testing.assert_close(normed, unit_scaled * scale)
+
+
 def test_only_float32_on_a_cpu_fuses():
     assert fuses_on_cpu(torch.zeros(2, 3))
     assert not fuses_on_cpu(torch.zeros(2, 3, dtype=torch.bfloat16))

@@ -7,6 +7,8 @@ so one call in place of eight or ten matters (``docs/benchmarks-engine.md``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -17,11 +19,13 @@ from batchgen.config import ModelConfig
 
 def fuses_on_cpu(x: Tensor) -> bool:
     """Whether ``x``'s elementwise steps run as ``fused_cpu``'s kernels: float32 on a CPU. Pure."""
-    return x.device.type == "cpu" and x.dtype == torch.float32
+    return x.is_cpu and x.dtype == torch.float32
 
 
+@functools.cache
 def fused_cpu():
-    """The kernels module, imported at first use: numba loads only where a forward fuses."""
+    """The kernels module, imported at first use: numba loads only where a forward fuses. Cached:
+    each of a forward's dozen calls would run the import machinery again."""
     from batchgen.model import fused_cpu as kernels
 
     return kernels
@@ -32,6 +36,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self._weight_view: tuple[int, np.ndarray | None] = (0, None)  # see weight_array
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The scaled norm of ``x + residual`` and that sum, the residual stream (``x`` itself
@@ -40,7 +45,7 @@ class RMSNorm(nn.Module):
         (``fused_cpu``). Writes the sum into ``x``."""
         if fuses_on_cpu(x):
             out = torch.empty_like(x)
-            weight, eps = self.weight.detach().numpy(), np.float32(self.eps)
+            weight, eps = self.weight_array(), np.float32(self.eps)
             if residual is None:
                 fused_cpu().rms_norm(x.numpy(), weight, eps, out.numpy())
             else:
@@ -51,6 +56,16 @@ class RMSNorm(nn.Module):
         # F.rms_norm is one op for HF's five, with the same float32 result
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
         return normed.mul_(self.weight), x
+
+    def weight_array(self) -> np.ndarray:
+        """``weight`` as a numpy array over its memory, kept until that memory moves (``.to``, a
+        new Parameter; ``load_state_dict`` copies into the same memory, which the array shows). A
+        decode's norm spent a quarter of its time making it. The kept array holds on to the old
+        memory, so no later weight can take its address. Mutates the kept view."""
+        address = self.weight.data_ptr()
+        if self._weight_view[0] != address:
+            self._weight_view = (address, self.weight.detach().numpy())
+        return self._weight_view[1]
 
 
 class RotaryEmbedding(nn.Module):
