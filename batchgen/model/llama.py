@@ -98,14 +98,12 @@ class LlamaAttention(nn.Module):
         num_rows = x.shape[0]
         qkv = self.qkv_proj(x).view(num_rows, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q = rope_split(qkv, cos, sin, self.num_heads, new_kv)
-        k, v = new_kv
         out = q.new_empty(q.shape)
         for span in plan.prefills:
-            out[span.rows] = attend_sequence(
-                q[span.rows], k[span.rows], v[span.rows], key_mask=None
-            )
+            rows = span.rows
+            out[rows] = attend_sequence(q[rows], new_kv[0, rows], new_kv[1, rows], key_mask=None)
         for span in plan.extends:
-            out[span.rows] = attend_extend(q, k, v, span, kv_pages, layer)
+            out[span.rows] = attend_extend(q, new_kv[0], new_kv[1], span, kv_pages, layer)
         for decodes in plan.decodes:
             decodes.attend(q, new_kv, kv_pages, layer, out)
         return self.o_proj(out.view(num_rows, -1))

@@ -22,6 +22,7 @@ is ended by numba at its first kernel call. Start workers with ``spawn`` or ``fo
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,16 @@ from torch import Tensor
 def attends_in_place(kv_pages: Tensor) -> bool:
     """Whether decodes over ``kv_pages`` take this kernel: float32 pages on a CPU. Pure."""
     return kv_pages.device.type == "cpu" and kv_pages.dtype == torch.float32
+
+
+@functools.cache
+def kernel():
+    """``paged_decode_kernel.attend_pages``, imported at first use: numba and the compiled kernel
+    load only in a process that decodes. Cached: each layer's call would run the import
+    machinery again."""
+    from batchgen.model.paged_decode_kernel import attend_pages
+
+    return attend_pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +66,11 @@ class InPlaceDecodes:
             rows = torch.from_numpy(self.rows)
             out[rows] = attended[rows].to(out.dtype)
             return
-        # imported here: numba and the compiled kernel load only in a process that decodes
-        from batchgen.model.paged_decode_kernel import attend_pages
-
-        attend_pages(
+        new_k, new_v = new_kv.numpy()  # numpy's views: cheaper than torch's, once per layer
+        kernel()(
             q.numpy(),
-            new_kv[0].numpy(),
-            new_kv[1].numpy(),
+            new_k,
+            new_v,
             self.rows,
             kv_pages.numpy(),
             layer,
