@@ -7,6 +7,7 @@ reaches its own uniform draw ``u``. ``u`` is a hash of the request's (seed, uuid
 (``draw_key``; an edge that runs n samples of one prompt gives each its own uuid), so a row's token
 depends on its own logits and nothing else in the batch. The only per-row Python left is reading
 each request's parameters and hashing its key: a uuid is a string, and no tensor op hashes one.
+On a CPU the top-2 search and the log-normaliser are one numba kernel (``sampler_kernel``).
 
 A temperature below ``GREEDY_BELOW`` samples greedily: dividing the logits by it would overflow to
 infinity, and the distribution is one-hot long before. Before ``min_tokens`` new tokens, EOS (unless
@@ -16,9 +17,11 @@ log-probabilities are of the model's distribution, before temperature and masks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -38,8 +41,7 @@ def sample(
     """One token per row of ``logits`` [num_reqs, vocab] for ``reqs`` (``eos_ids``: the model's
     EOS ids, masked out before ``min_tokens``); pure."""
     logits = logits.float()
-    top_logits, top_ids = top2(logits)
-    normaliser = log_normaliser(logits, top_logits[:, :1])
+    top_logits, top_ids, normaliser = top2_and_normaliser(logits)
     top_lps = (top_logits - normaliser).tolist()
     sampled_rows = [row for row, r in enumerate(reqs) if r.request.temperature >= GREEDY_BELOW]
     special = [row for row, r in enumerate(reqs) if r.request.sampling is not DEFAULT_SAMPLING]
@@ -158,6 +160,32 @@ def _requested_logprobs(
         row: (token_lps[i], tuple(zip(top_ids[i][:n], top_lps[i][:n])))
         for i, (row, n) in enumerate(wanted)
     }
+
+
+def top2_and_normaliser(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``top2`` and ``log_normaliser`` of ``logits`` [rows, vocab >= 2] (float32): on a CPU as one
+    call of ``sampler_kernel`` (the lower id first among equal logits, as argmax takes them);
+    elsewhere, or where a row holds NaN or no finite maximum, as torch ops. Pure."""
+    if logits.is_cpu:
+        num_rows = logits.shape[0]
+        values, ids = torch.empty(num_rows, 2), torch.empty(num_rows, 2, dtype=torch.int64)
+        normaliser = torch.empty(num_rows)
+        sampler_kernel().top2_and_normaliser(
+            logits.numpy(), values.numpy(), ids.numpy(), normaliser.numpy()
+        )
+        if not np.isnan(normaliser.numpy()).any():
+            return values, ids, normaliser[:, None]
+    top_logits, top_ids = top2(logits)
+    return top_logits, top_ids, log_normaliser(logits, top_logits[:, :1])
+
+
+@functools.cache
+def sampler_kernel():
+    """The kernel module, imported at first use: numba loads only where a CPU samples. Cached: the
+    import machinery would run again every step."""
+    from batchgen.engine import sampler_kernel as kernels
+
+    return kernels
 
 
 def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
