@@ -1,4 +1,4 @@
-"""The decoder's elementwise layers: RMSNorm with its residual sum, and RoPE.
+"""The decoder's elementwise layers: RMSNorm with its residual sum, RoPE, and the MLP's SiLU.
 
 Each runs as torch ops, or, for float32 on a CPU, as one of ``fused_cpu``'s kernels: between
 matmuls that stream their weights, a decode's small ops cost several times what they cost alone,
@@ -87,6 +87,19 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
         return angles.cos().to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` [N, I] of ``gate_up`` [N, 2 * I] (gate its first half): float32 on a
+    CPU as one kernel, elsewhere torch's SiLU with the product in place on its fresh output (a
+    prefill's [tokens, I] buffers are the largest of a forward, and each fresh one costs its page
+    faults). Pure."""
+    if fuses_on_cpu(gate_up):
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        fused_cpu().silu_and_mul(gate_up.numpy(), out.numpy())
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:

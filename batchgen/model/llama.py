@@ -18,11 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchgen.config import ModelConfig
-from batchgen.model.elementwise import RMSNorm, RotaryEmbedding, rope_split
+from batchgen.model.elementwise import RMSNorm, RotaryEmbedding, rope_split, silu_and_mul
 from batchgen.model.paged_attention import (
     AttentionPlan,
     Span,
@@ -63,11 +62,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``down(silu(gate(x)) * up(x))``, the product in place on the activation's fresh output
-        (HF's ops, the same values; a prefill's [tokens, intermediate] buffers are the largest of
-        a forward, and each fresh one costs its page faults)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        """``down(silu(gate(x)) * up(x))`` (``elementwise.silu_and_mul``)."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
