@@ -13,7 +13,7 @@ import torch
 
 from batchgen.model.paged_attention import Span, plan_attention
 from batchgen.model.paged_decode import InPlaceDecodes, attends_in_place
-from batchgen.model.paged_decode_kernel import FASTMATH, _exp_nonpositive
+from batchgen.model.paged_decode_kernel import FASTMATH, exp_nonpositive
 
 
 def nan_pages(num_pages: int, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int):
@@ -168,7 +168,7 @@ def test_only_float32_pages_on_a_cpu_attend_in_place():
 def exp_each(xs):
     out = np.empty_like(xs)
     for i in range(xs.shape[0]):
-        out[i] = _exp_nonpositive(xs[i])
+        out[i] = exp_nonpositive(xs[i])
     return out
 
 

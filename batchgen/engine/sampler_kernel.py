@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from batchgen.model.paged_decode_kernel import _exp_nonpositive
+from batchgen.model.paged_decode_kernel import exp_nonpositive
 
 
 @numba.njit(cache=True, boundscheck=False)
@@ -42,12 +42,12 @@ def top2_and_normaliser(logits, top_values, top_ids, normalisers):
 
 
 # a call, not inlined: numba inlines into the caller's IR, whose flags (no reassociation) would
-# keep the sum sequential, ten times slower
+# keep the sum sequential (32 rows of 4096: 474 us so in float64, 45 us as this call)
 @numba.njit(fastmath={"reassoc"}, boundscheck=False)
 def _sum_exp_below(x, peak):
     """``sum(exp(x - peak))`` for ``peak`` >= every element of ``x``, summed in float32 lanes as
     torch's ``logsumexp`` sums; NaN where ``x`` holds NaN or ``peak`` is not finite. Pure."""
     total = np.float32(0.0)
     for e in range(x.shape[0]):
-        total += _exp_nonpositive(x[e] - peak)
+        total += exp_nonpositive(x[e] - peak)
     return total

@@ -135,7 +135,7 @@ def _exp_scores_with_new_token(task_q, new_k, new_v, scale, scores, totals, task
             peak = max(peak, scores[j, t])
         total = np.float32(0.0)
         for t in range(num_keys + 1):
-            weight = _exp_nonpositive(scores[j, t] - peak)
+            weight = exp_nonpositive(scores[j, t] - peak)
             scores[j, t] = weight
             total += weight
         totals[j] = total
@@ -161,7 +161,7 @@ def _add_weighted_values(scores, blocks, value_blocks, num_keys, task_out):
 # no reassociation: it would fold n * LN2_HI + n * LN2_LO into one product and lose the split
 # (4.5 ulp instead of 1 in the kernel's loop); LLVM still inlines this into the loop and vectorises
 @numba.njit(fastmath={"contract", "nsz", "arcp"})
-def _exp_nonpositive(x):
+def exp_nonpositive(x):
     """e**x for a float32 x <= 0, within a relative 2**-23 of the exact value (about one ulp)
     down to float32's smallest normal, 0 below it and for -inf, NaN for NaN. Arithmetic only, so
     a loop of it vectorises (libm's ``expf``, which ``np.exp`` calls, is one call per element: a
