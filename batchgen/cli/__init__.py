@@ -11,6 +11,7 @@
     sweep     compare mode over a matrix, on Ray     [--workload W] [--seeds A-B] [--faults SPEC]
     generate  an OpenAI batch file -> its results    -i IN.jsonl -o OUT.jsonl --model DIR [--resume]
     make-checkpoint  the tiny model + a trained tokenizer as an HF directory    DIR [--seed N]
+    real-model  fetch SmolLM2-135M-Instruct (GGUF) into the cache, print its path   [--hf-dir]
 
 A subcommand is a module of its name with an ``add_<name>_command`` (declares its flags, shares
 ``common``'s, ``arg_types``' value parsers and ``backend_args``) and a handler
@@ -40,6 +41,7 @@ from batchgen.cli.explore import add_explore_command
 from batchgen.cli.generate import add_generate_command
 from batchgen.cli.make_checkpoint import add_make_checkpoint_command
 from batchgen.cli.minimize import add_minimize_command
+from batchgen.cli.real_model import add_real_model_command
 from batchgen.cli.replay import add_replay_command
 from batchgen.cli.report import RENDERERS, add_report_command
 from batchgen.cli.run import add_run_command
@@ -62,6 +64,7 @@ from batchgen.metrics.config import MetricsConfigError
 from batchgen.model.loader import ModelLoadError
 from batchgen.sweep.backends import BackendError
 from batchgen.sweep.matrix import SweepError
+from batchgen.text.generation_defaults import GenerationConfigError
 from batchgen.text.tokenizer import TokenizerError
 from batchgen.triage.minimize import MinimizeError
 from batchgen.triage.rebuild import ReplayError
@@ -85,6 +88,7 @@ INPUT_ERRORS = (
     BackendError,
     MetricsConfigError,
     TokenizerError,
+    GenerationConfigError,
 )
 
 
@@ -286,4 +290,5 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_command(commands)
     add_generate_command(commands)
     add_make_checkpoint_command(commands)
+    add_real_model_command(commands)
     return parser

@@ -86,6 +86,16 @@ def seed_list(text: str) -> tuple[int, ...]:
     return tuple(seeds)
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+    return value
+
+
 def seconds_float(text: str) -> float:
     try:
         value = float(text)

@@ -30,6 +30,7 @@ from batchgen.cli.run_flags import engine_config_from_args, gate_from_args
 from batchgen.config import EngineConfig
 from batchgen.engine.worker import Worker
 from batchgen.entrypoints.pool_sizes import cache_config
+from batchgen.entrypoints.process_age import process_age_s
 from batchgen.exit_codes import EXIT_OK
 from batchgen.kv.gate import KvGateConfig
 from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
@@ -37,6 +38,7 @@ from batchgen.metrics.exporter import exporting
 from batchgen.model.loader import load_model
 from batchgen.openai.batch_job import BatchJob, JobCounts, numbered_lines, result_keys, scan_input
 from batchgen.text.generation import TextEngine
+from batchgen.text.generation_defaults import read_generation_defaults
 from batchgen.text.tokenizer import TextTokenizer
 from compare import exception_text
 from compare.jsonl_writer import JsonLinesFile
@@ -63,19 +65,23 @@ def _generate(args: argparse.Namespace) -> int:
     gate = gate_from_args(args)
     metrics = metrics_config_from_args(os.environ, args)
     num_lines = _checked_files(args, gate)
-    tokenizer = TextTokenizer(args.model)  # a directory without one fails before the model loads
+    defaults = read_generation_defaults(args.model, args.generation_config)
+    if defaults.warning() is not None:
+        print(f"batchgen: warning: {defaults.warning()}", file=sys.stderr)
+    tokenizer = TextTokenizer(args.model)  # a checkpoint without one fails before the model loads
     worker = _worker(args, gate)
     engine = TextEngine(worker, tokenizer)
     out, skip = _open_output(args, worker)
     job = BatchJob(
         engine,
         out,
-        served_model=args.served_model_name or Path(args.model).resolve().name,
+        served_model=args.served_model_name or served_name(args.model),
         seed=args.seed,
         max_in_flight=args.max_in_flight,
         skip=skip,
+        defaults=defaults,
     )
-    started = time.perf_counter()
+    started, startup_s = time.perf_counter(), process_age_s()
     engine.start_run(Path(args.input).name, seed=args.seed, source=str(Path(args.input).resolve()))
     with exporting(metrics) as worker_metrics, closing_compare_log(worker):
         if worker_metrics is not None:
@@ -90,7 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
             with contextlib.suppress(Exception):  # the job's own error is the one to report
                 engine.finish_run(stopped_by=exception_text(error))
             raise
-        summary = _summary(job.counts, time.perf_counter() - started, engine, worker)
+        summary = _summary(job.counts, time.perf_counter() - started, startup_s, engine, worker)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -127,7 +133,9 @@ def _worker(args: argparse.Namespace, gate: KvGateConfig) -> Worker:
         raise UsageError("--device cuda: CUDA is not available on this machine")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(
+        args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len
+    )
     cache = cache_config(
         model.config,
         device=args.device,
@@ -136,6 +144,7 @@ def _worker(args: argparse.Namespace, gate: KvGateConfig) -> Worker:
         max_num_seqs=args.max_num_seqs,
         gpu_pages=args.gpu_pages,
         host_pages=args.host_pages,
+        kv_cache_gib=args.kv_cache_gib,
         gpu_memory_fraction=args.gpu_memory_fraction,
         host_memory_fraction=args.host_memory_fraction,
     )
@@ -203,16 +212,34 @@ class _ProgressBar:
         return self.bar.__exit__(*exc)
 
 
-def _summary(counts: JobCounts, wall_s: float, engine: TextEngine, worker: Worker) -> dict:
+def served_name(model: str) -> str:
+    """The name a job serves ``model`` under: a directory's name, a GGUF file's stem. Pure."""
+    path = Path(model).resolve()
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def _summary(
+    counts: JobCounts, wall_s: float, startup_s: float | None, engine: TextEngine, worker: Worker
+) -> dict:
+    """The job's summary (docs/generate.md says what each key measures). Finishes the compare
+    run."""
+    stats, cache = worker.state.stats, worker.cache_config
+    startup_s = startup_s if startup_s is not None else 0.0
     summary = {
         "lines_done": counts.lines_done,
         "lines_failed": counts.lines_failed,
         "lines_skipped": counts.lines_skipped,
         "tokens_generated": counts.tokens_generated,
+        "startup_s": round(startup_s, 3),
         "wall_s": round(wall_s, 3),
+        "end_to_end_s": round(startup_s + wall_s, 3),
         "tokens_per_s": round(counts.tokens_generated / wall_s, 1) if wall_s else 0.0,
         "text_cpu_s": round(engine.text_cpu.seconds, 3),
-        "evictions": worker.state.stats.evictions,
+        "evictions": stats.evictions,
+        "loads": stats.loads,
+        "recompute_preemptions": stats.recompute_preemptions,
+        "gpu_pages": cache.num_gpu_pages,
+        "host_pages": cache.num_host_pages,
     }
     run = engine.finish_run()
     if run is not None:

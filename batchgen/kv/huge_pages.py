@@ -24,10 +24,11 @@ PRIVATE_ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """A zero-filled contiguous CPU tensor on a mapping of its own, starting on a 2 MiB boundary,
-    its whole 2 MiB pages advised as huge before they are first written (then written: the
-    memory is committed now, as ``torch.zeros`` commits it). Maps up to 2 MiB more than it
-    returns; MemoryError when the system refuses the mapping."""
+    """A contiguous CPU tensor of zeros on a fresh mapping of its own, starting on a 2 MiB
+    boundary, its whole 2 MiB pages advised as huge. Nothing is written: a fresh anonymous
+    mapping reads as zeros already, and its memory is committed page by page as it is first
+    touched (a pool sized for many contexts costs only what the job fills). Maps up to 2 MiB more
+    than it returns; MemoryError when the system refuses the mapping."""
     num_bytes = math.prod(shape) * dtype.itemsize
     try:
         mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=PRIVATE_ANONYMOUS)
@@ -36,7 +37,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
     advise_huge_pages(mapping, start, num_bytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
-    return raw[start : start + num_bytes].view(dtype).view(shape).zero_()
+    return raw[start : start + num_bytes].view(dtype).view(shape)
 
 
 def advise_huge_pages(mapping: mmap.mmap, start: int, length: int) -> bool:

@@ -27,9 +27,9 @@ class PoolAllocationError(ValueError):
 def tier_tensors(
     model: ModelConfig, cache: CacheConfig, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both tiers' zero-filled page tensors; PoolAllocationError (sizes named) when memory
+    """Both tiers' page tensors, reading as zeros; PoolAllocationError (sizes named) when memory
     refuses, or would: a pool past the memory available would have the OS kill the process part
-    way through zero-filling it."""
+    way through a job that fills it."""
     dtype = SUPPORTED_DTYPES[cache.dtype]
     shape = kv_page_shape(model, cache.page_size, cache.num_gpu_pages)
     host_shape = (cache.num_host_pages, *shape[1:])

@@ -39,7 +39,8 @@ def model_directory(spec: str) -> Path:
         return path
     if path.exists():
         raise ModelLoadError(
-            f"{spec}: is a file; a model directory holds {CONFIG_FILE} and *.safetensors"
+            f"{spec}: is a file; allowed: a model directory ({CONFIG_FILE} and *.safetensors)"
+            " or a llama.cpp .gguf file"
         )
     if os.sep in spec or spec.startswith("."):
         raise ModelLoadError(f"{spec}: directory does not exist")

@@ -1,20 +1,23 @@
-"""Build a ``LlamaForCausalLM`` from a ``TINY_MODELS`` name (seeded init) or an HF-format directory.
+"""Build a ``LlamaForCausalLM`` from a ``TINY_MODELS`` name (seeded init), an HF-format directory or
+a GGUF file.
 
 The model is first built on the meta device; each weight is then produced one at
 a time (drawn or read on CPU), converted to the requested dtype, moved to the
 device and assigned, so peak host memory is one tensor, not the whole model. An HF directory's
-config and tensors are read by ``hf_checkpoint``.
+config and tensors are read by ``hf_checkpoint``, a GGUF file's by ``gguf_checkpoint``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from batchgen.config import DTYPE_SIZES, TINY_MODELS, ModelConfig
+from batchgen.model.gguf_checkpoint import gguf_weights, is_gguf_file, read_gguf_config
 from batchgen.model.hf_checkpoint import (
     ModelLoadError,
     checkpoint_weights,
@@ -31,10 +34,16 @@ INIT_STD = 0.02
 
 
 def load_model(
-    spec: str, *, device: str | torch.device = "cpu", dtype: str = "float32", seed: int = 0
+    spec: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+    seed: int = 0,
+    max_model_len: int | None = None,
 ) -> LlamaForCausalLM:
-    """Load ``spec``: a ``TINY_MODELS`` name (weights drawn from ``seed``) or an HF-format model
-    directory.
+    """Load ``spec``: a ``TINY_MODELS`` name (weights drawn from ``seed``), an HF-format model
+    directory or a GGUF file (``*.gguf``, dequantized); its context cut to ``max_model_len``
+    tokens when given.
 
     A directory holds ``config.json`` and either ``model.safetensors`` or shards listed
     in ``model.safetensors.index.json``. Raises ``ModelLoadError`` for anything it cannot load.
@@ -42,15 +51,18 @@ def load_model(
     torch_dtype = _parse_dtype(dtype)
     if spec in TINY_MODELS:
         config = TINY_MODELS[spec]
-        model = _meta_model(config)
-        shapes = _expected_shapes(model)
-        weights = _seeded_weights(shapes, seed)
+    elif is_gguf_file(spec):
+        config = read_gguf_config(Path(spec))
     else:
-        directory = model_directory(spec)
-        config = read_config(directory)
-        model = _meta_model(config)
-        shapes = _expected_shapes(model)
-        weights = checkpoint_weights(directory, shapes, config)
+        config = read_config(model_directory(spec))
+    model = _meta_model(_with_context(config, max_model_len, spec))
+    shapes = _expected_shapes(model)
+    if spec in TINY_MODELS:
+        weights = _seeded_weights(shapes, seed)
+    elif is_gguf_file(spec):
+        weights = gguf_weights(Path(spec), shapes, model.config)
+    else:
+        weights = checkpoint_weights(model_directory(spec), shapes, model.config)
     num_bytes = sum(math.prod(shape) for shape in shapes.values()) * DTYPE_SIZES[dtype]
     _check_memory(spec, num_bytes, dtype, torch.device(device))
     try:
@@ -120,6 +132,32 @@ def _no_memory(spec: str, num_bytes: int, dtype: str, why: str) -> str:
         f" {why}; allowed: a smaller model or dtype (--dtype bfloat16 halves float32), or a machine"
         " with more memory"
     )
+
+
+def _with_context(config: ModelConfig, max_model_len: int | None, spec: str) -> ModelConfig:
+    """``config`` with its context cut to ``max_model_len`` (None: as it is). ModelLoadError for a
+    length past the model's own. Pure."""
+    if max_model_len is None:
+        return config
+    if not 0 < max_model_len <= config.max_context:
+        raise ModelLoadError(
+            f"--max-model-len {max_model_len}: {spec} has a context of {config.max_context}"
+            f" tokens; allowed: 1 to {config.max_context}"
+        )
+    return config.model_copy(update={"max_context": max_model_len})
+
+
+def _with_context(config: ModelConfig, max_model_len: int | None, spec: str) -> ModelConfig:
+    """``config`` with its context cut to ``max_model_len`` (None: as it is). ModelLoadError for a
+    length past the model's own. Pure."""
+    if max_model_len is None:
+        return config
+    if not 0 < max_model_len <= config.max_context:
+        raise ModelLoadError(
+            f"--max-model-len {max_model_len}: {spec} has a context of {config.max_context}"
+            f" tokens; allowed: 1 to {config.max_context}"
+        )
+    return config.model_copy(update={"max_context": max_model_len})
 
 
 def _parse_dtype(dtype: str) -> torch.dtype:

@@ -23,8 +23,9 @@ from batchgen.engine.request_checks import RequestError
 from batchgen.openai.batch_lines import BatchLine, LineError, read_line, resume_key
 from batchgen.openai.batch_output import line_error_line, request_error_line, success_line
 from batchgen.openai.prompts import line_seed, prompt_ids
-from batchgen.openai.request_body import BodyError, parse_body, sampling_of
+from batchgen.openai.request_body import NO_DEFAULTS, BodyError, parse_body, sampling_of
 from batchgen.text.generation import PromptResult, TextEngine, TextPrompt
+from batchgen.text.generation_defaults import GenerationDefaults
 from compare.jsonl_writer import JsonLinesFile
 
 
@@ -113,9 +114,11 @@ class BatchJob:
         seed: int,
         max_in_flight: int,
         skip: set[str] = frozenset(),
+        defaults: GenerationDefaults = NO_DEFAULTS,
         on_progress: Callable[[JobCounts], None] | None = None,
     ):
         self.engine, self.out = engine, out
+        self.defaults = defaults
         self.served_model, self.seed, self.max_in_flight = served_model, seed, max_in_flight
         self.skip = skip
         self.on_progress = on_progress
@@ -170,7 +173,7 @@ class BatchJob:
     def _prompts(self, line: BatchLine) -> list[TextPrompt]:
         """The line's prompts, tokenized (on the text CPU clock). BodyError for a bad body."""
         body = parse_body(line.url, line.body, self.served_model)
-        sampling = sampling_of(body, line_seed(self.seed, line.custom_id))
+        sampling = sampling_of(body, line_seed(self.seed, line.custom_id), self.defaults)
         with self.engine.text_cpu:
             ids = prompt_ids(body, self.engine.tokenizer)
         return [

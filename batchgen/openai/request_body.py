@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from batchgen.engine.sampling_params import MAX_LOGPROBS
+from batchgen.text.generation_defaults import GenerationDefaults
 from batchgen.text.sampling import Sampling
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -20,6 +21,7 @@ ENDPOINTS = (COMPLETIONS, CHAT)
 MAX_N = 128
 MAX_STOPS = 4  # as OpenAI allows
 MAX_SHOWN = 80  # characters of a bad value quoted in its error
+NO_DEFAULTS = GenerationDefaults()
 
 
 class BodyError(ValueError):
@@ -125,23 +127,36 @@ def max_tokens(body: CompletionBody | ChatBody) -> int | None:
     return body.max_tokens
 
 
-def sampling_of(body: CompletionBody | ChatBody, seed: int) -> Sampling:
-    """The ``Sampling`` ``body`` asks for; ``seed`` when it names none. Pure."""
+def sampling_of(
+    body: CompletionBody | ChatBody, seed: int, defaults: GenerationDefaults = NO_DEFAULTS
+) -> Sampling:
+    """The ``Sampling`` ``body`` asks for; ``seed`` when it names none; the checkpoint's
+    ``defaults`` for the sampling fields it does not set, and their ``max_new_tokens`` as a cap.
+    Pure."""
     if isinstance(body, ChatBody):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         logprobs = body.logprobs
+    unset = {k: v for k, v in defaults.sampling.items() if k not in body.model_fields_set}
+    limit = capped(max_tokens(body), defaults.max_new_tokens)
     return Sampling(
         n=body.n,
-        max_tokens=max_tokens(body),
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
+        max_tokens=limit,
+        temperature=unset.get("temperature", body.temperature),
+        top_p=unset.get("top_p", body.top_p),
+        top_k=unset.get("top_k", body.top_k),
+        min_p=unset.get("min_p", body.min_p),
         seed=body.seed if body.seed is not None else seed,
         stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
         stop_token_ids=tuple(body.stop_token_ids or ()),
-        min_tokens=body.min_tokens,
+        min_tokens=body.min_tokens if limit is None else min(body.min_tokens, limit),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )
+
+
+def capped(limit: int | None, cap: int | None) -> int | None:
+    """``limit`` under ``cap`` (None: no limit, no cap). Pure."""
+    if cap is None:
+        return limit
+    return cap if limit is None else min(limit, cap)

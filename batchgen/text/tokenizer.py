@@ -1,5 +1,10 @@
-"""A checkpoint directory's own tokenizer: ``tokenizer.json`` through the ``tokenizers`` library,
-the chat template of ``tokenizer_config.json`` through jinja2, EOS from ``generation_config.json``.
+"""A checkpoint's own tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, the chat
+template through jinja2, EOS ids from the model's configs. Two sources:
+
+    DIR         tokenizer.json; the chat template from chat_template.jinja, else
+                tokenizer_config.json's "chat_template" (the file wins, as in transformers); EOS
+                ids: config.json's and generation_config.json's, together (vLLM stops on both)
+    FILE.gguf   tokenizer.ggml.* and tokenizer.chat_template of the file's metadata (gguf_vocab)
 
 ``tokenizers`` (the Rust library under transformers' fast tokenizers) and jinja2 (the engine HF
 chat templates are written for) are all a checkpoint's text needs; transformers' AutoTokenizer
@@ -17,29 +22,57 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+TEMPLATE_FILE = "chat_template.jinja"
+EOS_CONFIGS = ("config.json", "generation_config.json")
+
 
 class TokenizerError(ValueError):
     """A checkpoint's tokenizer files that cannot be used; the message names the file and why."""
 
 
 class TextTokenizer:
-    """Encode and decode text, render chat prompts, for one checkpoint directory. Immutable after
-    construction."""
+    """Encode and decode text, render chat prompts, for one checkpoint (a directory or a GGUF
+    file). Immutable after construction."""
 
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        tokenizer_file = self.directory / "tokenizer.json"
+    def __init__(self, source: str | Path):
+        self.source = Path(source)
+        if self.source.suffix.lower() == ".gguf" and self.source.is_file():
+            self._read_gguf()
+        else:
+            self._read_directory()
+
+    def _read_directory(self) -> None:
+        """Everything from the checkpoint directory's files. Sets self's fields."""
+        tokenizer_file = self.source / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise TokenizerError(
                 f"{tokenizer_file}: missing; generate needs the checkpoint's fast tokenizer"
                 " (tokenizer.json)"
             )
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        config = _read_json(self.directory / "tokenizer_config.json")
+        config = _read_json(self.source / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        self.chat_template = _template(config.get("chat_template"), tokenizer_file.parent)
-        self.eos_token_ids = self._eos_ids(config)
+        template_file = self.source / TEMPLATE_FILE
+        if template_file.is_file():
+            self.template_origin = template_file
+            source = template_file.read_text(encoding="utf-8")
+        else:
+            self.template_origin = self.source / "tokenizer_config.json"
+            source = config.get("chat_template")
+        self.chat_template = _template(source, self.template_origin)
+        self.eos_token_ids = self._eos_ids()
+
+    def _read_gguf(self) -> None:
+        """Everything from the GGUF file's tokenizer metadata. Sets self's fields."""
+        from batchgen.text.gguf_vocab import gguf_text
+
+        text = gguf_text(self.source)
+        self.tokenizer = text.tokenizer
+        self.bos_token, self.eos_token = text.bos_token, text.eos_token
+        self.template_origin = self.source
+        self.chat_template = _template(text.chat_template, self.source)
+        self.eos_token_ids = text.eos_token_ids
 
     @property
     def vocab_size(self) -> int:
@@ -59,8 +92,8 @@ class TextTokenizer:
         template's ``raise_exception``) come out as ValueError."""
         if self.chat_template is None:
             raise TokenizerError(
-                f"{self.directory / 'tokenizer_config.json'}: no chat_template; this checkpoint"
-                " takes /v1/completions lines only"
+                f"{self.template_origin}: no chat template (nor a {TEMPLATE_FILE} beside it);"
+                " this checkpoint takes /v1/completions lines only"
             )
         try:
             return self.chat_template.render(
@@ -76,13 +109,17 @@ class TextTokenizer:
         """Token ids of the chat prompt (the template writes its own special tokens)."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
-    def _eos_ids(self, config: dict) -> tuple[int, ...]:
-        """EOS ids: ``generation_config.json``'s, else ``config.json``'s, else the tokenizer's
-        ``eos_token``; () when none names one."""
-        for name in ("generation_config.json", "config.json"):
-            eos = _read_json(self.directory / name).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (eos,)
+    def _eos_ids(self) -> tuple[int, ...]:
+        """EOS ids: those of ``config.json`` and ``generation_config.json`` together, in that
+        order, else the tokenizer's ``eos_token``; () when none names one."""
+        ids: dict[int, None] = {}
+        for name in EOS_CONFIGS:
+            eos = _read_json(self.source / name).get("eos_token_id")
+            ids.update(
+                dict.fromkeys(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            )
+        if ids:
+            return tuple(ids)
         token_id = self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         return () if token_id is None else (token_id,)
 
@@ -106,9 +143,10 @@ def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
-def _template(source, directory: Path) -> jinja2.Template | None:
+def _template(source, origin: Path) -> jinja2.Template | None:
     """The compiled chat template (a string, or the ``default`` of a list of named ones), in HF's
-    sandboxed environment settings; None when there is none."""
+    sandboxed environment settings; None when there is none. ``origin`` is the file it came from,
+    for the error."""
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
@@ -122,9 +160,7 @@ def _template(source, directory: Path) -> jinja2.Template | None:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as error:
-        raise TokenizerError(
-            f"{directory / 'tokenizer_config.json'}: chat_template is not valid jinja2: {error}"
-        ) from None
+        raise TokenizerError(f"{origin}: the chat template is not valid jinja2: {error}") from None
 
 
 def _raise_exception(message: str):
