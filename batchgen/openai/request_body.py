@@ -138,7 +138,7 @@ def sampling_of(
     else:
         logprobs = body.logprobs
     unset = {k: v for k, v in defaults.sampling.items() if k not in body.model_fields_set}
-    limit = capped(max_tokens(body), defaults.max_new_tokens)
+    limit = defaults.capped(max_tokens(body))
     return Sampling(
         n=body.n,
         max_tokens=limit,
@@ -153,10 +153,3 @@ def sampling_of(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )
-
-
-def capped(limit: int | None, cap: int | None) -> int | None:
-    """``limit`` under ``cap`` (None: no limit, no cap). Pure."""
-    if cap is None:
-        return limit
-    return cap if limit is None else min(limit, cap)

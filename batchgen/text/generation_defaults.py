@@ -62,6 +62,12 @@ class GenerationDefaults:
     max_new_tokens: int | None = None  # a cap on every request's max_tokens
     ignored: tuple[str, ...] = ()  # fields set in the file that batchgen cannot apply
 
+    def capped(self, max_tokens: int | None) -> int | None:
+        """``max_tokens`` under the ``max_new_tokens`` cap (None: no limit, or no cap). Pure."""
+        if self.max_new_tokens is None:
+            return max_tokens
+        return self.max_new_tokens if max_tokens is None else min(max_tokens, self.max_new_tokens)
+
     def warning(self) -> str | None:
         """The one start-up warning naming the fields not applied, or None. Pure."""
         if not self.ignored:

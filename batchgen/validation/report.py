@@ -121,6 +121,7 @@ class ValidationReport:
     reports: dict[str, str]
     wall_s: float
     hf_oracle: str = ""  # the HF oracle's line ("" when the validation stopped before it)
+    real_model: tuple[str, ...] = ()  # the real-model passes' lines (none when not asked for)
     self_checks: dict[str, bool] = dataclasses.field(default_factory=dict)  # id -> passed
 
     @property
@@ -153,6 +154,7 @@ class ValidationReport:
             "reports": dict(self.reports),
             "wall_s": round(self.wall_s, 3),
             "hf_oracle": self.hf_oracle,
+            "real_model": list(self.real_model),
             "self_checks": {
                 "passed": sum(self.self_checks.values()),
                 "total": len(self.self_checks),

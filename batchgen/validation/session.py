@@ -32,6 +32,8 @@ from batchgen.validation.checks import (
     reference_failures,
 )
 from batchgen.validation.hf_oracle import check_against_hf
+from batchgen.validation.real_model_check import DTYPES as REAL_MODEL_DTYPES
+from batchgen.validation.real_model_check import check_real_model
 from batchgen.validation.report import KvDirection, ValidationRun
 from batchgen.validation.self_checks import TOKENS_CHECK, counter_failures, self_check_results
 from compare import DivergenceError, DivergenceRecord, LogWriteError, RunSummary, read_log
@@ -65,6 +67,7 @@ class Session:
     runs: list[ValidationRun] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     hf_oracle: str = ""  # the HF oracle's summary line, once it ran
+    real_model: list[str] = field(default_factory=list)  # the real-model passes' lines
     self_checks: dict[str, bool] = field(default_factory=dict)  # self-check id -> passed
     # direction -> workload -> run
     shared: dict[KvDirection, dict[str, RunResult]] = field(default_factory=dict)
@@ -189,6 +192,15 @@ class Session:
         self.hf_oracle = verdict.line
         self.failures += verdict.failures
         self.stop_at_failure()
+
+    def check_real_model(self) -> None:
+        """The real-model pass (``real_model_check``) in each of its dtypes on the session's
+        device; says so and fails nothing where the model or the dev extras cannot be had."""
+        for dtype in REAL_MODEL_DTYPES:
+            verdict = check_real_model(self.device, dtype)
+            self.real_model.append(verdict.line)
+            self.failures += verdict.failures
+            self.stop_at_failure()
 
     def compare_gate(self, direction: KvDirection) -> KvGateConfig:
         """A compare run's gates: its direction, logging every divergence to the session's log

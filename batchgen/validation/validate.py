@@ -84,6 +84,7 @@ def validate_back_to_back(
     on_progress: ProgressCallback | None = None,
     fail_fast: bool = False,
     metrics=None,
+    real_model: bool = False,
 ) -> ValidationReport:
     """Run the validation on ``model`` (already on ``device``) in every direction and judge it.
     Builds its own workers (explicit gates: the ``BATCHGEN_WORKER_KV_*`` environment does not
@@ -94,7 +95,8 @@ def validate_back_to_back(
     the traces); every check that fails is a line in ``failures``. ``fail_fast``: stop at the
     first failed check (its compare runs raise at their first divergence); the report then holds
     that one failure and the runs before it, and the coverage check is skipped. ``metrics`` (a
-    ``batchgen.metrics.WorkerMetrics``) watches every run, labelled by its workload and role."""
+    ``batchgen.metrics.WorkerMetrics``) watches every run, labelled by its workload and role.
+    ``real_model``: the real-model pass (``real_model_check``) runs last."""
     started = time.perf_counter()
     vocab_size = model.config.vocab_size
     workloads = tuple(
@@ -118,6 +120,8 @@ def validate_back_to_back(
         )
         try:
             _run_every_direction(session, workloads, corpus, cache, scale)
+            if real_model:
+                session.check_real_model()
         except FailFast:
             pass  # the failure is in session.failures
         session.log = complete_log(directory)  # an interrupted validation leaves the last one
@@ -137,6 +141,7 @@ def validate_back_to_back(
         reports=written,
         wall_s=time.perf_counter() - started,
         hf_oracle=session.hf_oracle,
+        real_model=tuple(session.real_model),
         self_checks=dict(session.self_checks),
     )
 

@@ -107,7 +107,10 @@ def test_counts_compared_and_diverged_steps_per_workload_and_op():
 def test_renders_text_tables_with_the_headline_ops_and_field_paths():
     text = render_text(aggregate(RECORDS))
     assert text.startswith("4 divergences in 380 compared ops, 2 harness errors\n")
-    assert "2 runs, 2 harness errors; compare overhead 2 s on 8 s authoritative (0.25x)" in text
+    assert (
+        "2 runs, 2 harness errors; compare harness 2 s on 8 s of authoritative KV ops (0.25x the"
+        " ops compared, not of the job)"
+    ) in text
     assert "requests[*].gpu_pages[*]" in text
     assert "requests[r17].gpu_pages[3]" in text and "(L2-2048 step 5)" in text
     assert [
