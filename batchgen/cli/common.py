@@ -107,10 +107,10 @@ def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> 
     parser.add_argument(
         "--model",
         default="tiny",
-        metavar="NAME|DIR",
+        metavar="NAME|DIR|FILE.gguf",
         help=(
-            f"a built-in model ({', '.join(TINY_MODELS)}; random weights drawn from --seed) "
-            "or an HF-format model directory (default: %(default)s)"
+            f"a built-in model ({', '.join(TINY_MODELS)}; random weights drawn from --seed), "
+            "an HF-format model directory, or a GGUF file (default: %(default)s)"
         ),
     )
     parser.add_argument(

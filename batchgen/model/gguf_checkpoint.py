@@ -65,13 +65,27 @@ def open_gguf(path: Path) -> GGUFReader:
 def _parsed(path: str, inode: int, mtime_ns: int, size: int) -> GGUFReader:
     """``path`` parsed; the other arguments tell a rewritten file from the cached one."""
     try:
-        return GGUFReader(path)
+        return _PlainReader(path)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError) as error:
         summary = " ".join(str(error).split())[:200]
         raise ModelLoadError(
             f"{path}: not a readable GGUF file ({type(error).__name__}: {summary}); allowed: a"
             " complete GGUF v2 or v3 file as llama.cpp writes it"
         ) from None
+
+
+class _PlainReader(GGUFReader):
+    """gguf's reader over a plain-array view of the mapped file: parsing a vocabulary slices the
+    file a few times per token, and a slice of an ``np.memmap`` costs about three of a plain one."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        """Keep ``mapped`` as a plain array (the mapping stays its base); mutates the reader."""
+        self._plain = mapped.view(np.ndarray)
 
 
 def metadata(reader: GGUFReader, key: str, path: Path, default=_REQUIRED):
@@ -92,6 +106,21 @@ def end_of_generation_ids(reader: GGUFReader, path: Path) -> list[int]:
     return list(dict.fromkeys(token_id for token_id in ids if token_id is not None))
 
 
+# config.json key -> (its GGUF key after "{arch}.", the default where the file has none)
+METADATA_KEYS = {
+    "num_hidden_layers": ("block_count", _REQUIRED),
+    "hidden_size": ("embedding_length", _REQUIRED),
+    "intermediate_size": ("feed_forward_length", _REQUIRED),
+    "num_attention_heads": ("attention.head_count", _REQUIRED),
+    "num_key_value_heads": ("attention.head_count_kv", None),
+    "head_dim": ("attention.key_length", None),
+    "max_position_embeddings": ("context_length", _REQUIRED),
+    "rope_theta": ("rope.freq_base", 10000.0),
+    "rms_norm_eps": ("attention.layer_norm_rms_epsilon", _REQUIRED),
+    "vocab_size": ("vocab_size", None),
+}
+
+
 def read_gguf_config(path: Path) -> ModelConfig:
     """The ``ModelConfig`` the GGUF file ``path``'s metadata describes, validated as a
     ``config.json`` is (``ModelConfig.from_hf_dict``)."""
@@ -103,13 +132,16 @@ def read_gguf_config(path: Path) -> ModelConfig:
             f"{', '.join(map(repr, ARCHITECTURES))}"
         )
     hf = _hf_config(reader, path, arch)
-    names = {field: f"{arch}.{key}" for field, key in _GGUF_KEYS.items()}
     try:
         config = ModelConfig.from_hf_dict(hf)
     except ValidationError as error:
-        raise ModelLoadError(
-            f"{path}: invalid model metadata: {validation_summary(error, names=names)}"
-        ) from None
+        names = {
+            field: f"{arch}.{METADATA_KEYS[ModelConfig.HF_KEYS.get(field, field)][0]}"
+            for field in ModelConfig.model_fields
+            if ModelConfig.HF_KEYS.get(field, field) in METADATA_KEYS
+        }
+        summary = validation_summary(error, names=names)
+        raise ModelLoadError(f"{path}: invalid model metadata: {summary}") from None
     except (ValueError, TypeError) as error:
         raise ModelLoadError(f"{path}: invalid model metadata: {error}") from None
     rope_dims = metadata(reader, f"{arch}.rope.dimension_count", path, config.head_dim)
@@ -121,45 +153,23 @@ def read_gguf_config(path: Path) -> ModelConfig:
     return config
 
 
-_GGUF_KEYS = {
-    "num_layers": "block_count",
-    "hidden_size": "embedding_length",
-    "intermediate_size": "feed_forward_length",
-    "num_heads": "attention.head_count",
-    "num_kv_heads": "attention.head_count_kv",
-    "head_dim": "attention.key_length",
-    "max_context": "context_length",
-    "rope_theta": "rope.freq_base",
-    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
-    "vocab_size": "vocab_size",
-}
-
-
 def _hf_config(reader: GGUFReader, path: Path, arch: str) -> dict:
     """The ``config.json``-shaped dict of the file's metadata. Pure."""
-
-    def value(key: str, default=_REQUIRED):
-        return metadata(reader, f"{arch}.{key}", path, default)
-
-    scaling = value("rope.scaling.type", "none")
+    scaling = metadata(reader, f"{arch}.rope.scaling.type", path, "none")
     if scaling != "none":
         raise ModelLoadError(
             f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported; allowed: 'none'"
             " (unscaled RoPE)"
         )
+    hf = {
+        hf_key: metadata(reader, f"{arch}.{key}", path, default)
+        for hf_key, (key, default) in METADATA_KEYS.items()
+    }
     tensor_names = {tensor.name for tensor in reader.tensors}
     return {
+        **hf,
         "model_type": arch,
-        "num_hidden_layers": value("block_count"),
-        "hidden_size": value("embedding_length"),
-        "intermediate_size": value("feed_forward_length"),
-        "num_attention_heads": value("attention.head_count"),
-        "num_key_value_heads": value("attention.head_count_kv", None),
-        "head_dim": value("attention.key_length", None),
-        "max_position_embeddings": value("context_length"),
-        "rope_theta": value("rope.freq_base", 10000.0),
-        "rms_norm_eps": value("attention.layer_norm_rms_epsilon"),
-        "vocab_size": value("vocab_size", None) or _token_count(reader, path, arch),
+        "vocab_size": hf["vocab_size"] or _token_count(reader, path, arch),
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "eos_token_id": end_of_generation_ids(reader, path),
@@ -216,11 +226,8 @@ def _check_tensors(
             f"{path}: {len(missing)} tensor(s) missing from the file, e.g. "
             f"{', '.join(missing[:MAX_NAMES_IN_MESSAGE])}"
         )
-    unexpected = [
-        tensor.name
-        for name, tensor in found.items()
-        if name not in expected and name not in ignored
-    ]
+    known = expected.keys() | ignored
+    unexpected = [tensor.name for name, tensor in found.items() if name not in known]
     if unexpected:
         raise ModelLoadError(
             f"{path}: {len(unexpected)} tensor(s) the model does not have, e.g. "
@@ -228,10 +235,11 @@ def _check_tensors(
         )
     for name, shape in expected.items():
         tensor = found[name]
-        if _hf_shape(tensor) != shape:
+        stored = [int(dim) for dim in reversed(tensor.shape.tolist())]  # GGUF: innermost first
+        if tuple(stored) != shape:
             raise ModelLoadError(
-                f"{path}: tensor {tensor.name} ({name}) has shape {list(_hf_shape(tensor))},"
-                f" expected {list(shape)} from the file's metadata"
+                f"{path}: tensor {tensor.name} ({name}) has shape {stored}, expected {list(shape)}"
+                " from the file's metadata"
             )
         if not can_dequantize(tensor.tensor_type):
             allowed = [qtype.name for qtype in GGMLQuantizationType if can_dequantize(qtype)]
@@ -239,11 +247,6 @@ def _check_tensors(
                 f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which cannot"
                 f" be dequantized; allowed: {', '.join(allowed)}"
             )
-
-
-def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
-    """The tensor's shape in HF's (torch's) order: GGUF lists dimensions innermost first. Pure."""
-    return tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
 
 
 @functools.cache

@@ -137,9 +137,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        # given its (unfilled) weight: the default init would import torch._dynamo (~1 s) to draw
-        # values the checkpoint replaces
+        # on the meta device (the loader's) no values are drawn: the default init would import
+        # torch._dynamo (~1 s) to draw values the checkpoint replaces
         embedding = torch.empty(config.vocab_size, config.hidden_size)
+        if not embedding.is_meta:
+            nn.init.normal_(embedding)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -147,19 +147,6 @@ def _with_context(config: ModelConfig, max_model_len: int | None, spec: str) -> 
     return config.model_copy(update={"max_context": max_model_len})
 
 
-def _with_context(config: ModelConfig, max_model_len: int | None, spec: str) -> ModelConfig:
-    """``config`` with its context cut to ``max_model_len`` (None: as it is). ModelLoadError for a
-    length past the model's own. Pure."""
-    if max_model_len is None:
-        return config
-    if not 0 < max_model_len <= config.max_context:
-        raise ModelLoadError(
-            f"--max-model-len {max_model_len}: {spec} has a context of {config.max_context}"
-            f" tokens; allowed: 1 to {config.max_context}"
-        )
-    return config.model_copy(update={"max_context": max_model_len})
-
-
 def _parse_dtype(dtype: str) -> torch.dtype:
     if dtype not in SUPPORTED_DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; allowed: {', '.join(SUPPORTED_DTYPES)}")
