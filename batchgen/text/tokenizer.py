@@ -65,9 +65,12 @@ class TextTokenizer:
 
     def _read_gguf(self) -> None:
         """Everything from the GGUF file's tokenizer metadata. Sets self's fields."""
-        from batchgen.text.gguf_vocab import gguf_text
+        from batchgen.text.gguf_vocab import GgufTextError, gguf_text
 
-        text = gguf_text(self.source)
+        try:
+            text = gguf_text(self.source)
+        except GgufTextError as error:
+            raise TokenizerError(str(error)) from None
         self.tokenizer = text.tokenizer
         self.bos_token, self.eos_token = text.bos_token, text.eos_token
         self.template_origin = self.source
