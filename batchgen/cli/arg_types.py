@@ -86,21 +86,15 @@ def seed_list(text: str) -> tuple[int, ...]:
     return tuple(seeds)
 
 
-def positive_float(text: str) -> float:
+def positive_float(text: str, what: str = "a positive finite number") -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not 0 < value < math.inf:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
 
 
 def seconds_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
+    return positive_float(text, "a number of seconds > 0")

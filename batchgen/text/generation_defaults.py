@@ -17,9 +17,10 @@ start. ``do_sample`` is not read, as vLLM does not read it. EOS ids are the toke
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from batchgen.text.tokenizer import read_json_object
 
 FILE = "generation_config.json"
 SETTINGS = ("auto", "vllm")  # or a directory
@@ -95,18 +96,9 @@ def read_generation_defaults(model: str | Path, setting: str = "auto") -> Genera
                 f" directory holding {FILE}"
             )
     path = directory / FILE
-    return _defaults_of(path, _read(path)) if path.is_file() else GenerationDefaults()
-
-
-def _read(path: Path) -> dict:
-    """The JSON object in ``path``. GenerationConfigError when it is not one."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise GenerationConfigError(f"{path}: not JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise GenerationConfigError(f"{path}: must hold a JSON object, not {type(data).__name__}")
-    return data
+    if not path.is_file():
+        return GenerationDefaults()
+    return _defaults_of(path, read_json_object(path, GenerationConfigError))
 
 
 def _defaults_of(path: Path, data: dict) -> GenerationDefaults:

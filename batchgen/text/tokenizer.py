@@ -50,7 +50,7 @@ class TextTokenizer:
                 " (tokenizer.json)"
             )
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        config = _read_json(self.source / "tokenizer_config.json")
+        config = read_json_object(self.source / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         template_file = self.source / TEMPLATE_FILE
@@ -117,7 +117,7 @@ class TextTokenizer:
         order, else the tokenizer's ``eos_token``; () when none names one."""
         ids: dict[int, None] = {}
         for name in EOS_CONFIGS:
-            eos = _read_json(self.source / name).get("eos_token_id")
+            eos = read_json_object(self.source / name).get("eos_token_id")
             ids.update(
                 dict.fromkeys(eos if isinstance(eos, list) else [] if eos is None else [eos])
             )
@@ -127,17 +127,17 @@ class TextTokenizer:
         return () if token_id is None else (token_id,)
 
 
-def _read_json(path: Path) -> dict:
-    """The JSON object in ``path``; {} when there is no such file. TokenizerError when it is not a
-    JSON object."""
+def read_json_object(path: Path, error: type[ValueError] = TokenizerError) -> dict:
+    """The JSON object in a checkpoint's file ``path``; {} when there is no such file. ``error``
+    (naming the file) when it is not a JSON object. Reads ``path`` only."""
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise TokenizerError(f"{path}: not JSON ({error})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as problem:
+        raise error(f"{path}: not JSON ({problem})") from None
     if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: must hold a JSON object, not {type(data).__name__}")
+        raise error(f"{path}: must hold a JSON object, not {type(data).__name__}")
     return data
 
 
