@@ -6,6 +6,7 @@ nothing of the code it compares (it never imports `batchgen`).
 
     canonical    canonicalize / flatten / wildcard     plain comparable data and leaf paths
     diff         diff -> Diff                          equal?, differing paths, explanation
+    explain      explain -> Row                        each differing path with both values
     observation  Observation, Comparison               one path's outcome; both compared
     shadow       ShadowExecutor                        run both paths, return the authoritative
     errors       DivergenceError, HarnessWarning       what the harness raises and warns
@@ -18,6 +19,7 @@ nothing of the code it compares (it never imports `batchgen`).
     sink         JsonlSink, read_log(s), write_atomic  durable append, tolerant read
     report       aggregate -> Report                   per op / field path / (workload, op)
     render       render_text, _markdown, _junit, _json  a report for people and for CI
+    wording      headline, coverage_line, ...          the lines every format shares
     minimize     ddmin                                 shrink a failing input
 
 Names are imported on first use (PEP 562), so `python -m compare.records` runs without the
@@ -40,6 +42,7 @@ _MODULES = {
         "compare_observations",
         "exception_text",
     ),
+    "compare.explain": ("Row", "explain", "explain_forms", "explain_record", "row_lines"),
     "compare.shadow": ("ShadowExecutor", "is_sampled_step"),
     "compare.errors": ("DivergenceError", "HarnessWarning"),
     "compare.budget": ("CompareBudget", "RateChange"),
@@ -70,9 +73,8 @@ _MODULES = {
         "write_atomic",
     ),
     "compare.report": ("Report", "aggregate"),
+    "compare.wording": ("coverage_line", "headline"),
     "compare.render": (
-        "coverage_line",
-        "headline",
         "render_json",
         "render_junit",
         "render_markdown",

@@ -32,6 +32,7 @@ _SCALARS = (str, int, float, bool, type(None))
 _EXACT_SCALARS = frozenset(_SCALARS)
 # a `[key]` component; `\]` and `\\` inside it are the key's own
 _BRACKETED = re.compile(r"\[(?:[^\]\\]|\\.)*\]")
+_LIST_ITEM = re.compile(r"(.*)\[(\d+)\]", re.DOTALL)  # a path ending in a list index
 
 
 class Keyed(dict):
@@ -252,3 +253,10 @@ def wildcard(path: str) -> str:
     """Replace every bracketed component with `[*]`: `requests[r17].gpu_pages[3]` ->
     `requests[*].gpu_pages[*]`."""
     return _BRACKETED.sub("[*]", path)
+
+
+def list_item(path: str) -> tuple[str, int] | None:
+    """(the list's path, the index) of a path ending in a list index (`pages[3]` -> (`pages`, 3));
+    None for any other. A `Keyed` key of digits reads as an index too. Pure."""
+    match = _LIST_ITEM.fullmatch(path)
+    return None if match is None else (match[1], int(match[2]))

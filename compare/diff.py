@@ -21,9 +21,11 @@ from typing import Any
 
 from deepdiff import DeepDiff
 
-from compare.canonical import flatten, same_leaf, shape_difference
+from compare.canonical import flatten, list_item, same_leaf, shape_difference
 
-MAX_DETAIL_PATHS = 50  # leaves explained in `Diff.detail`; the rest are only counted
+# leaves explained in `Diff.detail` (each list's first items, then its later ones); the rest are
+# only counted
+MAX_DETAIL_PATHS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +100,14 @@ def _glob_to_regex(glob: str) -> str:
 
 
 def _explain(left: dict[str, Any], right: dict[str, Any], paths: list[str]) -> dict:
-    """Run deepdiff over the differing leaves only and return its report as plain JSON data."""
-    shown = paths[:MAX_DETAIL_PATHS]
+    """Run deepdiff over the differing leaves only and return its report as plain JSON data: one
+    entry per leaf (``threshold_to_diff_deeper=0``: never one whole-root entry of both dicts)."""
+    shown = _detail_paths(paths)
     report = DeepDiff(
         {p: left[p] for p in shown if p in left},
         {p: right[p] for p in shown if p in right},
         verbose_level=2,
+        threshold_to_diff_deeper=0,
     )
     try:
         detail = json.loads(report.to_json())
@@ -113,3 +117,19 @@ def _explain(left: dict[str, Any], right: dict[str, Any], paths: list[str]) -> d
     if len(paths) > len(shown):
         detail["omitted_paths"] = len(paths) - len(shown)
     return detail
+
+
+def _detail_paths(paths: list[str]) -> list[str]:
+    """The ``MAX_DETAIL_PATHS`` of ``paths`` the detail explains: paths not in a list first, then
+    every list's first differing item, then every list's second, and so on. Pure."""
+    indices: dict[str, list[int]] = {}
+    for path in paths:
+        item = list_item(path)
+        if item is not None:
+            indices.setdefault(item[0], []).append(item[1])
+    ranks = {
+        f"{parent}[{index}]": rank
+        for parent, found in indices.items()
+        for rank, index in enumerate(sorted(found), 1)
+    }
+    return sorted(paths, key=lambda path: ranks.get(path, 0))[:MAX_DETAIL_PATHS]

@@ -6,10 +6,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from compare.explain import explain, row_lines
 from compare.observation import Comparison, exception_text
 
 UNCLASSIFIED = "unclassified"  # the kind recorded when the classifier itself fails
-_MAX_MESSAGE_PATHS = 10
+_MAX_MESSAGE_ROWS = 10
 
 
 class DivergenceError(AssertionError):
@@ -59,16 +60,16 @@ def warn_harness_error(operation: str, error: BaseException) -> None:
 
 
 def describe(comparison: Comparison) -> str:
-    """The op, step, kind and paths of a divergence, and the exceptions either side raised. Pure."""
+    """The op, step and kind of a divergence, a line per differing path with each side's value
+    (``compare.explain``), and the exceptions either side raised. Pure."""
     authoritative, shadow = comparison.authoritative, comparison.shadow
     lines = [
         f"{comparison.op} step {comparison.step}: {comparison.kind} divergence, "
         f"shadow {shadow.path!r} vs authoritative {authoritative.path!r}"
     ]
-    paths = comparison.field_paths
-    if paths:
-        more = len(paths) - _MAX_MESSAGE_PATHS
-        shown = ", ".join(paths[:_MAX_MESSAGE_PATHS])
-        lines.append(f"paths: {shown}" + (f" (+{more} more)" if more > 0 else ""))
+    found = comparison.diff
+    if found is not None:
+        rows = explain(found.detail, found.paths, authoritative.path, shadow.path)
+        lines += row_lines(rows, _MAX_MESSAGE_ROWS)
     lines += comparison.exceptions
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """The report as one self-contained HTML page: per run, a timeline chart with its divergences
-marked and listed; then decision coverage and divergences by field path, as the text report.
+marked and listed, each with both sides' values; then divergences by field path and decision
+coverage, as the text report.
 
     render_html(report, logs, binding) -> "<!DOCTYPE html>..."
 
@@ -18,9 +19,11 @@ from importlib import resources
 from typing import NamedTuple
 
 from compare.charts import Mark, Panel, timeline_svg
+from compare.explain import explain_record, row_lines
 from compare.html_cells import code, escape, num, table, td, tr
 from compare.records import DivergenceRecord, LogRecord, RunSummary
-from compare.render import (
+from compare.report import Report
+from compare.wording import (
     coverage_line,
     coverage_note,
     first_reached,
@@ -28,13 +31,13 @@ from compare.render import (
     overhead_line,
     plural,
     rate,
+    sample_lines,
     step_range,
 )
-from compare.report import Report
 
 MAX_LISTED = 50  # divergences listed per run (every one is marked on its chart)
 MAX_TOOLTIP = 3  # divergences a mark's tooltip details; it counts the rest
-MAX_PATHS = 4  # field paths named per divergence
+MAX_ROWS = 4  # rows of values (compare.explain) shown per divergence
 # runs charted on one page, diverging ones first: a sweep's thousands would make it unreadable
 MAX_CHARTED = 60
 
@@ -87,10 +90,10 @@ def render_html(
         "<h2>Runs</h2>",
         *(_run_section(index, runs[index], binding) for index in charted),
         _uncharted_line(len(runs) - len(charted)),
-        "<h2>Decision coverage</h2>",
-        _coverage_table(report),
         "<h2>Divergences by field path</h2>",
         _paths_table(report) if report.paths else "<p>No divergence.</p>",
+        "<h2>Decision coverage</h2>",
+        _coverage_table(report),
         f'<p class="meta">Logs: {escape(", ".join(path for path, _ in logs))}</p>',
     ]
     return (
@@ -210,7 +213,8 @@ def _marks(divergences: Sequence[_Listed]) -> list[Mark]:
     for step, at_step in sorted(by_step.items()):
         lines = [f"step {step}: {plural(len(at_step), 'divergence')}"]
         for record, _, command in at_step[:MAX_TOOLTIP]:
-            lines += [f"{record.op} {record.kind}: {_paths(record)}", f"  {command}"]
+            lines += [f"{record.op} {record.kind}:", *(f"    {row}" for row in _rows(record))]
+            lines.append(f"  {command}")
         if len(at_step) > MAX_TOOLTIP:
             lines.append(f"... and {len(at_step) - MAX_TOOLTIP} more (listed below)")
         marks.append(Mark(step, "\n".join(lines), f"#{at_step[0].row_id}"))
@@ -228,22 +232,25 @@ def _ops_table(report: Report) -> str:
 
 def _divergence_table(divergences: Sequence[_Listed]) -> str:
     rows = [
-        tr(num(record.step), td(escape(record.op)), td(escape(record.kind)), code(_paths(record)),
-            code(command), row_id=row_id)
+        tr(num(record.step), td(escape(record.op)), td(escape(record.kind)),
+            _code_lines(_rows(record)), code(command), row_id=row_id)
         for record, row_id, command in divergences[:MAX_LISTED]
     ]  # fmt: skip
-    listed = table("", ("step", "op", "kind", "field paths", "replay"), rows)
+    listed = table("", ("step", "op", "kind", "field paths and values", "replay"), rows)
     more = len(divergences) - MAX_LISTED
     return listed + (f"<p>... and {more} more divergences in the log.</p>" if more > 0 else "")
 
 
-def _paths(record: DivergenceRecord) -> str:
-    """The record's first field paths, or its exception when none differ. Pure."""
-    paths = record.field_paths
-    if not paths:
-        return record.exception or f"<{record.kind}>"
-    more = f" (+{len(paths) - MAX_PATHS} more)" if len(paths) > MAX_PATHS else ""
-    return ", ".join(paths[:MAX_PATHS]) + more
+def _rows(record: DivergenceRecord) -> list[str]:
+    """The record's first rows, each field path with both sides' values, or its exception when
+    none differ. Pure."""
+    return row_lines(explain_record(record), MAX_ROWS)
+
+
+def _code_lines(lines: list[str], note: str = "") -> str:
+    """A cell holding ``lines`` as code, one per line, then ``note`` as text. Pure."""
+    coded = "<br/>".join(f"<code>{escape(line)}</code>" for line in lines)
+    return td(coded + (f" {escape(note)}" if note else ""))
 
 
 def _coverage_table(report: Report) -> str:
@@ -266,12 +273,11 @@ def _coverage_table(report: Report) -> str:
 def _paths_table(report: Report) -> str:
     rows = []
     for stats in report.paths:
-        sample = stats.samples[0]
-        where = f"{escape(sample.workload)} step {sample.step}"
-        example = f"<code>{escape(sample.path)}</code> ({where})"
+        *lines, where = sample_lines(stats.samples[0])
+        example = _code_lines(lines, where)
         rows.append(tr(
             td(escape(stats.op)), code(stats.path), num(stats.count), num(step_range(stats)),
-            td(escape(", ".join(stats.workloads))), td(escape(", ".join(stats.kinds))), td(example),
+            td(escape(", ".join(stats.workloads))), td(escape(", ".join(stats.kinds))), example,
         ))  # fmt: skip
-    columns = ("op", "field path", "count", "steps", "workloads", "kinds", "example")
+    columns = ("op", "field path", "count", "steps", "workloads", "kinds", "first divergence")
     return table("paths", columns, rows)

@@ -2,8 +2,8 @@
 
 Every renderer is pure and returns a string (write it with ``compare.sink.write_atomic``). Ids
 and paths come from logs, anyone's strings: text escapes control characters, markdown escapes
-table syntax, JUnit escapes what XML cannot hold. The public helpers (``headline``, ``rate``,
-...) word the lines every format shares, the HTML page (``compare.html``) included.
+table syntax, JUnit escapes what XML cannot hold. The lines every format shares are worded by
+``compare.wording``.
 """
 
 from __future__ import annotations
@@ -18,100 +18,24 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from compare.coverage import CoverageRow
-from compare.report import PathStats, Report
+from compare.explain import Row
+from compare.report import PairStats, PathSample, Report
+from compare.wording import (
+    coverage_line,
+    coverage_note,
+    data_line,
+    first_reached,
+    headline,
+    overhead_line,
+    plural,
+    rate,
+    sample_lines,
+    step_range,
+)
 
 _TOP_PATHS = 5  # field paths listed per JUnit failure
 _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")  # not in XML 1.0
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # what a terminal acts on (not \t, \n)
-
-
-def headline(report: Report) -> str:
-    """ "N divergences in M compared ops" (an op compared at one step counts once), and the harness
-    errors if any."""
-    line = (
-        f"{plural(report.num_divergences, 'divergence')} in "
-        f"{plural(report.num_compared, 'compared op')}"
-    )
-    if report.num_harness_errors:
-        line += f", {plural(report.num_harness_errors, 'harness error')}"
-    return line
-
-
-def coverage_line(report: Report) -> str:
-    """ "decision coverage: R of N required outcomes reached", and "interaction coverage: ..."
-    when the catalog lists interactions, then those missed, if any."""
-    required = [row for row in report.coverage if row.required]
-    if not required:
-        return f"decision coverage: {plural(len(report.coverage), 'outcome')} reached"
-    parts = []
-    for kind, label in (("outcome", "decision"), ("interaction", "interaction")):
-        rows = [row for row in required if row.kind == kind]
-        if rows or kind == "outcome":
-            num_reached = sum(1 for row in rows if row.count)
-            parts.append(f"{label} coverage: {num_reached} of {len(rows)} required {kind}s reached")
-    line = "; ".join(parts)
-    if report.unreached:
-        line += f"; never reached: {', '.join(report.unreached)}"
-    if report.unexpected:
-        line += f"; reached but ruled out or unknown: {', '.join(report.unexpected)}"
-    return line
-
-
-def plural(n: int, noun: str) -> str:
-    """ "1 run", "2 runs". Pure."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def rate(divergences: int, compared: int) -> str:
-    """Divergences per compared op as a percentage; "n/a" when nothing was compared. Pure."""
-    return f"{divergences / compared:.2%}" if compared else "n/a"
-
-
-def step_range(stats: PathStats) -> str:
-    """ "7" or "7-19": the steps where a field path diverged. Pure."""
-    if stats.first_step == stats.last_step:
-        return str(stats.first_step)
-    return f"{stats.first_step}-{stats.last_step}"
-
-
-def first_reached(row: CoverageRow) -> str:
-    """ "<workload> step N" where an outcome was first reached; "-" when never. Pure."""
-    return "-" if row.first_workload is None else f"{row.first_workload} step {row.first_step}"
-
-
-def coverage_note(row: CoverageRow) -> str:
-    """NOT REACHED for a required outcome no run reached; unreachable for one the catalog rules
-    out (its reason: the JSON report and the catalog)."""
-    if row.unreachable is not None:
-        return "unreachable" + (" but REACHED" if row.count else "")
-    return "NOT REACHED" if row.required and not row.count else ""
-
-
-def data_line(report: Report) -> str | None:
-    """ "data oracle: N load, M append checked, K data divergences; patterns issued: ..." when a
-    run had a data oracle (None otherwise). Pure."""
-    if not (report.data_checked or report.data_patterns):
-        return None
-    checked = ", ".join(f"{n} {check}" for check, n in report.data_checked) or "nothing"
-    line = f"data oracle: {checked} checked in {report.data_seconds:.2f} s, "
-    line += plural(dict(report.kinds).get("data", 0), "data divergence")
-    if report.data_patterns:
-        line += "; patterns issued: " + ", ".join(f"{p} {n}" for p, n in report.data_patterns)
-    return line
-
-
-def overhead_line(report: Report) -> str:
-    """Runs, harness errors, and the compare overhead over the authoritative path. Pure."""
-    line = f"{plural(report.num_runs, 'run')}, "
-    line += plural(report.num_harness_errors, "harness error")
-    if report.authoritative_seconds > 0:
-        line += (
-            f"; compare overhead {report.compare_seconds:.3g} s on "
-            f"{report.authoritative_seconds:.3g} s authoritative "
-            f"({report.compare_seconds / report.authoritative_seconds:.2f}x)"
-        )
-    return line
 
 
 # ---- text ----------------------------------------------------------------------------------
@@ -137,6 +61,14 @@ def render_text(report: Report, *, width: int = 120) -> str:
             ],
         )  # fmt: skip
     )
+    if report.paths:
+        columns = ("op", "field path", "count", "steps", "workloads", "kinds", "first divergence")
+        rows = [
+            (s.op, s.path, str(s.count), step_range(s), ", ".join(s.workloads), ", ".join(s.kinds),
+             _stacked(s.samples[0]))
+            for s in report.paths
+        ]  # fmt: skip
+        console.print(_table("By field path", columns, rows))
     if report.coverage:
         columns = ("outcome", "count", "runs", "first reached", "note")
         rows = [
@@ -144,15 +76,19 @@ def render_text(report: Report, *, width: int = 120) -> str:
             for r in report.coverage
         ]
         console.print(_table("Decision coverage", columns, rows))
-    if report.paths:
-        columns = ("op", "field path", "count", "steps", "workloads", "kinds", "example")
-        rows = [
-            (s.op, s.path, str(s.count), step_range(s), ", ".join(s.workloads), ", ".join(s.kinds),
-             f"{s.samples[0].path} ({s.samples[0].workload} step {s.samples[0].step})")
-            for s in report.paths
-        ]  # fmt: skip
-        console.print(_table("By field path", columns, rows))
     return out.getvalue()
+
+
+def _stacked(sample: PathSample) -> str:
+    """An example divergence for a narrow cell: each row's path (the first with where it was),
+    then each side's value on a line of its own. Pure."""
+    lines = []
+    for row in sample.rows or [Row(sample.path, ())]:
+        where = "" if lines else f" ({sample.workload} step {sample.step})"
+        lines += [row.path + where, *(f"  {name}: {value}" for name, value in row.values)]
+    if sample.more_rows:
+        lines.append(f"(+{sample.more_rows} more)")
+    return "\n".join(lines)
 
 
 def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
@@ -189,6 +125,19 @@ def render_markdown(report: Report, *, max_paths: int = 50) -> str:
         f"{rate(s.num_divergences, s.num_compared)} |"
         for s in report.ops
     ]
+    if report.paths:
+        lines += ["", "| op | field path | count | steps | workloads | kinds | first divergence |"]
+        lines.append("|---|---|---:|---|---|---|---|")
+        for stats in report.paths[:max_paths]:
+            *rows, where = sample_lines(stats.samples[0])
+            lines.append(
+                f"| {_cell(stats.op)} | {_code(stats.path)} | {stats.count} | "
+                f"{step_range(stats)} | {_cell(', '.join(stats.workloads))} | "
+                f"{_cell(', '.join(stats.kinds))} | {'<br>'.join(map(_code, rows))} "
+                f"{_cell(where)} |"
+            )
+        if len(report.paths) > max_paths:
+            lines += ["", f"... and {len(report.paths) - max_paths} more field paths."]
     if report.coverage:
         lines += [
             "",
@@ -200,19 +149,6 @@ def render_markdown(report: Report, *, max_paths: int = 50) -> str:
             f"{_cell(coverage_note(r))} |"
             for r in report.coverage
         ]
-    if report.paths:
-        lines += ["", "| op | field path | count | steps | workloads | kinds | example |"]
-        lines.append("|---|---|---:|---|---|---|---|")
-        for stats in report.paths[:max_paths]:
-            sample = stats.samples[0]
-            lines.append(
-                f"| {_cell(stats.op)} | {_code(stats.path)} | {stats.count} | "
-                f"{step_range(stats)} | {_cell(', '.join(stats.workloads))} | "
-                f"{_cell(', '.join(stats.kinds))} | {_code(sample.path)} "
-                f"({_cell(sample.workload)} step {sample.step}) |"
-            )
-        if len(report.paths) > max_paths:
-            lines += ["", f"... and {len(report.paths) - max_paths} more field paths."]
     return "\n".join(lines) + "\n"
 
 
@@ -266,8 +202,7 @@ def _compare_suite(suites: ET.Element, report: Report) -> None:
                 f"{plural(pair.num_compared, 'compared step')}"
             )
             failure = ET.SubElement(case, "failure", type="divergence", message=message)
-            top = pair.top_paths[:_TOP_PATHS]
-            failure.text = xml_safe("\n".join(f"{count} x {path}" for path, count in top))
+            failure.text = xml_safe("\n".join(_failure_lines(pair)))
     if harness_failed:
         case = ET.SubElement(suite, "testcase", classname="compare", name="harness")
         message = (
@@ -275,6 +210,14 @@ def _compare_suite(suites: ET.Element, report: Report) -> None:
             "compared"
         )
         ET.SubElement(case, "failure", type="harness_error", message=message)
+
+
+def _failure_lines(pair: PairStats) -> list[str]:
+    """A failing pair's most frequent field paths, each with its first divergence's values. Pure."""
+    lines = []
+    for (path, count), sample in zip(pair.top_paths[:_TOP_PATHS], pair.samples):
+        lines += [f"{count} x {path}", *(f"    {line}" for line in sample_lines(sample))]
+    return lines
 
 
 def _suite(parent: ET.Element, name: str, tests: int, failures: int, seconds: float) -> ET.Element:

@@ -17,19 +17,34 @@ from dataclasses import dataclass, field
 
 from compare.canonical import wildcard
 from compare.coverage import CoverageRow, Outcome, RunTallies, coverage_rows, unexpected, unreached
+from compare.explain import Row, explain_record
 from compare.records import DivergenceRecord, LogRecord, RunSummary
 
 MAX_SAMPLES = 3  # concrete examples kept per (op, field path)
+MAX_SAMPLE_ROWS = 4  # rows of values kept per example; the rest are counted
 
 
 @dataclass(frozen=True, slots=True)
 class PathSample:
-    """One concrete occurrence of a wildcarded field path."""
+    """One concrete occurrence of a wildcarded field path, with each side's values."""
 
     run_id: str
     workload: str
     step: int
     path: str  # concrete, e.g. "requests[r17].gpu_pages[3]"
+    # the divergence's rows under the wildcarded path (compare.explain), the first MAX_SAMPLE_ROWS
+    rows: tuple[Row, ...] = ()
+    more_rows: int = 0  # its rows left out
+
+    @classmethod
+    def of(cls, record: DivergenceRecord, paths: list[str]) -> PathSample:
+        """The sample of ``record``'s ``paths`` (concrete, under one wildcarded path; none: a
+        divergence without field paths). Pure."""
+        rows = explain_record(record, paths if record.field_paths else None)
+        return cls(
+            record.run_id, record.workload, record.step, paths[0], tuple(rows[:MAX_SAMPLE_ROWS]),
+            max(0, len(rows) - MAX_SAMPLE_ROWS),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +77,7 @@ class PairStats:
     num_compared: int
     num_divergences: int
     top_paths: tuple[tuple[str, int], ...]  # (wildcarded path, count), most frequent first
+    samples: tuple[PathSample, ...] = ()  # the first divergence at each of top_paths, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +112,8 @@ class _PathTally:
     kinds: set[str] = field(default_factory=set)
     samples: list[PathSample] = field(default_factory=list)
 
-    def add(self, record: DivergenceRecord, concrete: str) -> None:
-        """Count one divergence touching this path. Mutates the tally."""
+    def add(self, record: DivergenceRecord, concrete: list[str]) -> None:
+        """Count one divergence touching this path at ``concrete`` paths. Mutates the tally."""
         if not self.count:
             self.first_step = self.last_step = record.step
         self.count += 1
@@ -106,7 +122,7 @@ class _PathTally:
         self.workloads.add(record.workload)
         self.kinds.add(record.kind)
         if len(self.samples) < MAX_SAMPLES:
-            self.samples.append(PathSample(record.run_id, record.workload, record.step, concrete))
+            self.samples.append(PathSample.of(record, concrete))
 
     def stats(self, op: str, path: str) -> PathStats:
         workloads, kinds = tuple(sorted(self.workloads)), tuple(sorted(self.kinds))
@@ -123,6 +139,8 @@ class _Aggregation:
         self.compared: Counter[tuple[str, str]] = Counter()  # (workload, op) -> compared ops
         self.diverged: Counter[tuple[str, str]] = Counter()
         self.pair_paths: dict[tuple[str, str], Counter[str]] = {}
+        # (workload, op, wildcarded path) -> its first divergence
+        self.pair_samples: dict[tuple[str, str, str], PathSample] = {}
         self.paths: dict[tuple[str, str], _PathTally] = {}  # (op, wildcarded path)
         self.runs: list[RunSummary] = []
         self.kinds: Counter[str] = Counter()
@@ -144,12 +162,14 @@ class _Aggregation:
         pair = (record.workload, record.op)
         self.diverged[pair] += 1
         self.kinds[record.kind] += 1
-        concrete_by_key: dict[str, str] = {}
+        concrete_by_key: dict[str, list[str]] = {}
         for path in record.field_paths or [f"<{record.kind}>"]:
-            concrete_by_key.setdefault(wildcard(path), path)
+            concrete_by_key.setdefault(wildcard(path), []).append(path)
         self.pair_paths.setdefault(pair, Counter()).update(concrete_by_key.keys())
         for key, concrete in concrete_by_key.items():
             self.paths.setdefault((record.op, key), _PathTally()).add(record, concrete)
+            if (*pair, key) not in self.pair_samples:
+                self.pair_samples[(*pair, key)] = PathSample.of(record, concrete)
 
     def op_stats(self) -> tuple[OpStats, ...]:
         ops = sorted({op for _, op in self.compared.keys() | self.diverged.keys()})
@@ -158,16 +178,13 @@ class _Aggregation:
         )
 
     def pair_stats(self) -> tuple[PairStats, ...]:
-        return tuple(
-            PairStats(
-                workload,
-                op,
-                self.compared[(workload, op)],
-                self.diverged[(workload, op)],
-                _most_common(self.pair_paths.get((workload, op), Counter())),
-            )  # fmt: skip
-            for workload, op in sorted(self.compared.keys() | self.diverged.keys())
-        )
+        stats = []
+        for workload, op in sorted(self.compared.keys() | self.diverged.keys()):
+            top = _most_common(self.pair_paths.get((workload, op), Counter()))
+            samples = tuple(self.pair_samples[(workload, op, path)] for path, _ in top)
+            pair = (workload, op)
+            stats.append(PairStats(*pair, self.compared[pair], self.diverged[pair], top, samples))
+        return tuple(stats)
 
 
 def aggregate(records: Iterable[LogRecord], catalog: Sequence[Outcome] = ()) -> Report:

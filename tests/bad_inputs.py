@@ -708,6 +708,17 @@ CASES: tuple[BadInput, ...] = (
         env={"BATCHGEN_WORKER_KV_COMPARE_LOG": ""},
     ),
     case(
+        "gate-demo-bug-typo",
+        GATE,
+        "a misspelt demo bug",
+        RUN,
+        (
+            "BATCHGEN_WORKER_KV_COMPARE_DEMO_BUG='reverse-grants'",
+            "did you mean 'reversed-grants'?",
+        ),
+        env={"BATCHGEN_WORKER_KV_COMPARE_DEMO_BUG": "reverse-grants"},
+    ),
+    case(
         "gate-load-failure-value",
         GATE,
         "a load-failure policy that does not exist",

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-from injected_bugs import reversed_grants
 
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import run_workload
@@ -233,17 +232,17 @@ def test_harness_errors_in_a_row_trip_the_breaker_and_the_summary_names_the_step
 
 
 # ---- neither set -------------------------------------------------------------------------------
-def _smoke_log(tiny, monkeypatch, log: Path, gate: KvGateConfig) -> list[dict]:
-    """smoke with an alloc divergence (reversed grants) under faults: its log, times left out."""
-    reversed_grants(monkeypatch)
+def _smoke_log(tiny, log: Path, gate: KvGateConfig) -> list[dict]:
+    """smoke under faults with the demo switch's reversed grants in the shadow path: its log, times
+    left out."""
     workload = load_workload("smoke", vocab_size=tiny.config.vocab_size)
+    gate = gate.model_copy(update={"compare_demo_bug": "reversed-grants"})
     worker = Worker(
         tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate,
         faults=FaultInjector(FaultSpec.parse("seed=2,load_fail=0.3")),
     )  # fmt: skip
     run_workload(worker, workload, run_id="golden")
     worker.kv_compare.sink.close()
-    monkeypatch.undo()
     return [_untimed(json.loads(line)) for line in log.read_text().splitlines()]
 
 
@@ -251,14 +250,12 @@ def _untimed(record: dict) -> dict:
     return {key: value for key, value in record.items() if key not in TIMES}
 
 
-def test_with_neither_budget_nor_breaker_the_log_is_the_one_logged_before_they_existed(
-    tiny, tmp_path, monkeypatch
-):
-    """The golden log was written by the code before budgets and breakers. Fields added to the
-    records since (by other features) are left out of the comparison, and so is decision
-    coverage, whose catalog grows: every field the golden log has is compared, times aside."""
+def test_with_neither_budget_nor_breaker_the_log_is_the_golden_one(tiny, tmp_path):
+    """The golden log is the demo switch's (``--kv-compare-demo-bug reversed-grants``). Decision
+    coverage, whose catalog grows, and fields added to the records after it are left out of the
+    comparison: every other field the golden log has is compared, times aside."""
     log = tmp_path / "log.jsonl"
-    records = _smoke_log(tiny, monkeypatch, log, KvGateConfig(compare="log", compare_log=str(log)))
+    records = _smoke_log(tiny, log, KvGateConfig(compare="log", compare_log=str(log)))
     golden = [_untimed(json.loads(line)) for line in GOLDEN.read_text().splitlines()]
     assert [r["record_type"] for r in records] == ["divergence"] * 6 + ["run_summary"]
     assert "breaker_step" not in records[-1]
@@ -267,11 +264,9 @@ def test_with_neither_budget_nor_breaker_the_log_is_the_one_logged_before_they_e
     assert kept == [{key: value for key, value in g.items() if key != "coverage"} for g in golden]
 
 
-def test_a_breaker_that_never_trips_changes_no_record(tiny, tmp_path, monkeypatch):
+def test_a_breaker_that_never_trips_changes_no_record(tiny, tmp_path):
     plain, guarded = tmp_path / "plain.jsonl", tmp_path / "guarded.jsonl"
     gate = KvGateConfig(compare="log", compare_log=str(plain))
     with_breaker = gate.model_copy(update={"compare_log": str(guarded), **BREAKER_DEFAULTS})
-    assert _smoke_log(tiny, monkeypatch, plain, gate) == _smoke_log(
-        tiny, monkeypatch, guarded, with_breaker
-    )
+    assert _smoke_log(tiny, plain, gate) == _smoke_log(tiny, guarded, with_breaker)
     assert RunSummary.model_fields["breaker_step"].default is None

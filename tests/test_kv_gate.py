@@ -72,6 +72,8 @@ def test_variables_outside_the_family_are_ignored():
         ("compare_breaker_errors", "OFF", None),
         ("compare_breaker_seconds", "0.25", 0.25),
         ("compare_breaker_seconds", "off", None),
+        ("compare_demo_bug", "reversed-grants", "reversed-grants"),
+        ("compare_demo_bug", "off", None),
     ],
 )
 def test_each_variable_is_parsed_into_its_field(field, value, expected):
@@ -95,6 +97,7 @@ PRECEDENCE = [  # field, environment value, CLI value, parsed CLI value
     ("compare_budget", "0.05", 0.02, 0.02),
     ("compare_breaker_errors", "5", 3, 3),
     ("compare_breaker_seconds", "0.5", "2.5", 2.5),
+    ("compare_demo_bug", "reversed-grants", "evict-at-watermark", "evict-at-watermark"),
 ]
 
 
@@ -157,6 +160,8 @@ BAD_VALUES = [  # field, bad value, closest valid value (None: none is close)
     ("compare_breaker_errors", "1.5", None),
     ("compare_breaker_seconds", "-1", None),
     ("compare_breaker_seconds", "inf", None),
+    ("compare_demo_bug", "reverse-grants", "reversed-grants"),
+    ("compare_demo_bug", "yes", None),
 ]
 
 

@@ -213,7 +213,7 @@ def test_validate_prints_steps_compared_divergences_overhead_and_per_run_counter
     )
     assert re.search(
         r"^compare overhead: [\d.]+ s of harness on [\d.]+ s in the authoritative path"
-        r" \([\d.]+x\); "
+        r" \([\d.]+x the KV ops compared, not of the job\); "
         r"[\d.]+% of the compare runs' wall time$",
         out,
         re.M,

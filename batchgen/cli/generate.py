@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from batchgen.cli.common import StdoutConsole, UsageError, check_output_file, key_value_table
 from batchgen.cli.generate_flags import EPILOG, add_generate_args
-from batchgen.cli.run_files import closing_compare_log, open_compare_log
+from batchgen.cli.run_files import closing_compare_log, open_compare_log, print_divergences_logged
 from batchgen.cli.run_flags import engine_config_from_args, gate_from_args
 from batchgen.config import EngineConfig
 from batchgen.engine.worker import Worker
@@ -101,6 +101,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         StdoutConsole().print(key_value_table(f"batchgen generate: {args.input}", summary))
+    print_divergences_logged(worker)
     return EXIT_OK
 
 

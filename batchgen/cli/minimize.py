@@ -120,6 +120,7 @@ def _write_minimized(args: argparse.Namespace, original: Workload, result: Minim
         f" {len(minimal)}, new tokens {sum(r.max_new_tokens for r in original.requests)} ->"
         f" {sum(r.max_new_tokens for r in minimal)}, {result.num_tests} tests run"
         + (f", under faults {result.faults}" if result.faults else "")
+        + (f", demo bug {result.demo_bug} planted in the shadow path" if result.demo_bug else "")
     )
     print(f"workload: {workload_path}")
     print(f"test:     {test_path}")

@@ -4,14 +4,16 @@ one divergence record of a log (``minimize`` picks the same way)."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 
 from batchgen.cli.arg_types import non_negative_int
 from batchgen.cli.common import UsageError, print_warnings
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
-from batchgen.triage.replay import ReplayOutcome, replay_record
+from batchgen.triage.replay import replay_record
 from compare import DivergenceRecord, read_log
+from compare.explain import Row, explain, explain_record, row_lines
+
+MAX_PRINTED_ROWS = 20  # rows of values printed per divergence; the rest are counted
 
 
 def add_replay_command(commands) -> None:
@@ -20,9 +22,10 @@ def add_replay_command(commands) -> None:
         help="re-run one logged divergence from its record alone",
         description=(
             "Rebuild the pre-state of one logged divergence from its record, run both KV paths"
-            " through the op, and show the diff. Exit 0 when the divergence reproduces, 1 when it"
-            " does not, 2 on bad input (an unreadable log, an --index out of range, a record replay"
-            " cannot use)."
+            " through the op (a demo bug the run planted in its shadow path planted again), and"
+            " show each differing field path with both paths' values, logged and replayed. Exit 0"
+            " when the divergence reproduces, 1 when it does not, 2 on bad input (an unreadable"
+            " log, an --index out of range, a record replay cannot use)."
         ),
     )
     add_record_args(parser)
@@ -49,11 +52,25 @@ def _replay(args: argparse.Namespace) -> int:
     print(
         f"record {args.index} of {count} divergence records in {args.log}: {record_title(record)}"
     )
+    if record.replay.get("demo_bug"):
+        print(
+            f"demo bug:  {record.replay['demo_bug']}, planted in the shadow path"
+            f" ({record.shadow}) by --kv-compare-demo-bug, and in the replay"
+        )
+    logged = explain_record(record)
     print(f"logged:   {_divergence_line(record.kind, tuple(record.field_paths))}")
-    _print_paths(record.field_paths)
-    print(f"replayed: {_divergence_line(outcome.kind, outcome.field_paths)}")
-    _print_paths(outcome.field_paths)
-    _print_replay_detail(outcome)
+    _print_rows(logged)
+    replayed = explain(outcome.diff, outcome.field_paths, record.authoritative, record.shadow)
+    line = _divergence_line(outcome.kind, outcome.field_paths)
+    changed = [row for row in replayed if row not in logged]
+    if outcome.kind == record.kind and len(changed) < len(replayed):  # rows logged come back
+        print(f"replayed: {line}, the values logged" + (" but these:" if changed else ""))
+        _print_rows(changed)
+    else:
+        print(f"replayed: {line}")
+        _print_rows(replayed)
+    for exception in outcome.exceptions:
+        print(f"raised:   {exception}")
     print(f"reproduced: {'yes' if outcome.reproduced else 'no'}")
     return EXIT_OK if outcome.reproduced else EXIT_FAILED
 
@@ -92,14 +109,6 @@ def _divergence_line(kind: str | None, paths: tuple[str, ...]) -> str:
     return f"{kind} divergence at {len(paths)} field paths" if paths else f"{kind} divergence"
 
 
-def _print_paths(paths: Sequence[str]) -> None:
-    for path in paths:
-        print(f"    {path}")
-
-
-def _print_replay_detail(outcome: ReplayOutcome) -> None:
-    for exception in outcome.exceptions:
-        print(f"raised:   {exception}")
-    if outcome.diff:
-        print("diff:")
-        print(json.dumps(outcome.diff, indent=2, sort_keys=True, default=str))
+def _print_rows(rows: Sequence[Row]) -> None:
+    for line in row_lines(rows, MAX_PRINTED_ROWS):
+        print(f"    {line}")

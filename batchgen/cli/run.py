@@ -28,6 +28,7 @@ from batchgen.cli.run_files import (
     open_compare_log,
     open_outputs,
     other_files,
+    print_divergences_logged,
     writing_timeline,
 )
 from batchgen.cli.run_flags import (
@@ -117,6 +118,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         StdoutConsole().print(key_value_table(f"batchgen run: {workload.name}", summary))
+    print_divergences_logged(worker)
     return EXIT_OK
 
 

@@ -1,10 +1,13 @@
 """The files ``batchgen run`` writes besides stdout: the ``--outputs`` file, the ``--timeline`` file
-and the divergence log, each checked before the model loads and closed however the run ends."""
+and the divergence log, each checked before the model loads and closed however the run ends; the
+last stderr line of a run (or a ``generate`` job) that logged divergences."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -19,6 +22,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
 from batchgen.kv.gate import KvGateConfig
 from compare import LogWriteError, write_atomic
+from compare.wording import plural
 
 
 def other_files(args: argparse.Namespace, gate: KvGateConfig) -> dict[str, str]:
@@ -101,6 +105,22 @@ def closing_compare_log(worker: Worker) -> Iterator[None]:
         raise
     if worker.kv_compare is not None:
         worker.kv_compare.sink.close()
+
+
+def print_divergences_logged(worker: Worker) -> None:
+    """When the worker's run logged divergences (compare mode ``log``, or the page-content oracle):
+    one line on stderr saying how many, the log, and the command that reports them. The run still
+    succeeded (its output is the authoritative path's); nothing else is printed."""
+    compare, verify = worker.kv_compare, worker.kv_verify
+    count = sum(compare.executor.stats().num_divergences.values()) if compare is not None else 0
+    count += sum(verify.divergences.values()) if verify is not None else 0
+    if count:
+        log = worker.kv_gate.compare_log
+        print(
+            f"batchgen: {plural(count, 'divergence')} logged to {log}; see them:"
+            f" batchgen report {shlex.quote(log)}",
+            file=sys.stderr,
+        )
 
 
 def add_file_args(parser: argparse.ArgumentParser) -> None:

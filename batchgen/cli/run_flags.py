@@ -21,6 +21,7 @@ from batchgen.kv.gate import (
     KvGateConfig,
     gate_config,
 )
+from batchgen.kv.known_bugs import DEMO_BUGS
 
 SCHEDULE_POLICIES = typing.get_args(EngineConfig.model_fields["schedule_policy"].annotation)
 
@@ -65,6 +66,11 @@ KV_FLAG_HELP = {
         "page-content oracle: digest pages stored to host and check them when their load lands,"
         " and check the pages a flush appends into; on every step, or on the compare-sampled ones;"
         " data divergences go to the divergence log",
+    ),
+    "compare_demo_bug": (
+        "NAME|off",
+        "plant a known bug in the shadow path only (the output stays right) to see compare mode,"
+        f" report, replay and minimize at work; the log records it. NAME: {', '.join(DEMO_BUGS)}",
     ),
 }
 
@@ -116,7 +122,7 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
 def _gate_default(field: str) -> str:
     default = BREAKER_DEFAULTS.get(field, KvGateConfig.model_fields[field].default)
     if default is None:
-        return "off" if field in PRODUCTION_FIELDS else "the workload's engine config"
+        return "off" if field in OFF_FIELDS else "the workload's engine config"
     return ",".join(default) if isinstance(default, tuple) else str(default)
 
 
@@ -154,7 +160,15 @@ def _fault_grammar() -> str:
 
 
 # read only while compare mode is on
-COMPARE_SETTINGS = ("compare_sample", "compare_log", "compare_ops", *PRODUCTION_FIELDS)
+COMPARE_SETTINGS = (
+    "compare_sample",
+    "compare_log",
+    "compare_ops",
+    *PRODUCTION_FIELDS,
+    "compare_demo_bug",
+)
+# gate fields whose None is "off"
+OFF_FIELDS = (*PRODUCTION_FIELDS, "compare_demo_bug")
 
 
 def refuse_production_settings(command: str, environ=os.environ) -> None:

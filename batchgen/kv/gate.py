@@ -12,6 +12,10 @@ Variables (``GATE_FLAGS``; the README's flags table says what each means)::
     BATCHGEN_WORKER_KV_COMPARE_BUDGET          fraction in (0, 1) or off   default off
     BATCHGEN_WORKER_KV_COMPARE_BREAKER_ERRORS  int >= 1 or off             default 10 (*)
     BATCHGEN_WORKER_KV_COMPARE_BREAKER_SECONDS float > 0 or off            default 1.0 (*)
+    BATCHGEN_WORKER_KV_COMPARE_DEMO_BUG        a demo bug's name, or off   default off
+
+The demo bug (``batchgen.kv.known_bugs``) is planted in the shadow path only, on its fork: the
+authoritative path and the job's output stay right, and compare mode logs the divergence.
 
 (*) ``gate_config``'s defaults (``BREAKER_DEFAULTS``), a production worker's: a
 ``KvGateConfig`` built in code (validate, sweep, explore, minimize) has no breaker unless it
@@ -32,6 +36,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from batchgen.kv.known_bugs import DEMO_BUGS
 
 ENV_PREFIX = "BATCHGEN_WORKER_KV_"
 KV_OPS = ("poll", "release", "evict", "migrate", "alloc")
@@ -68,6 +74,11 @@ GATE_FLAGS = {
         "seconds > 0, or off",
     ),
     "verify": ("BATCHGEN_WORKER_KV_VERIFY", "--kv-verify", "off, sample, all"),
+    "compare_demo_bug": (
+        "BATCHGEN_WORKER_KV_COMPARE_DEMO_BUG",
+        "--kv-compare-demo-bug",
+        f"off, {', '.join(DEMO_BUGS)}",
+    ),
 }
 
 
@@ -99,8 +110,10 @@ class KvGateConfig(BaseModel):
     # the breaker (compare.breaker): harness errors in a row, seconds of one op; None: no limit
     compare_breaker_errors: int | None = Field(default=None, ge=1)
     compare_breaker_seconds: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    # a known bug planted in the shadow path (batchgen.kv.known_bugs); None: none
+    compare_demo_bug: Literal[DEMO_BUGS] | None = None
 
-    @field_validator(*PRODUCTION_FIELDS, mode="before")
+    @field_validator(*PRODUCTION_FIELDS, "compare_demo_bug", mode="before")
     @classmethod
     def _off_is_none(cls, value):
         return None if isinstance(value, str) and value.strip().lower() == "off" else value
@@ -196,7 +209,7 @@ def _validated(values: Mapping[str, object], sources: Mapping[str, str]) -> KvGa
             unknown = [op.strip() for op in ops if op.strip() and op.strip() not in KV_OPS]
             close = difflib.get_close_matches(unknown[0].lower(), KV_OPS, n=1) if unknown else []
         else:
-            has_choices = field in ("path", "compare", "load_failure", "verify")
+            has_choices = field in ("path", "compare", "load_failure", "verify", "compare_demo_bug")
             choices = allowed.split(", ") if has_choices else []
             close = difflib.get_close_matches(str(values.get(field)).lower(), choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

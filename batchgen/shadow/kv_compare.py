@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from batchgen.kv.gate import KvGateConfig, build_kv_path, kv_path_class
+from batchgen.kv.known_bugs import demo_bug
 from batchgen.kv.plan_path import OP_METHODS, PlanKvPath
 from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
@@ -78,6 +79,7 @@ class KvCompare:
         self.authoritative = build_kv_path(gate.path, target)
         self._planner = PlanKvPath(target)  # reads the pre-state when neither side plans
         self._shadow_class = kv_path_class(self.shadow_path)  # resolved once: no import per op
+        self._demo_bug = demo_bug(gate.compare_demo_bug, self.shadow_path)  # planted per fork
         self.sink = JsonlSink(gate.compare_log)
         self.seed, self.scale = 0, 1.0
         self.run_id = self.workload = self.workload_source = ""
@@ -224,6 +226,8 @@ class KvCompare:
             self._op.shadow = PlanKvPath(fork, self._planner.geometry)
         else:
             self._op.shadow = self._shadow_class(fork)
+        if self._demo_bug is not None:
+            self._demo_bug.plant(self._op.shadow)
         return fork, self._op.shadow
 
     def _run_shadow(self, forked: tuple[KvTarget, object]) -> ShadowRun:
@@ -271,6 +275,7 @@ class KvCompare:
             "vocab_size": self.target.model_config.vocab_size,
             "engine": self.target.engine_config.model_dump(mode="json"),  # --kv-load-* included
             "faults": self.faults,
+            **({"demo_bug": self._demo_bug.demo} if self._demo_bug else {}),  # replay plants it
         }
 
     def _record(self, comparison, op: ComparedOp) -> None:

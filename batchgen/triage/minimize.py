@@ -11,7 +11,7 @@ token ids into the tiny model's vocabulary, and delta-debugs it with
               per abort_step above 0 (all at their floor first: often enough)
 
 A candidate workload "still fails" when a fresh worker in compare mode ``log``
-(the record's authoritative and shadow paths, engine config and fault SPEC)
+(the record's authoritative and shadow paths, engine config, fault SPEC and demo bug)
 logs a divergence with the record's :class:`DivergenceSignature`: same op, same
 kind, same set of wildcarded field paths. A candidate's run stops at its first such divergence;
 one that crashes or stalls counts by what it logged before.
@@ -52,6 +52,7 @@ from batchgen.triage.minimize_search import (
     with_steps,
 )
 from batchgen.triage.rebuild import kv_paths
+from batchgen.triage.replay import recorded_demo_bug
 from compare import DivergenceRecord, ddmin
 
 # the candidates' model; also a record's vocabulary when it names none
@@ -122,6 +123,7 @@ def minimize_divergence(
             min_steps=record.step + 1,
             max_tests=max_tests,
             on_test=on_test,
+            demo_bug=recorded_demo_bug(record),
         )
         try:
             if not search.fails(workload):

@@ -73,6 +73,7 @@ class MinimizeResult:
     faults: str | None = None  # the fault SPEC the divergence needs (None: none)
     # "max_tests", "interrupted": ended early, maybe not minimal (None: 1-minimal)
     stopped_by: str | None = None
+    demo_bug: str | None = None  # the demo bug planted in the shadow path (None: none)
 
 
 class Search:
@@ -93,12 +94,14 @@ class Search:
         min_steps: int = 0,
         max_tests: int,
         on_test: TestCallback | None = None,
+        demo_bug: str | None = None,
     ):
+        """``demo_bug``: the known bug each candidate's compare mode plants in its shadow path."""
         self.signature = signature
         self.make_worker = make_worker
         self.kv_path, self.shadow_path = kv_path, shadow_path
         self.log_dir, self.source, self.scale = log_dir, source, scale
-        self.faults = faults
+        self.faults, self.demo_bug = faults, demo_bug
         # steps the recorded run took to diverge: a candidate may take as many
         self.min_steps = min_steps
         self.max_tests = max_tests
@@ -130,17 +133,16 @@ class Search:
             self.shadow_path,
             self.faults.to_spec() if self.faults else None,
             stopped_by,
+            self.demo_bug,
         )
 
     def _run(self, workload: Workload) -> bool:
         self.num_tests += 1
         log = self.log_dir / f"candidate-{self.num_tests}.jsonl"
-        # verify: a data divergence shows only to the page-content oracle
-        gate = KvGateConfig(path=self.kv_path, compare="log", compare_log=str(log), verify="all")
         # fresh: the schedule replays
         injector = FaultInjector(self.faults) if self.faults is not None else None
         worker = self.make_worker(
-            workload, kv_gate=gate, shadow_path=self.shadow_path, faults=injector
+            workload, kv_gate=self._gate(log), shadow_path=self.shadow_path, faults=injector
         )
         num_logged = 0
 
@@ -179,6 +181,14 @@ class Search:
                 self.num_tests, len(self.smallest.requests) if self.smallest is not None else None
             )
         return seen
+
+    def _gate(self, log: Path) -> KvGateConfig:
+        """A candidate's gate: compare mode log into ``log``, the page-content oracle on (a data
+        divergence shows only to it), the record's demo bug planted. Pure."""
+        return KvGateConfig(
+            path=self.kv_path, compare="log", compare_log=str(log), verify="all",
+            compare_demo_bug=self.demo_bug,
+        )  # fmt: skip
 
     def _logged(self, log: Path) -> bool:
         if not log.exists():

@@ -21,7 +21,7 @@ _TEST_TEMPLATE = '''\
 #   op:            {op}
 #   kind:          {kind}
 #   field paths:   {paths}
-
+{demo_bug}
 from pathlib import Path
 
 from batchgen.model.loader import load_model
@@ -40,7 +40,8 @@ def test_no_{slug}_divergence(tmp_path):
     # compare="raise" on this op alone: the test fails at this divergence (a data divergence: on
     # every op, and at the end, from the page-content oracle's count)
     gate = KvGateConfig(path={kv_path_literal}, compare="raise", compare_ops={ops_literal},
-                        compare_log=str(tmp_path / "kv-divergences.jsonl"), verify="all")
+                        compare_log=str(tmp_path / "kv-divergences.jsonl"), verify="all",
+                        compare_demo_bug={demo_bug_literal})
     worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
                     kv_gate=gate, shadow_path={shadow_path_literal},
                     faults=FaultInjector(FaultSpec.parse(FAULTS)) if FAULTS is not None else None)
@@ -105,8 +106,20 @@ def _regression_files(
         # a JSON string is a Python string literal
         shadow_path_literal=json.dumps(result.shadow_path),
         faults_literal=json.dumps(result.faults) if result.faults is not None else "None",
+        demo_bug=_demo_bug_comment(result.demo_bug),
+        demo_bug_literal=json.dumps(result.demo_bug) if result.demo_bug is not None else "None",
     )
     return {workload_path: result.workload.to_json(), test_path: source}
+
+
+def _demo_bug_comment(name: str | None) -> str:
+    """The template's lines naming the demo bug the divergence needs, if any. Pure."""
+    if name is None:
+        return ""
+    return (
+        f"#   demo bug:      {_comment(name)}, planted in the shadow path by the gate below:\n"
+        "#                  the test fails until compare_demo_bug is removed\n"
+    )
 
 
 def _comment(text: str) -> str:

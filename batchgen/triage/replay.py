@@ -2,7 +2,8 @@
 
 ``replay_record`` rebuilds the op's pre-state twice (``rebuild``), runs the authoritative path on
 one and the shadow path on a fork of the other (as compare mode does), compares their canonical
-forms, and says whether the logged divergence came back. Nothing outside the record is read.
+forms, and says whether the logged divergence came back. Nothing outside the record is read: a
+demo bug the record's run planted in its shadow path is planted in the replayed shadow too.
 The rebuilt target is checked first: the op request the plan path builds from it must equal the
 recorded one, or ``ReplayError`` names the differing fields.
 """
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchgen.kv.gate import build_kv_path
+from batchgen.kv.known_bugs import DEMO_BUGS, KnownBug, demo_bug
 from batchgen.kv.plan_path import OP_METHODS, PlanKvPath
 from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
@@ -50,8 +52,11 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     _check_request(record, request, build(*args))
     kv_path, shadow_path = kv_paths(record.replay)
     run = (op, args, request)
+    bug = demo_bug(recorded_demo_bug(record), shadow_path)
     authoritative = _observe(kv_path, lambda: _run(authoritative_target, kv_path, *run))
-    shadow = _observe(shadow_path, lambda: _run(shadow_target, shadow_path, *run, on_fork=True))
+    shadow = _observe(
+        shadow_path, lambda: _run(shadow_target, shadow_path, *run, on_fork=True, bug=bug)
+    )
     comparison = compare_observations(
         op, record.step, authoritative, shadow, classify=classify, exception_kind=exception_kind
     )
@@ -59,6 +64,17 @@ def replay_record(record: DivergenceRecord) -> ReplayOutcome:
     reproduced = comparison.kind == record.kind and paths == tuple(record.field_paths)
     detail = comparison.diff.detail if comparison.diff is not None else {}
     return ReplayOutcome(reproduced, comparison.kind, paths, detail, comparison.exceptions)
+
+
+def recorded_demo_bug(record: DivergenceRecord) -> str | None:
+    """The demo bug the record's run planted in its shadow path (None: none); ReplayError for a
+    name this version does not know. Pure."""
+    name = record.replay.get("demo_bug")
+    if name is not None and name not in DEMO_BUGS:
+        raise ReplayError(
+            f"the record's demo_bug must be one of {', '.join(DEMO_BUGS)}, not {name!r}"
+        )
+    return name
 
 
 def op_arguments(op: str, request) -> tuple:
@@ -73,15 +89,25 @@ def op_arguments(op: str, request) -> tuple:
 
 
 def _run(
-    target: KvTarget, path: str, op: str, args: tuple, request, *, on_fork: bool = False
+    target: KvTarget,
+    path: str,
+    op: str,
+    args: tuple,
+    request,
+    *,
+    on_fork: bool = False,
+    bug: KnownBug | None = None,
 ) -> dict:
-    """``op`` on ``target`` itself, its pools journaling, or on a fork of it; its canonical form
-    over the op's scope. Mutates ``target`` (not on a fork)."""
+    """``op`` on ``target`` itself, its pools journaling, or on a fork of it, ``bug`` planted in
+    the path; its canonical form over the op's scope. Mutates ``target`` (not on a fork)."""
     scope = op_scope(op, request, target.state.requests)
     on = fork_target(target) if on_fork else target
     if not on_fork:  # the requests before the op wrote them: canonical forms name load handles
         target.record_op(True)
-    result = getattr(build_kv_path(path, on), OP_METHODS[op][0])(*args)
+    kv_path = build_kv_path(path, on)
+    if bug is not None:
+        bug.plant(kv_path)
+    result = getattr(kv_path, OP_METHODS[op][0])(*args)
     gpu, host = on.gpu_kv, on.host_kv
     return canonical_kv(on, scope, result, gpu.journal, host.journal, host.copies)
 

@@ -212,7 +212,7 @@ def test_compare_mode_raise_stops_at_the_first_divergence_with_exit_1(
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchgen:")]
     assert line.startswith(
         "batchgen: divergence: alloc step 0: state divergence, shadow 'plan' vs authoritative "
-        "'legacy'; paths: pools.gpu[0].page_ids[0], "
+        "'legacy'; pools.gpu[0].page_ids[0..1]  legacy: [0, 1]  plan: [4, 3]; "
     )
     assert line.endswith(f"(compare log: {log})")
     record, summary = read_log(log).records  # the run still ends with its summary record

@@ -63,14 +63,18 @@ def test_replay_reproduces_a_logged_divergence_while_the_bug_is_there(logs, caps
         lines[0],
     )
     logged = re.fullmatch(r"logged:   state divergence at (\d+) field paths", lines[1])
-    assert logged and lines.index(
-        f"replayed: state divergence at {logged[1]} field paths"
-    ) == 2 + int(logged[1])
-    # the field paths, both times
-    assert all(line.startswith("    ") for line in lines[2 : 2 + int(logged[1])])
-    assert any(line.startswith("    requests[smoke-r") for line in lines[2 : 2 + int(logged[1])])
-    assert "diff:" in lines
-    assert lines[-1] == "reproduced: yes"
+    replayed = lines.index(
+        f"replayed: state divergence at {logged[1]} field paths, the values logged"
+    )
+    # the logged rows, once: each field path (runs of indices collapsed) with both paths' values
+    rows = lines[2:replayed]
+    assert rows and all(line.startswith("    ") for line in rows)
+    assert any(
+        re.fullmatch(r"    requests\[smoke-r\d+\]\.gpu_page_ids\[\d+\.\.\d+\]  legacy: \[[\d, ]+\]"
+                     r"  plan: \[[\d, ]+\]", line)
+        for line in rows
+    )  # fmt: skip
+    assert lines[replayed + 1 :] == ["reproduced: yes"]
 
 
 def test_replay_exits_1_once_the_bug_is_fixed(logs, capsys):

@@ -127,11 +127,11 @@ def test_each_diverging_step_is_marked_with_its_ops_paths_and_replay_commands(pa
     titles = [text(title) for title in chart.iter(f"{SVG}title")]
     assert titles == [
         "step 1: 2 divergences\n"
-        "alloc state: requests[r1].pages[0], free[2]\n"
+        "alloc state:\n    requests[r1].pages[0]\n    free[2]\n"
         "  tool replay 'logs/a b.jsonl' --index 0\n"
-        "evict state: requests[r2].pages[1]\n"
+        "evict state:\n    requests[r2].pages[1]\n"
         "  tool replay 'logs/a b.jsonl' --index 1",
-        "step 4: 1 divergence\nalloc state: requests[r1].pages[3]\n"
+        "step 4: 1 divergence\nalloc state:\n    requests[r1].pages[3]\n"
         "  tool replay 'logs/a b.jsonl' --index 2",
     ]
     links = [

@@ -1,7 +1,9 @@
 import json
 import re
 import xml.etree.ElementTree as ET
+from dataclasses import astuple
 
+from compare.explain import Row
 from compare.records import DivergenceRecord, RunSummary
 from compare.render import headline, render_json, render_junit, render_markdown, render_text
 from compare.report import MAX_SAMPLES, OpStats, PairStats, PathSample, aggregate
@@ -70,11 +72,15 @@ def test_counts_each_divergence_once_per_wildcarded_field_path():
     assert (pages.op, pages.path, pages.count) == ("alloc", "requests[*].gpu_pages[*]", 3)
     assert (pages.first_step, pages.last_step) == (2, 9)
     assert (pages.workloads, pages.kinds) == (("L2-2048", "L2-4096"), ("state",))
+    # each sample holds the record's rows under the path (no values: these records' diff is {})
     assert pages.samples == (
-        PathSample("run-a", "L2-2048", 5, "requests[r17].gpu_pages[3]"),
-        PathSample("run-a", "L2-2048", 9, "requests[r4].gpu_pages[0]"),
-        PathSample("run-b", "L2-4096", 2, "requests[r8].gpu_pages[1]"),
-    )
+        PathSample("run-a", "L2-2048", 5, "requests[r17].gpu_pages[3]",
+                   (Row("requests[r17].gpu_pages[3..4]", ()),)),
+        PathSample("run-a", "L2-2048", 9, "requests[r4].gpu_pages[0]",
+                   (Row("requests[r4].gpu_pages[0]", ()),)),
+        PathSample("run-b", "L2-4096", 2, "requests[r8].gpu_pages[1]",
+                   (Row("requests[r8].gpu_pages[1]", ()),)),
+    )  # fmt: skip
     assert (free.path, free.count) == ("free_pages[*]", 1)
     assert (exception.op, exception.path, exception.kinds) == (
         "evict",
@@ -92,7 +98,7 @@ def test_keeps_a_bounded_sample_per_field_path_in_log_order():
 
 def test_counts_compared_and_diverged_steps_per_workload_and_op():
     pairs = aggregate(RECORDS + [divergence(1, ["x"], op="poll", workload="smoke")]).pairs
-    assert pairs == (
+    assert [PairStats(*astuple(pair)[:5]) for pair in pairs] == [
         PairStats(
             "L2-2048", "alloc", 100, 2, (("requests[*].gpu_pages[*]", 2), ("free_pages[*]", 1))
         ),
@@ -101,7 +107,12 @@ def test_counts_compared_and_diverged_steps_per_workload_and_op():
         PairStats("L2-4096", "evict", 50, 1, (("<exception>", 1),)),
         PairStats("L2-4096", "migrate", 10, 0, ()),
         PairStats("smoke", "poll", 0, 1, (("x", 1),)),
-    )
+    ]
+    # the first divergence of the pair at each of its top paths
+    assert [sample.path for sample in pairs[0].samples] == [
+        "requests[r17].gpu_pages[3]",
+        "free_pages[2]",
+    ]
 
 
 def test_renders_text_tables_with_the_headline_ops_and_field_paths():
@@ -112,7 +123,8 @@ def test_renders_text_tables_with_the_headline_ops_and_field_paths():
         " ops compared, not of the job)"
     ) in text
     assert "requests[*].gpu_pages[*]" in text
-    assert "requests[r17].gpu_pages[3]" in text and "(L2-2048 step 5)" in text
+    wide = render_text(aggregate(RECORDS), width=200)
+    assert "requests[r17].gpu_pages[3..4] (L2-2048 step 5)" in wide
     assert [
         line for line in text.splitlines() if line.startswith("│ ") and line.endswith("% │")
     ] == [
@@ -129,7 +141,7 @@ def test_renders_markdown_with_the_headline_and_a_table_per_op_and_per_field_pat
     assert "| alloc | 300 | 3 | 1.00% |" in lines
     assert (
         "| alloc | `requests[*].gpu_pages[*]` | 3 | 2-9 | L2-2048, L2-4096 | state | "
-        "`requests[r17].gpu_pages[3]` (L2-2048 step 5) |" in lines
+        "`requests[r17].gpu_pages[3..4]` (L2-2048 step 5) |" in lines
     )
 
 
@@ -138,8 +150,8 @@ def test_markdown_keeps_backticks_and_line_breaks_of_ids_inside_their_cells():
     lines = render_markdown(aggregate(records)).splitlines()
     assert (
         lines[-1]
-        == "| alloc | `requests[*].phase` | 1 | 7 | w  z | state | ``requests[a`b].phase`` "
-        "(w  z step 7) |"
+        == "| alloc | `requests[*].phase` | 1 | 7 | w  z | state | ``requests[a`b].phase``<br>"
+        "``requests[`c].phase`` (w  z step 7) |"
     )
     assert (
         render_markdown(aggregate([divergence(7, ["`c"])])).splitlines()[-1]
@@ -178,7 +190,14 @@ def test_renders_junit_with_a_failing_testcase_per_diverging_workload_and_op():
     assert cases["L2-2048.evict"] is None
     failure = cases["L2-2048.alloc"]
     assert failure.get("message") == "2 divergences in 100 compared steps"
-    assert failure.text.splitlines() == ["2 x requests[*].gpu_pages[*]", "1 x free_pages[*]"]
+    assert failure.text.splitlines() == [
+        "2 x requests[*].gpu_pages[*]",
+        "    requests[r17].gpu_pages[3..4]",
+        "    (L2-2048 step 5)",
+        "1 x free_pages[*]",
+        "    free_pages[2]",
+        "    (L2-2048 step 9)",
+    ]
     assert suite.find("properties/property[@name='harness_errors']").get("value") == "2"
 
 
@@ -197,7 +216,11 @@ def test_junit_escapes_characters_xml_cannot_hold_so_the_document_stays_readable
     ]
     [case] = ET.fromstring(render_junit(aggregate(records))).iter("testcase")
     assert case.get("name") == "w\\x00<&>\x7f\\ufffe.alloc"
-    assert case.find("failure").text == "1 x requests[*].phase\\x1b"
+    assert case.find("failure").text.splitlines() == [
+        "1 x requests[*].phase\\x1b",
+        "    requests[r1].phase\\x1b",
+        "    (w\\x00<&>\x7f\\ufffe step 1)",
+    ]
 
 
 def test_text_writes_control_characters_of_ids_as_escapes_not_to_the_terminal():
@@ -220,5 +243,7 @@ def test_renders_json_with_every_count():
         "workload": "L2-2048",
         "step": 5,
         "path": "requests[r17].gpu_pages[3]",
+        "rows": [{"path": "requests[r17].gpu_pages[3..4]", "values": []}],
+        "more_rows": 0,
     }
     assert data["pairs"][0]["top_paths"] == [["requests[*].gpu_pages[*]", 2], ["free_pages[*]", 1]]
