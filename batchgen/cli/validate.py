@@ -61,6 +61,14 @@ def add_validate_command(commands) -> None:
     )
     add_model_args(parser, workload_dtype=False)
     add_scale_arg(parser, workload_files=False)
+    _add_validate_args(parser)
+    add_metrics_args(parser)
+    add_output_args(parser)
+    parser.set_defaults(handler=_validate)
+
+
+def _add_validate_args(parser: argparse.ArgumentParser) -> None:
+    """validate's own flags. Mutates ``parser``."""
     parser.add_argument(
         "--reports-dir",
         default="reports",
@@ -94,9 +102,6 @@ def add_validate_command(commands) -> None:
         " divergence); the summary and reports then cover the runs up to that check, and the"
         " decision-coverage check is skipped",
     )
-    add_metrics_args(parser)
-    add_output_args(parser)
-    parser.set_defaults(handler=_validate)
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -49,20 +49,8 @@ def load_model(
     in ``model.safetensors.index.json``. Raises ``ModelLoadError`` for anything it cannot load.
     """
     torch_dtype = _parse_dtype(dtype)
-    if spec in TINY_MODELS:
-        config = TINY_MODELS[spec]
-    elif is_gguf_file(spec):
-        config = read_gguf_config(Path(spec))
-    else:
-        config = read_config(model_directory(spec))
-    model = _meta_model(_with_context(config, max_model_len, spec))
-    shapes = _expected_shapes(model)
-    if spec in TINY_MODELS:
-        weights = _seeded_weights(shapes, seed)
-    elif is_gguf_file(spec):
-        weights = gguf_weights(Path(spec), shapes, model.config)
-    else:
-        weights = checkpoint_weights(model_directory(spec), shapes, model.config)
+    model, shapes, weights = _model_and_weights(spec, seed, max_model_len)
+    config = model.config
     num_bytes = sum(math.prod(shape) for shape in shapes.values()) * DTYPE_SIZES[dtype]
     _check_memory(spec, num_bytes, dtype, torch.device(device))
     try:
@@ -132,6 +120,29 @@ def _no_memory(spec: str, num_bytes: int, dtype: str, why: str) -> str:
         f" {why}; allowed: a smaller model or dtype (--dtype bfloat16 halves float32), or a machine"
         " with more memory"
     )
+
+
+def _model_and_weights(
+    spec: str, seed: int, max_model_len: int | None
+) -> tuple[LlamaForCausalLM, dict[str, tuple[int, ...]], Iterator[tuple[str, Tensor]]]:
+    """The model of ``spec`` on the meta device, the shapes of the tensors it needs, and those
+    tensors as they will be read (drawn from ``seed``, read from a GGUF file or a directory).
+    Reads headers only."""
+    if spec in TINY_MODELS:
+        config = TINY_MODELS[spec]
+    elif is_gguf_file(spec):
+        config = read_gguf_config(Path(spec))
+    else:
+        config = read_config(model_directory(spec))
+    model = _meta_model(_with_context(config, max_model_len, spec))
+    shapes = _expected_shapes(model)
+    if spec in TINY_MODELS:
+        weights = _seeded_weights(shapes, seed)
+    elif is_gguf_file(spec):
+        weights = gguf_weights(Path(spec), shapes, model.config)
+    else:
+        weights = checkpoint_weights(model_directory(spec), shapes, model.config)
+    return model, shapes, weights
 
 
 def _with_context(config: ModelConfig, max_model_len: int | None, spec: str) -> ModelConfig:

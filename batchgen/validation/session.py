@@ -32,8 +32,6 @@ from batchgen.validation.checks import (
     reference_failures,
 )
 from batchgen.validation.hf_oracle import check_against_hf
-from batchgen.validation.real_model_check import DTYPES as REAL_MODEL_DTYPES
-from batchgen.validation.real_model_check import check_real_model
 from batchgen.validation.report import KvDirection, ValidationRun
 from batchgen.validation.self_checks import TOKENS_CHECK, counter_failures, self_check_results
 from compare import DivergenceError, DivergenceRecord, LogWriteError, RunSummary, read_log
@@ -192,15 +190,6 @@ class Session:
         self.hf_oracle = verdict.line
         self.failures += verdict.failures
         self.stop_at_failure()
-
-    def check_real_model(self) -> None:
-        """The real-model pass (``real_model_check``) in each of its dtypes on the session's
-        device; says so and fails nothing where the model or the dev extras cannot be had."""
-        for dtype in REAL_MODEL_DTYPES:
-            verdict = check_real_model(self.device, dtype)
-            self.real_model.append(verdict.line)
-            self.failures += verdict.failures
-            self.stop_at_failure()
 
     def compare_gate(self, direction: KvDirection) -> KvGateConfig:
         """A compare run's gates: its direction, logging every divergence to the session's log

@@ -56,6 +56,8 @@ from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.shadow.coverage import CATALOG
 from batchgen.validation.checks import copy_pattern_failures, coverage_failures
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
+from batchgen.validation.real_model_check import DTYPES as REAL_MODEL_DTYPES
+from batchgen.validation.real_model_check import check_real_model
 from batchgen.validation.report import (
     DIRECTIONS,
     PARTIAL_LOG,
@@ -98,32 +100,20 @@ def validate_back_to_back(
     ``batchgen.metrics.WorkerMetrics``) watches every run, labelled by its workload and role.
     ``real_model``: the real-model pass (``real_model_check``) runs last."""
     started = time.perf_counter()
-    vocab_size = model.config.vocab_size
     workloads = tuple(
-        load_workload(name, seed=seed, scale=scale, vocab_size=vocab_size)
+        load_workload(name, seed=seed, scale=scale, vocab_size=model.config.vocab_size)
         for name in BACK_TO_BACK_WORKLOADS
     )
     corpus_dir = CORPUS_DIR if corpus_dir is None else corpus_dir
     corpus = corpus_workloads(corpus_dir)
-    dtype = _dtype_name(model)
-    cache = workloads[-1].cache.model_copy(update={"dtype": dtype})
+    cache = workloads[-1].cache.model_copy(update={"dtype": _dtype_name(model)})
     with reports_directory(reports_dir) as directory:
         sources = _sources(workloads, corpus, corpus_dir)
+        log = directory / PARTIAL_LOG
         session = Session(
-            model,
-            device,
-            directory / PARTIAL_LOG,
-            sources,
-            on_progress,
-            fail_fast=fail_fast,
-            metrics=metrics,
+            model, device, log, sources, on_progress, fail_fast=fail_fast, metrics=metrics
         )
-        try:
-            _run_every_direction(session, workloads, corpus, cache, scale)
-            if real_model:
-                session.check_real_model()
-        except FailFast:
-            pass  # the failure is in session.failures
+        _run_checks(session, workloads, corpus, cache, scale, real_model)
         session.log = complete_log(directory)  # an interrupted validation leaves the last one
         records = session.read_log()
         compare = _judge_coverage(session, records, device)
@@ -132,7 +122,7 @@ def validate_back_to_back(
             written = _write_reports(session, directory, compare, records)
     return ValidationReport(
         cache=cache,
-        near_tie_tolerance=NEAR_TIE_TOLERANCES[dtype],
+        near_tie_tolerance=NEAR_TIE_TOLERANCES[cache.dtype],
         workloads=tuple(w.name for w in workloads),
         corpus=tuple(w.name for w in corpus),
         runs=tuple(session.runs),
@@ -144,6 +134,35 @@ def validate_back_to_back(
         real_model=tuple(session.real_model),
         self_checks=dict(session.self_checks),
     )
+
+
+def _run_checks(
+    session: Session,
+    workloads: Sequence[Workload],
+    corpus: Sequence[Workload],
+    cache: CacheConfig,
+    scale: float,
+    real_model: bool,
+) -> None:
+    """Every direction's runs and checks, then the real-model pass if asked for; a fail-fast
+    session stops at its first failure. Mutates ``session``."""
+    try:
+        _run_every_direction(session, workloads, corpus, cache, scale)
+        if real_model:
+            _check_real_model(session)
+    except FailFast:
+        pass  # the failure is in session.failures
+
+
+def _check_real_model(session: Session) -> None:
+    """The real-model pass (``real_model_check``) in each of its dtypes on the session's device;
+    says so and fails nothing where the model or the dev extras cannot be had. Mutates
+    ``session``."""
+    for dtype in REAL_MODEL_DTYPES:
+        verdict = check_real_model(session.device, dtype)
+        session.real_model.append(verdict.line)
+        session.failures += verdict.failures
+        session.stop_at_failure()
 
 
 def _judge_coverage(
