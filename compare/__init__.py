@@ -9,20 +9,26 @@ nothing of the code it compares (it never imports `batchgen`).
     explain      explain -> Row                        each differing path with both values
     observation  Observation, Comparison               one path's outcome; both compared
     shadow       ShadowExecutor                        run both paths, return the authoritative
+    experiment   Experiment, Limits                    one run: id, log, records, summary, limits
+    gates        CompareGate, GateFamily, GateError    a slice's <PREFIX>* flags -> its config
+    sampling     is_sampled_step                       the seeded fraction of steps compared
     errors       DivergenceError, HarnessWarning       what the harness raises and warns
     budget       CompareBudget, RateChange             the sample rate within a cost budget
     breaker      CompareBreaker, BreakerWarning        compare off when the harness misbehaves
     governor     SampleGovernor                        both, over one run's steps
     coverage     Outcome, CoverageCounter              decision outcomes reached, counted
-    records      DivergenceRecord, RunSummary          the versioned JSON line schema
+    records      DivergenceRecord, RunSummary, RunKey  the versioned JSON line schema
                  Timeline                              per-step counters of a run
+    schema       json_schema, write_json_schema        the log's published JSON Schema
     sink         JsonlSink, read_log(s), write_atomic  durable append, tolerant read
     report       aggregate -> Report                   per op / field path / (workload, op)
     render       render_text, _markdown, _junit, _json  a report for people and for CI
+    html         render_html, PageBinding              one HTML page; a binding's charts, replay
+    charts       Panel                                 which timeline counters one chart draws
     wording      headline, coverage_line, ...          the lines every format shares
     minimize     ddmin                                 shrink a failing input
 
-Names are imported on first use (PEP 562), so `python -m compare.records` runs without the
+Names are imported on first use (PEP 562), so `python -m compare.schema` runs without the
 package having imported that module already. `diff` is the exception: the submodule shares the
 function's name, and importing the submodule later would rebind `compare.diff` to the module.
 """
@@ -43,7 +49,18 @@ _MODULES = {
         "exception_text",
     ),
     "compare.explain": ("Row", "explain", "explain_forms", "explain_record", "row_lines"),
-    "compare.shadow": ("ShadowExecutor", "is_sampled_step"),
+    "compare.shadow": ("ShadowExecutor",),
+    "compare.experiment": ("Experiment", "Limits"),
+    "compare.gates": (
+        "BREAKER_DEFAULTS",
+        "PRODUCTION_FIELDS",
+        "CompareGate",
+        "GateError",
+        "GateFamily",
+        "check_family_names",
+        "off_is_none",
+    ),
+    "compare.sampling": ("is_sampled_step",),
     "compare.errors": ("DivergenceError", "HarnessWarning"),
     "compare.budget": ("CompareBudget", "RateChange"),
     "compare.breaker": ("BreakerWarning", "CompareBreaker"),
@@ -56,13 +73,14 @@ _MODULES = {
         "OutcomeCount",
         "LogRecord",
         "RecordError",
+        "RunKey",
         "RunSummary",
+        "SCHEMA_2_BINDING",
         "SampleRateRecord",
         "Timeline",
-        "json_schema",
         "parse_record",
-        "write_json_schema",
     ),
+    "compare.schema": ("json_schema", "write_json_schema"),
     "compare.sink": (
         "JsonlSink",
         "LogReadResult",
@@ -80,6 +98,8 @@ _MODULES = {
         "render_markdown",
         "render_text",
     ),
+    "compare.html": ("PageBinding", "render_html"),
+    "compare.charts": ("Panel",),
     "compare.minimize": ("ddmin",),
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names}

@@ -48,9 +48,17 @@ class PageBinding:
     the command that replays one logged divergence."""
 
     title: str
-    panels: tuple[Panel, ...]  # the chart of each run, top to bottom
-    labels: Mapping[str, str]  # counter or level name -> legend label
-    replay: str  # the command replaying one divergence: "{log}" and "{index}" are filled in
+    # the chart of each run, top to bottom; None: a panel per counter the run's timeline has
+    panels: tuple[Panel, ...] | None
+    labels: Mapping[str, str]  # counter or level name -> legend label (default: its name)
+    # the command replaying one divergence ("{log}" and "{index}" are filled in); None: none
+    replay: str | None
+
+    @classmethod
+    def plain(cls, binding: str) -> PageBinding:
+        """The page of a binding that declares none: its name, its runs' counters as they are,
+        no replay command. Pure."""
+        return cls(f"{binding} compare report", None, {}, None)
 
 
 class _Listed(NamedTuple):
@@ -58,7 +66,7 @@ class _Listed(NamedTuple):
 
     record: DivergenceRecord
     row_id: str  # its row in the run's table, where its mark links to
-    command: str  # the command that replays it
+    command: str | None  # the command that replays it (None: the binding has none)
 
 
 @dataclass(slots=True)
@@ -118,7 +126,7 @@ def _runs(logs: Sequence[tuple[str, Sequence[LogRecord]]], binding: PageBinding)
                 continue
             if not isinstance(record, DivergenceRecord):  # a sample rate change
                 continue
-            command = binding.replay.format(log=shlex.quote(path), index=index)
+            command = binding.replay and binding.replay.format(log=shlex.quote(path), index=index)
             run.divergences.append(_Listed(record, f"d-{log_index}-{index}", command))
             index += 1
     return list(runs.values())
@@ -169,12 +177,13 @@ def _run_section(index: int, run: _Run, binding: PageBinding) -> str:
         parts += _run_lines(summary)
     if summary is not None and summary.timeline is not None:
         marks = _marks(run.divergences)
-        svg = timeline_svg(summary.timeline, binding.panels, binding.labels, marks, f"c{index}")
+        panels = binding.panels or tuple(Panel(name, (name,)) for name in summary.timeline.counters)
+        svg = timeline_svg(summary.timeline, panels, binding.labels, marks, f"c{index}")
         parts.append(f'<figure class="chart">{svg}</figure>')
     else:
         parts.append('<p class="meta">No timeline recorded.</p>')
     if run.divergences:
-        parts.append(_divergence_table(run.divergences))
+        parts.append(_divergence_table(run.divergences, binding.replay is not None))
     return "\n".join(parts) + "</section>"
 
 
@@ -214,7 +223,7 @@ def _marks(divergences: Sequence[_Listed]) -> list[Mark]:
         lines = [f"step {step}: {plural(len(at_step), 'divergence')}"]
         for record, _, command in at_step[:MAX_TOOLTIP]:
             lines += [f"{record.op} {record.kind}:", *(f"    {row}" for row in _rows(record))]
-            lines.append(f"  {command}")
+            lines += [f"  {command}"] if command else []
         if len(at_step) > MAX_TOOLTIP:
             lines.append(f"... and {len(at_step) - MAX_TOOLTIP} more (listed below)")
         marks.append(Mark(step, "\n".join(lines), f"#{at_step[0].row_id}"))
@@ -230,13 +239,15 @@ def _ops_table(report: Report) -> str:
     return table("ops", ("op", "compared", "divergences", "rate"), rows)
 
 
-def _divergence_table(divergences: Sequence[_Listed]) -> str:
+def _divergence_table(divergences: Sequence[_Listed], replayable: bool) -> str:
+    """The run's first divergences, each with its replay command when ``replayable``. Pure."""
     rows = [
         tr(num(record.step), td(escape(record.op)), td(escape(record.kind)),
-            _code_lines(_rows(record)), code(command), row_id=row_id)
+            _code_lines(_rows(record)), code(command) if replayable else "", row_id=row_id)
         for record, row_id, command in divergences[:MAX_LISTED]
     ]  # fmt: skip
-    listed = table("", ("step", "op", "kind", "field paths and values", "replay"), rows)
+    columns = ("step", "op", "kind", "field paths and values", *(("replay",) * replayable))
+    listed = table("", columns, rows)
     more = len(divergences) - MAX_LISTED
     return listed + (f"<p>... and {more} more divergences in the log.</p>" if more > 0 else "")
 

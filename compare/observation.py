@@ -28,6 +28,15 @@ class Observation:
     def raised(self) -> bool:
         return self.exception is not None
 
+    def with_value(self, value: Any) -> Observation:
+        """This observation with ``value`` for its value (one that raised: as it is). Pure."""
+        return self if self.raised else Observation(self.path, value, None, self.duration_s)
+
+
+def as_observed(authoritative: Observation, shadow: Observation) -> tuple[Any, Any]:
+    """The default canonical forms: the values the paths returned, already comparable. Pure."""
+    return authoritative.value, shadow.value
+
 
 @dataclass(frozen=True, slots=True)
 class Comparison:

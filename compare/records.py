@@ -3,29 +3,26 @@
 A log holds `DivergenceRecord`s (one per diverging compared step), a `RunSummary` per run
 (how many steps were compared, so reports have a denominator; and, optionally, the run's
 `Timeline` of per-step counters the binding chose), and, in runs with a budget or a breaker, a
-`SampleRateRecord` per change of the sample rate. `parse_record` reads one line back and says
-exactly what is wrong with a bad one.
-
-Regenerate the checked-in schema after changing a record:
-
-    python -m compare.records docs/divergence.schema.json
+`SampleRateRecord` per change of the sample rate. Each names its binding (the slice whose paths
+it compared, e.g. ``kv``), its run, workload and seed. `parse_record` reads one line back and
+says exactly what is wrong with a bad one. ``compare.schema`` publishes their JSON Schema.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compare.budget import RateChange
 from compare.observation import Comparison, ShadowStats
 
-SCHEMA_VERSION = 2
-SUPPORTED_SCHEMA_VERSIONS = (SCHEMA_VERSION,)
+SCHEMA_VERSION = 3
+SUPPORTED_SCHEMA_VERSIONS = (2, SCHEMA_VERSION)
+# the binding of every schema 2 record (written before records named theirs): batchgen's KV ops
+SCHEMA_2_BINDING = "kv"
 # a \uXXXX escape of a UTF-16 surrogate, paired or not
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -41,14 +38,30 @@ class _Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
 
 
-class DivergenceRecord(_Record):
-    """One compared step where the shadow path diverged from the authoritative path."""
+class RunKey(NamedTuple):
+    """Whose run a record is of: every record's first fields but its type and version."""
 
-    record_type: Literal["divergence"] = "divergence"
-    schema_version: Literal[2] = SCHEMA_VERSION
+    binding: str  # the slice whose paths were compared, e.g. "kv"
     run_id: str
     workload: str
     seed: int
+
+
+class _RunRecord(_Record):
+    """What every line of a log starts with: its type and version, and whose run wrote it."""
+
+    record_type: str  # each record type narrows it to its own name
+    schema_version: Literal[3] = SCHEMA_VERSION
+    binding: str  # as RunKey says
+    run_id: str
+    workload: str
+    seed: int
+
+
+class DivergenceRecord(_RunRecord):
+    """One compared step where the shadow path diverged from the authoritative path."""
+
+    record_type: Literal["divergence"] = "divergence"
     step: int
     op: str
     authoritative: str  # the path whose result was used, e.g. "plan"
@@ -62,23 +75,14 @@ class DivergenceRecord(_Record):
 
     @classmethod
     def from_comparison(
-        cls,
-        comparison: Comparison,
-        *,
-        run_id: str,
-        workload: str,
-        seed: int,
-        replay: dict,
-        created_at: float,
+        cls, comparison: Comparison, run: RunKey, *, replay: dict, created_at: float
     ) -> DivergenceRecord:
-        """Build the record of a diverged comparison (ValueError for a matched one)."""
+        """The record of a diverged comparison of ``run`` (ValueError for a matched one). Pure."""
         if comparison.kind is None:
             raise ValueError(f"{comparison.op} step {comparison.step} matched: not a divergence")
         raised = comparison.exceptions
         return cls(
-            run_id=run_id,
-            workload=workload,
-            seed=seed,
+            **run._asdict(),
             step=comparison.step,
             op=comparison.op,
             authoritative=comparison.authoritative.path,
@@ -130,14 +134,10 @@ class DataChecks(_Record):
     seconds: float  # the oracle's own time
 
 
-class RunSummary(_Record):
+class RunSummary(_RunRecord):
     """Totals of one run, written when it ends: the denominators of a report."""
 
     record_type: Literal["run_summary"] = "run_summary"
-    schema_version: Literal[2] = SCHEMA_VERSION
-    run_id: str
-    workload: str
-    seed: int
     authoritative: str
     shadow: str
     steps_compared: dict[str, int]  # per op
@@ -158,10 +158,8 @@ class RunSummary(_Record):
     def from_stats(
         cls,
         stats: ShadowStats,
+        run: RunKey,
         *,
-        run_id: str,
-        workload: str,
-        seed: int,
         authoritative: str,
         shadow: str,
         stopped_by: str | None = None,
@@ -169,12 +167,10 @@ class RunSummary(_Record):
         data: DataChecks | None = None,
         breaker_step: int | None = None,
     ) -> RunSummary:
-        """Build a run's summary from its executor's counters, the run's ``timeline`` and its data
+        """The summary of ``run`` from its executor's counters, its ``timeline`` and its data
         oracle's ``data``. Pure."""
         return cls(
-            run_id=run_id,
-            workload=workload,
-            seed=seed,
+            **run._asdict(),
             authoritative=authoritative,
             shadow=shadow,
             steps_compared=dict(stats.num_compared),
@@ -193,18 +189,13 @@ class RunSummary(_Record):
         )
 
 
-class SampleRateRecord(_Record):
+class SampleRateRecord(_RunRecord):
     """A change of a run's sample rate (``compare.budget``, ``compare.breaker``): from ``step`` on
     the run compares the fraction ``new_rate`` of its steps (0: compare mode is off for the rest of
     the run, and for the rest of ``step`` too). A reader of the log knows from these which steps
-    were compared. Only runs with a budget or a breaker write them (schema 2 is unchanged for the
-    others)."""
+    were compared. Only runs with a budget or a breaker write them."""
 
     record_type: Literal["sample_rate"] = "sample_rate"
-    schema_version: Literal[2] = SCHEMA_VERSION
-    run_id: str
-    workload: str
-    seed: int
     step: int
     old_rate: float
     new_rate: float
@@ -214,14 +205,10 @@ class SampleRateRecord(_Record):
     created_at: float  # Unix time
 
     @classmethod
-    def from_change(
-        cls, change: RateChange, *, run_id: str, workload: str, seed: int, created_at: float
-    ) -> SampleRateRecord:
-        """The record of one rate change of a run. Pure."""
+    def from_change(cls, change: RateChange, run: RunKey, *, created_at: float) -> SampleRateRecord:
+        """The record of one rate change of ``run``. Pure."""
         return cls(
-            run_id=run_id,
-            workload=workload,
-            seed=seed,
+            **run._asdict(),
             step=change.step,
             old_rate=change.old_rate,
             new_rate=change.new_rate,
@@ -236,7 +223,7 @@ LogRecord = Annotated[
     DivergenceRecord | RunSummary | SampleRateRecord, Field(discriminator="record_type")
 ]
 
-_MODELS: dict[str, type[_Record]] = {
+_MODELS: dict[str, type[_RunRecord]] = {
     "divergence": DivergenceRecord,
     "run_summary": RunSummary,
     "sample_rate": SampleRateRecord,
@@ -244,7 +231,40 @@ _MODELS: dict[str, type[_Record]] = {
 
 
 def parse_record(line: str) -> LogRecord:
-    """Parse one log line; RecordError says what is wrong (JSON, type, version, fields)."""
+    """Parse one log line (a schema 2 record as schema 3, of binding ``SCHEMA_2_BINDING``);
+    RecordError says what is wrong (JSON, type, version, fields). Pure."""
+    data = _json_object(line)
+    record_type = data.get("record_type")
+    if record_type not in _MODELS:
+        raise RecordError(
+            f"unknown record_type {record_type!r}; known: "
+            + ", ".join(repr(name) for name in _MODELS)
+        )
+    version = data.get("schema_version")
+    if version is None:
+        raise RecordError(f"a {record_type} record without schema_version")
+    if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:  # true == 1 to Python
+        supported = ", ".join(str(v) for v in SUPPORTED_SCHEMA_VERSIONS)
+        raise RecordError(
+            f"unsupported schema_version {version!r} in a {record_type} record; "
+            f"this reader supports {supported}"
+        )
+    if version == 2:  # read as schema 3: the same fields, its binding the only one there was
+        data = {**data, "schema_version": SCHEMA_VERSION, "binding": SCHEMA_2_BINDING}
+    try:
+        # as the schema types say: no "7" for 7
+        return _MODELS[record_type].model_validate(data, strict=True)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc']) or '<record>'}: "
+            f"{problem['msg'].lower()}"
+            for problem in error.errors()
+        )
+        raise RecordError(f"invalid {record_type} record: {problems}") from None
+
+
+def _json_object(line: str) -> dict:
+    """The JSON object of one line, all its strings Unicode text; RecordError otherwise. Pure."""
     try:
         data: Any = json.loads(line)
     except json.JSONDecodeError as error:
@@ -264,60 +284,4 @@ def parse_record(line: str) -> LogRecord:
                 f"a string holds the unpaired surrogate \\u{ord(error.object[error.start]):04x}, "
                 "which is no Unicode character; surrogates must come in pairs"
             ) from None
-    record_type = data.get("record_type")
-    if record_type not in _MODELS:
-        raise RecordError(
-            f"unknown record_type {record_type!r}; known: "
-            + ", ".join(repr(name) for name in _MODELS)
-        )
-    version = data.get("schema_version")
-    if version is None:
-        raise RecordError(f"a {record_type} record without schema_version")
-    if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:  # true == 1 to Python
-        supported = ", ".join(str(v) for v in SUPPORTED_SCHEMA_VERSIONS)
-        raise RecordError(
-            f"unsupported schema_version {version!r} in a {record_type} record; "
-            f"this reader supports {supported}"
-        )
-    try:
-        # as the schema types say: no "7" for 7
-        return _MODELS[record_type].model_validate(data, strict=True)
-    except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in problem['loc']) or '<record>'}: "
-            f"{problem['msg'].lower()}"
-            for problem in error.errors()
-        )
-        raise RecordError(f"invalid {record_type} record: {problems}") from None
-
-
-def json_schema() -> dict:
-    """The JSON Schema of one log line (either record type)."""
-    schema = TypeAdapter(LogRecord).json_schema()
-    schema["title"] = "compare log record"
-    schema["description"] = (
-        f"One line of a compare divergence log (JSON Lines), schema_version {SCHEMA_VERSION}."
-    )
-    return schema
-
-
-def write_json_schema(path: str | Path) -> None:
-    """Write `json_schema()` to `path` (replaces the file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(
-            "usage: python -m compare.records PATH  (writes the log record JSON Schema)",
-            file=sys.stderr,
-        )
-        return 2
-    write_json_schema(argv[0])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    return data

@@ -1,6 +1,6 @@
 """Shadow execution: run an authoritative path and a shadow path of one op, compare, report.
 
-`ShadowExecutor.run` returns the authoritative result, always: shadow exceptions are captured,
+`ShadowExecutor.run_both` returns the authoritative result, always: shadow exceptions are captured,
 failures inside the harness (context capture, fork, canonicalize, diff, classifiers, divergence
 hook) go through one funnel (`on_harness_error`), and an authoritative exception reaches the caller
 unchanged. Only "raise" mode turns a divergence into an error (`DivergenceError`), for tests and CI.
@@ -27,7 +27,6 @@ divergence it reports is noise (nondeterminism, ids, timings), not a bug in the 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from functools import partial
@@ -36,29 +35,24 @@ from typing import Any, Literal, TypeVar
 
 from compare.coverage import CoverageCounter
 from compare.errors import UNCLASSIFIED, DivergenceError, HarnessFunnel, warn_harness_error
-from compare.observation import Comparison, Observation, ShadowStats, compare_observations
+from compare.observation import (
+    Comparison,
+    Observation,
+    ShadowStats,
+    as_observed,
+    compare_observations,
+)
+from compare.sampling import is_sampled_step
 
 R = TypeVar("R")
 F = TypeVar("F")
-_HOOKS = frozenset({"fork", "canonicalize", "context"})  # run's optional callables
 _FAILED = object()  # what `_guard` returns for a hook that raised, where None is a valid result
-
-
-def _as_observed(authoritative: Observation, shadow: Observation) -> tuple[Any, Any]:
-    """Default `canonicalize`: the values the paths returned are already comparable."""
-    return authoritative.value, shadow.value
 
 
 def _pair(canonicalize: Callable, authoritative: Observation, shadow: Observation) -> tuple:
     """``canonicalize``'s two forms (TypeError for anything but a pair)."""
     authoritative_form, shadow_form = canonicalize(authoritative, shadow)
     return authoritative_form, shadow_form
-
-
-def _with_value(seen: Observation, value: Any) -> Observation:
-    if seen.raised:
-        return seen
-    return Observation(seen.path, value, None, seen.duration_s)
 
 
 class ShadowExecutor:
@@ -68,10 +62,10 @@ class ShadowExecutor:
     `DivergenceError`. `sample` in [0, 1] and `seed` pick the compared steps (every op of a picked
     step); `ops` limits comparison to those ops (None: all). `ignore` holds path globs (see
     `compare.diff`). `classify(paths)` names a value divergence, `exception_kind(exc)` an exception
-    divergence. `outcomes(op, context)` names the decision outcomes an op reached, once both paths
-    returned (`compare.coverage`). `on_harness_error(operation, error)` receives every failure
-    inside the harness; one that raises makes harness failures fatal (useful in tests). `clock`
-    can be faked in tests."""
+    divergence. `outcomes(op, context, authoritative, shadow)` names the decision outcomes an op
+    reached (`compare.coverage`), from both paths' raw observations, once both returned.
+    `on_harness_error(operation, error)` receives every failure inside the harness; one that
+    raises makes harness failures fatal (useful in tests). `clock` can be faked in tests."""
 
     def __init__(
         self,
@@ -83,7 +77,9 @@ class ShadowExecutor:
         ignore: Sequence[str] = (),
         classify: Callable[[tuple[str, ...]], str] = lambda paths: "state",
         exception_kind: Callable[[BaseException], str] = lambda error: "exception",
-        outcomes: Callable[[str, Any], Iterable[str]] = lambda op, context: (),
+        outcomes: Callable[[str, Any, Observation, Observation], Iterable[str]] = (
+            lambda op, context, authoritative, shadow: ()
+        ),
         on_divergence: Callable[[Comparison, Any], None] = lambda comparison, context: None,
         on_harness_error: Callable[[str, BaseException], None] = warn_harness_error,
         clock: Callable[[], float] = time.perf_counter,
@@ -120,31 +116,6 @@ class ShadowExecutor:
             return False
         return is_sampled_step(self._seed, step, self._sample)
 
-    def run(
-        self,
-        op: str,
-        step: int,
-        *,
-        authoritative: Callable[[], R],
-        shadow: Callable[[F], Any],
-        shadow_path: str,
-        authoritative_path: str,
-        **hooks: Any,
-    ) -> R:
-        """Run one op on both paths when (op, step) is sampled (`should_compare`), else the
-        authoritative path alone; return the authoritative result. Arguments as `run_both`'s
-        (`hooks`: `fork`, `canonicalize`, `context`)."""
-        unknown = hooks.keys() - _HOOKS
-        if unknown:
-            raise TypeError(
-                f"ShadowExecutor.run() got unknown hooks {sorted(unknown)}; allowed:"
-                f" {sorted(_HOOKS)}"
-            )
-        if not self.should_compare(op, step):
-            return authoritative()
-        paths = {"shadow_path": shadow_path, "authoritative_path": authoritative_path}
-        return self.run_both(op, step, authoritative=authoritative, shadow=shadow, **paths, **hooks)
-
     def run_both(
         self,
         op: str,
@@ -153,13 +124,13 @@ class ShadowExecutor:
         authoritative: Callable[[], R],
         shadow: Callable[[F], Any],
         fork: Callable[[], F] = lambda: None,
-        canonicalize: Callable[[Observation, Observation], tuple[Any, Any]] = _as_observed,
+        canonicalize: Callable[[Observation, Observation], tuple[Any, Any]] = as_observed,
         context: Callable[[], Any] = lambda: None,
         shadow_path: str,
         authoritative_path: str,
     ) -> R:
-        """Run one op on both paths and return the authoritative result (`run` without the
-        sampling check: for a caller that asked `should_compare` itself).
+        """Run one op on both paths and return the authoritative result (whatever the sampling
+        says: `compare.Experiment.run` asks `should_compare` first).
 
         `authoritative()` returns the result; `shadow(fork())` runs the other path on what
         `fork()` returned; `canonicalize(authoritative, shadow)` maps both raw observations
@@ -272,25 +243,29 @@ class ShadowExecutor:
             if equal is _FAILED:
                 return None
             if equal:
-                self._count_compared(op, step, context)
+                self._count_compared(op, step, context, authoritative, shadow)
                 return None
-        seen = _with_value(authoritative, forms[0]), _with_value(shadow, forms[1])
+        seen = authoritative.with_value(forms[0]), shadow.with_value(forms[1])
         comparison = self._guard("compare", self._compare, op, step, *seen, default=None)
         if comparison is None:
             return None
-        self._count_compared(op, step, context if both_returned else _FAILED)
+        self._count_compared(op, step, context if both_returned else _FAILED, authoritative, shadow)
         if comparison.matched:  # equal leaves of unequal forms (NaN, ignored paths)
             return None
         self._num_divergences[op] = self._num_divergences.get(op, 0) + 1
         self._guard("on_divergence", self._on_divergence, comparison, context, default=None)
         return comparison
 
-    def _count_compared(self, op: str, step: int, context: Any) -> None:
+    def _count_compared(
+        self, op: str, step: int, context: Any, authoritative: Observation, shadow: Observation
+    ) -> None:
         """Count a compared op, and the outcomes it reached when both paths returned (``context``
         is ``_FAILED`` when one raised). Mutates the counters."""
         self._num_compared[op] = self._num_compared.get(op, 0) + 1
         if context is not _FAILED:
-            reached = self._guard("outcomes", self._outcomes, op, context, default=())
+            reached = self._guard(
+                "outcomes", self._outcomes, op, context, authoritative, shadow, default=()
+            )
             self._coverage.add(reached, step)
 
     def _compare(
@@ -312,12 +287,3 @@ class ShadowExecutor:
         """Call a classifier; if it fails, report that and keep the divergence as unclassified."""
         kind = self._guard(operation, namer, argument, default=None)
         return kind if kind is not None else UNCLASSIFIED
-
-
-def is_sampled_step(seed: int, step: int, sample: float) -> bool:
-    """Whether ``step`` is among the fraction ``sample`` of steps a run seeded ``seed`` compares:
-    a hash of (seed, step) below ``sample``. Pure."""
-    if sample >= 1.0:
-        return True
-    digest = hashlib.blake2b(f"{seed}\0{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64 < sample

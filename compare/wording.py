@@ -101,7 +101,7 @@ def overhead_line(report: Report) -> str:
     if report.authoritative_seconds > 0:
         line += (
             f"; compare harness {report.compare_seconds:.3g} s on "
-            f"{report.authoritative_seconds:.3g} s of authoritative KV ops "
+            f"{report.authoritative_seconds:.3g} s of authoritative ops "
             f"({report.compare_seconds / report.authoritative_seconds:.2f}x the ops compared,"
             " not of the job)"
         )

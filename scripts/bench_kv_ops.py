@@ -38,11 +38,11 @@ from output_path import output_path, write_output
 from rich.console import Console
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig, pages_needed
-from batchgen.engine.state import Request
-from batchgen.engine.worker import Worker
 from batchgen.kv.gate import KV_OPS, KvGateConfig
 from batchgen.kv.plan_path import OP_METHODS
 from batchgen.model.null_model import NullModel
+from batchgen.shadow.wiring import gated_worker
+from batchgen.state import Request
 
 PATHS = ("legacy", "plan")
 MIXES = ("decode", "pressure")
@@ -128,7 +128,7 @@ def run_once(path: str, mix: str, num_requests: int, args: argparse.Namespace) -
     """Keep ``num_requests`` live for warmup + steps steps; time the KV ops of the last steps."""
     cache, engine = configs(mix, num_requests)
     model = NullModel(TINY_MODELS["tiny"].model_copy(update={"vocab_size": VOCAB}))
-    worker = Worker(
+    worker = gated_worker(
         model,
         cache_config=cache,
         engine_config=engine,

@@ -30,10 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from batchgen.engine.runner import run_workload
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, load_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
 
 MODES = ("off", "all")
 
@@ -79,7 +79,7 @@ def timed_run(model, workload, mode: str, device: str, log: Path) -> dict:
     counts, the tokens. Mutates nothing outside the worker it builds (and ``log``, on a data
     divergence)."""
     gate = KvGateConfig(verify=mode, compare_log=str(log))
-    worker = Worker(
+    worker = gated_worker(
         model,
         cache_config=workload.cache,
         engine_config=workload.engine,

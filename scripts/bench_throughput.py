@@ -51,11 +51,10 @@ from throughput_args import parse_args, split
 
 from batchgen.config import CacheConfig, EngineConfig, pages_needed
 from batchgen.engine.runner import run_workload
-from batchgen.engine.state import RequestOutput
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
-from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.state import RequestOutput
 from batchgen.validation.hf_oracle import near_tie
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
 
@@ -104,6 +103,11 @@ def build_mixes(args: argparse.Namespace, vocab_size: int) -> list[Mix]:
     return [mixes[name] for name in split(args.mixes)]
 
 
+def batched_tokens(mix: Mix) -> int:
+    """A step's token budget that admits every prompt of ``mix`` at once. Pure."""
+    return sum(map(len, mix.prompts)) + len(mix.prompts)
+
+
 def workload(mix: Mix, dtype: str, schedule_policy: str, page_size: int = PAGE_SIZE) -> Workload:
     """The mix as a batchgen workload, all at step 0, with ``dtype`` pools of ``page_size`` slots a
     page that hold every request. Pure."""
@@ -125,7 +129,7 @@ def workload(mix: Mix, dtype: str, schedule_policy: str, page_size: int = PAGE_S
         ),
         engine=EngineConfig(
             max_num_seqs=mix.max_num_seqs,
-            max_num_batched_tokens=sum(map(len, mix.prompts)) + len(mix.prompts),
+            max_num_batched_tokens=batched_tokens(mix),
             schedule_policy=schedule_policy,
         ),
         requests=requests,
@@ -143,7 +147,6 @@ def new_worker(
         model,
         cache_config=job.cache,
         engine_config=job.engine,
-        kv_gate=KvGateConfig(),
         device=device,
     )
     return worker, job

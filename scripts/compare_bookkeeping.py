@@ -26,6 +26,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.null_model import NullModel
+from batchgen.shadow.wiring import gated_worker
 
 KV_METHODS = ("poll", "release", "evict", "migrate", "allocate")
 VARIANTS = ("plan", "legacy", "compare", "coverage_off")
@@ -59,7 +60,7 @@ def concurrent_workload(num_requests: int, steps: int, seed: int) -> Workload:
     return Workload(name=name, seed=seed, cache=cache, engine=engine, requests=requests)
 
 
-def no_outcomes(op_name: str, op) -> tuple:
+def no_outcomes(op_name: str, op, *observations) -> tuple:
     return ()
 
 
@@ -70,7 +71,7 @@ def new_worker(workload: Workload, variant: str, log: Path) -> Worker:
         compare="off" if variant in ("plan", "legacy") else "log",
         compare_log=str(log),
     )
-    worker = Worker(
+    worker = gated_worker(
         NullModel(TINY_MODELS["tiny"]),
         cache_config=workload.cache,
         engine_config=workload.engine,

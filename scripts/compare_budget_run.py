@@ -24,10 +24,10 @@ from rich.console import Console
 from rich.table import Table
 
 from batchgen.engine.runner import run_workload
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
 
 VARIANTS = ("off", "budget", "full")
 
@@ -46,7 +46,7 @@ def budget_gate(variant: str, budget: float, log: Path) -> KvGateConfig:
 
 def one_run(model, workload, variant: str, budget: float, log: Path) -> dict:
     """One L2-4096 run of ``variant``: its CPU and wall seconds and what compare mode compared."""
-    worker = Worker(
+    worker = gated_worker(
         model,
         cache_config=workload.cache,
         engine_config=workload.engine,

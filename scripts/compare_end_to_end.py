@@ -25,6 +25,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, builtin_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
 
 VARIANTS = ("off", "on", "legacy")  # plan path alone, plan with the legacy shadow, legacy alone
 LABELS = {"off": "compare off", "on": "compare on", "legacy": "legacy path"}
@@ -36,7 +37,7 @@ def e2e_worker(model, workload: Workload, variant: str, log: Path, device: str) 
         compare="log" if variant == "on" else "off",
         compare_log=str(log),
     )
-    return Worker(
+    return gated_worker(
         model,
         cache_config=workload.cache,
         engine_config=workload.engine,

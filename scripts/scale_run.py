@@ -23,6 +23,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.null_model import NullModel
+from batchgen.shadow.wiring import gated_worker
 
 
 def resident_bytes() -> int:
@@ -142,7 +143,7 @@ class ScaleRun:
             for r in (w.to_request() for w in workload.requests)
         ]
         self.num_anchors = num_anchors(len(self.templates))
-        self.worker = Worker(
+        self.worker = gated_worker(
             NullModel(scale_model(workload)),
             cache_config=workload.cache,
             engine_config=workload.engine,

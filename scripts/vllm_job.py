@@ -79,6 +79,14 @@ def vllm_preload() -> str:
     return ":".join(filter(None, (tcmalloc, inherited)))
 
 
+def vllm_env(cpus: str) -> dict:
+    """The environment of a vLLM process on ``cpus`` (``bind_cpus``): its compute threads bound
+    to them, tcmalloc preloaded (``vllm_preload``), offline. Pure read."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpus, LD_PRELOAD=vllm_preload())
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
 def bind_cpus(threads: int) -> str:
     """The CPU ids both engines run on with ``threads`` threads: the first ones this process may
     use (``VLLM_CPU_OMP_THREADS_BIND`` syntax). Pure read."""
@@ -89,22 +97,35 @@ class VllmRunner:
     """One ``vllm_runner.py`` process holding one ``vllm.LLM``; ``run`` sends it a mix."""
 
     def __init__(
-        self, python: Path, checkpoint: str, mix: Mix, threads: int, page_size: int, log: Path
+        self,
+        python: Path,
+        checkpoint: str,
+        mix: Mix,
+        threads: int,
+        page_size: int,
+        log: Path,
+        *,
+        workdir: str | None = None,
+        dtype: str = "float32",
+        batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+        kv_cache_gib: int = 1,
     ):
         """Starts the process (all of vLLM on the first ``threads`` CPUs, its compute threads
-        bound to them, KV blocks of ``page_size`` tokens) and waits until its model is loaded;
-        writes the job file into ``checkpoint`` and vLLM's logs to ``log``."""
-        job = Path(checkpoint) / f"vllm-job-{mix.name}.json"
+        bound to them, ``dtype`` weights, KV blocks of ``page_size`` tokens in a cache of
+        ``kv_cache_gib`` GiB, at most ``batched_tokens`` tokens a step) and waits until its model
+        is loaded; writes the job file into ``workdir`` (default ``checkpoint``) and vLLM's logs
+        to ``log``."""
+        job = Path(workdir or checkpoint) / f"vllm-job-{mix.name}.json"
         cpus = bind_cpus(threads)
-        settings = dict(checkpoint=checkpoint, max_num_seqs=mix.max_num_seqs, dtype="float32")
+        settings = dict(checkpoint=checkpoint, max_num_seqs=mix.max_num_seqs, dtype=dtype)
         # every process of vLLM runs on these CPUs (vllm_runner), not only its compute threads
         settings["cpus"] = [int(cpu) for cpu in cpus.split(",")]
-        settings.update(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+        settings.update(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=batched_tokens)
         # each run sends the same prompts: a prefix cache would skip their prefill after the first
         settings.update(engine_args=dict(enable_prefix_caching=False, block_size=page_size))
         job.write_text(json.dumps(settings))
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpus, LD_PRELOAD=vllm_preload())
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = vllm_env(cpus)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         self.log = log
         with log.open("a") as stderr:
             self.process = subprocess.Popen(

@@ -11,6 +11,12 @@ to the job's ``cpus``, so vLLM's every process (its front end and engine core, n
 compute threads) runs on the CPUs batchgen is given. Results go to the runner's
 original standard output; everything else (vLLM's logs, its engine process's) goes to standard
 error.
+
+    python vllm_runner.py --first-token MODEL DTYPE CPUS PROMPT
+
+builds ``vllm.LLM(MODEL)`` (its defaults but ``DTYPE``) on the CPUs ``CPUS`` (a comma list), sends
+one chat message of ``PROMPT``, greedy, one new token, and writes one JSON line, that token's id,
+as it comes (``vllm_ttft.py`` times it).
 """
 
 from __future__ import annotations
@@ -88,9 +94,27 @@ def cpu_seconds() -> float:
     return sum(sum(proc.cpu_times()[:2]) for proc in [me, *me.children(recursive=True)])
 
 
+def first_token(model: str, dtype: str, cpus: list[int], prompt: str) -> dict:
+    """One chat message's first token from a fresh ``vllm.LLM`` of ``model`` (its defaults but
+    ``dtype``), built once this process is confined to ``cpus``. Mutates this process's CPU
+    affinity."""
+    os.sched_setaffinity(0, cpus)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    outputs = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+    return {"token_ids": list(outputs[0].outputs[0].token_ids)}
+
+
 def main() -> None:
     results = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's prints, and its children's
+    if sys.argv[1] == "--first-token":
+        model, dtype, cpus, prompt = sys.argv[2:]
+        token = first_token(model, dtype, [int(cpu) for cpu in cpus.split(",")], prompt)
+        results.write(json.dumps(token) + "\n")
+        return
     llm = start_engine(sys.argv[1])
     results.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:

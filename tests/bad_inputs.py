@@ -168,6 +168,7 @@ def log_line(record) -> str:
 
 
 SUMMARY = RunSummary(
+    binding="kv",
     run_id="smoke-0",
     workload="smoke",
     seed=0,
@@ -180,6 +181,7 @@ SUMMARY = RunSummary(
     authoritative_seconds=0.0,
 )
 DIVERGENCE = DivergenceRecord(
+    binding="kv",
     run_id="smoke-0",
     workload="smoke",
     seed=0,
@@ -1472,7 +1474,7 @@ CASES: tuple[BadInput, ...] = (
         "report div.jsonl",
         (
             "div.jsonl:1: unsupported schema_version 9 in a run_summary record",
-            "this reader supports 2",
+            "this reader supports 2, 3",
         ),
         build=divergence_log(json.dumps({**SUMMARY.model_dump(), "schema_version": 9}) + "\n"),
     ),

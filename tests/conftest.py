@@ -41,7 +41,13 @@ def one_torch_thread():
 
 # The longest modules (their Ray and process-pool sweeps), collected first: make test spreads
 # whole modules over the cores, and one of these started last would run on alone at the end.
-LONGEST_MODULES = ("test_sweep.py", "test_benchmarks.py", "test_sweep_cli.py", "test_faults.py")
+LONGEST_MODULES = (
+    "test_sweep.py",
+    "test_benchmarks.py",
+    "test_generate_replicas.py",
+    "test_sweep_cli.py",
+    "test_faults.py",
+)
 
 
 def pytest_collection_modifyitems(items):

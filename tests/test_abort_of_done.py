@@ -9,10 +9,11 @@ from stepping import step_to_end
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.request_checks import RequestError
-from batchgen.engine.state import DONE_PHASES, Phase, Request
 from batchgen.engine.worker import Worker
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
+from batchgen.state import DONE_PHASES, Phase, Request
 
 CACHE = CacheConfig(page_size=4, num_gpu_pages=10, num_host_pages=6)  # evicts every few steps
 
@@ -37,7 +38,7 @@ def requests() -> list[Request]:
 def new_worker(model, kv_path: str, log) -> Worker:
     """A compare-mode worker that raises at the first divergence of the other path."""
     gate = KvGateConfig(path=kv_path, compare="raise", compare_log=str(log))
-    worker = Worker(model, cache_config=CACHE, engine_config=EngineConfig(), kv_gate=gate)
+    worker = gated_worker(model, cache_config=CACHE, engine_config=EngineConfig(), kv_gate=gate)
     for request in requests():
         worker.add_request(request)
     return worker
@@ -60,7 +61,11 @@ def run_aborting_each_done_request(worker: Worker) -> list[str]:
 
 
 def run_plainly(model) -> dict:
-    worker = Worker(model, cache_config=CACHE, engine_config=EngineConfig(), kv_gate=KvGateConfig())
+    worker = Worker(
+        model,
+        cache_config=CACHE,
+        engine_config=EngineConfig(),
+    )
     for request in requests():
         worker.add_request(request)
     step_to_end(worker, 2_000)

@@ -285,3 +285,232 @@ def test_every_matmul_of_a_forward_is_timed_inside_the_block_and_none_after_it(m
     model.forward([SeqInput([1, 2, 3], 0, [1])], pages)
     assert seconds == [num_matmuls]
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+# ---- --model real: its flags, cells, mix, token comparison, breakdown and time to first token ---
+
+
+def test_the_real_model_runs_every_cell_and_the_first_token_by_default(bench):
+    args = bench.parse_args(["--model", "real"])
+    assert args.cell_names == ["1t-fp32-16", "1t-fp32-64", "1t-bf16-64", "2t-fp32-64", "ttft"]
+    assert bench.parse_args([]).model == "seeded"
+
+
+def test_cells_are_taken_by_name_once_each_in_the_order_given(bench):
+    args = bench.parse_args(["--model", "real", "--cells", "ttft, 1t-bf16-64,ttft"])
+    assert args.cell_names == ["ttft", "1t-bf16-64"]
+    real = script_module_of(bench, "vllm_real")
+    cell = real.CELLS["1t-bf16-64"]
+    assert (cell.threads, cell.dtype, cell.max_num_seqs) == (1, "bfloat16", 64)
+    assert {name: c.threads for name, c in real.CELLS.items()}["2t-fp32-64"] == 2
+
+
+def script_module_of(bench, name: str):
+    """A helper module of the script, as the script imported it."""
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "real", "--cells", "1t-fp32-32"], "--cells takes a comma list of 1t-fp32-16"),
+        (["--model", "real", "--cells", ","], "--cells takes a comma list of"),
+        (["--resume"], "--resume needs --model real and --json-out"),
+        (["--model", "real", "--resume"], "--resume needs --model real and --json-out"),
+        (["--model", "llama"], "argument --model: invalid choice"),
+    ],
+)
+def test_bad_real_model_flags_are_refused(bench, capsys, flags, message):
+    with pytest.raises(SystemExit) as exited:
+        bench.parse_args(flags)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_two_thread_cell_is_refused_on_one_cpu(bench, monkeypatch, capsys):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "real", "--cells", "1t-fp32-16,2t-fp32-64"])
+    assert "--cells 2t-fp32-64: more threads than this machine's CPUs" in capsys.readouterr().err
+    assert bench.parse_args(["--model", "real", "--cells", "1t-fp32-16"]).cell_names
+
+
+def test_the_real_mix_is_64_seeded_requests_of_ordinary_tokens_to_128_new_tokens(monkeypatch):
+    real = script_module(monkeypatch, "vllm_real")
+    mix = real.real_mix(16, vocab_size=49152, seed=0)
+    assert (len(mix.prompts), mix.max_num_seqs, set(mix.new_tokens)) == (64, 16, {128})
+    assert all(16 <= len(prompt) <= 256 for prompt in mix.prompts)
+    ids = [token for prompt in mix.prompts for token in prompt]
+    assert min(ids) >= 17 and max(ids) < 49152  # no special token: ids 0-16 are SmolLM2's
+    assert len({len(prompt) for prompt in mix.prompts}) > 30  # lengths spread over the range
+    assert real.real_mix(64, 49152, seed=0).prompts == mix.prompts
+    assert real.real_mix(16, 49152, seed=1).prompts != mix.prompts
+
+
+def test_vllm_gets_a_kv_cache_that_holds_every_request_with_a_gib_to_spare(monkeypatch):
+    real = script_module(monkeypatch, "vllm_real")
+    from batchgen.config import ModelConfig
+
+    config = ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, max_context=8192,
+    )  # fmt: skip
+    mix = real.Mix("m", [[1] * 200] * 64, [128] * 64, 64, ("fcfs",))
+    # 64 requests of 328 tokens: 3 pages of 128 each, 46,080 bytes a token in float32: 1.05 GiB
+    assert real.kv_cache_gib(mix, config, "float32", page_size=128) == 3
+    assert real.kv_cache_gib(mix, config, "bfloat16", page_size=128) == 2
+
+
+def test_tokens_are_compared_under_the_near_tie_rule(monkeypatch):
+    measure = script_module(monkeypatch, "vllm_measure")
+    from batchgen.state import Phase, RequestOutput, TokenLogprobs
+
+    def output(tokens, gap):
+        logprobs = [TokenLogprobs((t, t + 1), (-1.0, -1.0 - gap)) for t in tokens]
+        return RequestOutput("r", Phase.FINISHED, "length", tuple(tokens), tuple(logprobs))
+
+    ours = [output([5, 6], 1.0), output([5, 6], 1e-6), output([5, 6], 1.0), output([5], 1.0)]
+    theirs = [[5, 6], [5, 7], [5, 7], [5, 6]]
+    assert measure.compare_tokens(ours, theirs, tolerance=1e-4) == dict(
+        equal=1, near_tie=1, differing=2
+    )
+
+
+def test_the_tokens_column_counts_near_ties_and_in_bfloat16_the_requests_equal(bench):
+    row = dict(num_requests=64, num_requests_equal=60, num_requests_near_tie=0)
+    assert bench.tokens_text(dict(row, num_requests_differing=0)) == "equal"
+    assert bench.tokens_text(dict(row, num_requests_near_tie=2, num_requests_differing=1)) == (
+        "2 near-tie, 1 differ"
+    )
+    bf16 = dict(row, dtype="bfloat16", num_requests_differing=3, num_requests_near_tie=1)
+    assert bench.tokens_text(bf16) == "60/64 equal (1 near-tie, 3 differ)"
+    assert bench.tokens_text(dict(bf16, num_requests_equal=64, num_requests_differing=0,
+                                  num_requests_near_tie=0)) == "64/64 equal"  # fmt: skip
+
+
+def test_vllm_runs_the_real_cells_dtype_budget_and_cache_from_a_job_beside_the_checkpoint(
+    monkeypatch, tmp_path
+):
+    job = script_module(monkeypatch, "vllm_job")
+    started = []
+
+    class Process:
+        def __init__(self, argv, **kwargs):
+            started.append(kwargs["env"])
+            self.stdout = io.StringIO('{"ready": true}\n')
+
+    monkeypatch.setattr(job.subprocess, "Popen", Process)
+    monkeypatch.setattr(job, "vllm_preload", lambda: "")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    mix = job.build_mixes(["mixed"], vocab_size=64, seed=0)[0]
+    checkpoint, workdir = tmp_path / "model", tmp_path / "work"
+    checkpoint.mkdir(), workdir.mkdir()
+    job.VllmRunner(
+        Path("python"), str(checkpoint), mix, 1, 128, tmp_path / "log", workdir=str(workdir),
+        dtype="bfloat16", batched_tokens=9000, kv_cache_gib=3,
+    )  # fmt: skip
+    assert not list(checkpoint.iterdir())  # the model's directory is left as it was
+    settings = json.loads((workdir / "vllm-job-mixed.json").read_text())
+    assert settings["dtype"] == "bfloat16" and settings["max_num_batched_tokens"] == 9000
+    assert settings["checkpoint"] == str(checkpoint) and settings["cpus"] == [0]
+    assert started[0]["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
+def test_batchgen_runs_every_request_to_its_length_as_vllm_with_ignore_eos(monkeypatch):
+    measure = script_module(monkeypatch, "vllm_measure")
+    from batchgen.config import TINY_MODELS
+    from batchgen.model.loader import load_model
+
+    model = load_model(next(iter(TINY_MODELS)))
+    # every token an EOS id: each request would end at its first token
+    everything = tuple(range(model.config.vocab_size))
+    model.config = model.config.model_copy(update={"eos_token_ids": everything})
+    mix = script_module(monkeypatch, "bench_throughput").Mix(
+        "m", [[1, 2, 3]] * 2, [5, 7], 2, ("fcfs",)
+    )
+    run = measure.run_batchgen_counting(model, mix, page_size=32)
+    assert [len(tokens) for tokens in run["outputs"]] == [5, 7]
+    assert [output.finish_reason for output in run["results"]] == ["length", "length"]
+
+
+def test_the_step_breakdown_splits_steady_decode_steps_into_shares_that_add_up(monkeypatch):
+    bound = script_module(monkeypatch, "decode_bound")
+    throughput = script_module(monkeypatch, "bench_throughput")
+    from batchgen.config import TINY_MODELS
+    from batchgen.model.loader import load_model
+
+    model = load_model(next(iter(TINY_MODELS)))
+    mix = throughput.Mix("m", [[1, 2, 3]] * 4 + [[4, 5]], [6] * 5, 4, ("fcfs",))
+    worker, job = throughput.new_worker(model, mix, "cpu", page_size=32)
+    methods = {kind: kind.attend for kind in bound.DECODE_KINDS}
+    row = bound.step_breakdown(model, worker, job)
+    # steps 1-5 decode the first four requests, four rows each; the fifth runs after them alone
+    assert row["rows"] == 4 and row["num_steps"] == 5
+    shares = [row[f"{part}_share"] for part in ("layer_matmuls", "lm_head", "decode_attention")]
+    assert all(0 < share < 1 for share in shares)
+    assert sum(shares) + row["rest_share"] == pytest.approx(1)
+    assert row["step_ms"] > 0 and row["matmul_only_ms"] > 0
+    assert methods == {kind: kind.attend for kind in bound.DECODE_KINDS}  # put back after it
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_breakdown_table_shows_each_part_of_the_step(bench):
+    from rich.console import Console
+
+    parts = dict(rows=64, step_ms=321.0, matmul_only_ms=180.2, layer_matmuls_share=0.48)
+    parts.update(lm_head_share=0.12, decode_attention_share=0.26, rest_share=0.14)
+    console = Console(width=200, record=True)
+    real = script_module_of(bench, "vllm_real")
+    console.print(real.render_breakdown([dict(cell="1t-fp32-64", breakdown=parts)]))
+    line = next(line for line in console.export_text().splitlines() if "1t-fp32-64" in line)
+    for text in ("64", "321.0", "48.0%", "12.0%", "26.0%", "14.0%", "180.2"):
+        assert text in line
+
+
+def test_a_resumed_run_keeps_the_cells_it_holds_and_writes_after_each(bench, monkeypatch, tmp_path):
+    args = bench.parse_args(["--model", "real", "--json-out", str(tmp_path / "r.json")])
+    ran, written = [], []
+    monkeypatch.setattr(
+        bench, "run_cell", lambda name, *rest: ran.append(name) or dict(cell=name, ratio=1.0)
+    )
+    monkeypatch.setattr(bench, "measure_ttft", lambda *rest: ran.append("ttft") or {"warm_s": {}})
+    monkeypatch.setattr(bench, "write_output", lambda p, text: written.append(json.loads(text)))
+    from rich.console import Console
+
+    record = {"rows": [dict(cell="1t-fp32-64", ratio=1.3)]}
+    bench.run_real(args, Path("python"), Console(file=io.StringIO()), tmp_path / "log", record)
+    assert ran == ["1t-fp32-16", "1t-bf16-64", "2t-fp32-64", "ttft"]
+    assert [row["cell"] for row in record["rows"]] == [
+        "1t-fp32-16", "1t-fp32-64", "1t-bf16-64", "2t-fp32-64"
+    ]  # fmt: skip
+    assert record["rows"][1]["ratio"] == 1.3 and "ttft" in record
+    assert len(written) == 4 and [row["cell"] for row in written[0]["rows"]] == [
+        "1t-fp32-16", "1t-fp32-64"
+    ]  # fmt: skip
+
+
+def test_the_first_token_is_timed_on_one_chat_line_of_one_token(monkeypatch, tmp_path):
+    ttft = script_module(monkeypatch, "vllm_ttft")
+    line = json.loads(ttft.chat_line("Hi"))
+    assert line["url"] == "/v1/chat/completions" and line["body"]["max_tokens"] == 1
+    assert line["body"]["messages"] == [{"role": "user", "content": "Hi"}]
+    assert line["body"]["model"] == ttft.SERVED_NAME and line["body"]["temperature"] == 0
+    command = ttft.batchgen_command("model-dir", tmp_path)
+    assert command[1:4] == ["-m", "batchgen", "generate"]
+    for flag, value in (("--model", "model-dir"), ("--threads", "1"), ("-i", "ttft.jsonl")):
+        assert Path(command[command.index(flag) + 1]).name == value
+    assert "--json" in command and "--served-model-name" in command
+    vllm = ttft.vllm_command(Path("py"), "model-dir")
+    assert vllm[2:] == ["--first-token", "model-dir", "float32", "0", ttft.PROMPT]
+
+
+def test_the_first_line_of_a_process_is_timed_and_a_process_without_one_is_named(
+    monkeypatch, tmp_path
+):
+    ttft = script_module(monkeypatch, "vllm_ttft")
+    monkeypatch.setattr(ttft, "CPUS", sorted(os.sched_getaffinity(0))[:1])
+    script = "import time; print('loading'); time.sleep(0.2); print('{}'); time.sleep(0.3)"
+    seconds = ttft.first_line_s([sys.executable, "-c", script], dict(os.environ), tmp_path / "l")
+    assert 0.2 <= seconds < 0.45
+    with pytest.raises(RuntimeError, match="see .*l"):
+        ttft.first_line_s([sys.executable, "-c", "print('no')"], dict(os.environ), tmp_path / "l")

@@ -144,13 +144,13 @@ def test_bench_kv_ops_times_the_ops_of_the_workers_path_object_and_leaves_its_cl
 ):
     module = script_module(monkeypatch, "bench_kv_ops")
     from batchgen.config import TINY_MODELS
-    from batchgen.engine.worker import Worker
     from batchgen.kv.gate import KvGateConfig
     from batchgen.kv.plan_path import PlanKvPath
     from batchgen.model.null_model import NullModel
+    from batchgen.shadow.wiring import gated_worker
 
     cache, engine = module.configs("pressure", 8)
-    worker = Worker(
+    worker = gated_worker(
         NullModel(TINY_MODELS["tiny"]),
         cache_config=cache,
         engine_config=engine,
@@ -413,6 +413,7 @@ def test_scale_check_refuses_a_size_or_bound_no_run_can_meet(
 
 def test_ci_divergence_gate_renders_no_earlier_log_when_validate_refuses_its_flags(tmp_path):
     earlier = RunSummary(
+        binding="kv",
         run_id="earlier-1",
         workload="L2-2048",
         seed=0,

@@ -14,11 +14,11 @@ from injected_bugs import BOUNDARY_BUGS
 from batchgen.config import TINY_MODELS
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import run_workload
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, builtin_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
+from batchgen.shadow.wiring import gated_worker
 from batchgen.validation.validate import BACK_TO_BACK_WORKLOADS, CORPUS_DIR, corpus_workloads
 from compare import DivergenceError
 
@@ -32,7 +32,7 @@ def diverges(workloads: list[Workload], tmp_path, *, shared: bool) -> bool:
         if worker is None or not shared:
             pools = workloads[-1] if shared else workload
             faults = FaultInjector(FaultSpec.parse(workload.faults)) if workload.faults else None
-            worker = Worker(
+            worker = gated_worker(
                 NullModel(TINY_MODELS["tiny"]), cache_config=pools.cache,
                 engine_config=pools.engine, kv_gate=gate, faults=faults, kv_storage=False,
             )  # fmt: skip

@@ -13,9 +13,10 @@ from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import load_workload
-from batchgen.kv.gate import BREAKER_DEFAULTS, KvGateConfig
+from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
+from batchgen.shadow.wiring import gated_worker
 from compare import (
     BreakerWarning,
     CompareBreaker,
@@ -25,6 +26,7 @@ from compare import (
     is_sampled_step,
     read_log,
 )
+from compare.gates import BREAKER_DEFAULTS
 from compare.records import SampleRateRecord
 
 GOLDEN = Path(__file__).parent / "golden" / "smoke_reversed_grants.jsonl"
@@ -61,7 +63,7 @@ def slow_run(tiny, workload, gate: KvGateConfig, *, shadow_raises: bool = False)
     """``workload`` on a bookkeeping worker whose compare mode runs on a fake clock: each step's
     own work takes MODEL_SECONDS, each shadow op SHADOW_SECONDS (or raises inside the harness's
     fork, with ``shadow_raises``). Returns the result and the compare binding."""
-    worker = Worker(
+    worker = gated_worker(
         NullModel(tiny.config), cache_config=workload.cache, engine_config=workload.engine,
         kv_gate=gate, kv_storage=False,
     )  # fmt: skip
@@ -207,7 +209,7 @@ def test_with_the_time_limit_hit_compare_turns_off_and_tokens_equal_a_run_withou
         result, binding = slow_run(tiny, workload, gate)
     plain = run_workload(
         Worker(NullModel(tiny.config), cache_config=workload.cache,
-               engine_config=workload.engine, kv_gate=KvGateConfig(), kv_storage=False),
+               engine_config=workload.engine, kv_storage=False),
         workload,
     )  # fmt: skip
     assert result.outputs == plain.outputs and result.num_steps == plain.num_steps
@@ -237,7 +239,7 @@ def _smoke_log(tiny, log: Path, gate: KvGateConfig) -> list[dict]:
     left out."""
     workload = load_workload("smoke", vocab_size=tiny.config.vocab_size)
     gate = gate.model_copy(update={"compare_demo_bug": "reversed-grants"})
-    worker = Worker(
+    worker = gated_worker(
         tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate,
         faults=FaultInjector(FaultSpec.parse("seed=2,load_fail=0.3")),
     )  # fmt: skip
@@ -251,17 +253,20 @@ def _untimed(record: dict) -> dict:
 
 
 def test_with_neither_budget_nor_breaker_the_log_is_the_golden_one(tiny, tmp_path):
-    """The golden log is the demo switch's (``--kv-compare-demo-bug reversed-grants``). Decision
-    coverage, whose catalog grows, and fields added to the records after it are left out of the
-    comparison: every other field the golden log has is compared, times aside."""
+    """The golden log is the demo switch's (``--kv-compare-demo-bug reversed-grants``), of schema
+    2. Decision coverage, whose catalog grows, the schema version and fields added to the records
+    after it (the binding) are left out of the comparison: every other field the golden log has is
+    compared, times aside."""
     log = tmp_path / "log.jsonl"
     records = _smoke_log(tiny, log, KvGateConfig(compare="log", compare_log=str(log)))
     golden = [_untimed(json.loads(line)) for line in GOLDEN.read_text().splitlines()]
     assert [r["record_type"] for r in records] == ["divergence"] * 6 + ["run_summary"]
+    assert {(r["schema_version"], r["binding"]) for r in records} == {(3, "kv")}
     assert "breaker_step" not in records[-1]
-    kept = [{key: value for key, value in r.items() if key in g and key != "coverage"}
+    left_out = ("coverage", "schema_version")
+    kept = [{key: value for key, value in r.items() if key in g and key not in left_out}
             for r, g in zip(records, golden)]  # fmt: skip
-    assert kept == [{key: value for key, value in g.items() if key != "coverage"} for g in golden]
+    assert kept == [{key: value for key, value in g.items() if key not in left_out} for g in golden]
 
 
 def test_a_breaker_that_never_trips_changes_no_record(tiny, tmp_path):

@@ -55,7 +55,6 @@ from injected_bugs import mutate
 
 from batchgen.config import TINY_MODELS, CacheConfig
 from batchgen.engine.runner import RunResult, run_workload
-from batchgen.engine.state import Phase, Request, RequestState, WorkerState
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, builtin_workload
 from batchgen.kv import appliers, plan_path
@@ -71,7 +70,11 @@ from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
 from batchgen.shadow import forms, kv_compare
 from batchgen.shadow.fork import detach_fork, differing_requests, fork_target
+from batchgen.shadow.forked_pages import ForkedPagePool
 from batchgen.shadow.forms import add_requests, canonical_result
+from batchgen.shadow.recording import RecordingState, recorded, start
+from batchgen.shadow.wiring import gated_worker
+from batchgen.state import Phase, Request, RequestState, WorkerState
 from compare import (
     DivergenceError,
     DivergenceRecord,
@@ -172,14 +175,13 @@ def fail_loads(monkeypatch: pytest.MonkeyPatch, *, every: int = 1) -> None:
 
     def load_to_gpu_async(self, uuid, page_ids):
         handle = real(self, uuid, page_ids)
-        if self.is_fork:
+        if isinstance(self.pages, ForkedPagePool):
             return handle
         count["loads"] += 1
         if count["loads"] % every:
             return handle
         handle.wait()  # the real copy lands before the request's pages can be reused
-        # the handle of the copy just recorded, as the pool's own would be
-        return self._issued(FailedLoad())
+        return FailedLoad()
 
     monkeypatch.setattr(HostKvPool, "load_to_gpu_async", load_to_gpu_async)
 
@@ -230,7 +232,7 @@ def run_compare(
     gate = KvGateConfig(path=authoritative, compare=mode, compare_log=str(log))
     results, error, num_aborted = [], None, 0
     for workload in workloads:
-        worker = Worker(
+        worker = gated_worker(
             model,
             cache_config=workload.cache,
             engine_config=workload.engine,
@@ -568,7 +570,7 @@ def test_shadow_exceptions_and_rejected_plans_are_logged_and_never_reach_the_aut
 ):
     workload = builtin_workload("L2-2048")
     reference = run_workload(
-        Worker(
+        gated_worker(
             tiny,
             cache_config=workload.cache,
             engine_config=workload.engine,
@@ -616,7 +618,7 @@ def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_re
     were off."""
     workload = stress_smoke(0)
     reference = run_workload(
-        Worker(
+        gated_worker(
             tiny,
             cache_config=workload.cache,
             engine_config=workload.engine,
@@ -648,26 +650,27 @@ def test_a_failure_inside_the_harness_is_counted_never_a_divergence_and_never_re
 def test_journaling_stops_after_every_op_compared_or_not(
     harness_crash, tiny, tmp_path, monkeypatch
 ):
-    """Pools journal and the state records writes only while an op is compared: a sampled-out op, or
-    one whose canonical forms crashed, must leave nothing recording (it would grow without
-    bound)."""
+    """The wrappers record only while an op is compared: a sampled-out op, or one whose canonical
+    forms crashed, must leave nothing recording (it would grow without bound)."""
     if harness_crash:
         monkeypatch.setattr(forms, "differing_requests", lambda *args: 1 / 0)
     workload = stress_smoke(1)
     gate = KvGateConfig(
         path="plan", compare="log", compare_sample=0.5, compare_log=str(tmp_path / "log.jsonl")
     )
-    worker = Worker(tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate)
+    worker = gated_worker(
+        tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate
+    )
     recording = []
 
     def after_step(num_released: int, num_requests: int) -> None:
-        target = worker.kv_target()
+        target = worker.kv_compare.recorded
         fields = (
-            target.gpu_kv.pages.journal,
-            target.host_kv.pages.journal,
+            target.gpu_kv.journal,
+            target.host_kv.journal,
             target.host_kv.copies,
             target.state.written,
-            worker.kv_compare.target.dropped,
+            target.dropped,
         )
         recording.extend(
             f"step {worker.state.step}: {value!r}" for value in fields if value is not None
@@ -843,12 +846,13 @@ def test_a_fork_never_writes_the_worker_state_it_was_taken_from():
 def test_a_request_only_the_worker_wrote_is_compared_against_the_state_the_fork_saw():
     target = running_target("a")
     fork = fork_target(target)  # the shadow wrote nothing
-    written = target.state.written = {}
-    target.state.edit("a").phase = Phase.SWAPPED
+    on = recorded(target)
+    start(on)
+    on.state.edit("a").phase = Phase.SWAPPED
     assert fork.state.requests["a"].phase is Phase.SWAPPED  # shared until detached
-    detach_fork(fork, written, set())
+    detach_fork(fork, on.state.written, set())
     assert fork.state.requests["a"].phase is Phase.RUNNING
-    assert differing_requests(fork, target, written, set()) == ["a"]
+    assert differing_requests(fork, on, on.state.written, set()) == ["a"]
 
 
 def test_a_pending_append_dropped_on_one_side_only_is_compared_and_the_fork_drops_none():
@@ -856,22 +860,25 @@ def test_a_pending_append_dropped_on_one_side_only_is_compared_and_the_fork_drop
     fork = fork_target(target)
     fork.drop_pending_append("b")
     assert list(target.pending_appends) == ["a", "b"] and not fork.has_pending_append("b")
-    target.dropped = set()
-    target.drop_pending_append("a")
-    detach_fork(fork, {}, target.dropped)
+    on = recorded(target)
+    start(on)
+    on.drop_pending_append("a")
+    detach_fork(fork, {}, on.dropped)
     assert fork.has_pending_append("a") and not target.has_pending_append("a")
-    assert differing_requests(fork, target, [], target.dropped) == ["a", "b"]
+    assert differing_requests(fork, on, [], on.dropped) == ["a", "b"]
 
 
 def test_the_worker_records_each_request_before_its_first_write_while_compared():
-    state = WorkerState(requests={"a": RequestState(Request("a", (1,), 1), 0)})
+    worker_state = WorkerState(requests={"a": RequestState(Request("a", (1,), 1), 0)})
+    state = RecordingState(worker_state)
     req = state.edit("a")
     assert req is state.requests["a"] and state.written is None  # not compared: nothing recorded
     state.written = {}
     state.edit("a").phase = Phase.RUNNING
     state.edit("a").num_cached_tokens = 1
-    assert state.requests["a"] is req and req.phase is Phase.RUNNING
+    assert worker_state.requests["a"] is req and req.phase is Phase.RUNNING
     assert state.written["a"].phase is Phase.WAITING and state.written["a"].num_cached_tokens == 0
+    assert state.remove("a") is req and worker_state.requests == {}
 
 
 def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state_gives(
@@ -883,7 +890,9 @@ def test_the_replay_request_logged_for_a_plan_shadow_is_the_one_the_worker_state
     bug_named("migrate-request-swapped-this-step").inject(monkeypatch)
     workload = stress_smoke(0)
     gate = KvGateConfig(path="legacy", compare="log", compare_log=str(tmp_path / "log.jsonl"))
-    worker = Worker(tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate)
+    worker = gated_worker(
+        tiny, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate
+    )
     built = {}
     migrate = worker._kv.migrate
 

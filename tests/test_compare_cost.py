@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import pytest
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
-from batchgen.engine.state import Phase, Request, RequestState
 from batchgen.engine.worker import Worker
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plans import (
@@ -29,6 +28,8 @@ from batchgen.kv.plans import (
 )
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.coverage import eviction_outcomes, migration_outcomes
+from batchgen.shadow.wiring import gated_worker
+from batchgen.state import Phase, Request, RequestState
 from compare.canonical import flatten
 
 DIRECTIONS = {"plan authoritative": "plan", "legacy authoritative": "legacy"}
@@ -37,7 +38,7 @@ DIRECTIONS = {"plan authoritative": "plan", "legacy authoritative": "legacy"}
 def running_worker(num_requests: int, path: str, log) -> Worker:
     """A bookkeeping-only worker in compare mode ("raise") with ``num_requests`` RUNNING requests
     of 20 tokens (two pages each: the next decode steps need no new page) and room for all."""
-    worker = Worker(
+    worker = gated_worker(
         NullModel(TINY_MODELS["tiny"]),
         cache_config=CacheConfig(num_gpu_pages=4 * num_requests + 64, num_host_pages=64),
         engine_config=EngineConfig(
@@ -67,14 +68,15 @@ def harness_work(worker: Worker, op: str, monkeypatch, *args) -> HarnessWork:
     kv, seen, copies = worker._kv, {}, []
     copy = RequestState.copy
     monkeypatch.setattr(RequestState, "copy", lambda req: copies.append(req.uuid) or copy(req))
-    fork, canonicalize = kv._fork, kv._canonicalize
-    kv._fork = lambda: seen.setdefault("fork", fork())
-    kv._canonicalize = lambda *sides: seen.setdefault("forms", canonicalize(*sides))
+    run = kv.experiment  # the run's hooks, as compare mode handed them to it
+    fork, canonicalize = run._fork, run._canonicalize
+    run._fork = lambda: seen.setdefault("fork", fork())
+    run._canonicalize = lambda *sides: seen.setdefault("forms", canonicalize(*sides))
     before = kv.executor.stats().num_compared.get(op, 0)
     try:
         getattr(kv, {"alloc": "allocate"}.get(op, op))(*args)
     finally:
-        del kv._fork, kv._canonicalize
+        run._fork, run._canonicalize = fork, canonicalize
         monkeypatch.undo()
     stats = kv.executor.stats()
     assert stats.num_compared[op] == before + 1

@@ -21,15 +21,15 @@ from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.loads import observe_loads
 from batchgen.engine.runner import run_workload
 from batchgen.engine.scheduler import schedule
-from batchgen.engine.state import Phase, Request, RequestState, WorkerStats
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
 from batchgen.kv import appliers
 from batchgen.kv import legacy as legacy_kv
-from batchgen.kv.gate import KvGateConfig, build_kv_path
+from batchgen.kv.gate import build_kv_path
 from batchgen.model.loader import load_model
 from batchgen.shadow.fork import KV_FIELDS, fork_target
 from batchgen.shadow.forms import add_requests
+from batchgen.state import Phase, Request, RequestState, WorkerStats
 from compare import Keyed
 
 WRITE_ENTRIES = ("edit", "remove")
@@ -212,7 +212,6 @@ def test_every_op_on_a_fork_leaves_the_worker_as_it_was(path):
         load_model("tiny"),
         cache_config=workload.cache,
         engine_config=workload.engine,
-        kv_gate=KvGateConfig(path="plan"),
         faults=FaultInjector(FaultSpec.parse("seed=3,load_fail=0.3")),
     )
     ops_run = {"poll": 0, "evict": 0, "migrate": 0, "alloc": 0, "release": 0}

@@ -19,7 +19,6 @@ import pytest
 from batchgen.config import TINY_MODELS
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import RunStalled, run_workload
-from batchgen.engine.state import Phase, Request, RequestState
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
 from batchgen.kv import legacy, manager
@@ -49,6 +48,8 @@ from batchgen.kv.plans import (
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.coverage import CATALOG, DECISIONS, OUTCOMES, REQUIRED, outcomes_of
 from batchgen.shadow.interactions import NO_PENDING_WHILE_LOADING
+from batchgen.shadow.wiring import gated_worker
+from batchgen.state import Phase, Request, RequestState
 from batchgen.validation.explore_space import random_params, workload_from
 from batchgen.validation.validate import BACK_TO_BACK_WORKLOADS, CORPUS_DIR, corpus_workloads
 
@@ -300,7 +301,7 @@ def test_a_release_is_classified_by_what_each_request_still_held():
 def compare_worker(workload, tmp_path, *, path="plan", gate_log="log.jsonl") -> Worker:
     gate = KvGateConfig(path=path, compare="raise", compare_log=str(tmp_path / gate_log))
     faults = FaultInjector(FaultSpec.parse(workload.faults)) if workload.faults else None
-    return Worker(
+    return gated_worker(
         NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache,
         engine_config=workload.engine, kv_gate=gate, faults=faults, kv_storage=False,
     )  # fmt: skip
@@ -361,7 +362,7 @@ def run_generated_workloads(num_workloads: int) -> int:
         faults = FaultInjector(FaultSpec.parse(workload.faults)) if workload.faults else None
         worker = Worker(
             NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache,
-            engine_config=workload.engine, kv_gate=KvGateConfig(), faults=faults, kv_storage=False,
+            engine_config=workload.engine, faults=faults, kv_storage=False,
         )  # fmt: skip
         try:
             run_workload(worker, workload, max_steps=5000)

@@ -139,6 +139,7 @@ def test_a_run_appended_after_a_torn_line_leaves_a_readable_log(killed_log, caps
     complete = data[: data.rindex(b"\n") + 1]
     log.write_bytes(complete + b'{"record_type": "diverg')
     summary = RunSummary(
+        binding="kv",
         run_id="next",
         workload="smoke",
         seed=0,

@@ -8,12 +8,12 @@ from data_plane_bugs import one_round_trip, runs_whose_destination_does_not_adva
 
 from batchgen.cli import main
 from batchgen.engine.runner import run_workload
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import WorkloadRequest
 from batchgen.exit_codes import EXIT_BAD_INPUT
 from batchgen.kv import copy_runs
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
 from batchgen.triage.minimize import minimize_divergence
 from batchgen.triage.regression import write_regression_into
 from compare import DivergenceRecord, read_log
@@ -36,7 +36,7 @@ def data_log(tmp_path, monkeypatch):
     source.write_text(workload.model_dump_json())
     log = tmp_path / "log.jsonl"
     gate = KvGateConfig(compare="log", compare_log=str(log), verify="all")
-    worker = Worker(
+    worker = gated_worker(
         load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
         kv_gate=gate,
     )  # fmt: skip

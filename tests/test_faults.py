@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.faults import ABORT_PHASES, FaultInjector, FaultSpec, FaultSpecError
 from batchgen.engine.runner import run_workload
-from batchgen.engine.state import Phase
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
+from batchgen.state import Phase
 from batchgen.validation.output_check import compare_outputs
 
 MODEL = load_model("tiny")
@@ -55,11 +55,11 @@ def run(
     tmp_path=None,
 ):
     injector = FaultInjector(spec) if spec is not None else None
-    worker = Worker(
+    worker = gated_worker(
         MODEL,
         cache_config=workload.cache,
         engine_config=workload.engine,
-        kv_gate=gate,
+        kv_gate=gate or KvGateConfig(),
         faults=injector,
     )
     return run_workload(worker, workload, check_integrity=True), injector

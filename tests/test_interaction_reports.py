@@ -17,6 +17,7 @@ INTERACTION = "evict.seq.host_3plus"
 
 def summary_reaching(*outcomes: str) -> RunSummary:
     return RunSummary(
+        binding="kv",
         run_id="r", workload="w", seed=0, authoritative="plan", shadow="legacy",
         steps_compared=dict.fromkeys(("poll", "release", "evict", "migrate", "alloc"), 1),
         divergences={}, harness_errors=0, compare_seconds=0.0, authoritative_seconds=0.0,

@@ -11,7 +11,6 @@ import pytest
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import RunStalled, run_workload
-from batchgen.engine.state import Phase, Request, RequestState
 from batchgen.engine.worker import PendingAppend, Worker
 from batchgen.kv.backends import CompletedHandle
 from batchgen.kv.gate import KvGateConfig
@@ -41,6 +40,8 @@ from batchgen.model.null_model import NullModel
 from batchgen.shadow.coverage import CATALOG, DECISIONS
 from batchgen.shadow.history import RunHistory
 from batchgen.shadow.interactions import INTERACTIONS, interactions_of
+from batchgen.shadow.wiring import gated_worker
+from batchgen.state import Phase, Request, RequestState
 from batchgen.validation.explore_space import random_params, workload_from
 
 GEOMETRY = KvGeometry(
@@ -263,7 +264,7 @@ def hanging_worker(tmp_path, path: str) -> Worker:
     engine = EngineConfig(max_num_seqs=4, load_timeout_steps=8)
     gate = KvGateConfig(path=path, compare="raise", compare_log=str(tmp_path / "log.jsonl"))
     faults = FaultInjector(FaultSpec.parse("seed=1,load_hang=1"))
-    worker = Worker(NullModel(TINY_MODELS["tiny"]), cache_config=cache, engine_config=engine,
+    worker = gated_worker(NullModel(TINY_MODELS["tiny"]), cache_config=cache, engine_config=engine,
                     kv_gate=gate, faults=faults, kv_storage=False)  # fmt: skip
     for i in range(3):
         worker.add_request(Request(f"r{i}", (1, 2, 3), 12))
@@ -302,7 +303,7 @@ def test_no_request_holds_a_pending_append_and_a_load_on_generated_workloads(mon
         faults = FaultInjector(FaultSpec.parse(workload.faults)) if workload.faults else None
         worker = Worker(
             NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache,
-            engine_config=workload.engine, kv_gate=KvGateConfig(), faults=faults, kv_storage=False,
+            engine_config=workload.engine, faults=faults, kv_storage=False,
         )  # fmt: skip
 
         def checked(state, timeout_steps, worker=worker):

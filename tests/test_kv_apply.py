@@ -12,11 +12,6 @@ import dataclasses
 
 import pytest
 
-from batchgen.engine.state import (
-    Phase,
-    RequestOutput,
-    RequestState,
-)
 from batchgen.kv.appliers import (
     apply_alloc_plan,
     apply_eviction_plan,
@@ -52,6 +47,11 @@ from batchgen.kv.plans import (
 )
 from batchgen.kv.target import KvTarget
 from batchgen.shadow.fork import view_of
+from batchgen.state import (
+    Phase,
+    RequestOutput,
+    RequestState,
+)
 from batchgen.validation.plan_fixture import (
     ENGINE,
     LOGPROBS,

@@ -1,15 +1,18 @@
-"""KV tiers: exact bytes through a GPU -> host -> GPU round trip; forks and bookkeeping-only pools
-copy nothing."""
+"""KV tiers: exact bytes through a GPU -> host -> GPU round trip; compare mode's forks and
+bookkeeping-only pools copy nothing."""
 
 import hashlib
 
 import pytest
 import torch
 
-from batchgen.config import ModelConfig
+from batchgen.config import CacheConfig, EngineConfig, ModelConfig
 from batchgen.kv.backends import CompletedHandle, CopyOp, GpuKvPool, HostKvPool
 from batchgen.kv.page_copy import AsyncCopyQueue
+from batchgen.kv.target import KvTarget
 from batchgen.model.paged_kv import kv_page_shape
+from batchgen.shadow.fork import fork_target
+from batchgen.state import WorkerState
 
 CONFIG = ModelConfig(
     vocab_size=16,
@@ -88,20 +91,21 @@ def test_load_needs_one_gpu_page_per_host_page():
         host.load_to_gpu_async("a", [0, 1, 2])
 
 
-def test_real_pools_record_no_copies_unless_asked():
-    gpu, host = tiers()
-    host.allocate_pages("a", 1)
-    host.store_from_gpu("a", gpu.allocate_pages("a", 1))
-    assert host.copies is None
+def test_a_copy_op_names_the_source_pages_then_the_destination_pages_of_its_direction():
+    _, host = tiers()
+    host.allocate_pages("a", 2)
+    assert host.copy_op("store", "a", [5, 6]) == CopyOp("store", "a", (5, 6), (0, 1))
+    assert host.copy_op("load", "a", [3, 2]) == CopyOp("load", "a", (0, 1), (3, 2))
 
 
 def test_forks_record_copy_ops_and_issue_no_copies():
     gpu, host = tiers()
     gpu_page_ids = gpu.allocate_pages("a", 2)  # [0, 1]
     gpu_before, host_before = gpu.tensor.clone(), host.tensor.clone()
-    gpu_fork = gpu.fork()
-    host_fork = host.fork(gpu_fork)
-    assert gpu_fork.tensor is None and host_fork.tensor is None and host_fork.gpu is gpu_fork
+    cache = CacheConfig(page_size=PAGE_SIZE, num_gpu_pages=8, num_host_pages=6)
+    fork = fork_target(KvTarget(WorkerState(), gpu, host, {}, CONFIG, cache, EngineConfig()))
+    gpu_fork, host_fork = fork.gpu_kv, fork.host_kv
+    assert gpu_fork.tensor is None and host_fork.tensor is None
     host_fork.allocate_pages("a", 2)
     host_fork.store_from_gpu("a", gpu_page_ids)
     gpu_fork.release_pages("a")
@@ -130,11 +134,10 @@ def test_bookkeeping_only_pools_track_pages_and_complete_loads_at_once():
     host.check_integrity({"a"})
 
 
-def test_each_host_pool_with_pages_owns_its_copy_queue_and_forks_have_none():
-    gpu, host = tiers()
+def test_each_host_pool_with_pages_owns_its_copy_queue_and_a_bookkeeping_pool_has_none():
+    _, host = tiers()
     _, other_host = tiers()
 
     assert isinstance(host.copy_queue, AsyncCopyQueue)
     assert host.copy_queue is not other_host.copy_queue
-    assert host.fork(gpu.fork()).copy_queue is None
     assert HostKvPool(4, None, GpuKvPool(4)).copy_queue is None

@@ -20,12 +20,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
-from batchgen.engine.state import RequestState
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import WorkloadRequest, builtin_workload
-from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.gate import KvGateConfig, build_kv_path
+from batchgen.kv.ops import KvFactory, KvSetup
+from batchgen.kv.target import KvTarget
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
+from batchgen.shadow.recording import RecordingHostPool
+from batchgen.state import RequestState
 
 PATHS = ("legacy", "plan")
 TINY = TINY_MODELS["tiny"]
@@ -201,6 +204,20 @@ def assert_same_ops(legacy: OpRecorder, plan: OpRecorder, step: int) -> None:
 
 
 # ---- lockstep driver -----------------------------------------------------------------------------
+def copies_recorded(path: str, hosts: list[RecordingHostPool]) -> KvFactory:
+    """The ops of ``path`` over a worker's target whose host pool records each copy the ops issue;
+    that pool is appended to ``hosts``."""
+
+    def build(target: KvTarget) -> KvSetup:
+        host = RecordingHostPool(target.host_kv)
+        host.copies, host.load_handles = [], {}
+        hosts.append(host)
+        kv_path = build_kv_path(path, dataclasses.replace(target, host_kv=host))
+        return KvSetup(kv_path, KvGateConfig(path=path))
+
+    return build
+
+
 @dataclass
 class Trace:
     requests: list[WorkloadRequest]
@@ -215,16 +232,15 @@ def run_lockstep(
     """Step one worker per path together; assert equal canonical state and copies after every step.
 
     Returns the legacy worker and the number of copies compared."""
-    workers = []
+    workers, hosts = [], []
     for path in PATHS:
         worker = Worker(
             model,
             cache_config=trace.cache,
             engine_config=trace.engine,
-            kv_gate=KvGateConfig(path=path),
+            kv_ops=copies_recorded(path, hosts),
             kv_storage=kv_storage,
         )
-        worker.host_kv.record_copies(True)
         if trace.faults is not None:
             trace.faults.install(worker)
         workers.append(worker)
@@ -254,10 +270,10 @@ def run_lockstep(
         assert_same_ops(*recorders, step)
         a, b = canonical(legacy), canonical(plan)
         assert a == b, f"state differs after step {step}:\n{explain(a, b)}"
-        assert legacy.host_kv.copies == plan.host_kv.copies, f"copies differ at step {step}"
-        num_copies += len(legacy.host_kv.copies)
-        legacy.host_kv.copies.clear()
-        plan.host_kv.copies.clear()
+        assert hosts[0].copies == hosts[1].copies, f"copies differ at step {step}"
+        num_copies += len(hosts[0].copies)
+        hosts[0].copies.clear()
+        hosts[1].copies.clear()
         if kv_storage:
             assert_same_tensors(legacy, plan, step)
     assert legacy.gpu_kv.free_pages() == legacy.gpu_kv.num_pages

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from batchgen.kv.gate import (
-    BREAKER_DEFAULTS,
     GATE_FLAGS,
     KV_OPS,
     GateError,
@@ -20,6 +19,7 @@ from batchgen.kv.gate import (
     build_kv_path,
     gate_config,
 )
+from compare.gates import BREAKER_DEFAULTS
 
 ENV = {field: env for field, (env, _, _) in GATE_FLAGS.items()}
 CLI = {field: option for field, (_, option, _) in GATE_FLAGS.items()}
@@ -236,13 +236,13 @@ import json, os, sys
 from batchgen.model.loader import load_model
 from batchgen.engine.runner import run_workload
 from batchgen.kv.gate import gate_config
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
+from batchgen.shadow.wiring import gated_worker
 
 gate = gate_config(os.environ)
 workload = builtin_workload("smoke")
-worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
-                kv_gate=gate)
+worker = gated_worker(load_model("tiny"), cache_config=workload.cache,
+                      engine_config=workload.engine, kv_gate=gate)
 result = run_workload(worker, workload)
 leaked = result.leaked_gpu_pages + result.leaked_host_pages
 legacy_loaded = "batchgen.kv.legacy" in sys.modules

@@ -21,12 +21,10 @@ import pytest
 from test_kv_plans import assert_round_trips
 
 from batchgen.config import TINY_MODELS, EngineConfig
-from batchgen.engine.state import Phase, Request
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
 from batchgen.kv import plans as kv_plans
 from batchgen.kv.backends import GpuKvPool, HostKvPool
-from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.manager import KVCacheManager, eviction_watermark_pages
 from batchgen.kv.plans import (
     AllocPlan,
@@ -53,6 +51,7 @@ from batchgen.kv.plans import (
     decode_demand,
 )
 from batchgen.model.null_model import NullModel
+from batchgen.state import Phase, Request
 
 RUNNING, SWAPPED, LOADING, WAITING = "running", "swapped", "loading", "waiting"
 READ_ONLY_BACKEND_METHODS = {"peek_free_pages", "free_pages"}
@@ -172,9 +171,7 @@ def free_queue(pool) -> list[int]:
 
 
 def pool_dump(pool) -> dict:
-    return copy.deepcopy(
-        {"pages": vars(pool.pages), "copies": pool.copies if isinstance(pool, HostKvPool) else None}
-    )
+    return copy.deepcopy(vars(pool.pages))
 
 
 # Five RUNNING requests on a 12-page GPU pool, page_size 4 (demand = pages for all tokens - pages
@@ -370,7 +367,6 @@ def audited_run() -> AuditedRun:
         NullModel(TINY_MODELS["tiny"]),
         cache_config=workload.cache,
         engine_config=workload.engine,
-        kv_gate=KvGateConfig(path="plan"),
         kv_storage=False,
     )
     pending = TripwireDict()

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.engine.state import Phase
 from batchgen.kv import plans as kv_plans
 from batchgen.kv.plans import (
     AllocPlan,
@@ -36,6 +35,7 @@ from batchgen.kv.plans import (
     from_json,
     to_json,
 )
+from batchgen.state import Phase
 
 
 def geometry(**changes) -> KvGeometry:

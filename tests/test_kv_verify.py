@@ -13,12 +13,14 @@ from data_plane_bugs import (
 from batchgen.engine import kv_verify as verify_module
 from batchgen.engine import worker as worker_module
 from batchgen.engine.runner import run_workload
-from batchgen.engine.state import Request
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
 from batchgen.kv import copy_runs
+from batchgen.kv.backends import CopyOp
 from batchgen.kv.gate import GateError, KvGateConfig, gate_config
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
+from batchgen.state import Request
 from compare import DivergenceRecord, is_sampled_step, read_log
 
 LAYERS = (0, 1)  # the tiny model's
@@ -29,13 +31,16 @@ def model():
     return load_model("tiny")
 
 
-def verified_worker(model, workload: Workload, log, **gate) -> Worker:
+def verified_worker(model, workload: Workload, log, **gate) -> tuple[Worker, list[CopyOp]]:
+    """A worker under the page-content oracle, and the copies it issues, as the oracle sees them
+    (the test reads back where each copy went)."""
     kv_gate = KvGateConfig(compare_log=str(log), verify="all", **gate)
-    worker = Worker(
+    worker = gated_worker(
         model, cache_config=workload.cache, engine_config=workload.engine, kv_gate=kv_gate
     )
-    worker.host_kv.record_copies(True)  # the test reads back where each copy went
-    return worker
+    copies, verify = [], worker.host_kv.on_copy
+    worker.host_kv.on_copy = lambda op: (copies.append(op), verify(op))
+    return worker, copies
 
 
 def data_records(log) -> list[DivergenceRecord]:
@@ -46,9 +51,9 @@ def data_records(log) -> list[DivergenceRecord]:
 
 def test_a_correct_run_logs_no_data_divergence_and_checks_every_landed_page(model, tmp_path):
     log = tmp_path / "log.jsonl"
-    worker = verified_worker(model, one_round_trip(), log)
+    worker, copies = verified_worker(model, one_round_trip(), log)
     result = run_workload(worker, one_round_trip(), check_integrity=True)
-    (load,) = [op for op in worker.host_kv.copies if op.kind == "load"]
+    (load,) = [op for op in copies if op.kind == "load"]
     summary = worker.kv_verify.summary()
     assert (result.stats.evictions, result.stats.loads) == (1, 1)
     assert summary.divergences == {} and data_records(log) == []
@@ -62,9 +67,9 @@ def test_a_copy_run_whose_destination_does_not_advance_is_one_data_divergence(
 ):
     monkeypatch.setattr(copy_runs, "pair_runs", runs_whose_destination_does_not_advance)
     log = tmp_path / "log.jsonl"
-    worker = verified_worker(model, one_round_trip(), log)
+    worker, copies = verified_worker(model, one_round_trip(), log)
     run_workload(worker, one_round_trip())
-    store, load = worker.host_kv.copies
+    store, load = copies
     # r1's pages 2, 3, 4 went to host pages 0, 1, 2 all into host page 0 (host pages 1 and 2 kept
     # their zeros), and came back to the same GPU pages all into GPU page 2: pages 3 and 4 still
     # hold their own bytes, page 2 holds a zero page.
@@ -89,7 +94,7 @@ def test_a_copy_run_whose_destination_does_not_advance_is_one_data_divergence(
 def test_a_write_one_slot_late_is_one_data_divergence_of_the_flush(model, tmp_path, monkeypatch):
     monkeypatch.setattr(worker_module, "write_kvs", writes_one_slot_late)
     log = tmp_path / "log.jsonl"
-    worker = verified_worker(model, one_round_trip(), log)
+    worker, _ = verified_worker(model, one_round_trip(), log)
     worker.add_request(Request(uuid="solo", prompt_ids=(5, 17, 42, 8, 99, 3), max_new_tokens=4))
     worker.step()  # prefill: 6 positions into GPU pages 0 and 1, pending
     worker.step()  # flush: written one slot late
@@ -108,7 +113,7 @@ def test_a_write_one_slot_late_is_one_data_divergence_of_the_flush(model, tmp_pa
 
 def test_with_compare_mode_on_data_checks_are_in_the_run_summary_and_its_log(model, tmp_path):
     log = tmp_path / "log.jsonl"
-    worker = verified_worker(model, one_round_trip(), log, compare="log")
+    worker, _ = verified_worker(model, one_round_trip(), log, compare="log")
     result = run_workload(worker, one_round_trip())
     assert worker.kv_compare.verifier is worker.kv_verify
     assert result.compare_summary.data == worker.kv_verify.summary()
@@ -131,7 +136,7 @@ def test_sample_checks_the_appends_of_the_steps_compare_mode_samples(model, tmp_
         gate = KvGateConfig(
             compare_log=str(tmp_path / "log.jsonl"), verify=mode, compare_sample=0.5
         )
-        current = Worker(
+        current = gated_worker(
             model, cache_config=workload.cache, engine_config=workload.engine, kv_gate=gate
         )
         run_workload(current, workload)
@@ -164,5 +169,8 @@ def test_verify_is_off_by_default_and_the_option_overrides_the_environment():
 
 
 def test_a_worker_with_verify_off_has_no_oracle_and_watches_no_copy(model):
-    worker = Worker(model, cache_config=one_round_trip().cache, kv_gate=KvGateConfig())
+    worker = Worker(
+        model,
+        cache_config=one_round_trip().cache,
+    )
     assert worker.kv_verify is None and worker.host_kv.on_copy is None

@@ -12,12 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import run_workload
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import load_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.metrics.config import MetricsConfig, MetricsConfigError, metrics_config
 from batchgen.metrics.exporter import exporting
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
 from compare import RunSummary, read_log
 
 
@@ -46,7 +46,7 @@ def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
 
 def smoke_worker(tiny, log, faults="seed=2,load_fail=0.3"):
     workload = load_workload("smoke", vocab_size=tiny.config.vocab_size)
-    worker = Worker(
+    worker = gated_worker(
         tiny, cache_config=workload.cache, engine_config=workload.engine,
         kv_gate=KvGateConfig(compare="log", compare_log=str(log)),
         faults=FaultInjector(FaultSpec.parse(faults)),

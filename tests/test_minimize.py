@@ -11,12 +11,12 @@ import batchgen.kv.manager as kv_manager
 from batchgen.config import TINY_MODELS
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import run_workload
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload, load_workload
 from batchgen.exit_codes import Terminated
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plans import Destination, EvictionPlan, PollAction, Victim
 from batchgen.model.null_model import NullModel
+from batchgen.shadow.wiring import gated_worker
 from batchgen.triage.minimize import NotReproduced, minimize_divergence, recorded_workload
 from batchgen.triage.minimize_search import DivergenceSignature
 from batchgen.triage.regression import write_regression, write_regression_into
@@ -57,7 +57,7 @@ def inject_retry_bug(monkeypatch):
 
 
 def null_worker(workload, *, kv_gate, shadow_path, faults=None):
-    return Worker(
+    return gated_worker(
         NullModel(TINY_MODELS["tiny"]),
         cache_config=workload.cache,
         engine_config=workload.engine,
@@ -125,7 +125,7 @@ def big_vocabulary_worker(workload, *, kv_gate, shadow_path, faults=None):
     """A null-model worker whose model has a 32000-token vocabulary (a checkpoint's, not the tiny
     model's 512)."""
     config = TINY_MODELS["tiny"].model_copy(update={"vocab_size": 32000})
-    return Worker(
+    return gated_worker(
         NullModel(config),
         cache_config=workload.cache,
         engine_config=workload.engine,
@@ -400,6 +400,7 @@ def test_a_fault_spec_reads_back_from_its_spec_string():
 
 def test_the_signature_wildcards_ids_and_indexes():
     record = DivergenceRecord(
+        binding="kv",
         run_id="r",
         workload="smoke",
         seed=0,

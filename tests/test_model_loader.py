@@ -9,12 +9,12 @@ from safetensors.torch import save_file
 from stepping import step_to_end
 
 from batchgen.config import DTYPE_SIZES, TINY_MODELS, CacheConfig, ModelConfig
-from batchgen.engine.state import Request, RequestOutput
 from batchgen.engine.worker import Worker
 from batchgen.model import loader
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.loader import SUPPORTED_DTYPES, ModelLoadError, load_model
 from batchgen.model.stacked import hf_tensors
+from batchgen.state import Request, RequestOutput
 
 HF_CONFIG = dict(
     model_type="llama",
@@ -155,9 +155,9 @@ def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path):
 def test_tied_embeddings_share_one_parameter(tmp_path):
     tensors = write_checkpoint(tmp_path, dict(HF_CONFIG, tie_word_embeddings=True))
     assert "lm_head.weight" not in tensors
-    model = load_model(str(tmp_path), dtype="bfloat16")
+    model = load_model(str(tmp_path), dtype="float16")  # unpacked (float32, bfloat16 are packed)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"].bfloat16())
+    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"].half())
 
 
 def test_tied_checkpoint_that_also_stores_lm_head_loads(tmp_path):
@@ -169,7 +169,9 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads(tmp_path):
         {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()},
     )
     model = load_model(str(tmp_path))
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # packed for oneDNN: a copy of the embedding's values (onednn_linear)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
 
 
 def test_rotary_inv_freq_buffers_are_ignored(tmp_path):

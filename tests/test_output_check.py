@@ -2,7 +2,7 @@
 
 import pytest
 
-from batchgen.engine.state import Phase, RequestOutput, TokenLogprobs
+from batchgen.state import Phase, RequestOutput, TokenLogprobs
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES, compare_exact, compare_outputs
 
 FLAT = TokenLogprobs(top_ids=(1, 2), top_logprobs=(-1.0, -3.0))  # a clear winner: no tie

@@ -60,7 +60,7 @@ def test_float32_pages_on_a_cpu_attend_every_decode_in_one_in_place_batch():
     assert in_place.num_cached.tolist() == [480, 5]
     # tables cut to the pages read (up to the new token's), then padded with each one's first
     assert in_place.page_tables.tolist() == [list(range(31)), [32] * 31]
-    (padded,) = plan_attention(spans, torch.zeros(40, 1, 2, 2, 16, 8, dtype=torch.bfloat16)).decodes
+    (padded,) = plan_attention(spans, torch.zeros(40, 1, 2, 2, 16, 8, dtype=torch.float16)).decodes
     assert isinstance(padded, DecodeBatch)
 
 

@@ -1,5 +1,6 @@
-"""The in-place decode kernel computes what the padded SDPA batches compute, reads nothing past a
-row's new token, and gives the same bits on any number of threads."""
+"""The in-place decode kernel computes what the padded SDPA batches compute, over float32 or
+bfloat16 pages, reads nothing past a row's new token, and gives the same bits on any number of
+threads."""
 
 import os
 import random
@@ -158,10 +159,27 @@ def test_a_decode_leaves_torchs_thread_count_as_it_was():
     assert run.stdout.split() == ["1"]
 
 
-def test_only_float32_pages_on_a_cpu_attend_in_place():
+def test_only_float32_and_bfloat16_pages_on_a_cpu_attend_in_place():
     assert attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8))
-    assert not attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8, dtype=torch.bfloat16))
+    assert attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8, dtype=torch.bfloat16))
+    assert not attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8, dtype=torch.float16))
     assert not attends_in_place(torch.zeros(1, 1, 2, 1, 4, 8, device="meta"))
+
+
+@pytest.mark.parametrize("page_size, head_dim", [(4, 8), (32, 64)])
+def test_bfloat16_pages_are_attended_in_place_as_float32_pages_of_their_values(page_size, head_dim):
+    spans, pages, q, new_kv = decode_case(4, 2, page_size, [3, 16, 17, 40], head_dim=head_dim)
+    halved = pages.bfloat16()  # NaN slots stay NaN, and are never read
+    (in_place,) = plan_attention(spans, halved).decodes
+    assert isinstance(in_place, InPlaceDecodes)
+    for layer in range(pages.shape[1]):
+        out = attended(in_place, q, new_kv, halved, layer)
+        assert out.dtype == torch.float32 and not out.isnan().any()
+        # the same sums as over float32 pages of the same values: each read widened exactly
+        exact = attended(in_place, q, new_kv, halved.float(), layer)
+        torch.testing.assert_close(out, exact, atol=1e-6, rtol=1e-5)
+    rounded = attended(in_place, q.bfloat16(), new_kv.bfloat16(), halved, layer=0)
+    assert rounded.dtype == torch.bfloat16
 
 
 @numba.njit(fastmath=FASTMATH)  # as the kernel calls it

@@ -195,6 +195,16 @@ def test_float32_pages_on_a_cpu_take_the_same_bytes_as_the_indexed_write():
     assert torch.equal(by_kernel.double(), by_index)
 
 
+def test_bfloat16_pages_on_a_cpu_take_the_same_bytes_as_the_indexed_write():
+    # bfloat16 pages are written by kv_write_kernel as their bits, float16 ones by torch's index
+    writes = [([7, 2], 0, make_kv(6)), ([3, 11, 1], 2, make_kv(7, offset=0.5))]
+    by_kernel = make_pages(page_size=4, num_pages=12, dtype=torch.bfloat16)
+    by_index = make_pages(page_size=4, num_pages=12, dtype=torch.float32)
+    write_kvs(by_kernel, writes)
+    write_kvs(by_index, [(ids, start, kv.bfloat16().float()) for ids, start, kv in writes])
+    assert torch.equal(by_kernel.float(), by_index.bfloat16().float())
+
+
 def test_the_kernel_converts_other_dtypes_to_the_float32_pages():
     pages = make_pages(page_size=4, num_pages=3)
     new_kv = torch.randn(CONFIG.num_layers, 2, 5, CONFIG.num_kv_heads, CONFIG.head_dim)

@@ -22,7 +22,8 @@ from batchgen.config import TINY_MODELS, CacheConfig
 from batchgen.model.null_model import NullModel
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plans import AllocPlan, PageGrant
-from batchgen.engine.state import Request
+from batchgen.shadow.wiring import kv_ops_for
+from batchgen.state import Request
 from batchgen.engine.worker import Worker
 
 
@@ -55,7 +56,7 @@ def test_worker_with_a_buggy_manager(monkeypatch):
 
 def test_worker_with_an_explicit_gate(monkeypatch):
     reversed_grants(monkeypatch)
-    run(kv_gate=KvGateConfig())
+    run(kv_ops=kv_ops_for(KvGateConfig()))
 """
 
 
@@ -153,6 +154,7 @@ def test_a_log_with_lines_that_are_not_records_leaves_the_tests_alone_and_the_su
 ):
     log = tmp_path / "kv.jsonl"
     summary = RunSummary(
+        binding="kv",
         run_id="r",
         workload="smoke",
         seed=0,

@@ -1,16 +1,17 @@
 """The real model, SmolLM2-135M-Instruct, as users bring it: the GGUF file as shipped and the HF
 directory transformers makes of it. Greedy tokens equal HF transformers' through both; compare
-mode under KV pressure; validate's real-model pass catches a K/V layout bug on the torch write
-path. Under CI the model must be fetchable; elsewhere these tests skip without it."""
+mode under KV pressure; validate's real-model pass catches a K/V layout bug in the bfloat16 K/V
+write. Under CI the model must be fetchable; elsewhere these tests skip without it."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from batchgen import LLM, Sampling
 from batchgen.cli import main
-from batchgen.model import paged_kv
+from batchgen.model import kv_write_kernel
 from batchgen.validation import real_model_check
 from batchgen.validation.real_model_check import check_real_model, real_failures, run_real_workload
 
@@ -95,15 +96,16 @@ def test_generate_answers_a_chat_line_from_the_gguf_file_under_its_stem(
     assert json.loads(capsys.readouterr().out)["lines_done"] == 1
 
 
-def test_the_bfloat16_pass_catches_k_and_v_swapped_on_the_torch_write_path(
+def test_the_bfloat16_pass_catches_k_and_v_swapped_in_the_kv_write(
     real_model_gguf, real_model_hf_dir, monkeypatch
 ):
-    write = paged_kv._write_indexed
+    # bfloat16 pages on a CPU are written by the kernel, as their int16 bits (paged_kv.write_kvs)
+    write = kv_write_kernel.write_runs
 
     def swapped(kv_pages, new_kvs, *args):
-        write(kv_pages, new_kvs.flip(1), *args)  # dim 1 holds K, V
+        write(kv_pages, np.ascontiguousarray(new_kvs[:, ::-1]), *args)  # axis 1 holds K, V
 
-    monkeypatch.setattr(paged_kv, "_write_indexed", swapped)
+    monkeypatch.setattr(kv_write_kernel, "write_runs", swapped)
     monkeypatch.setattr(real_model_check, "CHATS", real_model_check.CHATS[:1])
     monkeypatch.setattr(real_model_check, "COMPLETIONS", ())
     verdict = check_real_model("cpu", "bfloat16")

@@ -5,8 +5,6 @@ import batchgen.kv.plan_path as plan_path
 from batchgen.config import TINY_MODELS
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import run_workload
-from batchgen.engine.state import Phase
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import builtin_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plan_path import PlanKvPath
@@ -24,6 +22,8 @@ from batchgen.kv.plans import (
     Victim,
 )
 from batchgen.model.null_model import NullModel
+from batchgen.shadow.wiring import gated_worker
+from batchgen.state import Phase
 from batchgen.triage.rebuild import PLACEHOLDER_OWNER, ReplayError, rebuild_target
 from batchgen.triage.replay import replay_record
 from compare import DivergenceRecord, read_log
@@ -80,7 +80,7 @@ def divergences(tmp_path, *, path="legacy", faults=None):
     wrote."""
     workload = builtin_workload("smoke")
     log = tmp_path / "kv.jsonl"
-    worker = Worker(
+    worker = gated_worker(
         NullModel(TINY_MODELS["tiny"]),
         cache_config=workload.cache,
         engine_config=workload.engine,
@@ -353,6 +353,7 @@ def alloc_record(*, views, num_free_gpu, authoritative_ids, shadow_ids, batch):
         "scale": 1.0,
     }
     return DivergenceRecord(
+        binding="kv",
         run_id="r",
         workload="smoke",
         seed=0,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchgen.engine.sampler import log_normaliser, sample, top2, top2_and_normaliser
-from batchgen.engine.state import Request, RequestState
+from batchgen.state import Request, RequestState
 
 
 @pytest.mark.parametrize("vocab_size", [2, 97, 128, 129, 200, 4096, 32001])

@@ -9,10 +9,10 @@ import torch
 from batchgen.config import CacheConfig
 from batchgen.engine.request_checks import RequestError
 from batchgen.engine.sampler import filter_logits, sample
-from batchgen.engine.sampling_params import SamplingParams
-from batchgen.engine.state import Request, RequestState
 from batchgen.engine.worker import Worker
 from batchgen.model.loader import load_model
+from batchgen.sampling_params import SamplingParams
+from batchgen.state import Request, RequestState
 from tests.stepping import step_to_end
 
 CACHE = CacheConfig(page_size=4, num_gpu_pages=64, num_host_pages=8)

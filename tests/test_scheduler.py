@@ -6,10 +6,10 @@ from batchgen.cli.run_flags import SCHEDULE_POLICIES
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.runner import run_workload
 from batchgen.engine.scheduler import ADMISSION_ORDER, schedule
-from batchgen.engine.state import Request, TokenLogprobs
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.model.loader import load_model
+from batchgen.state import Request, TokenLogprobs
 
 CACHE = CacheConfig(page_size=4, num_gpu_pages=64, num_host_pages=0, watermark=0.0)
 

@@ -12,11 +12,11 @@ from test_validation import one_json_object, pressure_workload, use_workloads
 from batchgen.cli import main
 from batchgen.config import TINY_MODELS
 from batchgen.engine.runner import run_workload
-from batchgen.engine.state import Phase
 from batchgen.engine.worker import Worker
 from batchgen.kv import plan_checks
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
+from batchgen.state import Phase
 from batchgen.validation.plan_fixture import make_target
 from batchgen.validation.plan_refusals import PLAN_REFUSALS, PlanRefusal, refusal_failure
 from batchgen.validation.self_checks import (

@@ -251,6 +251,7 @@ def test_a_task_that_fails_every_attempt_is_a_harness_error_naming_the_run(
     assert (result.ok, result.num_done, result.compare.num_harness_errors) == (False, 2, 1)
     records = read_log(result.reports["jsonl"]).records
     assert records[0] == RunSummary(
+        binding="kv",
         run_id=lost.run_id,
         workload="smoke",
         seed=0,

@@ -15,6 +15,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import load_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
 from compare import DivergenceError, DivergenceRecord, RunSummary, read_log
 
 # on smoke, with no load retry: evictions, loads, failed loads and recomputes all happen
@@ -30,7 +31,7 @@ def smoke_worker(model, *, gate=None, faults=FAULTS) -> tuple[Worker, object]:
     workload = load_workload("smoke", vocab_size=model.config.vocab_size)
     engine = workload.engine.model_copy(update={"max_load_retries": 0})
     injector = FaultInjector(FaultSpec.parse(faults)) if faults else None
-    worker = Worker(
+    worker = gated_worker(
         model, cache_config=workload.cache, engine_config=engine,
         kv_gate=gate or KvGateConfig(), faults=injector,
     )  # fmt: skip

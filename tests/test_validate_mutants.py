@@ -20,7 +20,7 @@ from injected_bugs import mutate
 from batchgen.engine import worker
 from batchgen.kv import appliers, copy_runs, legacy, manager, plan_path  # noqa: F401 (loaded first)
 from batchgen.model.loader import load_model
-from batchgen.validation.report import DIRECTIONS
+from batchgen.shadow.wiring import DIRECTIONS
 from batchgen.validation.session import FailFast, Session
 from batchgen.validation.validate import CORPUS_DIR, corpus_workloads
 

@@ -17,7 +17,7 @@ import pytest
 from injected_bugs import reversed_grants
 
 import batchgen.kv.manager as kv_manager
-import batchgen.validation.report
+import batchgen.shadow.report_page
 import batchgen.validation.session
 import batchgen.validation.validate
 from batchgen.cli import main
@@ -27,8 +27,9 @@ from batchgen.kv.backends import GpuKvPool
 from batchgen.kv.plans import PollAction
 from batchgen.model.loader import load_model
 from batchgen.shadow.coverage import CATALOG
+from batchgen.shadow.report_page import REPORT_FILES
+from batchgen.shadow.wiring import DIRECTIONS
 from batchgen.validation.checks import coverage_failures
-from batchgen.validation.report import DIRECTIONS, REPORT_FILES
 from batchgen.validation.validate import validate_back_to_back
 from compare import (
     DivergenceRecord,
@@ -391,7 +392,7 @@ def test_reports_a_full_disk_cannot_take_are_a_named_failure_and_the_summary_sti
             raise OSError(errno.ENOSPC, "No space left on device")
         write_atomic(path, text)
 
-    monkeypatch.setattr(batchgen.validation.report, "write_atomic", disk_full)
+    monkeypatch.setattr(batchgen.shadow.report_page, "write_atomic", disk_full)
     reports = tmp_path / "reports"
     assert main(["validate", "--json", "--reports-dir", str(reports)]) == 1
     report = one_json_object(capsys.readouterr().out)
@@ -442,6 +443,7 @@ def test_the_corpus_runs_on_a_fresh_worker_in_every_direction_with_its_own_fault
 
 def summary_reaching(*outcomes: str) -> RunSummary:
     return RunSummary(
+        binding="kv",
         run_id="r", workload="w", seed=0, authoritative="plan", shadow="legacy",
         steps_compared=dict.fromkeys(("poll", "release", "evict", "migrate", "alloc"), 1),
         divergences={}, harness_errors=0, compare_seconds=0.0, authoritative_seconds=0.0,

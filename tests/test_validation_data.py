@@ -9,8 +9,8 @@ from data_plane_bugs import one_round_trip, runs_whose_destination_does_not_adva
 from batchgen.kv import copy_runs
 from batchgen.kv.copy_patterns import COPY_PATTERN_IDS, issuable_patterns
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import DIRECTIONS
 from batchgen.validation.checks import copy_pattern_failures
-from batchgen.validation.report import DIRECTIONS
 from batchgen.validation.session import VALIDATION_COPY_SPLIT, Session
 from compare import DataChecks, DivergenceRecord, RunSummary, aggregate, read_log
 from compare.render import data_line, render_text
@@ -55,6 +55,7 @@ def test_validation_splits_a_batch_of_eight_tiny_pages_on_two_threads():
 
 def summary(patterns: dict[str, int], divergences: dict[str, int] | None = None) -> RunSummary:
     return RunSummary(
+        binding="kv",
         run_id="run-1", workload="w", seed=0, authoritative="plan", shadow="legacy",
         steps_compared={"poll": 3}, divergences={}, harness_errors=0, compare_seconds=0.1,
         authoritative_seconds=1.0,
@@ -67,6 +68,7 @@ def summary(patterns: dict[str, int], divergences: dict[str, int] | None = None)
 
 def data_record() -> DivergenceRecord:
     return DivergenceRecord(
+        binding="kv",
         run_id="run-1", workload="w", seed=0, step=5, op="poll", authoritative="plan",
         shadow="legacy", kind="data", field_paths=["requests[r1].gpu_pages[2].layers[0]"],
         diff={}, exception=None, replay={}, created_at=0.0,

@@ -13,13 +13,13 @@ from stepping import step_to_end
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.request_checks import RequestError
 from batchgen.engine.runner import RunResult, run_workload
-from batchgen.engine.state import Phase, Request
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest, builtin_workload
 from batchgen.kv import tiers
 from batchgen.kv.tiers import PoolAllocationError
 from batchgen.model import loader
 from batchgen.model.loader import load_model
+from batchgen.state import Phase, Request
 from batchgen.validation.output_check import compare_exact, compare_outputs
 
 
@@ -408,12 +408,8 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(model):
             {"engine_config": {"max_num_seqs": 4}},
             "Worker: engine_config must be a batchgen.config.EngineConfig or None, not dict",
         ),
-        (
-            {"kv_gate": {"path": "plan"}},
-            "Worker: kv_gate must be a batchgen.kv.gate.KvGateConfig or None, not dict",
-        ),
     ],
-    ids=["cache", "engine", "gate"],
+    ids=["cache", "engine"],
 )
 def test_a_config_of_another_type_is_a_type_error_naming_the_argument(model, config, message):
     arguments = {

@@ -13,7 +13,6 @@ from batchgen.engine.workloads import (
     builtin_workload,
     load_workload,
 )
-from batchgen.kv.gate import KvGateConfig
 from batchgen.model.null_model import NullModel
 
 
@@ -51,7 +50,6 @@ def test_the_l2_traces_keep_evicting_to_host_as_they_scale(name, scale):
         NullModel(TINY_MODELS["tiny"]),
         cache_config=workload.cache,
         engine_config=workload.engine,
-        kv_gate=KvGateConfig(path="plan"),
         kv_storage=False,
     )
     stats = run_workload(worker, workload).stats
@@ -170,7 +168,6 @@ def test_run_workload_reports_the_releases_of_a_step_that_raises():
         NullModel(TINY_MODELS["tiny"]),
         cache_config=workload.cache,
         engine_config=workload.engine,
-        kv_gate=KvGateConfig(path="plan"),
         kv_storage=False,
     )
     step = worker.step
@@ -202,7 +199,6 @@ def test_run_workload_reports_each_released_request_once_in_release_order():
         NullModel(TINY_MODELS["tiny"]),
         cache_config=workload.cache,
         engine_config=workload.engine,
-        kv_gate=KvGateConfig(path="plan"),
         kv_storage=False,
     )
     released = []

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from batchgen.cli.common import StdoutConsole, UsageError, check_output_file, key_value_table
-from batchgen.cli.generate_flags import EPILOG, add_generate_args
+from batchgen.cli.generate_flags import EPILOG, add_generate_args, is_replicated
 from batchgen.cli.run_files import closing_compare_log, open_compare_log, print_divergences_logged
 from batchgen.cli.run_flags import engine_config_from_args, gate_from_args
 from batchgen.config import EngineConfig
@@ -37,6 +37,7 @@ from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
 from batchgen.metrics.exporter import exporting
 from batchgen.model.loader import load_model
 from batchgen.openai.batch_job import BatchJob, JobCounts, numbered_lines, result_keys, scan_input
+from batchgen.shadow.wiring import gated_worker
 from batchgen.text.generation import TextEngine
 from batchgen.text.generation_defaults import read_generation_defaults
 from batchgen.text.tokenizer import TextTokenizer
@@ -62,6 +63,10 @@ def add_generate_command(commands) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if is_replicated(args):  # --replicas N, --backend: docs/replicas.md
+        from batchgen.cli.generate_replicas import generate_on_replicas
+
+        return generate_on_replicas(args)
     gate = gate_from_args(args)
     metrics = metrics_config_from_args(os.environ, args)
     num_lines = _checked_files(args, gate)
@@ -152,7 +157,7 @@ def _worker(args: argparse.Namespace, gate: KvGateConfig) -> Worker:
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
     )
-    return Worker(
+    return gated_worker(
         model,
         cache_config=cache,
         engine_config=engine_config_from_args(engine, args),
@@ -162,10 +167,14 @@ def _worker(args: argparse.Namespace, gate: KvGateConfig) -> Worker:
 
 
 def _open_output(args: argparse.Namespace, worker: Worker) -> tuple[JsonLinesFile, set[str]]:
-    """OUT opened for appending (and the divergence log, so an unwritable one fails now); with
-    ``--resume`` a torn last line is cut off and the done lines' keys returned, else OUT is
-    emptied. Mutates OUT."""
+    """OUT opened (``open_results``), and the divergence log, so an unwritable one fails now."""
     open_compare_log(worker)
+    return open_results(args)
+
+
+def open_results(args: argparse.Namespace) -> tuple[JsonLinesFile, set[str]]:
+    """OUT opened for appending; with ``--resume`` a torn last line is cut off and the done lines'
+    keys returned, else OUT is emptied. Mutates OUT."""
     out = JsonLinesFile(args.output)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     out.open(readable=True)

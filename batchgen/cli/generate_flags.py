@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from batchgen.cli.arg_types import positive_float, positive_int, seed_int, threads_int
-from batchgen.cli.common import DEVICES, DTYPES
+from batchgen.cli.arg_types import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seed_int,
+    threads_int,
+)
+from batchgen.cli.common import DEVICES, DTYPES, UsageError
 from batchgen.cli.run_flags import add_kv_args
 from batchgen.config import EngineConfig
 from batchgen.entrypoints.pool_sizes import (
@@ -16,6 +22,8 @@ from batchgen.entrypoints.pool_sizes import (
 )
 
 DEFAULT_MAX_IN_FLIGHT = 256
+DEFAULT_BLOCK_LINES = 64
+DEFAULT_MAX_RETRIES = 3  # as sweep's
 
 EPILOG = """\
 IN: one request a line, as the OpenAI Batch API (and vllm run-batch) take them:
@@ -28,9 +36,9 @@ line gets its own error line (status 400 naming the field, 404 for another model
 its line number for a line that is not JSON) and every other line still runs.
 
 Exit status: 0 when every line has a result line (lines failed included); 1 when OUT or the
-divergence log stops taking writes, or the run stalls; 2 on bad input (duplicate custom_ids in IN,
-named, before anything runs); 130 on Ctrl-C and 143 on SIGTERM, OUT left in whole lines
-(--resume continues it)."""
+divergence log stops taking writes, the run stalls, or every replica ended (the lines left named);
+2 on bad input (duplicate custom_ids in IN, named, before anything runs); 130 on Ctrl-C and 143 on
+SIGTERM, OUT left in whole lines (--resume continues it)."""
 
 
 def _fraction(text: str) -> float:
@@ -98,7 +106,11 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=DTYPES, default="float32", help="weights and KV (default: %(default)s)"
     )
     model.add_argument(
-        "--threads", type=threads_int, default=None, metavar="N", help="torch CPU threads"
+        "--threads",
+        type=threads_int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads, per replica (default: torch's; 1 on replicas)",
     )
     model.add_argument(
         "--seed",
@@ -113,8 +125,9 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=DEFAULT_MAX_IN_FLIGHT,
         metavar="N",
-        help="input lines read ahead and running at once (default: %(default)s)",
+        help="input lines read ahead and running at once, per replica (default: %(default)s)",
     )
+    _add_replica_args(parser.add_argument_group("replicas (docs/replicas.md)"))
     parser.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object (default: off)"
     )
@@ -171,3 +184,81 @@ def _add_pool_args(group) -> None:
         metavar="N",
         help="token budget per step (default: %(default)s)",
     )
+
+
+def _add_replica_args(group) -> None:
+    group.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help=(
+            "N replicas, each loading the model once, each taking blocks of lines; the driver"
+            " (this process) writes OUT (default: %(default)s: the job runs in this process)"
+        ),
+    )
+    group.add_argument(
+        "--backend",
+        choices=("ray", "processes"),
+        default=None,
+        help=(
+            "where the replicas run: ray: Ray actors (pip install 'batchgen[ray]'), on a local"
+            " instance or the cluster at --ray-address; processes: processes on this machine"
+            " (default: ray with --replicas N > 1)"
+        ),
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help=(
+            "join the running Ray cluster at ADDRESS (host:port, or auto) (default: start a local"
+            " Ray instance of --num-cpus CPUs)"
+        ),
+    )
+    group.add_argument(
+        "--num-cpus",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=(
+            "CPUs of the local Ray instance, or for processes the CPUs the replicas may take; N"
+            " replicas of --threads T need N x T (default: every CPU of the machine)"
+        ),
+    )
+    _add_block_args(group)
+
+
+def _add_block_args(group) -> None:
+    group.add_argument(
+        "--block-lines",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"input lines per block handed to a replica (default: {DEFAULT_BLOCK_LINES})",
+    )
+    group.add_argument(
+        "--max-retries",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help=(
+            "times a line is run again, alone, after its replica ended; then it gets its own"
+            f" error line (status 500) and the job goes on (default: {DEFAULT_MAX_RETRIES})"
+        ),
+    )
+
+
+def is_replicated(args: argparse.Namespace) -> bool:
+    """Whether the job runs on replicas (``--replicas N`` > 1, or a ``--backend`` or
+    ``--ray-address`` named) rather than in this process; UsageError for a replica flag given to a
+    job in this process. Pure."""
+    if args.replicas > 1 or args.backend is not None or args.ray_address is not None:
+        return True
+    for flag in ("num_cpus", "block_lines", "max_retries"):
+        if getattr(args, flag) is not None:
+            raise UsageError(
+                f"--{flag.replace('_', '-')} applies to a job on replicas (--replicas N,"
+                " --backend); this one runs in this process"
+            )
+    return False

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 
 from batchgen.cli.common import UsageError, check_output_file, missing_directories, remove_empty
-from batchgen.engine.state import RequestOutput
+from batchgen.state import RequestOutput
 from compare.jsonl_writer import JsonLinesFile
 
 

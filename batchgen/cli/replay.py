@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from batchgen.cli.arg_types import non_negative_int
 from batchgen.cli.common import UsageError, print_warnings
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
+from batchgen.kv.gate import KV_BINDING
 from batchgen.triage.replay import replay_record
 from compare import DivergenceRecord, read_log
 from compare.explain import Row, explain, explain_record, row_lines
@@ -77,7 +78,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def divergence_record(log: str, index: int) -> tuple[DivergenceRecord, int]:
     """The ``index``-th divergence record of ``log`` and how many it holds; UsageError when out of
-    range."""
+    range, or when it is not a record of the KV binding (the one batchgen re-runs)."""
     result = read_log(log)
     print_warnings(result.warnings)
     records = [record for record in result.records if isinstance(record, DivergenceRecord)]
@@ -92,6 +93,11 @@ def divergence_record(log: str, index: int) -> tuple[DivergenceRecord, int]:
         raise UsageError(
             f"--index {index} is out of range: {log} holds {len(records)} divergence records, so "
             f"--index is 0 to {len(records) - 1} (run summaries are not counted)"
+        )
+    if records[index].binding != KV_BINDING:
+        raise UsageError(
+            f"{log}: record {index} is of the {records[index].binding!r} binding; batchgen re-runs"
+            f" records of the {KV_BINDING!r} binding only"
         )
     return records[index], len(records)
 

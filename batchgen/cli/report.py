@@ -10,8 +10,8 @@ from pathlib import Path
 
 from batchgen.cli.common import UsageError, check_output_file, print_warnings
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
-from batchgen.shadow.coverage import CATALOG
-from batchgen.shadow.report_page import render_page
+from batchgen.kv.gate import KV_BINDING
+from batchgen.shadow.report_page import catalog_of, render_page
 from compare import LogReadResult, RunSummary, aggregate, read_log, write_atomic
 from compare.render import headline, render_json, render_junit, render_markdown, render_text
 
@@ -99,8 +99,9 @@ def _report(args: argparse.Namespace) -> int:
     logs = _distinct(args.logs)
     results = [read_log(path) for path in logs]
     records = [record for result in results for record in result.records]
+    binding = _binding(logs, results)
     unended = [path for path, result in zip(logs, results) if not _ended(result)]
-    report = aggregate(records, CATALOG)
+    report = aggregate(records, catalog_of(binding))
     print_warnings([warning for result in results for warning in result.warnings])
     print_warnings(
         [
@@ -114,7 +115,8 @@ def _report(args: argparse.Namespace) -> int:
         vouch = "they vouch" if len(logs) > 1 else "it vouches"
         print_warnings([f"{', '.join(logs)}: {NOTHING_COMPARED}, so {vouch} for nothing"])
     if args.format == "html":
-        text = render_page(report, [(path, result.records) for path, result in zip(logs, results)])
+        runs = [(path, result.records) for path, result in zip(logs, results)]
+        text = render_page(report, runs, binding)
     else:
         text = RENDERERS[args.format](report)
     if args.out is not None:
@@ -129,6 +131,19 @@ def _report(args: argparse.Namespace) -> int:
         print_warnings([f"decision coverage: never reached: {', '.join(report.unreached)}"])
         failed = True
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _binding(logs: Sequence[str], results: Sequence[LogReadResult]) -> str:
+    """The binding every record of the logs names (the KV one when they hold none); UsageError
+    naming the logs of each when they name several. Pure."""
+    found: dict[str, list[str]] = {}
+    for path, result in zip(logs, results):
+        for binding in dict.fromkeys(record.binding for record in result.records):
+            found.setdefault(binding, []).append(path)
+    if len(found) > 1:
+        each = "; ".join(f"{binding}: {', '.join(paths)}" for binding, paths in found.items())
+        raise UsageError(f"the logs hold runs of several bindings ({each}); report each apart")
+    return next(iter(found), KV_BINDING)
 
 
 def _distinct(logs: Sequence[str]) -> list[str]:

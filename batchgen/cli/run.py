@@ -52,6 +52,7 @@ from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
 from batchgen.metrics.exporter import exporting
 from batchgen.metrics.worker_metrics import WorkerMetrics
 from batchgen.model.llama import LlamaForCausalLM
+from batchgen.shadow.wiring import gated_worker
 from compare import DivergenceError, LogWriteError
 
 
@@ -96,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     workload, model = _workload_and_model(args)
     _warn_scale_ignored(args)
     faults = args.faults if args.faults is not None else workload.faults  # the option replaces
-    worker = Worker(
+    worker = gated_worker(
         model,
         cache_config=workload.cache,
         engine_config=engine_config_from_args(workload.engine, args),

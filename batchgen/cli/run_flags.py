@@ -13,15 +13,9 @@ from batchgen.config import EngineConfig
 from batchgen.engine import faults as faults_module
 from batchgen.engine.runner import MAX_IDLE_STEPS
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
-from batchgen.kv.gate import (
-    BREAKER_DEFAULTS,
-    GATE_FLAGS,
-    PRODUCTION_FIELDS,
-    GateError,
-    KvGateConfig,
-    gate_config,
-)
+from batchgen.kv.gate import GATE_FLAGS, GateError, KvGateConfig, gate_config
 from batchgen.kv.known_bugs import DEMO_BUGS
+from compare.gates import BREAKER_DEFAULTS, PRODUCTION_FIELDS
 
 SCHEDULE_POLICIES = typing.get_args(EngineConfig.model_fields["schedule_policy"].annotation)
 

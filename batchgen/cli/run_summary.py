@@ -12,9 +12,9 @@ from batchgen.cli.common import (
 )
 from batchgen.cli.run_flags import applied_scale
 from batchgen.engine.runner import RunResult
-from batchgen.engine.state import ABORT_REASON, Phase
 from batchgen.engine.worker import Worker
 from batchgen.shadow.coverage import unreached_outcomes
+from batchgen.state import ABORT_REASON, Phase
 
 
 def warn_failed_requests(result: RunResult) -> None:

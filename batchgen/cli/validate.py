@@ -35,7 +35,8 @@ from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.kv.gate import GATE_FLAGS, gate_config
 from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
 from batchgen.metrics.exporter import exporting
-from batchgen.validation.report import DIRECTIONS, ValidationReport, compare_overhead
+from batchgen.shadow.wiring import DIRECTIONS
+from batchgen.validation.report import ValidationReport, compare_overhead
 from batchgen.validation.validate import CORPUS_DIR, corpus_workloads, validate_back_to_back
 from compare.render import coverage_line, data_line
 

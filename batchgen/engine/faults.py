@@ -28,8 +28,8 @@ import time
 import zlib
 from dataclasses import dataclass, fields
 
-from batchgen.engine.state import Phase, RequestState
-from batchgen.kv.backends import AsyncHandle, CopyOp, HostKvPool
+from batchgen.kv.backends import HostKvPool
+from batchgen.state import AsyncHandle, Phase, RequestState
 
 # exclusive outcomes of one load, drawn in this order
 LOAD_FAULTS = ("load_fail", "load_fail_late", "load_hang")
@@ -153,20 +153,15 @@ class FaultyHostKvPool(HostKvPool):
         nth = self._num_loads.get(uuid, 0)
         self._num_loads[uuid] = nth + 1
         outcome, delay = self._injector.load_outcome(uuid, nth)
+        # a failing load issues no copy
         inner = super().load_to_gpu_async(uuid, page_ids) if outcome == "ok" else None
-        if inner is None:
-            self._record_skipped(uuid, page_ids)
         step = self._injector.step
-        return self._issued(FaultHandle(outcome, step + delay, lambda: self._injector.step, inner))
+        return FaultHandle(outcome, step + delay, lambda: self._injector.step, inner)
 
     def store_from_gpu(self, uuid: str, gpu_page_ids: list[int]) -> None:
         if self._injector.store_is_slow(uuid, gpu_page_ids):
             time.sleep(self._injector.spec.store_delay_ms / 1000)
         super().store_from_gpu(uuid, gpu_page_ids)
-
-    def _record_skipped(self, uuid: str, page_ids: list[int]) -> None:
-        """A failing load issues no copy, but the op still asked for one: record it."""
-        self._record(CopyOp("load", uuid, tuple(self.pages_of(uuid)), tuple(page_ids)))
 
 
 class FaultInjector:

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from batchgen.engine.state import Phase
 from batchgen.kv.backends import CopyOp
 from batchgen.kv.copy_patterns import copy_patterns
-from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.gate import KV_BINDING, KvGateConfig
 from batchgen.kv.page_checks import PageMismatch, append_mismatches, expected_appends, mismatches
 from batchgen.kv.page_digest import check_digestible, page_digests
 from batchgen.kv.target import KvTarget
+from batchgen.state import Phase
 from compare import DataChecks, DivergenceRecord, JsonlSink, is_sampled_step
 
 
@@ -202,6 +202,7 @@ class KvVerifier:
     def _record(self, check: str, op: str, uuid: str, rows: list[dict]) -> DivergenceRecord:
         paths = [f"requests[{uuid}].gpu_pages[{r['gpu_page']}].layers[{r['layer']}]" for r in rows]
         return DivergenceRecord(
+            binding=KV_BINDING,
             run_id=self.run_id,
             workload=self.workload,
             seed=self.seed,

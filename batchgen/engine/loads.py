@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchgen.engine.state import Phase, WorkerState
+from batchgen.state import Phase, WorkerState
 
 LOAD_TIMEOUT = "LoadTimeout"  # how the error of a load that never completed begins
 

@@ -7,8 +7,8 @@ import numbers
 
 from batchgen.config import CacheConfig, ModelConfig, pages_needed
 from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
-from batchgen.engine.sampling_params import sampling_problem
-from batchgen.engine.state import Request, WorkerState
+from batchgen.sampling_params import sampling_problem
+from batchgen.state import Request, WorkerState
 
 
 class RequestError(ValueError):

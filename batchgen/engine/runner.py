@@ -15,10 +15,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from batchgen.engine.state import RequestOutput, WorkerStats
 from batchgen.engine.timeline import TimelineRecorder
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import MAX_STEPS, Workload
+from batchgen.state import RequestOutput, WorkerStats
 from compare import RunSummary, Timeline, exception_text
 
 

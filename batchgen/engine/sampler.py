@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine.sampling_params import DEFAULT_SAMPLING, SamplingParams
-from batchgen.engine.state import RequestState, TokenLogprobs
+from batchgen.sampling_params import DEFAULT_SAMPLING, SamplingParams
+from batchgen.state import RequestState, TokenLogprobs
 
 GREEDY_BELOW = 1e-5
 # Logits per block of the top-2 search; a max over blocks is a vectorised reduction, torch.topk over

@@ -9,7 +9,7 @@ LOADING + SWAPPED never exceeds ``max_num_seqs``, an invariant the KV policy rel
 from __future__ import annotations
 
 from batchgen.config import CacheConfig, EngineConfig, pages_needed
-from batchgen.engine.state import Phase, RequestState, WorkerState
+from batchgen.state import Phase, RequestState, WorkerState
 
 
 def oldest_first(req: RequestState) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from batchgen.engine.state import RequestState
+from batchgen.state import RequestState
 
 # finish_reason of a request that sampled one of its stop token ids
 STOP_REASON = "stop"

@@ -18,7 +18,7 @@ pages the watermark keeps free).
 
 from __future__ import annotations
 
-from batchgen.engine.state import WorkerStats
+from batchgen.state import WorkerStats
 from compare import Timeline
 
 # counter -> the lifetime WorkerStats counter whose per-step increase it records

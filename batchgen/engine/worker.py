@@ -11,15 +11,15 @@ One step reads as the KV ops in order, then the model::
     alloc    GPU pages for every scheduled token
     forward  model over paged KV -> new K/V become pending appends; sample
 
-The worker owns ``state``, both pools and ``_pending_kv_append_tensors``; the
-KV ops run through the path the gate picked (``batchgen.kv.gate.build_kv_path``),
-or through compare mode (``batchgen.shadow.kv_compare``).
+The worker owns ``state``, both pools and ``_pending_kv_append_tensors``; its KV
+ops are handed to it (``kv_ops``, a ``batchgen.kv.ops.KvFactory`` the edge builds
+from a parsed gate): the plan path, the legacy path, or compare mode. It reads no
+environment and knows nothing of compare mode but the runs it is handed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -27,12 +27,18 @@ import torch
 
 from batchgen.config import CacheConfig, EngineConfig, pages_needed
 from batchgen.engine.faults import FaultInjector
-from batchgen.engine.kv_verify import KvVerifier
 from batchgen.engine.loads import observe_loads
 from batchgen.engine.request_checks import RequestError, check_request
 from batchgen.engine.sampler import sample
 from batchgen.engine.scheduler import schedule
-from batchgen.engine.state import (
+from batchgen.engine.stopping import finish_reason
+from batchgen.kv.backends import GpuKvPool, HostKvPool
+from batchgen.kv.ops import KvFactory, plan_ops
+from batchgen.kv.target import KvTarget
+from batchgen.kv.tiers import tier_tensors
+from batchgen.model.llama import SeqInput
+from batchgen.model.paged_kv import write_kvs
+from batchgen.state import (
     ABORT_REASON,
     DONE_PHASES,
     Phase,
@@ -41,14 +47,6 @@ from batchgen.engine.state import (
     RequestState,
     WorkerState,
 )
-from batchgen.engine.stopping import finish_reason
-from batchgen.kv.backends import GpuKvPool, HostKvPool
-from batchgen.kv.gate import KvGateConfig, build_kv_path, gate_config
-from batchgen.kv.target import KvTarget
-from batchgen.kv.tiers import tier_tensors
-from batchgen.model.llama import SeqInput
-from batchgen.model.paged_kv import write_kvs
-from compare import JsonlSink
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +57,11 @@ class PendingAppend:
     kv: torch.Tensor | None  # [num_layers, 2, n, kv_heads, head_dim]; None without KV storage
 
 
-def _check_config_types(
-    cache_config: CacheConfig, engine_config: EngineConfig | None, kv_gate: KvGateConfig | None
-) -> None:
+def _check_config_types(cache_config: CacheConfig, engine_config: EngineConfig | None) -> None:
     """TypeError naming the first config argument of another type than the worker takes."""
     for name, value, expected, optional in (
         ("cache_config", cache_config, CacheConfig, False),
         ("engine_config", engine_config, EngineConfig, True),
-        ("kv_gate", kv_gate, KvGateConfig, True),
     ):
         if not (isinstance(value, expected) or optional and value is None):
             raise TypeError(
@@ -82,28 +77,20 @@ class Worker:
         *,
         cache_config: CacheConfig,
         engine_config: EngineConfig | None = None,
-        kv_gate: KvGateConfig | None = None,
-        shadow_path: str | None = None,
+        kv_ops: KvFactory = plan_ops,
         faults: FaultInjector | None = None,
         device: str | torch.device = "cpu",
         kv_storage: bool = True,
     ):
-        """``kv_gate`` picks the KV path and compare mode; without one it is parsed from the
-        ``BATCHGEN_WORKER_KV_*`` environment (GateError if invalid; unset: plan, no compare).
-        ``shadow_path`` overrides the compared path (the authoritative one itself: the A/A noise
-        check). ``faults`` injects a seeded fault schedule. ``kv_storage=False`` keeps the pools
-        bookkeeping-only (null-model runs). TypeError naming the argument given a config of another
-        type."""
-        _check_config_types(cache_config, engine_config, kv_gate)
+        """``kv_ops`` builds the KV ops over the worker's target, and what watches them (compare
+        mode, the page-content oracle); the default is the plan path alone. ``faults`` injects a
+        seeded fault schedule. ``kv_storage=False`` keeps the pools bookkeeping-only (null-model
+        runs). TypeError naming the argument given a config of another type."""
+        _check_config_types(cache_config, engine_config)
         self.model = model
         self.model_config = model.config
         self.cache_config = cache_config
-        self.kv_gate = kv_gate if kv_gate is not None else gate_config(os.environ)
         self.engine_config = engine_config or EngineConfig()
-        if self.kv_gate.load_failure is not None:
-            self.engine_config = self.engine_config.model_copy(
-                update={"load_failure": self.kv_gate.load_failure}
-            )
         self.device = torch.device(device)
         gpu_tensor = host_tensor = None
         if kv_storage:
@@ -115,31 +102,8 @@ class Worker:
             self.host_kv = faults.host_pool(self.host_kv)
         self.state = WorkerState()
         self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
-        self.kv_compare = None
-        if self.kv_gate.compare != "off":
-            self.kv_compare = self._kv = self._compare_mode(shadow_path)
-        else:
-            self._kv = build_kv_path(self.kv_gate.path, self.kv_target())
-        self.kv_verify = self._page_oracle()
-
-    def _compare_mode(self, shadow_path: str | None):
-        """The KV ops in compare mode (imported only when the gate turns it on)."""
-        from batchgen.shadow.kv_compare import KvCompare
-
-        faults = self.faults.spec.to_spec() if self.faults is not None else None
-        return KvCompare(self.kv_target(), self.kv_gate, shadow_path=shadow_path, faults=faults)
-
-    def _page_oracle(self) -> KvVerifier | None:
-        """The page-content oracle when ``kv_gate.verify`` turns it on (and pages hold bytes); its
-        records go to compare mode's log, through compare's sink when compare mode is on."""
-        if self.kv_gate.verify == "off" or self.gpu_kv.tensor is None:
-            return None
-        compare = self.kv_compare
-        sink = compare.sink if compare is not None else JsonlSink(self.kv_gate.compare_log)
-        verifier = KvVerifier(self.kv_target(), self.kv_gate, sink)
-        if compare is not None:
-            compare.verifier = verifier
-        return verifier
+        # the KV ops; the gate they were built from, compare mode's runs, the page-content oracle
+        self._kv, self.kv_gate, self.kv_compare, self.kv_verify = kv_ops(self.kv_target())
 
     def kv_target(self) -> KvTarget:
         """The worker's live state, pools and pending appends, as the KV ops see them."""
@@ -169,8 +133,8 @@ class Worker:
             raise RequestError(f"abort: no live request {uuid!r}")
         if req.phase not in DONE_PHASES:
             req.phase, req.finish_reason = Phase.FINISHED, ABORT_REASON
-        elif self.kv_compare is not None:  # too late: compare mode's history names it
-            self.kv_compare.history.note_abort_of_done(uuid)
+        elif self.kv_compare is not None:  # too late: compare mode notes it
+            self.kv_compare.note_abort_of_done(uuid)
 
     def take_outputs(self, uuids: Iterable[str] | None = None) -> dict[str, RequestOutput]:
         """Remove and return released outputs (all, or those of ``uuids`` that are released).

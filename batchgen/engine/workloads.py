@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from batchgen.config import CacheConfig, EngineConfig, pages_needed, validation_summary
 from batchgen.engine.faults import OWNER_PREFIX as FAULT_OWNER_PREFIX
 from batchgen.engine.faults import FaultSpec
-from batchgen.engine.state import Request
+from batchgen.state import Request
 
 MAX_STEPS = 1_000_000  # bound on any step count in a workload (arrivals, aborts, new tokens)
 MAX_SCALE = 1000.0

@@ -16,15 +16,16 @@ tokens, on any batch composition unless a float near-tie flips.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from batchgen.config import EngineConfig
 from batchgen.engine.host_malloc import keep_freed_memory
-from batchgen.engine.worker import Worker
 from batchgen.entrypoints.pool_sizes import DEFAULT_CPU_KV_GIB, cache_config
-from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.gate import KvGateConfig, gate_config
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
 from batchgen.text.generation import PromptResult, TextEngine, TextPrompt
 from batchgen.text.generation_defaults import read_generation_defaults
 from batchgen.text.sampling import Sampling
@@ -75,8 +76,9 @@ class LLM:
         engine = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
-        self.worker = Worker(
-            loaded, cache_config=cache, engine_config=engine, kv_gate=kv_gate, device=device
+        gate = kv_gate if kv_gate is not None else gate_config(os.environ)  # parsed here, once
+        self.worker = gated_worker(
+            loaded, cache_config=cache, engine_config=engine, kv_gate=gate, device=device
         )
         self._engine = TextEngine(self.worker, self.tokenizer)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from batchgen.engine.state import Phase
 from batchgen.kv.plan_checks import (
     check_alloc_plan,
     check_eviction_plan,
@@ -26,6 +25,7 @@ from batchgen.kv.plans import (
     ReleasePlan,
 )
 from batchgen.kv.target import KvTarget
+from batchgen.state import Phase
 
 
 def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:

@@ -8,11 +8,9 @@
     store: GPU pages of a request -> its host pages   (synchronous; eviction)
     load : its host pages -> GPU pages                 (async, on the pool's copy queue; migration)
 
-A pool without a tensor is bookkeeping-only (null-model runs, forks). A forked
-host pool records the copies it would issue instead of issuing them; the real
-host pool records the copies it issues while its ``copies`` is a list (compare
-mode sets one for the duration of an op), so the ordered copy operations of one
-op can be checked.
+A pool without a tensor is bookkeeping-only (null-model runs, compare mode's
+forks): it issues no copy. What an op's copies are is ``HostKvPool.copy_op``'s
+answer, the one the copies issued and compare mode's records share.
 """
 
 from __future__ import annotations
@@ -25,13 +23,9 @@ import torch
 
 from batchgen.kv.copy_runs import DEFAULT_SPLIT
 from batchgen.kv.page_copy import AsyncCopyQueue, copy_pages
-from batchgen.kv.page_grants import Grants, PoolEvent
-from batchgen.kv.page_pool import ForkedPagePool, PagePool
-
-
-class AsyncHandle(Protocol):
-    def done(self) -> bool: ...
-    def wait(self) -> None: ...  # raises when the copy failed
+from batchgen.kv.page_grants import Grants
+from batchgen.kv.page_pool import PagePool
+from batchgen.state import AsyncHandle
 
 
 class GpuKvBackend(Protocol):
@@ -71,10 +65,12 @@ class CompletedHandle:
         return None
 
 
-class _KvPool:
-    """Shared bookkeeping surface of both tiers (delegates to the allocator)."""
+class KvPool:
+    """Shared bookkeeping surface of both tiers, and of compare mode's recording wrapper of either
+    (delegates to the allocator)."""
 
-    def __init__(self, pages: PagePool | ForkedPagePool, tensor: torch.Tensor | None):
+    def __init__(self, pages: PagePool, tensor: torch.Tensor | None):
+        """``pages``: the allocator (a ``PagePool``, or compare mode's overlay of one)."""
         self.pages = pages
         self.tensor = tensor
 
@@ -112,16 +108,8 @@ class _KvPool:
     def check_integrity(self, live_uuids: Collection[str] | None = None) -> None:
         self.pages.check_integrity(live_uuids)
 
-    @property
-    def is_fork(self) -> bool:
-        return isinstance(self.pages, ForkedPagePool)
 
-    @property
-    def journal(self) -> list[PoolEvent] | None:
-        return self.pages.journal
-
-
-class GpuKvPool(_KvPool):
+class GpuKvPool(KvPool):
     """GPU tier: satisfies :class:`GpuKvBackend`."""
 
     def __init__(
@@ -129,16 +117,12 @@ class GpuKvPool(_KvPool):
         num_pages: int,
         tensor: torch.Tensor | None = None,
         *,
-        pages: PagePool | ForkedPagePool | None = None,
+        pages: PagePool | None = None,
     ):
         super().__init__(pages if pages is not None else PagePool("gpu", num_pages), tensor)
 
-    def fork(self) -> GpuKvPool:
-        """Bookkeeping-only overlay (no tensor); valid while this pool is unchanged."""
-        return GpuKvPool(self.num_pages, None, pages=self.pages.fork())
 
-
-class HostKvPool(_KvPool):
+class HostKvPool(KvPool):
     """Host tier: satisfies :class:`HostKvBackend`; issues every copy between tiers."""
 
     def __init__(
@@ -147,17 +131,12 @@ class HostKvPool(_KvPool):
         tensor: torch.Tensor | None,
         gpu: GpuKvPool,
         *,
-        pages: PagePool | ForkedPagePool | None = None,
+        pages: PagePool | None = None,
     ):
         super().__init__(pages if pages is not None else PagePool("host", num_pages), tensor)
         self.gpu = gpu
         # this pool's loads, in issue order
         self.copy_queue = AsyncCopyQueue() if tensor is not None else None
-        self.copies: list[CopyOp] | None = [] if self.is_fork else None
-        # While copies are recorded: id of each load handle this pool returned -> (the request its
-        # load is for, the handle: held, so that its id is not reused by another object while the op
-        # is compared).
-        self.load_handles: dict[int, tuple[str, AsyncHandle]] | None = {} if self.is_fork else None
         # called with each copy this pool issues between tensors, before it runs (the page-content
         # oracle, ``batchgen.engine.kv_verify``); None: nobody watches
         self.on_copy: Callable[[CopyOp], None] | None = None
@@ -174,23 +153,24 @@ class HostKvPool(_KvPool):
         """Bytes of one page (all layers, K and V); 0 without a tensor. Pure."""
         return 0 if self.tensor is None else self.tensor[0].numel() * self.tensor.element_size()
 
-    def record_copies(self, on: bool) -> None:
-        """Start (fresh lists) or stop recording the copies issued and the load handles returned.
-        Mutates both."""
-        self.copies, self.load_handles = ([], {}) if on else (None, None)
+    def copy_op(self, kind: str, uuid: str, gpu_page_ids) -> CopyOp:
+        """The copy a ``store`` (GPU -> host) or ``load`` (host -> GPU) between ``gpu_page_ids``
+        and ``uuid``'s host pages is, in order; ValueError when their counts differ. Pure."""
+        host_page_ids = self.pages_of(uuid)
+        if len(host_page_ids) != len(gpu_page_ids):
+            raise ValueError(
+                f"{kind} {uuid}: {len(gpu_page_ids)} GPU pages but {len(host_page_ids)} host pages"
+            )
+        if kind == "store":
+            return CopyOp(kind, uuid, tuple(gpu_page_ids), host_page_ids)
+        return CopyOp(kind, uuid, host_page_ids, tuple(gpu_page_ids))
 
     def store_from_gpu(self, uuid: str, gpu_page_ids: list[int]) -> None:
         """Copy ``gpu_page_ids`` into ``uuid``'s host pages, in order (synchronous).
 
         Mutates host page contents; the caller allocated the host pages first.
         """
-        host_page_ids = list(self.pages_of(uuid))
-        if len(host_page_ids) != len(gpu_page_ids):
-            raise ValueError(
-                f"store {uuid}: {len(gpu_page_ids)} GPU pages but {len(host_page_ids)} host pages"
-            )
-        op = CopyOp("store", uuid, tuple(gpu_page_ids), tuple(host_page_ids))
-        self._record(op)
+        op = self.copy_op("store", uuid, gpu_page_ids)
         if self.tensor is not None and self.gpu.tensor is not None:
             self._watch(op)
             started = time.perf_counter()
@@ -198,7 +178,7 @@ class HostKvPool(_KvPool):
                 self.gpu.tensor,
                 gpu_page_ids,
                 self.tensor,
-                host_page_ids,
+                list(op.dst_page_ids),
                 split=self.copy_split,
             )
             self._count_copy("gpu_to_host", len(gpu_page_ids), started)
@@ -208,45 +188,25 @@ class HostKvPool(_KvPool):
 
         Mutates GPU page contents when the copy runs.
         """
-        host_page_ids = list(self.pages_of(uuid))
-        if len(host_page_ids) != len(page_ids):
-            raise ValueError(
-                f"load {uuid}: {len(page_ids)} GPU pages but {len(host_page_ids)} host pages"
-            )
-        op = CopyOp("load", uuid, tuple(host_page_ids), tuple(page_ids))
-        self._record(op)
+        op = self.copy_op("load", uuid, page_ids)
         if self.tensor is None or self.gpu.tensor is None:
-            return self._issued(CompletedHandle())
+            return CompletedHandle()
         self._watch(op)
         started = time.perf_counter()
         handle = self.copy_queue.copy_pages_async(
             self.tensor,
-            host_page_ids,
+            list(op.src_page_ids),
             self.gpu.tensor,
             list(page_ids),
             split=self.copy_split,
         )
         self._count_copy("host_to_gpu", len(page_ids), started)
-        return self._issued(handle)
-
-    def fork(self, gpu_fork: GpuKvPool) -> HostKvPool:
-        """Bookkeeping-only overlay bound to ``gpu_fork``; records copies, issues none."""
-        return HostKvPool(self.num_pages, None, gpu_fork, pages=self.pages.fork())
+        return handle
 
     def _count_copy(self, direction: str, num_pages: int, started: float) -> None:
         self.pages_copied[direction] += num_pages
         self.copy_seconds[direction] += time.perf_counter() - started
 
-    def _record(self, op: CopyOp) -> None:
-        if self.copies is not None:
-            self.copies.append(op)
-
     def _watch(self, op: CopyOp) -> None:
         if self.on_copy is not None:
             self.on_copy(op)
-
-    def _issued(self, handle: AsyncHandle) -> AsyncHandle:
-        """``handle``, noted (while copies are recorded) as the handle of the load recorded last."""
-        if self.load_handles is not None:
-            self.load_handles[id(handle)] = (self.copies[-1].uuid, handle)
-        return handle

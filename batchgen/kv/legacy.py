@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from batchgen.config import pages_needed
-from batchgen.engine.state import Phase, RequestState
 from batchgen.kv.target import KvTarget
+from batchgen.state import Phase, RequestState
 
 
 class LegacyKvPath:

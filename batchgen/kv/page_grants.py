@@ -1,4 +1,4 @@
-"""What a page pool refuses, and the journal of what it did: shared by a pool and its forks.
+"""What a page pool refuses: shared by a pool and compare mode's forks of it.
 
 A grant is (owner, the page ids it is given). A pool takes a plan's grants only when every id is
 an int, in range, free and named once across them all (:func:`check_grants`); otherwise nothing
@@ -8,7 +8,6 @@ is taken and :class:`PageOwnershipError` names the first refused grant.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 
 class OutOfPages(RuntimeError):
@@ -27,15 +26,6 @@ class PageOwnershipError(ValueError):
         self.reason = reason
         self.index = index
         self.page_id = page_id
-
-
-class PoolEvent(NamedTuple):
-    """One allocator mutation: ``kind`` is ``alloc`` or ``release``. A journal holds one per page
-    grant; compare mode compares journals as they are, event by event."""
-
-    kind: str
-    uuid: str
-    page_ids: tuple[int, ...]
 
 
 Grants = Sequence[tuple[str, Sequence[int]]]  # (owner, the page ids it is given), in order

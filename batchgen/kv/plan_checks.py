@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 from batchgen.config import pages_needed
-from batchgen.engine.state import DONE_PHASES, Phase, RequestState
 from batchgen.kv.page_grants import PageOwnershipError
 from batchgen.kv.plans import (
     AllocPlan,
@@ -26,6 +25,7 @@ from batchgen.kv.plans import (
     ReleasePlan,
 )
 from batchgen.kv.target import KvTarget
+from batchgen.state import DONE_PHASES, Phase, RequestState
 
 
 class PlanRejected(ValueError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from batchgen.config import DTYPE_SIZES
-from batchgen.engine.state import Phase, RequestState
 from batchgen.kv.appliers import (
     apply_alloc_plan,
     apply_eviction_plan,
@@ -33,6 +32,7 @@ from batchgen.kv.plans import (
     decode_demand,
 )
 from batchgen.kv.target import KvTarget
+from batchgen.state import Phase, RequestState
 
 # op -> (the method every KV path has, this path's request builder, the manager's planner)
 OP_METHODS = {

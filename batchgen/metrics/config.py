@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from batchgen.kv.gate import check_family_names
+from compare.gates import check_family_names
 
 ENV_PREFIX = "BATCHGEN_METRICS_"
 # field -> (environment variable, CLI option, metavar, allowed values, what it means)

@@ -15,15 +15,16 @@ from compare import write_atomic
 
 
 @contextmanager
-def exporting(config: MetricsConfig) -> Iterator[WorkerMetrics | None]:
-    """The command's metrics (None when ``config`` asks for neither a server nor a file), served
-    on ``config.host``:``config.port`` while the block runs (one line on stderr names the URL)
-    and written to ``config.file`` when it ends, however it ends. MetricsConfigError when the
+def exporting(config: MetricsConfig, make_metrics=WorkerMetrics) -> Iterator[WorkerMetrics | None]:
+    """The command's metrics (None when ``config`` asks for neither a server nor a file; else
+    ``make_metrics()``: a WorkerMetrics, or another object with a ``registry`` and a ``port``),
+    served on ``config.host``:``config.port`` while the block runs (one line on stderr names the
+    URL) and written to ``config.file`` when it ends, however it ends. MetricsConfigError when the
     port cannot be bound. Mutates the file system and starts (then stops) a server thread."""
     if not config.enabled:
         yield None
         return
-    metrics = WorkerMetrics()
+    metrics = make_metrics()
     server = thread = None
     if config.port is not None:
         try:

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from batchgen.engine.state import Phase, RequestOutput, WorkerStats
+from batchgen.state import Phase, RequestOutput, WorkerStats
 
 # counter (without _total) -> the WorkerStats counter whose increase it counts, what it counts
 WORKER_COUNTERS = {

@@ -1,4 +1,5 @@
-"""``paged_kv.write_kvs`` for float32 pages on a CPU: one numba kernel walks each write's slots.
+"""``paged_kv.write_kvs`` for float32 or bfloat16 pages on a CPU (bfloat16 as its int16 bits): one
+numba kernel walks each write's slots.
 
 torch's path builds index tensors for every new token (its positions, their pages and slots) and
 assigns through two advanced indices: about ten small ops, 0.2 ms a 32-row decode step on one

@@ -50,7 +50,6 @@ def load_model(
     """
     torch_dtype = _parse_dtype(dtype)
     model, shapes, weights = _model_and_weights(spec, seed, max_model_len)
-    config = model.config
     num_bytes = sum(math.prod(shape) for shape in shapes.values()) * DTYPE_SIZES[dtype]
     _check_memory(spec, num_bytes, dtype, torch.device(device))
     try:
@@ -74,7 +73,9 @@ def load_model(
         ) from None
     model.tie_weights()
     if can_pack(torch.device(device), torch_dtype):
-        pack_linears(model, skip=(model.lm_head,) if config.tie_word_embeddings else ())
+        # a tied lm_head too, as a packed copy beside the embedding (SmolLM2-135M: 113 MB in
+        # float32): left dense, MKL re-packed it on every call (docs/benchmarks-engine.md)
+        pack_linears(model)
     return model.to(device).requires_grad_(False).eval()
 
 

@@ -47,9 +47,14 @@ class OneDNNLinear(nn.Module):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linears on ``device`` in ``dtype`` run through oneDNN: float32 on a CPU whose torch
-    has oneDNN (bfloat16 on CPU already does). Pure."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether linears on ``device`` in ``dtype`` run through oneDNN: float32 or bfloat16 on a CPU
+    whose torch has oneDNN (bfloat16's ``F.linear`` runs oneDNN too, but reorders the weight on
+    every call). Pure."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> None:

@@ -12,8 +12,9 @@ parallel over numba's threads (as many as torch's)::
 
 Nothing is copied or padded, and no slot past a row's new token is read (an unwritten slot, NaN
 or not, cannot reach the output). Sums run in any order (``fastmath`` reassociation, so they
-vectorise), as SDPA's blocked sums do in theirs. Pages must be float32; queries of another
-dtype are attended in float32 and come back in their own.
+vectorise), as SDPA's blocked sums do in theirs. Pages are float32 or bfloat16 (read as their
+int16 bits and widened in the loops: half the bytes); queries of another dtype than float32 are
+attended in float32 and come back in their own.
 
 numba's OpenMP threads, like torch's, do not survive a fork: a process forked after the kernel ran
 is ended by numba at its first kernel call. Start workers with ``spawn`` or ``forkserver`` (as
@@ -32,8 +33,9 @@ from torch import Tensor
 
 
 def attends_in_place(kv_pages: Tensor) -> bool:
-    """Whether decodes over ``kv_pages`` take this kernel: float32 pages on a CPU. Pure."""
-    return kv_pages.device.type == "cpu" and kv_pages.dtype == torch.float32
+    """Whether decodes over ``kv_pages`` take this kernel: float32 or bfloat16 pages on a CPU.
+    Pure."""
+    return kv_pages.device.type == "cpu" and kv_pages.dtype in (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -67,12 +69,14 @@ class InPlaceDecodes:
             out[rows] = attended[rows].to(out.dtype)
             return
         new_k, new_v = new_kv.numpy()  # numpy's views: cheaper than torch's, once per layer
+        # numpy has no bfloat16: its pages go as their bits
+        pages = kv_pages.view(torch.int16) if kv_pages.dtype == torch.bfloat16 else kv_pages
         kernel()(
             q.numpy(),
             new_k,
             new_v,
             self.rows,
-            kv_pages.numpy(),
+            pages.numpy(),
             layer,
             self.page_tables,
             self.num_cached,

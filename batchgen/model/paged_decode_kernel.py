@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 # reassociation and contraction let the dot products vectorise; NaN and infinity keep their meaning
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -28,7 +28,7 @@ SMALLEST_EXPONENT = np.float32(-87.33654)  # e**x is under float32's smallest no
 # leave the kernel at about 5 GB/s; asking for keys this many rows ahead (and each value row as
 # its key is scored) brings it to about 7, a fifth off its time (docs/benchmarks-engine.md)
 KEY_ROWS_AHEAD = 8
-FLOATS_PER_CACHE_LINE = 16
+CACHE_LINE_BYTES = 64
 
 
 def use_threads(count: int) -> None:
@@ -51,8 +51,9 @@ def attend_pages(q, new_k, new_v, rows, kv_pages, layer, page_tables, num_cached
     """The kernel, one task per (decode b, kv head), all the kv head's query heads at each key:
     ``q``, ``out`` [N, heads, d] and ``new_k``, ``new_v`` [N, kv_heads, d] are a forward's packed
     rows, of which decode b is row ``rows[b]`` (any strides: each task copies its own queries and
-    new K/V into a contiguous block first); ``kv_pages`` [page, layer, kv, kv_head, slot, d].
-    Writes the decodes' rows of ``out``, nothing else."""
+    new K/V into a contiguous block first); ``kv_pages`` [page, layer, kv, kv_head, slot, d],
+    float32, or bfloat16 given as its int16 bits (``as_float32``). Writes the decodes' rows of
+    ``out``, nothing else."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_layers, num_kv_heads, page_size = kv_pages.shape[1], kv_pages.shape[3], kv_pages.shape[4]
     group = num_heads // num_kv_heads
@@ -115,7 +116,7 @@ def _score_keys(task_q, blocks, key_blocks, value_blocks, num_keys, scale, score
             for j in range(task_q.shape[0]):
                 dot = np.float32(0.0)
                 for e in range(task_q.shape[1]):
-                    dot += task_q[j, e] * keys[slot, e]
+                    dot += task_q[j, e] * as_float32(keys[slot, e])
                 scores[j, first + slot] = dot * scale
 
 
@@ -155,7 +156,7 @@ def _add_weighted_values(scores, blocks, value_blocks, num_keys, task_out):
             for j in range(task_out.shape[0]):
                 weight = scores[j, first + slot]
                 for e in range(task_out.shape[1]):
-                    task_out[j, e] += weight * values[slot, e]
+                    task_out[j, e] += weight * as_float32(values[slot, e])
 
 
 # no reassociation: it would fold n * LN2_HI + n * LN2_LO into one product and lose the split
@@ -190,11 +191,27 @@ def _float32_from_bits(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+def as_float32(x):
+    """``x`` as a float32: a float32 itself, an int16 as the bfloat16 whose bits it holds (numba
+    has no bfloat16: its pages are read as int16). For the kernel's loops only (``overload``)."""
+    raise NotImplementedError("called from numba-compiled code only")
+
+
+@overload(as_float32, inline="always")
+def _as_float32(x):
+    if isinstance(x, types.Float):
+        return lambda x: x
+    if isinstance(x, types.Integer) and x.bitwidth == 16:
+        # bfloat16 is float32's upper half: sign-extended or not, the upper 16 bits shift out
+        return lambda x: _float32_from_bits(np.int32(x) << np.int32(16))
+    return None
+
+
 @numba.njit(boundscheck=False, inline="always")
 def _prefetch_row(block, row):
     """Asks the cache for every line of ``block[row]`` (a C-contiguous 2-d array). Reads
     nothing."""
-    for column in range(0, block.shape[1], FLOATS_PER_CACHE_LINE):
+    for column in range(0, block.shape[1], CACHE_LINE_BYTES // block.itemsize):
         _prefetch(block, row, column)
 
 

@@ -135,7 +135,7 @@ def write_kv(kv_pages: Tensor, page_ids: Sequence[int], start_pos: int, new_kv: 
 
 def write_kvs(kv_pages: Tensor, writes: Sequence[tuple[Sequence[int], int, Tensor]]) -> None:
     """Each ``(page_ids, start_pos, new_kv)`` of ``writes`` as ``write_kv`` does it, in one write:
-    float32 pages on a CPU by ``kv_write_kernel``, others by one indexed assignment.
+    float32 or bfloat16 pages on a CPU by ``kv_write_kernel``, others by one indexed assignment.
 
     Mutates ``kv_pages`` at exactly the written slots; the writes must not share a slot.
     """
@@ -148,13 +148,16 @@ def write_kvs(kv_pages: Tensor, writes: Sequence[tuple[Sequence[int], int, Tenso
         starts.append(start_pos)
         lengths.append(new_kv.shape[2])
     new_kvs = torch.cat([new_kv for _, _, new_kv in writes], dim=2)
-    if kv_pages.device.type == "cpu" and kv_pages.dtype == torch.float32:
-        # imported here: numba loads only where pages are float32 on a CPU
+    if kv_pages.device.type == "cpu" and kv_pages.dtype in (torch.float32, torch.bfloat16):
+        # imported here: numba loads only where pages are float32 or bfloat16 on a CPU
         from batchgen.model.kv_write_kernel import write_runs
 
         runs = (np.array(values, dtype=np.int64) for values in (tables, table_starts, starts))
-        new_kvs = new_kvs.to(device="cpu", dtype=torch.float32)
-        write_runs(kv_pages.numpy(), new_kvs.numpy(), *runs, np.array(lengths, dtype=np.int64))
+        new_kvs = new_kvs.to(device="cpu", dtype=kv_pages.dtype)
+        pages = kv_pages
+        if kv_pages.dtype == torch.bfloat16:  # numpy has none: both go as their bits
+            pages, new_kvs = kv_pages.view(torch.int16), new_kvs.view(torch.int16)
+        write_runs(pages.numpy(), new_kvs.numpy(), *runs, np.array(lengths, dtype=np.int64))
     else:
         _write_indexed(kv_pages, new_kvs, tables, table_starts, starts, lengths)
 

@@ -17,7 +17,6 @@ from collections.abc import Collection, Mapping
 
 from batchgen.config import pages_needed
 from batchgen.engine.loads import LOAD_TIMEOUT
-from batchgen.engine.state import Phase, RequestState
 from batchgen.kv.manager import eviction_watermark_pages
 from batchgen.kv.plans import (
     AllocPlan,
@@ -33,6 +32,7 @@ from batchgen.kv.plans import (
     ReleaseRequest,
 )
 from batchgen.shadow.interactions import ALLOC_FITS, INTERACTIONS
+from batchgen.state import Phase, RequestState
 from compare import Outcome, RunSummary
 
 _SCHEDULER_INVARIANT = (

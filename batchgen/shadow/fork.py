@@ -2,43 +2,58 @@
 op's pre-state a logged divergence carries.
 
 A fork shares the worker's request dict and requests until it writes them (copy-on-write,
-``WorkerState.edit``) and overlays both pools (``ForkedPagePool``): it costs what the op on it
-writes, and the worker is never mutated through it.
+``recording.ForkedState``) and overlays both pools (``forked_pages.ForkedPagePool``): it costs
+what the op on it writes, records it as the authoritative side's wrappers do
+(``batchgen.shadow.recording``), and the worker is never mutated through it.
 """
 
 from __future__ import annotations
 
 from collections import ChainMap
 from collections.abc import Collection, Iterable, Mapping, Set
+from dataclasses import dataclass, field
 
-from batchgen.engine.state import Phase, RequestState, WorkerState
+from batchgen.kv.backends import GpuKvPool, HostKvPool
 from batchgen.kv.plans import KvPreState, RequestKvView
 from batchgen.kv.target import KvTarget
+from batchgen.shadow.forked_pages import ForkedPagePool
+from batchgen.shadow.recording import ForkedState, RecordingHostPool, RecordingPool
+from batchgen.state import Phase, RequestState
 
 
-def fork_target(target: KvTarget) -> KvTarget:
+@dataclass(slots=True)
+class ForkTarget(KvTarget):
+    """A fork's target: its pending appends are the worker's, never written; ``dropped``: those
+    the op on the fork dropped."""
+
+    dropped: set[str] = field(default_factory=set)
+
+    def drop_pending_append(self, uuid: str) -> None:
+        """Mutates ``dropped``."""
+        if self.has_pending_append(uuid):
+            self.dropped.add(uuid)
+
+    def has_pending_append(self, uuid: str) -> bool:
+        return uuid in self.pending_appends and uuid not in self.dropped
+
+
+def fork_target(target: KvTarget) -> ForkTarget:
     """A copy-on-write fork of ``target``: its request dict and requests shared until written,
-    pools overlaid, pending appends shared with drops only recorded
-    (``KvTarget.drop_pending_append``). Pure."""
-    state = target.state
-    forked = WorkerState(
-        step=state.step,
-        requests=state.requests,
-        stats=state.stats.copy(),
-        num_submitted=state.num_submitted,
-        written={},
-        copy_on_write=True,
+    pools overlaid (bookkeeping only: the fork's host pool issues no copy), pending appends
+    shared; everything the op on it writes recorded. Pure."""
+    gpu = GpuKvPool(target.gpu_kv.num_pages, None, pages=ForkedPagePool(target.gpu_kv.pages))
+    pages = ForkedPagePool(target.host_kv.pages)
+    gpu_kv, host_kv = (
+        RecordingPool(gpu),
+        RecordingHostPool(HostKvPool(pages.num_pages, None, gpu, pages=pages)),
     )
-    gpu = target.gpu_kv.fork()
-    host = target.host_kv.fork(gpu)
+    gpu_kv.journal, host_kv.journal, host_kv.copies, host_kv.load_handles = [], [], [], {}
     configs = (target.model_config, target.cache_config, target.engine_config)
-    return KvTarget(
-        forked, gpu, host, target.pending_appends, *configs, dropped=set(), shared_pending=True
-    )
+    return ForkTarget(ForkedState(target.state), gpu_kv, host_kv, target.pending_appends, *configs)
 
 
 def detach_fork(
-    fork: KvTarget, written: Mapping[str, RequestState], dropped: Collection[str]
+    fork: ForkTarget, written: Mapping[str, RequestState], dropped: Collection[str]
 ) -> None:
     """After the worker wrote ``written`` (uuid -> the request before its first write) and dropped
     the pending appends ``dropped``: let the fork read as its own post-state where it shares state
@@ -70,7 +85,7 @@ def kv_state(req: RequestState | None) -> tuple | None:
 
 
 def differing_requests(
-    fork: KvTarget, target: KvTarget, written: Iterable[str], dropped: Set[str]
+    fork: ForkTarget, target: KvTarget, written: Iterable[str], dropped: Set[str]
 ) -> list[str]:
     """The requests whose canonical entries may differ between two post-states of one op:
     ``fork`` (its writes in ``fork.state.written`` and ``fork.dropped``, detached:

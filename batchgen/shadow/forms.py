@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.kv.target import KvTarget
-from batchgen.shadow.fork import detach_fork, differing_requests
+from batchgen.shadow.fork import ForkTarget, detach_fork, differing_requests
+from batchgen.shadow.recording import RecordedTarget
 from compare import Keyed, Observation
 
 STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
@@ -23,20 +24,20 @@ STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
 class ShadowRun:
     """What the shadow step of an op leaves for canonicalization."""
 
-    fork: KvTarget  # the shadow's post-state, its pools' journals and copies included
+    fork: ForkTarget  # the shadow's post-state, its pools' journals and copies included
     result: object  # what the shadow path's op returned
     # the fork's free GPU and host pages after the op: readable only until the authoritative path
     # changes the worker's pools
     free_pages: tuple[int, int]
 
 
-def canonical_pair(target: KvTarget, seen: Observation, shadow: ShadowRun | None) -> tuple:
-    """Both canonical forms of one compared op, once the authoritative path ran on ``target``
-    (``seen``) and the shadow path on its fork (``shadow``; None: it raised). Only requests whose
-    post-states differ are canonicalized, on both sides; journals and copy lists equal on both
-    sides are canonicalized once and shared; when neither side wrote anything both forms are only
-    counters and result (everything else equals the pre-state on both sides). A side that raised
-    gets None (the other's form is still logged). Pure, but for the fork's view
+def canonical_pair(target: RecordedTarget, seen: Observation, shadow: ShadowRun | None) -> tuple:
+    """Both canonical forms of one compared op, once the authoritative path ran on ``target`` (the
+    worker's, recorded: ``seen``) and the shadow path on its fork (``shadow``; None: it raised).
+    Only requests whose post-states differ are canonicalized, on both sides; journals and copy
+    lists equal on both sides are canonicalized once and shared; when neither side wrote anything
+    both forms are only counters and result (everything else equals the pre-state on both sides).
+    A side that raised gets None (the other's form is still logged). Pure, but for the fork's view
     (``detach_fork``)."""
     written, dropped = target.state.written, target.dropped
     gpu, host = target.gpu_kv, target.host_kv
@@ -66,7 +67,7 @@ def canonical_pair(target: KvTarget, seen: Observation, shadow: ShadowRun | None
     return mine, theirs
 
 
-def _whole_form(fork: KvTarget, shadow: ShadowRun) -> dict:
+def _whole_form(fork: ForkTarget, shadow: ShadowRun) -> dict:
     """The shadow's form when the authoritative path raised: replay reads its journals."""
     gpu_events = canonical_events(fork.gpu_kv.journal)
     host_events = canonical_events(fork.host_kv.journal)
@@ -74,15 +75,15 @@ def _whole_form(fork: KvTarget, shadow: ShadowRun) -> dict:
     return canonical_form(fork, shadow.result, shadow.free_pages, gpu_events, host_events, copies)
 
 
-def _wrote_nothing(target: KvTarget) -> bool:
-    """Whether the op on ``target`` changed no request, pending append, pool page or copy (its pools
-    journal and its host pool records copies while an op is compared). Pure."""
+def _wrote_nothing(target: RecordedTarget) -> bool:
+    """Whether the op on ``target`` changed no request, pending append, pool page or copy (what
+    its wrappers recorded: ``batchgen.shadow.recording``). Pure."""
     host = target.host_kv
     return not (
         target.state.written
         or target.dropped
-        or target.gpu_kv.pages.journal
-        or host.pages.journal
+        or target.gpu_kv.journal
+        or host.journal
         or host.copies
     )
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from batchgen.engine.state import RequestState
 from batchgen.kv.plans import Destination, PollAction
+from batchgen.state import RequestState
 
 
 @dataclass(slots=True)

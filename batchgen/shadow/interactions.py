@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from batchgen.engine.state import RequestState
 from batchgen.kv.plans import (
     AllocPlan,
     AllocRequest,
@@ -39,6 +38,7 @@ from batchgen.kv.plans import (
     ReleaseRequest,
 )
 from batchgen.shadow.history import RunHistory
+from batchgen.state import RequestState
 from compare import Outcome
 
 ALLOC_FITS = (

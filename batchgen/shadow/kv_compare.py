@@ -7,8 +7,8 @@ Per compared op (``compare.ShadowExecutor`` fixes the order)::
     fork          fork the worker's state copy-on-write and overlay both pools (bookkeeping
                   only: no tensors; the forked host pool records the copies it would issue)
     shadow        run the shadow path on the fork; keep its free page counts
-    authoritative run the authoritative path on the worker, its pools journaling and its state
-                  recording the requests it writes
+    authoritative run the authoritative path on the worker, through wrappers recording what it
+                  writes (``recording``: the requests, pool events, copies, pending appends)
     canonicalize  both post-states into comparable forms (``forms.canonical_pair``: only what
                   either side wrote)
     compare       the forms; then, when both paths returned, the decision outcomes and the
@@ -17,33 +17,29 @@ Per compared op (``compare.ShadowExecutor`` fixes the order)::
                   which the op then joins: ``history.RunHistory``)
 
 Only the paths' own exceptions are observations: a failure in forking or canonicalizing is the
-harness's (counted, warned, never a divergence, never raised into the worker). Ops the executor
-does not sample run the authoritative path alone. Divergences go to a JSON Lines log with what
-``replay`` and ``minimize`` need; each run ends with a summary record, decision coverage
-included.
+harness's (counted, warned, never a divergence, never raised into the worker). Each run (a
+workload) is a ``compare.Experiment``: it samples the ops, logs divergences, with what
+``replay`` and ``minimize`` need, and ends with a summary record, decision coverage included.
 """
 
 from __future__ import annotations
 
 import time
-import uuid as uuid_lib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from batchgen.kv.gate import KvGateConfig, build_kv_path, kv_path_class
+from batchgen.kv.gate import KV_BINDING, KvGateConfig, build_kv_path, kv_path_class
 from batchgen.kv.known_bugs import demo_bug
 from batchgen.kv.plan_path import OP_METHODS, PlanKvPath
-from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
 from batchgen.shadow.coverage import outcomes_of
-from batchgen.shadow.fork import fork_target, pre_state
+from batchgen.shadow.fork import fork_target
 from batchgen.shadow.forms import ShadowRun, canonical_pair, classify, exception_kind
 from batchgen.shadow.history import RunHistory
 from batchgen.shadow.interactions import interactions_of
-from compare import DivergenceRecord, JsonlSink, Observation, RunSummary, ShadowExecutor, Timeline
-from compare.budget import RateChange
-from compare.governor import SampleGovernor
-from compare.records import SampleRateRecord
+from batchgen.shadow.recording import recorded, start, stop
+from batchgen.shadow.replay_payload import op_payload, run_payload
+from compare import Experiment, JsonlSink, Observation, RunSummary, Timeline
 
 
 @dataclass(slots=True)
@@ -76,21 +72,19 @@ class KvCompare:
         self.target, self.gate, self.faults = target, gate, faults
         self.authoritative_path = gate.path
         self.shadow_path = shadow_path or gate.shadow_path
-        self.authoritative = build_kv_path(gate.path, target)
+        self.authoritative = build_kv_path(gate.path, target)  # for the ops not compared
+        self.recorded = recorded(target)  # the worker's target, recording what a compared op writes
+        self._recorded_path = build_kv_path(gate.path, self.recorded)
         self._planner = PlanKvPath(target)  # reads the pre-state when neither side plans
         self._shadow_class = kv_path_class(self.shadow_path)  # resolved once: no import per op
         self._demo_bug = demo_bug(gate.compare_demo_bug, self.shadow_path)  # planted per fork
-        self.sink = JsonlSink(gate.compare_log)
-        self.seed, self.scale = 0, 1.0
-        self.run_id = self.workload = self.workload_source = ""
+        self.sink = JsonlSink(gate.compare_log)  # every run's log
         self._op: ComparedOp | None = None
-        self._summary: RunSummary | None = None  # the current run's summary, once it ended
         # the worker's page-content oracle (batchgen.engine.kv_verify), when on: runs as this one's
         self.verifier = None
         self.clock = time.perf_counter  # every harness time, the budget's too (tests fake it)
-        self.governor: SampleGovernor | None = None  # the run's budget and breaker, when set
         self.on_record = None  # called with each record once it is logged (batchgen.metrics)
-        self.executor = self.begin_run("unnamed", seed=0)
+        self.begin_run("unnamed", seed=0)
 
     # ---- runs ------------------------------------------------------------------------------
     def begin_run(
@@ -101,39 +95,39 @@ class KvCompare:
         source: str | None = None,
         scale: float = 1.0,
         run_id: str | None = None,
-    ) -> ShadowExecutor:
-        """Start counting a new run (one workload). ``run_id`` names it in every record (default:
+    ) -> Experiment:
+        """Start a new run (one workload). ``run_id`` names it in every record (default:
         ``<workload>-<random hex>``; a sweep derives it from the run's inputs, so that the same
         matrix logs the same ids). Mutates self."""
-        self.run_id = run_id or f"{workload}-{uuid_lib.uuid4().hex[:8]}"
-        self.workload, self.seed = workload, seed
-        self.workload_source, self.scale = source or workload, scale
-        self._summary = None
-        if self.verifier is not None:
-            self.verifier.begin_run(
-                self.run_id, workload=workload, seed=seed, replay=self._run_replay()
-            )
+        self.payload = run_payload(
+            self.target,
+            paths=(self.authoritative_path, self.shadow_path),
+            workload_source=source or workload,
+            scale=scale,
+            faults=self.faults,
+            demo_bug=self._demo_bug.demo if self._demo_bug else None,
+        )  # what every record of the run carries for minimize
         self.history = RunHistory()  # what the interaction classifier reads of the run so far
-        self.executor = ShadowExecutor(
-            mode=self.gate.compare,
-            sample=self.gate.compare_sample,
+        self.experiment = Experiment.from_gate(
+            KV_BINDING,
+            self.gate,
+            paths=(self.authoritative_path, self.shadow_path),
+            log=self.sink,
             seed=seed,
-            ops=self.gate.compare_ops,
+            workload=workload,
+            run_id=run_id,
+            fork=self._fork,
+            canonicalize=self._canonicalize,
+            outcomes=self._outcomes,
             classify=classify,
             exception_kind=exception_kind,
-            outcomes=self._outcomes,
-            on_divergence=self._record,
+            replay=self._replay,
+            on_record=self._forward,
             clock=self.clock,
         )
-        self.governor = SampleGovernor.from_limits(
-            self.executor,
-            budget=self.gate.compare_budget,
-            max_errors_in_row=self.gate.compare_breaker_errors,
-            max_op_seconds=self.gate.compare_breaker_seconds,
-            on_change=self._record_rate,
-            clock=self.clock,
-        )
-        return self.executor
+        if self.verifier is not None:
+            self.verifier.begin_run(self.run_id, workload=workload, seed=seed, replay=self.payload)
+        return self.experiment
 
     def end_run(
         self, *, stopped_by: str | None = None, timeline: Timeline | None = None
@@ -142,23 +136,27 @@ class KvCompare:
         ``stopped_by``: why the run stopped before its work was done (None: it was done);
         ``timeline``: the run's per-step KV counters (``batchgen.engine.timeline``). Mutates self
         and the log."""
-        if self._summary is None:
-            if self.governor is not None:
-                self.governor.finish()
-            self._summary = RunSummary.from_stats(
-                self.executor.stats(),
-                run_id=self.run_id,
-                workload=self.workload,
-                seed=self.seed,
-                authoritative=self.authoritative_path,
-                shadow=self.shadow_path,
-                stopped_by=stopped_by,
-                timeline=timeline,
-                data=self.verifier.summary() if self.verifier is not None else None,
-                breaker_step=self.governor.breaker_step if self.governor is not None else None,
-            )
-            self._write(self._summary)
-        return self._summary
+        data = self.verifier.summary() if self.verifier is not None else None
+        return self.experiment.close(stopped_by=stopped_by, timeline=timeline, data=data)
+
+    @property
+    def run_id(self) -> str:
+        return self.experiment.run_id
+
+    @property
+    def executor(self):
+        """The current run's ``compare.ShadowExecutor``: its counters and sample rate."""
+        return self.experiment.executor
+
+    @property
+    def governor(self):
+        """The current run's budget and breaker (``compare.SampleGovernor``), when set."""
+        return self.experiment.governor
+
+    def note_abort_of_done(self, uuid: str) -> None:
+        """An abort came for ``uuid`` after it was done: the run's history names it (the worker
+        tells). Mutates ``history``."""
+        self.history.note_abort_of_done(uuid)
 
     # ---- the KV path interface -------------------------------------------------------------
     def poll(self, observed: Mapping[str, str | None]) -> None:
@@ -178,42 +176,29 @@ class KvCompare:
 
     # ---- one compared op -------------------------------------------------------------------
     def _compare(self, op: str, *args):
-        """Run ``op`` on the authoritative path, and, when the executor samples this step, on the
+        """Run ``op`` on the authoritative path, and, when the run samples this step, on the
         shadow path on a fork, and compare. Mutates what the op mutates."""
-        step, method = self.target.state.step, OP_METHODS[op][0]
-        governor = self.governor
-        if governor is not None:
-            governor.enter_step(step)
-        if not self.executor.should_compare(op, step):
-            return getattr(self.authoritative, method)(*args)
-        if governor is not None:
-            governor.before_op()
         self._op = ComparedOp(op, args)
-        if isinstance(self.authoritative, PlanKvPath):
-            self.authoritative.last_request = self.authoritative.last_plan = None
         try:
-            return self.executor.run_both(
+            return self.experiment.run(
                 op,
-                step,
-                context=self._context,
-                fork=self._fork,
-                shadow=self._run_shadow,
+                self.target.state.step,
                 authoritative=self._run_authoritative,
-                canonicalize=self._canonicalize,
-                shadow_path=self.shadow_path,
-                authoritative_path=self.authoritative_path,
+                shadow=self._run_shadow,
+                context=self._context,
             )
-        finally:  # journaling ends with the op, whatever failed
-            self.target.record_op(False)
+        finally:  # recording ends with the op, whatever failed
+            if self.recorded.dropped is not None:
+                stop(self.recorded)
             self._op = None
-            if governor is not None:
-                governor.after_op(step)
 
     def _context(self) -> ComparedOp:
         """The op; with neither side a plan path, its request and plan, planned now (the manager
-        is pure) from the pre-state."""
+        is pure) from the pre-state. Forgets what the authoritative path planned last."""
         op = self._op
-        if "plan" not in (self.authoritative_path, self.shadow_path):
+        if isinstance(self._recorded_path, PlanKvPath):
+            self._recorded_path.last_request = self._recorded_path.last_plan = None
+        elif self.shadow_path != "plan":
             _, build_request, plan = OP_METHODS[op.name]
             request = getattr(self._planner, build_request)(*op.args)
             op.decision = (request, getattr(self._planner.manager, plan)(request))
@@ -238,81 +223,41 @@ class KvCompare:
         return ShadowRun(fork, result, (fork.gpu_kv.free_pages(), fork.host_kv.free_pages()))
 
     def _run_authoritative(self):
-        """The authoritative path on the worker, its pools journaling and its state recording the
-        requests it writes and the pending appends it drops, until ``_compare`` ends."""
-        self.target.record_op(True)
-        return getattr(self.authoritative, OP_METHODS[self._op.name][0])(*self._op.args)
+        """The authoritative path's op on the worker; on a compared op (the shadow ran on a fork),
+        through the wrappers, recording what it writes until ``_compare`` ends."""
+        op = self._op
+        if op.shadow is None:
+            return getattr(self.authoritative, OP_METHODS[op.name][0])(*op.args)
+        start(self.recorded)
+        return getattr(self._recorded_path, OP_METHODS[op.name][0])(*op.args)
 
     def _canonicalize(self, seen: Observation, shadow_seen: Observation) -> tuple:
-        return canonical_pair(self.target, seen, shadow_seen.value)
+        return canonical_pair(self.recorded, seen, shadow_seen.value)
 
     def _decision(self, op: ComparedOp) -> tuple:
         """(op request, plan) of ``op``, from the side that planned it (None where none did, or
         its plan path raised before it)."""
-        for path in (self.authoritative, op.shadow):
+        for path in (self._recorded_path, op.shadow):
             if isinstance(path, PlanKvPath):
                 return path.last_request, path.last_plan
         return op.decision
 
-    def _outcomes(self, op_name: str, op: ComparedOp) -> list[str]:
-        """The decision outcomes and interactions a compared op reached (both paths returned);
-        then the op joins the run's history. Mutates ``history``."""
+    def _outcomes(self, op_name: str, op: ComparedOp, *observations: Observation) -> list[str]:
+        """The decision outcomes and interactions a compared op reached (both paths returned; read
+        from the op's request, plan and writes, not from ``observations``); then the op joins the
+        run's history. Mutates ``history``."""
         request, plan = self._decision(op)
-        written, dropped = self.target.state.written, self.target.dropped
+        written, dropped = self.recorded.state.written, self.recorded.dropped
         reached = outcomes_of(op_name, request, plan, written, dropped)
         reached += interactions_of(op_name, request, plan, written, dropped, self.history)
         self.history.record(op_name, request, plan, written)
         return reached
 
-    def _run_replay(self) -> dict:
-        """What minimize needs of the run to rerun its workload (every record carries it). Pure."""
-        return {
-            "kv_path": self.authoritative_path,
-            "shadow_path": self.shadow_path,
-            "workload_source": self.workload_source,
-            "scale": self.scale,
-            # built-in traces draw their token ids, and so their lengths, from it
-            "vocab_size": self.target.model_config.vocab_size,
-            "engine": self.target.engine_config.model_dump(mode="json"),  # --kv-load-* included
-            "faults": self.faults,
-            **({"demo_bug": self._demo_bug.demo} if self._demo_bug else {}),  # replay plants it
-        }
+    def _replay(self, comparison, op: ComparedOp) -> dict:
+        """What a divergence record of ``op`` carries for replay and minimize. Pure."""
+        return op_payload(op.name, self._decision(op)[0], self.recorded, comparison, self.payload)
 
-    def _record(self, comparison, op: ComparedOp) -> None:
-        """Log a divergence with what replay and minimize need. Mutates the log."""
-        request = self._decision(op)[0]
-        pre = None if request is None else pre_state(op.name, request, self.target)
-        replay = {
-            "op": op.name,
-            "request_type": type(request).__name__,
-            "request": to_jsonable(request),
-            "pre_state": None if pre is None else to_jsonable(pre),
-            "pools": {
-                "authoritative": (comparison.authoritative.value or {}).get("pools"),
-                "shadow": (comparison.shadow.value or {}).get("pools"),
-            },
-            **self._run_replay(),
-        }
-        record = DivergenceRecord.from_comparison(
-            comparison,
-            run_id=self.run_id,
-            workload=self.workload,
-            seed=self.seed,
-            replay=replay,
-            created_at=time.time(),
-        )
-        self._write(record)
-
-    def _record_rate(self, change: RateChange) -> None:
-        """Log a change of the sample rate (the budget's or the breaker's). Mutates the log."""
-        record = SampleRateRecord.from_change(
-            change, run_id=self.run_id, workload=self.workload, seed=self.seed,
-            created_at=time.time(),
-        )  # fmt: skip
-        self._write(record)
-
-    def _write(self, record) -> None:
-        """Log ``record``, then hand it to ``on_record``. Mutates the log."""
-        self.sink.write(record)
+    def _forward(self, record) -> None:
+        """Hand a logged record to ``on_record``, when set."""
         if self.on_record is not None:
             self.on_record(record)

@@ -8,16 +8,18 @@ for the whole session (so workers built in fixtures of any scope see it)::
     BATCHGEN_WORKER_KV_COMPARE_LOG   --kv-compare-log (made absolute), else
                                      kv-divergences.jsonl in pytest's base temp dir
 
-and a ``Worker`` built without an explicit ``kv_gate`` parses the environment,
-so it shadows the other KV path: ``raise`` fails the test at its first
-divergence, ``log`` appends it to the log; the terminal summary reports how many
-divergences this session added. A worker given an explicit ``kv_gate`` keeps it. A
-``--kv-compare-log`` no worker could write to (a directory) is a usage error.
-``off`` (the default) changes nothing.
+and, for the session, a ``Worker`` built without ``kv_ops`` gets its KV side from
+the environment (``wiring.kv_ops_for``: the plugin is an edge, and parses it), so
+it shadows the other KV path: ``raise`` fails the test at its first divergence,
+``log`` appends it to the log; the terminal summary reports how many divergences
+this session added. A worker given its ``kv_ops`` (``gated_worker``: an explicit
+gate) keeps them. A ``--kv-compare-log`` no worker could write to (a directory)
+is a usage error. ``off`` (the default) changes nothing.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -89,10 +91,27 @@ def _batchgen_kv_compare(request: pytest.FixtureRequest, tmp_path_factory: pytes
     config.stash[_LOG_PATH] = log
     # None when the log cannot be read: the tests run anyway
     config.stash[_EARLIER] = _num_divergences(log)
+    # only sessions that compare pay for the engine's import (torch)
+    from batchgen.engine.worker import Worker
+
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv(COMPARE_ENV, mode)
         monkeypatch.setenv(LOG_ENV, str(log))
+        monkeypatch.setattr(Worker, "__init__", _gated(Worker.__init__))
         yield
+
+
+def _gated(init):
+    """``Worker.__init__``, building a worker given no ``kv_ops`` with the KV side the
+    environment's gate sets (its load failure policy over the engine config)."""
+    from batchgen.shadow.wiring import gated_options
+
+    def __init__(self, model, **options):
+        if "kv_ops" not in options:
+            options = gated_options(gate_config(os.environ), **options)
+        init(self, model, **options)
+
+    return __init__
 
 
 def _num_divergences(log: Path) -> int | None:

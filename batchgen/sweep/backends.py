@@ -27,6 +27,7 @@ import contextlib
 import logging
 import multiprocessing
 import signal
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -151,37 +152,13 @@ class RayBackend(SweepBackend):
     Retries are this loop's, not Ray's (``max_retries=0``), so that each one is counted."""
 
     def __init__(self, *, address: str | None = None, num_cpus: int | None = None):
-        try:
-            import ray
-        except ImportError:
-            raise BackendError(
-                f"--backend ray needs Ray, which is not installed: {RAY_INSTALL} (or use "
-                "--backend processes)"
-            ) from None
+        ray = import_ray()
         self._ray = ray
-        self._owns_instance = not ray.is_initialized()
-        if self._owns_instance:
-            self._init(address, num_cpus)
+        self._owns_instance = start_ray(address, num_cpus)
         self.num_workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
         # queued tasks keep every CPU busy while the driver handles the results of others
         self.capacity = 2 * self.num_workers
         self._task = ray.remote(num_cpus=1, max_retries=0, retry_exceptions=False)(_call)
-
-    def _init(self, address: str | None, num_cpus: int | None) -> None:
-        try:
-            self._ray.init(
-                address=address or "local",
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                # task output would tear the progress bar; failures come back as exceptions
-                log_to_driver=False,
-            )
-        except Exception as error:
-            where = f"the cluster at {address}" if address else "a local instance"
-            raise BackendError(
-                f"--backend ray: cannot start on {where}: {' '.join(str(error).split())}"
-            ) from None
 
     def close(self) -> None:
         if self._owns_instance:
@@ -212,6 +189,49 @@ class RayBackend(SweepBackend):
         for handle in handles:
             with contextlib.suppress(Exception):  # a task that ended meanwhile
                 self._ray.cancel(handle, force=True)
+
+
+def import_ray():
+    """The ``ray`` module; BackendError saying how to install it when it is not. Imports Ray."""
+    try:
+        import ray
+    except ImportError:
+        raise BackendError(
+            f"--backend ray needs Ray, which is not installed: {RAY_INSTALL} (or use "
+            "--backend processes)"
+        ) from None
+    return ray
+
+
+def start_ray(address: str | None, num_cpus: int | None) -> bool:
+    """Join the cluster at ``address``, or start a local instance of ``num_cpus`` CPUs (default:
+    all), unless this process has Ray started already (used as it is). Returns whether it started
+    one, which its caller then shuts down. BackendError when Ray cannot start there. Keeps this
+    process's SIGTERM handler."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(
+            address=address or "local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            # task output would tear the progress bar; failures come back as exceptions
+            log_to_driver=False,
+        )
+    except Exception as error:
+        where = f"the cluster at {address}" if address else "a local instance"
+        raise BackendError(
+            f"--backend ray: cannot start on {where}: {' '.join(str(error).split())}"
+        ) from None
+    finally:
+        # ray.init installs a SIGTERM handler that exits with status 15 (and a C++ one that logs
+        # a stack): the command's own (Terminated: the same cleanup as Ctrl-C, exit 143) is back
+        if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
+    return True
 
 
 def _call(function: Callable, argument) -> Any:
@@ -271,9 +291,11 @@ class ProcessBackend(SweepBackend):
 WORKER_PRELOAD = ("batchgen.engine.runner",)
 
 
-def _new_pool() -> futures.ProcessPoolExecutor:
+def _new_pool(preload: tuple[str, ...] = WORKER_PRELOAD) -> futures.ProcessPoolExecutor:
+    """A pool of one worker process, forked from the server that imported ``preload`` (read when
+    the server first starts: one server per process, its first pool's preload)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))  # read when the server first starts
+    context.set_forkserver_preload(list(preload))
     return futures.ProcessPoolExecutor(
         max_workers=1, mp_context=context, initializer=_ignore_interrupts
     )

@@ -26,10 +26,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchgen.kv.gate import KV_BINDING
 from batchgen.shadow.coverage import CATALOG
+from batchgen.shadow.report_page import REPORT_FILES, write_reports
 from batchgen.sweep.backends import SweepBackend, TaskDone, TaskFailed
 from batchgen.sweep.matrix import SweepCell, run_cell
-from batchgen.validation.report import REPORT_FILES, write_reports
 from compare import LogRecord, Report, RunSummary, aggregate, parse_record, write_atomic
 from compare.render import render_text
 
@@ -149,6 +150,7 @@ def lost_run_summary(cell: SweepCell, failure: TaskFailed) -> RunSummary:
     """The summary standing in for a run whose task failed in every attempt: one harness error,
     nothing compared, ``stopped_by`` saying how it failed. Pure."""
     return RunSummary(
+        binding=KV_BINDING,
         run_id=cell.run_id,
         workload=cell.workload.name,
         seed=cell.seed,

@@ -45,7 +45,7 @@ from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
-from batchgen.validation.report import KvDirection
+from batchgen.shadow.wiring import KvDirection, gated_worker
 from compare import RunSummary, read_log
 
 MODEL = "tiny"  # every run's model: built-in, so a node needs no checkpoint
@@ -147,7 +147,7 @@ def _file_workload(path: str) -> SweepWorkload:
     """The file's workload, checked against the tiny model (context, vocabulary, pools)."""
     workload = load_workload(path)
     model = NullModel(TINY_MODELS[MODEL])
-    worker = Worker(model, cache_config=workload.cache, kv_gate=KvGateConfig(), kv_storage=False)
+    worker = Worker(model, cache_config=workload.cache, kv_storage=False)
     for request in workload.requests:
         try:
             worker.validate_request(request.to_request())
@@ -228,7 +228,7 @@ def run_cell(cell: SweepCell) -> tuple[str, ...]:
     with tempfile.TemporaryDirectory(prefix="batchgen-sweep-") as directory:
         log = Path(directory) / "divergences.jsonl"
         gate = KvGateConfig(path=cell.direction.authoritative, compare="log", compare_log=str(log))
-        worker = Worker(
+        worker = gated_worker(
             model,
             cache_config=workload.cache,
             engine_config=workload.engine,

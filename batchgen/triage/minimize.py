@@ -39,6 +39,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest, load_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
+from batchgen.shadow.wiring import gated_worker
 from batchgen.triage.minimize_search import (
     DivergenceSignature,
     InterruptCallback,
@@ -76,7 +77,7 @@ def tiny_worker_factory() -> WorkerFactory:
     def make_worker(
         workload: Workload, *, kv_gate: KvGateConfig, shadow_path: str, faults: FaultInjector | None
     ) -> Worker:
-        return Worker(
+        return gated_worker(
             model,
             cache_config=workload.cache,
             engine_config=workload.engine,

@@ -38,7 +38,12 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig, validation_summary
-from batchgen.engine.state import (
+from batchgen.kv.backends import CompletedHandle, GpuKvPool, HostKvPool
+from batchgen.kv.page_grants import PageOwnershipError
+from batchgen.kv.page_pool import PagePool
+from batchgen.kv.plans import OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, from_json
+from batchgen.kv.target import KvTarget
+from batchgen.state import (
     DONE_PHASES,
     Phase,
     Request,
@@ -46,11 +51,6 @@ from batchgen.engine.state import (
     TokenLogprobs,
     WorkerState,
 )
-from batchgen.kv.backends import CompletedHandle, GpuKvPool, HostKvPool
-from batchgen.kv.page_grants import PageOwnershipError
-from batchgen.kv.page_pool import PagePool
-from batchgen.kv.plans import OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, from_json
-from batchgen.kv.target import KvTarget
 from compare import DivergenceRecord
 
 PLACEHOLDER_OWNER = "<replay:not-in-scope>"  # owns the pages held outside the op's scope

@@ -28,8 +28,8 @@ from batchgen.model.loader import load_model
 from batchgen.engine.runner import run_workload
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.kv.gate import KvGateConfig
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import load_workload
+from batchgen.shadow.wiring import gated_worker
 
 WORKLOAD = Path(__file__).parent / {workload_literal}
 FAULTS = {faults_literal}  # the fault SPEC the divergence needs (None: none)
@@ -42,9 +42,10 @@ def test_no_{slug}_divergence(tmp_path):
     gate = KvGateConfig(path={kv_path_literal}, compare="raise", compare_ops={ops_literal},
                         compare_log=str(tmp_path / "kv-divergences.jsonl"), verify="all",
                         compare_demo_bug={demo_bug_literal})
-    worker = Worker(load_model("tiny"), cache_config=workload.cache, engine_config=workload.engine,
-                    kv_gate=gate, shadow_path={shadow_path_literal},
-                    faults=FaultInjector(FaultSpec.parse(FAULTS)) if FAULTS is not None else None)
+    faults = FaultInjector(FaultSpec.parse(FAULTS)) if FAULTS is not None else None
+    worker = gated_worker(load_model("tiny"), cache_config=workload.cache,
+                          engine_config=workload.engine, kv_gate=gate,
+                          shadow_path={shadow_path_literal}, faults=faults)
     result = run_workload(worker, workload, source=str(WORKLOAD))
     assert not result.compare_summary.divergences
     assert not result.compare_summary.data.divergences

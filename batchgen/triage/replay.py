@@ -20,6 +20,7 @@ from batchgen.kv.plans import to_jsonable
 from batchgen.kv.target import KvTarget
 from batchgen.shadow.fork import fork_target, op_scope
 from batchgen.shadow.forms import canonical_kv, classify, exception_kind
+from batchgen.shadow.recording import recorded, start
 from batchgen.triage.rebuild import ReplayError, kv_paths, op_request, rebuild_target
 from compare import DivergenceRecord, Observation, compare_observations, diff
 
@@ -98,12 +99,14 @@ def _run(
     on_fork: bool = False,
     bug: KnownBug | None = None,
 ) -> dict:
-    """``op`` on ``target`` itself, its pools journaling, or on a fork of it, ``bug`` planted in
+    """``op`` on ``target`` itself, what it writes recorded, or on a fork of it, ``bug`` planted in
     the path; its canonical form over the op's scope. Mutates ``target`` (not on a fork)."""
     scope = op_scope(op, request, target.state.requests)
-    on = fork_target(target) if on_fork else target
-    if not on_fork:  # the requests before the op wrote them: canonical forms name load handles
-        target.record_op(True)
+    if on_fork:
+        on = fork_target(target)
+    else:  # the requests before the op wrote them: canonical forms name load handles
+        on = recorded(target)
+        start(on)
     kv_path = build_kv_path(path, on)
     if bug is not None:
         bug.plant(kv_path)

@@ -7,8 +7,8 @@ from batchgen.config import pages_needed, watermark_pages
 from batchgen.engine.runner import RunResult
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
+from batchgen.shadow.wiring import KvDirection
 from batchgen.validation.output_check import compare_exact, compare_outputs
-from batchgen.validation.report import KvDirection
 from compare import DivergenceRecord, Report, RunSummary
 
 # Counters that must match between a shared and the fresh L2-4096 run (peaks are lifetime maxima,

@@ -38,12 +38,12 @@ from pathlib import Path
 from batchgen.config import TINY_MODELS
 from batchgen.engine.faults import FaultInjector, FaultSpec
 from batchgen.engine.runner import RunStalled, run_workload
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.coverage import REQUIRED
+from batchgen.shadow.wiring import gated_worker
 from batchgen.sweep.backends import SweepBackend, TaskFailed
 from batchgen.validation.explore_space import mutate, random_params, workload_from
 from compare import DivergenceError
@@ -108,7 +108,7 @@ def run_candidate(workload: Workload, log: Path, source: str | None = None) -> C
     file) for replay and minimize. Mutates ``log``."""
     gate = KvGateConfig(path="plan", compare="raise", compare_log=str(log))
     faults = FaultInjector(FaultSpec.parse(workload.faults)) if workload.faults else None
-    worker = Worker(
+    worker = gated_worker(
         NullModel(TINY_MODELS["tiny"]), cache_config=workload.cache, engine_config=workload.engine,
         kv_gate=gate, faults=faults, kv_storage=False,
     )  # fmt: skip

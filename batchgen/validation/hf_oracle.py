@@ -25,11 +25,10 @@ import torch
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.engine.runner import run_workload
-from batchgen.engine.state import RequestOutput
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
-from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import SUPPORTED_DTYPES, load_model
+from batchgen.state import RequestOutput
 
 # architecture -> transformers' (config class, model class); a model with q/k/v biases is Qwen2's
 HF_CLASSES = {
@@ -71,7 +70,6 @@ def check_against_hf(device: str | torch.device, dtype: str, tolerance: float) -
         ours,
         cache_config=workload.cache.model_copy(update={"dtype": dtype}),
         engine_config=workload.engine,
-        kv_gate=KvGateConfig(),
         device=device,
     )
     try:

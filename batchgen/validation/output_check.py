@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from batchgen.engine.state import RequestOutput
+from batchgen.state import RequestOutput
 
 # Largest reference logprob gap still called a near-tie, per compute dtype.
 # Measured on CPU with the ``tiny`` model: the same position's top logprob,

@@ -22,7 +22,6 @@ import dataclasses
 from collections.abc import Callable
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
-from batchgen.engine.state import Phase, Request, RequestState, TokenLogprobs, WorkerState
 from batchgen.engine.worker import PendingAppend
 from batchgen.kv.appliers import (
     apply_alloc_plan,
@@ -35,6 +34,8 @@ from batchgen.kv.backends import CompletedHandle, GpuKvPool, HostKvPool
 from batchgen.kv.plan_path import PlanKvPath
 from batchgen.kv.plans import AllocPlan, EvictionPlan, MigrationPlan, PollPlan, ReleasePlan
 from batchgen.kv.target import KvTarget
+from batchgen.shadow.recording import RecordingHostPool
+from batchgen.state import Phase, Request, RequestState, TokenLogprobs, WorkerState
 
 CACHE = CacheConfig(page_size=4, num_gpu_pages=12, num_host_pages=8, watermark=0.0)
 ENGINE = EngineConfig(max_num_seqs=8, max_load_retries=1)
@@ -45,12 +46,12 @@ Application = Callable[[KvTarget], object]
 
 
 def make_target() -> KvTarget:
-    """A fresh target as the module docstring draws it: bookkeeping pools (no tensors), copies
-    recorded. Pure."""
+    """A fresh target as the module docstring draws it: bookkeeping pools (no tensors), the copies
+    an op issues recorded (``host_kv.copies``: ``batchgen.shadow.recording``). Pure."""
     state = WorkerState(step=7)
     gpu = GpuKvPool(CACHE.num_gpu_pages)
-    host = HostKvPool(CACHE.num_host_pages, None, gpu)
-    host.record_copies(True)
+    host = RecordingHostPool(HostKvPool(CACHE.num_host_pages, None, gpu))
+    host.copies, host.load_handles = [], {}
 
     def add(uuid, phase, prompt_len, num_outputs, cached, *, gpu_ids=(), host_ids=(), **fields):
         req = RequestState(

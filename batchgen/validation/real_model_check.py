@@ -25,10 +25,10 @@ import torch
 
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.runner import RunResult, run_workload
-from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadRequest
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import SUPPORTED_DTYPES, load_model
+from batchgen.shadow.wiring import gated_worker
 from batchgen.text.tokenizer import TextTokenizer
 from batchgen.validation.hf_oracle import OracleVerdict, hf_greedy, near_tie
 from batchgen.validation.output_check import compare_outputs
@@ -122,7 +122,7 @@ def run_real_workload(model, tokenizer: TextTokenizer, device) -> RealRuns:
         log = str(Path(directory) / "divergences.jsonl")
         gate = KvGateConfig(compare="raise", verify="all", compare_log=log)
         for workload, kv_gate in ((pressured, gate), (roomy, KvGateConfig())):
-            worker = Worker(
+            worker = gated_worker(
                 model,
                 cache_config=workload.cache,
                 engine_config=workload.engine,

@@ -1,11 +1,8 @@
-"""What the back-to-back validation (``batchgen.validation.validate``) reports, and the report files
-it writes.
+"""What the back-to-back validation (``batchgen.validation.validate``) reports, and where.
 
-Holds the compare-mode directions it runs (``KvDirection``, ``DIRECTIONS``), one
-run's record (``ValidationRun``), the verdict (``ValidationReport``), and the
-reports directory: the divergence log and the markdown, JUnit, JSON and HTML reports
-rendered from it by ``compare.render`` and ``compare.html`` (``REPORT_FILES``,
-``write_reports``).
+Holds one run's record (``ValidationRun``), the verdict (``ValidationReport``), and the
+reports directory (the divergence log, and the reports ``batchgen.shadow.report_page`` renders
+from it) while the runs write it.
 """
 
 from __future__ import annotations
@@ -14,50 +11,15 @@ import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import CacheConfig
 from batchgen.engine.runner import RunResult
-from batchgen.shadow.report_page import render_page
-from compare import LogRecord, Report, write_atomic
-from compare.render import render_json, render_junit, render_markdown
-
-# Report kind -> file name in the reports directory; the log comes first, the rest are rendered from
-# it.
-REPORT_FILES = {
-    "jsonl": "divergences.jsonl",
-    "md": "divergences.md",
-    "junit": "divergences.xml",
-    "json": "divergences.json",
-    "html": "report.html",
-}
-_RENDERERS = {"md": render_markdown, "junit": render_junit, "json": render_json}
-
-
-@dataclass(frozen=True, slots=True)
-class KvDirection:
-    """One compare-mode configuration: the path that serves and the path shadowed on forks."""
-
-    authoritative: str
-    shadow: str
-
-    @property
-    def role(self) -> str:
-        return f"{self.authoritative}/{self.shadow}"
-
-    @property
-    def is_noise_check(self) -> bool:
-        """A/A: the shadow is the authoritative path itself, so a divergence is harness noise."""
-        return self.authoritative == self.shadow
-
-
-DIRECTIONS = (
-    KvDirection("legacy", "plan"),
-    KvDirection("plan", "legacy"),
-    KvDirection("plan", "plan"),
-)
+from batchgen.shadow.report_page import REPORT_FILES
+from batchgen.shadow.wiring import DIRECTIONS, KvDirection
+from compare import Report
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,29 +131,6 @@ def compare_overhead(report: Report) -> float | None:
     if report.authoritative_seconds <= 0:
         return None
     return round(report.compare_seconds / report.authoritative_seconds, 3)
-
-
-def write_reports(directory: Path, compare: Report, records: Sequence[LogRecord]) -> dict[str, str]:
-    """Render ``compare``, aggregated from the log's ``records``, next to the log in
-    ``directory``, each file replaced atomically; kind -> path.
-
-    OSError naming the report (its ``filename``) that could not be written; it and the ones after it
-    keep their last version."""
-    log = directory / REPORT_FILES["jsonl"]
-    written = {"jsonl": str(log)}
-    for kind, name in REPORT_FILES.items():
-        if kind == "jsonl":
-            continue
-        path = directory / name
-        try:
-            if kind == "html":
-                write_atomic(path, render_page(compare, [(str(log), records)]))
-            else:
-                write_atomic(path, _RENDERERS[kind](compare))
-        except OSError as error:
-            raise OSError(error.errno, error.strerror or str(error), str(path)) from error
-        written[kind] = str(path)
-    return written
 
 
 # the log while the runs write it; renamed once they are done

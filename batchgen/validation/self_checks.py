@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.engine.runner import RunResult
-from batchgen.engine.state import Phase, Request, RequestState
 from batchgen.engine.worker import PendingAppend, Worker
-from batchgen.kv.gate import KvGateConfig
 from batchgen.model.null_model import NullModel
+from batchgen.state import Phase, Request, RequestState
 from batchgen.validation.plan_refusals import PLAN_REFUSALS, refusal_failure
 
 # The integrity run: 5 requests of 6 prompt tokens on 12 GPU pages of 4 tokens; r4 is evicted to
@@ -134,7 +133,6 @@ def worker_mid_run() -> Worker:
         NullModel(TINY_MODELS["tiny"]),
         cache_config=INTEGRITY_CACHE,
         engine_config=EngineConfig(max_num_seqs=8),
-        kv_gate=KvGateConfig(),
         kv_storage=False,
     )
     for i, max_new_tokens in enumerate(INTEGRITY_MAX_NEW_TOKENS):

@@ -20,6 +20,7 @@ from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadError
 from batchgen.kv.copy_runs import CopySplit
 from batchgen.kv.gate import KvGateConfig
+from batchgen.shadow.wiring import KvDirection, gated_worker
 from batchgen.validation.checks import (
     data_failures,
     divergence_failures,
@@ -32,7 +33,7 @@ from batchgen.validation.checks import (
     reference_failures,
 )
 from batchgen.validation.hf_oracle import check_against_hf
-from batchgen.validation.report import KvDirection, ValidationRun
+from batchgen.validation.report import ValidationRun
 from batchgen.validation.self_checks import TOKENS_CHECK, counter_failures, self_check_results
 from compare import DivergenceError, DivergenceRecord, LogWriteError, RunSummary, read_log
 
@@ -97,7 +98,7 @@ class Session:
         """Every workload in turn on one compare-mode worker; stops at the first run that breaks
         it."""
         gate = self.compare_gate(direction)
-        worker = Worker(
+        worker = gated_worker(
             self.model,
             cache_config=cache,
             engine_config=engine,
@@ -135,7 +136,7 @@ class Session:
         gate = self.compare_gate(direction)
         for workload in corpus:
             faults = FaultInjector(FaultSpec.parse(workload.faults)) if workload.faults else None
-            worker = Worker(
+            worker = gated_worker(
                 self.model, cache_config=workload.cache, engine_config=workload.engine,
                 kv_gate=gate, shadow_path=direction.shadow, faults=faults, device=self.device,
             )  # fmt: skip
@@ -211,7 +212,6 @@ class Session:
             self.model,
             cache_config=cache,
             engine_config=engine,
-            kv_gate=KvGateConfig(),
             device=self.device,
         )
 

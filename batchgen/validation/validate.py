@@ -54,17 +54,17 @@ from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.kv.copy_patterns import issuable_patterns
 from batchgen.model.loader import SUPPORTED_DTYPES
 from batchgen.shadow.coverage import CATALOG
+from batchgen.shadow.report_page import write_reports
+from batchgen.shadow.wiring import DIRECTIONS
 from batchgen.validation.checks import copy_pattern_failures, coverage_failures
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
 from batchgen.validation.real_model_check import DTYPES as REAL_MODEL_DTYPES
 from batchgen.validation.real_model_check import check_real_model
 from batchgen.validation.report import (
-    DIRECTIONS,
     PARTIAL_LOG,
     ValidationReport,
     complete_log,
     reports_directory,
-    write_reports,
 )
 from batchgen.validation.session import FailFast, ProgressCallback, Session
 from compare import LogRecord, Report, aggregate

@@ -27,6 +27,7 @@ def test_report_exits_1_when_the_harness_failed_though_nothing_diverged(tmp_path
     log = tmp_path / "harness.jsonl"
     JsonlSink(log).write(
         RunSummary(
+            binding="kv",
             run_id="r",
             workload="smoke",
             seed=0,
@@ -254,7 +255,7 @@ def test_report_without_step_summary_variable_writes_no_summary(
         ),
         (
             "SUMMARY_V9",
-            "1: unsupported schema_version 9 in a run_summary record; this reader supports 2",
+            "1: unsupported schema_version 9 in a run_summary record; this reader supports 2, 3",
         ),
         (
             '{"record_type": "divergence", "schema_version": 2}\n',

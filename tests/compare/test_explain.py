@@ -43,6 +43,7 @@ ROWS = [
 def record(authoritative=PLAN, shadow=LEGACY, *, workload="smoke", run_id="run-a"):
     found = diff(authoritative, shadow)
     return DivergenceRecord(
+        binding="kv",
         run_id=run_id, workload=workload, seed=0, step=3, op="alloc", authoritative="plan",
         shadow="legacy", kind="state", field_paths=list(found.paths), diff=found.detail,
         exception=None, replay={}, created_at=0.0,
@@ -51,6 +52,7 @@ def record(authoritative=PLAN, shadow=LEGACY, *, workload="smoke", run_id="run-a
 
 def summary(workload="smoke", run_id="run-a"):
     return RunSummary(
+        binding="kv",
         run_id=run_id, workload=workload, seed=0, authoritative="plan", shadow="legacy",
         steps_compared={"alloc": 4}, divergences={"alloc": 1}, harness_errors=0,
         compare_seconds=0.1, authoritative_seconds=1.0,
@@ -106,7 +108,7 @@ def test_row_lines_bound_the_rows_and_count_the_rest():
 def test_the_divergence_error_gives_each_paths_values():
     executor = ShadowExecutor(mode="raise")
     with pytest.raises(DivergenceError) as raised:
-        executor.run(
+        executor.run_both(
             "alloc", 3, authoritative=lambda: PLAN, shadow=lambda fork: LEGACY,
             authoritative_path="plan", shadow_path="legacy",
         )  # fmt: skip

@@ -30,6 +30,7 @@ CATALOG = (
 
 def divergence(run_id, workload, step, paths, *, op="alloc", shadow="plan"):
     return DivergenceRecord(
+        binding="kv",
         run_id=run_id, workload=workload, seed=0, step=step, op=op, authoritative="legacy",
         shadow=shadow, kind="state", field_paths=paths, diff={}, exception=None, replay={},
         created_at=0.0,
@@ -39,6 +40,7 @@ def divergence(run_id, workload, step, paths, *, op="alloc", shadow="plan"):
 def summary(run_id, workload, *, first_step=0, timeline=True, shadow="plan", diverged=0):
     counters = {"held": [1, 3, 4, 4, 2, 0], "events": [0, 1, 0, 2, 0, 0]}
     return RunSummary(
+        binding="kv",
         run_id=run_id, workload=workload, seed=3, authoritative="legacy", shadow=shadow,
         steps_compared={"alloc": 6, "evict": 6}, divergences={"alloc": diverged},
         harness_errors=0, compare_seconds=0.5, authoritative_seconds=2.0,

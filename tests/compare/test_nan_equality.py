@@ -42,7 +42,7 @@ def test_the_executor_reports_a_nan_against_a_number_as_a_divergence():
         on_harness_error=lambda *error: pytest.fail(f"harness error {error}"),
     )
     for auth, shadow in (({"x": [NAN]}, {"x": [0.0]}), ({"x": [0.0]}, {"x": [NAN]})):
-        executor.run(
+        executor.run_both(
             "alloc",
             0,
             authoritative=lambda: "result",

@@ -11,20 +11,21 @@ from compare.records import (
     SCHEMA_VERSION,
     DivergenceRecord,
     RecordError,
+    RunKey,
     RunSummary,
     Timeline,
-    json_schema,
     parse_record,
-    write_json_schema,
 )
+from compare.schema import json_schema, write_json_schema
 from compare.shadow import ShadowExecutor
 
 SCHEMA_FILE = Path(__file__).resolve().parents[2] / "docs" / "divergence.schema.json"
-REGENERATE = "python -m compare.records docs/divergence.schema.json"
+REGENERATE = "python -m compare.schema docs/divergence.schema.json"
 
 
 def make_divergence(**changes):
     fields = dict(
+        binding="kv",
         run_id="run-1",
         workload="L2-2048",
         seed=7,
@@ -48,6 +49,7 @@ def make_divergence(**changes):
 
 def make_summary(**changes):
     fields = dict(
+        binding="kv",
         run_id="run-1",
         workload="L2-2048",
         seed=7,
@@ -88,8 +90,24 @@ def test_names_the_found_and_supported_versions_for_an_unknown_schema_version():
     data = json.loads(make_summary().model_dump_json()) | {"schema_version": 7}
     with pytest.raises(
         RecordError,
-        match=r"unsupported schema_version 7 in a run_summary " r"record; this reader supports 2",
+        match=r"unsupported schema_version 7 in a run_summary record; this reader supports 2, 3$",
     ):
+        parse_record(json.dumps(data))
+
+
+@pytest.mark.parametrize("record", [make_divergence(), make_summary()])
+def test_reads_a_schema_2_record_as_one_of_the_kv_binding(record):
+    data = json.loads(record.model_dump_json()) | {"schema_version": 2, "binding": "scheduler"}
+    del data["binding"]  # schema 2 records name no binding
+    parsed = parse_record(json.dumps(data))
+    assert (parsed.schema_version, parsed.binding) == (3, "kv")
+    assert parsed == record
+
+
+def test_refuses_a_schema_3_record_that_names_no_binding():
+    data = json.loads(make_summary().model_dump_json())
+    del data["binding"]
+    with pytest.raises(RecordError, match="^invalid run_summary record: binding: field required$"):
         parse_record(json.dumps(data))
 
 
@@ -161,9 +179,9 @@ def test_builds_a_divergence_record_from_a_diverged_comparison():
         None,
         "exception",
     )
-    record = DivergenceRecord.from_comparison(
-        comparison, run_id="run-1", workload="L2-4096", seed=1, replay={"pre": 1}, created_at=5.0
-    )
+    run = RunKey("kv", "run-1", "L2-4096", 1)
+    record = DivergenceRecord.from_comparison(comparison, run, replay={"pre": 1}, created_at=5.0)
+    assert (record.binding, record.run_id, record.workload, record.seed) == run
     assert (record.op, record.step, record.kind) == ("evict", 3, "exception")
     assert (record.authoritative, record.shadow) == ("plan", "legacy")
     assert record.exception == "legacy raised KeyError: 'r17'"
@@ -181,7 +199,7 @@ def test_carries_the_paths_and_detail_of_a_value_divergence():
         "state",
     )
     record = DivergenceRecord.from_comparison(
-        comparison, run_id="r", workload="w", seed=0, replay={}, created_at=0.0
+        comparison, RunKey("kv", "r", "w", 0), replay={}, created_at=0.0
     )
     assert record.field_paths == ["pages[0]"]
     assert record.diff == outcome.detail
@@ -193,9 +211,7 @@ def test_refuses_to_record_a_matched_comparison():
     with pytest.raises(ValueError, match="matched"):
         DivergenceRecord.from_comparison(
             Comparison("alloc", 1, seen, seen, None, None),
-            run_id="r",
-            workload="w",
-            seed=0,
+            RunKey("kv", "r", "w", 0),
             replay={},
             created_at=0.0,
         )
@@ -203,7 +219,7 @@ def test_refuses_to_record_a_matched_comparison():
 
 def test_builds_a_run_summary_from_executor_stats():
     executor = ShadowExecutor(mode="log")
-    executor.run(
+    executor.run_both(
         "alloc",
         0,
         authoritative=lambda: 1,
@@ -212,7 +228,7 @@ def test_builds_a_run_summary_from_executor_stats():
         authoritative_path="plan",
     )
     summary = RunSummary.from_stats(
-        executor.stats(), run_id="r", workload="w", seed=0, authoritative="plan", shadow="legacy"
+        executor.stats(), RunKey("kv", "r", "w", 0), authoritative="plan", shadow="legacy"
     )
     assert (summary.steps_compared, summary.divergences) == ({"alloc": 1}, {"alloc": 1})
     assert parse_record(summary.model_dump_json()) == summary
@@ -256,8 +272,8 @@ def test_a_timeline_counts_its_steps_and_refuses_counters_of_different_lengths()
 def test_the_run_summary_carries_the_timeline_it_is_built_with():
     executor = ShadowExecutor(mode="log")
     summary = RunSummary.from_stats(
-        executor.stats(), run_id="r", workload="w", seed=0, authoritative="plan",
-        shadow="legacy", timeline=TIMELINE,
+        executor.stats(), RunKey("kv", "r", "w", 0), authoritative="plan", shadow="legacy",
+        timeline=TIMELINE,
     )  # fmt: skip
     assert summary.timeline == TIMELINE
 
@@ -265,7 +281,7 @@ def test_the_run_summary_carries_the_timeline_it_is_built_with():
 def test_writes_the_schema_file_from_the_command_line(tmp_path):
     target = tmp_path / "docs" / "schema.json"
     done = subprocess.run(
-        [sys.executable, "-m", "compare.records", str(target)],
+        [sys.executable, "-m", "compare.schema", str(target)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -11,6 +11,7 @@ from compare.report import MAX_SAMPLES, OpStats, PairStats, PathSample, aggregat
 
 def divergence(step, paths, *, op="alloc", workload="L2-2048", run_id="run-a", kind="state"):
     return DivergenceRecord(
+        binding="kv",
         run_id=run_id,
         workload=workload,
         seed=0,
@@ -29,6 +30,7 @@ def divergence(step, paths, *, op="alloc", workload="L2-2048", run_id="run-a", k
 
 def summary(workload, run_id, steps_compared, *, harness_errors=0):
     return RunSummary(
+        binding="kv",
         run_id=run_id,
         workload=workload,
         seed=0,
@@ -119,7 +121,7 @@ def test_renders_text_tables_with_the_headline_ops_and_field_paths():
     text = render_text(aggregate(RECORDS))
     assert text.startswith("4 divergences in 380 compared ops, 2 harness errors\n")
     assert (
-        "2 runs, 2 harness errors; compare harness 2 s on 8 s of authoritative KV ops (0.25x the"
+        "2 runs, 2 harness errors; compare harness 2 s on 8 s of authoritative ops (0.25x the"
         " ops compared, not of the job)"
     ) in text
     assert "requests[*].gpu_pages[*]" in text

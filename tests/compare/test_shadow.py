@@ -38,7 +38,7 @@ def run(executor, *, auth=SAME, shadow=SAME, op="alloc", step=0, **kwargs):
     authoritative = raising(auth) if isinstance(auth, BaseException) else lambda: "result"
     other = raising(shadow) if isinstance(shadow, BaseException) else lambda forked: shadow
     kwargs.setdefault("canonicalize", lambda seen, other_seen: (auth, other_seen.value))
-    return executor.run(
+    return executor.run_both(
         op,
         step,
         authoritative=authoritative,
@@ -73,7 +73,7 @@ def test_runs_context_fork_shadow_authoritative_then_canonicalize():
         order.append(("canonicalize", seen.value, shadow_seen.value))
         return SAME, SAME
 
-    executor.run(
+    executor.run_both(
         "alloc",
         0,
         authoritative=lambda: order.append("authoritative") or "result",
@@ -107,7 +107,7 @@ def test_a_failing_fork_is_a_harness_error_and_the_authoritative_path_runs_alone
     executor, recorder = make("raise")
     error = MemoryError("no room for a fork")
     called = []
-    result = executor.run(
+    result = executor.run_both(
         "alloc",
         0,
         authoritative=lambda: "result",
@@ -187,7 +187,7 @@ def test_hooks_raising_the_authoritative_exception_again_leave_its_traceback_and
             raise outer
         except RuntimeError:
             with pytest.raises(KeyError) as raised:
-                executor.run(
+                executor.run_both(
                     "alloc",
                     0,
                     authoritative=authoritative,
@@ -197,7 +197,7 @@ def test_hooks_raising_the_authoritative_exception_again_leave_its_traceback_and
                     authoritative_path="plan",
                 )
         names = [entry.name for entry in traceback.extract_tb(raised.value.__traceback__)]
-        assert names[1:] == ["run", "run_both", "_timed", "authoritative"]
+        assert names[1:] == ["run_both", "_timed", "authoritative"]
         assert raised.value.__context__ is outer
 
 
@@ -402,23 +402,6 @@ def test_leaves_that_agree_in_unequal_forms_are_a_match():
     assert executor.stats().num_compared == {"alloc": 1}
 
 
-def test_run_refuses_an_unknown_hook_even_when_the_step_is_not_sampled():
-    executor, _ = make(sample=0.0)
-    with pytest.raises(
-        TypeError,
-        match=r"unknown hooks \['forks'\]; allowed: \['canonicalize', 'context', 'fork'\]",
-    ):
-        executor.run(
-            "alloc",
-            0,
-            authoritative=lambda: "result",
-            shadow=lambda forked: None,
-            forks=lambda: None,
-            shadow_path="legacy",
-            authoritative_path="plan",
-        )
-
-
 def test_run_both_compares_whatever_the_sampling_says():
     executor, recorder = make(sample=0.0, ops={"evict"})
     result = executor.run_both(
@@ -470,24 +453,6 @@ def test_a_fatal_harness_hook_is_called_and_counted_once_for_a_broken_classifier
     assert executor.stats().num_harness_errors == 1
 
 
-def test_never_calls_shadow_or_context_for_ops_outside_the_filter():
-    executor, _ = make(ops={"evict"})
-    called = []
-    result = executor.run(
-        "alloc",
-        0,
-        authoritative=lambda: "result",
-        shadow=lambda forked: called.append("shadow"),
-        fork=lambda: called.append("fork"),
-        context=lambda: called.append("context"),
-        shadow_path="legacy",
-        authoritative_path="plan",
-    )
-    assert result == "result"
-    assert called == []
-    assert (executor.stats().num_compared, executor.stats().authoritative_seconds) == ({}, 0.0)
-
-
 def test_samples_steps_as_a_function_of_seed_and_step_only():
     first, _ = make(sample=0.3, seed=1)
     second, _ = make(sample=0.3, seed=1)
@@ -511,7 +476,7 @@ def test_reports_no_divergence_when_one_path_is_compared_with_itself():
         return {"pages": [1, 2], "free": {3: "x"}}
 
     for step in range(5):
-        executor.run(
+        executor.run_both(
             "alloc",
             step,
             authoritative=path,
@@ -542,7 +507,7 @@ def test_measures_shadow_authoritative_and_harness_time_with_the_injected_clock(
         now[0] += seconds
         return value
 
-    executor.run(
+    executor.run_both(
         "alloc",
         0,
         authoritative=lambda: advance(5.0, SAME),
@@ -569,7 +534,7 @@ def test_counts_the_time_of_an_interrupted_authoritative_path_as_authoritative()
         return SAME
 
     with pytest.raises(KeyboardInterrupt):
-        executor.run(
+        executor.run_both(
             "alloc",
             0,
             authoritative=interrupted,

@@ -18,6 +18,7 @@ from compare.sink import JsonlSink, LogReadResult, LogWriteError, read_log, read
 
 def make_record(step, payload=""):
     return DivergenceRecord(
+        binding="kv",
         run_id="run-1",
         workload="L2-2048",
         seed=0,
@@ -36,6 +37,7 @@ def make_record(step, payload=""):
 
 def make_summary():
     return RunSummary(
+        binding="kv",
         run_id="run-1",
         workload="L2-2048",
         seed=0,
@@ -113,6 +115,7 @@ def test_keeps_every_complete_record_when_the_writer_is_killed_with_sigkill(tmp_
         sink = JsonlSink({str(path)!r})
         for step in range(20000):
             sink.write(DivergenceRecord(
+                binding="kv",
                 run_id="run-1", workload="w", seed=0, step=step, op="alloc",
                 authoritative="plan", shadow="legacy", kind="state", field_paths=[], diff={{}},
                 exception=None, replay={{"payload": "x" * 4096}}, created_at=1.0))
@@ -166,9 +169,9 @@ def test_accepts_a_complete_last_line_without_a_newline(tmp_path):
 
 def test_raises_for_a_whole_last_line_without_a_newline_that_is_no_valid_record(tmp_path):
     path = tmp_path / "log.jsonl"  # whole JSON is no write cut short: a newer writer's record, say
-    record = {**json.loads(make_summary().model_dump_json()), "schema_version": 3}
+    record = {**json.loads(make_summary().model_dump_json()), "schema_version": 4}
     path.write_text(make_record(0).model_dump_json() + "\n" + json.dumps(record))
-    with pytest.raises(RecordError, match=rf"^{path}:2: unsupported schema_version 3"):
+    with pytest.raises(RecordError, match=rf"^{path}:2: unsupported schema_version 4"):
         read_log(path)
 
 
@@ -236,7 +239,7 @@ def test_ends_a_whole_last_record_without_a_newline_instead_of_dropping_it(tmp_p
 
 def test_keeps_a_whole_last_line_without_a_newline_that_is_no_valid_record(tmp_path, recwarn):
     path = tmp_path / "log.jsonl"
-    record = json.dumps({**json.loads(make_summary().model_dump_json()), "schema_version": 3})
+    record = json.dumps({**json.loads(make_summary().model_dump_json()), "schema_version": 4})
     path.write_text(record)
     write_log(path, [make_record(1)])
     assert path.read_text() == record + "\n" + make_record(1).model_dump_json() + "\n"
