@@ -53,7 +53,7 @@ from rich.console import Console
 from rich.table import Table
 from throughput_args import split
 from vllm_job import VllmRunner, build_mixes, geometry, save_checkpoint_with_tokenizer, vllm_preload
-from vllm_measure import bound_to, differing_requests, measure, summarize  # noqa: F401 (tests)
+from vllm_measure import bound_to, measure
 from vllm_real import CELLS, TTFT, parse_cells, render_breakdown, run_cell
 from vllm_ttft import measure_ttft, render_ttft
 from vllm_venv import DEFAULT_VENV, ensure_venv

@@ -72,7 +72,8 @@ def vllm_ttft_env() -> dict:
 def first_line_s(command: list[str], env: dict, log: Path) -> float:
     """Seconds from just before ``command`` starts (on ``CPUS``) to its first line of standard
     output that is a JSON object; waits for it to exit. RuntimeError naming ``log`` where none
-    comes."""
+    comes, or where it reports other than one token (batchgen's summary ``tokens_generated``,
+    vLLM's ``token_ids``)."""
     with log.open("a") as stderr:
         started = time.perf_counter()
         process = subprocess.Popen(
@@ -83,14 +84,16 @@ def first_line_s(command: list[str], env: dict, log: Path) -> float:
             env=dict(env, PYTHONUNBUFFERED="1"),
             preexec_fn=lambda: os.sched_setaffinity(0, CPUS),
         )
-        seconds = None
+        seconds, reported = None, {}
         for line in process.stdout:
             if line.startswith("{"):
-                seconds = time.perf_counter() - started
+                seconds, reported = time.perf_counter() - started, json.loads(line)
                 break
         process.stdout.read()
         if process.wait() or seconds is None:
             raise RuntimeError(f"{command[:4]} exited ({process.returncode}); see {log}")
+    if reported.get("tokens_generated", len(reported.get("token_ids", ()))) != 1:
+        raise RuntimeError(f"{command[:4]} gave no token: {reported}; see {log}")
     return seconds
 
 

@@ -1,6 +1,8 @@
 """``scripts/bench_vllm.py`` without vLLM: its refusals of bad flags, its figures and table, the
-checkpoint's geometry and tokenizer, and the runner's job file. (The benchmark itself installs
-vLLM in a venv of its own and runs for many minutes: not part of the test suite.)"""
+checkpoint's geometry and tokenizer, the runner's job file; with ``--model real`` its cells, mix,
+token comparison, resumption, step breakdown and time-to-first-token timing. (The benchmark
+itself installs vLLM in a venv of its own and runs for many minutes: not part of the test
+suite.)"""
 
 import io
 import json
@@ -81,20 +83,22 @@ def test_the_geometry_has_heads_of_32_and_two_query_heads_per_kv_head(bench):
     )
 
 
-def test_the_ratio_is_the_median_of_the_pairs_with_its_spread(bench):
-    row = bench.summarize([2.0, 1.0, 4.0], [3.0, 2.0, 2.0], num_tokens=100)
+def test_the_ratio_is_the_median_of_the_pairs_with_its_spread(monkeypatch):
+    measure = script_module(monkeypatch, "vllm_measure")
+    row = measure.summarize([2.0, 1.0, 4.0], [3.0, 2.0, 2.0], num_tokens=100)
     assert row["ratio"] == 1.5 and row["ratio_min"] == 0.5 and row["ratio_max"] == 2.0
     assert row["batchgen_tokens_per_s"] == 50.0 and row["vllm_tokens_per_s"] == 50.0
 
 
-def test_pairs_of_unequal_counts_are_refused(bench):
+def test_pairs_of_unequal_counts_are_refused(monkeypatch):
     with pytest.raises(ValueError):
-        bench.summarize([1.0, 2.0], [1.0], num_tokens=10)
+        script_module(monkeypatch, "vllm_measure").summarize([1.0, 2.0], [1.0], num_tokens=10)
 
 
-def test_requests_differing_are_counted_by_request(bench):
-    assert bench.differing_requests([[1, 2], [3], [4, 5]], [[1, 2], [3], [4, 6]]) == 1
-    assert bench.differing_requests([[1, 2]], [[1, 2]]) == 0
+def test_requests_differing_are_counted_by_request(monkeypatch):
+    differing_requests = script_module(monkeypatch, "vllm_measure").differing_requests
+    assert differing_requests([[1, 2], [3], [4, 5]], [[1, 2], [3], [4, 6]]) == 1
+    assert differing_requests([[1, 2]], [[1, 2]]) == 0
 
 
 def test_the_table_shows_every_figure_and_whether_tokens_are_equal(bench):
@@ -509,8 +513,16 @@ def test_the_first_line_of_a_process_is_timed_and_a_process_without_one_is_named
 ):
     ttft = script_module(monkeypatch, "vllm_ttft")
     monkeypatch.setattr(ttft, "CPUS", sorted(os.sched_getaffinity(0))[:1])
-    script = "import time; print('loading'); time.sleep(0.2); print('{}'); time.sleep(0.3)"
-    seconds = ttft.first_line_s([sys.executable, "-c", script], dict(os.environ), tmp_path / "l")
-    assert 0.2 <= seconds < 0.45
-    with pytest.raises(RuntimeError, match="see .*l"):
-        ttft.first_line_s([sys.executable, "-c", "print('no')"], dict(os.environ), tmp_path / "l")
+
+    def timed(line: str, sleep: float = 0.0) -> float:
+        script = (
+            f"import time; print('loading'); time.sleep(0.2); print({line!r}); time.sleep({sleep})"
+        )
+        return ttft.first_line_s([sys.executable, "-c", script], dict(os.environ), tmp_path / "l")
+
+    assert 0.2 <= timed('{"tokens_generated": 1}', sleep=0.3) < 0.45  # not waiting for the exit
+    assert timed('{"token_ids": [7]}') >= 0.2
+    with pytest.raises(RuntimeError, match="exited .*; see .*l"):
+        timed("no JSON line")
+    with pytest.raises(RuntimeError, match="gave no token"):
+        timed('{"tokens_generated": 0, "lines_failed": 1}')

@@ -3,11 +3,12 @@
 torch's CPU ``F.linear`` in float32 calls MKL's sgemm, which on CPUs other than Intel's takes a
 generic code path: on this project's AMD benchmark machine oneDNN's kernels over a weight
 reordered once into their blocked layout run the decode and prefill matmuls 2-2.6x faster
-(``docs/benchmarks-engine.md``). vLLM's CPU backend packs its weights the same way.
+(``docs/benchmarks-engine.md``). In bfloat16 ``F.linear`` runs oneDNN itself, but reorders the
+weight on every call. vLLM's CPU backend packs its weights the same way.
 
-The packed weight replaces the dense one (no second copy). It is an opaque oneDNN tensor, so the
-module gives its weight back densely where a caller asks (``weight``, ``state_dict``): the
-reorder is exact both ways.
+The packed weight replaces the dense one (no second copy), but for a tied lm_head, whose dense
+weight stays as the embedding. It is an opaque oneDNN tensor, so the module gives its weight back
+densely where a caller asks (``weight``, ``state_dict``): the reorder is exact both ways.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ class OneDNNLinear(nn.Module):
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linears on ``device`` in ``dtype`` run through oneDNN: float32 or bfloat16 on a CPU
-    whose torch has oneDNN (bfloat16's ``F.linear`` runs oneDNN too, but reorders the weight on
-    every call). Pure."""
+    whose torch has oneDNN. Pure."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
