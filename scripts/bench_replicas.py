@@ -11,7 +11,14 @@ ready, to the last result line: imports, Ray's start and the model loads left ou
 this process.
 
     python scripts/bench_replicas.py [--num-lines 512] [--geometry 512x8] [--threads 1]
-        [--configs inproc,processes-2,ray-2] [--repeats 2] [--json-out FILE]
+        [--configs inproc,processes-2,ray-2] [--repeats 2] [--flags "--block-lines 128"]
+        [--json-out FILE]
+
+``--driver-lines N`` measures the driver instead: N lines on 2 replicas without a model
+(``NullReplica``: canned result lines at once), on both backends, so that the driver's own work per
+line (read, block, hand out, take back, write) is all there is; and its parts alone.
+
+    python scripts/bench_replicas.py --driver-lines 20000
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from rich.table import Table
 
 from batchgen.cli import build_parser
 from batchgen.cli.generate_replicas import generate_on_replicas
-from batchgen.openai.batch_job import numbered_lines
+from batchgen.openai.batch_job import numbered_lines, scan_input
 from batchgen.replicas.replica import Block, BlockResult, Replica, ReplicaInfo, node_name
 from batchgen.text.tiny_checkpoint import write_tokenizer_files
 from compare.jsonl_writer import JsonLinesFile
@@ -204,8 +211,8 @@ def print_ceiling(args: argparse.Namespace) -> int:
             " of driver CPU per line"
         )
     print(
-        f"of which: the reader {parts['reader_us_per_line']:.1f} us per line, the writer"
-        f" {parts['writer_us_per_line']:.1f} us per line"
+        f"per line: the duplicate check at start {parts['scan_us_per_line']:.1f} us, the reader"
+        f" {parts['reader_us_per_line']:.1f} us, the writer {parts['writer_us_per_line']:.1f} us"
     )
     if args.json_out:
         results = {"args": vars(args), "ceilings": ceilings, "parts": parts}
@@ -214,26 +221,27 @@ def print_ceiling(args: argparse.Namespace) -> int:
 
 
 def driver_parts(input_path: Path) -> dict:
-    """Microseconds per line of the driver's input reader (``numbered_lines``) and of its one
-    writer (``JsonLinesFile.write_line`` of a canned result line), best of 3."""
+    """Microseconds per line of the driver's parts, best of 3: the start's duplicate check
+    (``scan_input``, a JSON parse a line), the input reader (``numbered_lines``) and the one
+    writer (``JsonLinesFile.write_line`` of a canned result line)."""
     num_lines = sum(1 for _ in numbered_lines(input_path))
-    reader = writer = float("inf")
     out = JsonLinesFile(input_path.with_suffix(".parts.jsonl"))
     out.open()
-    for _ in range(3):
-        started = time.perf_counter()
-        for _ in numbered_lines(input_path):
-            pass
-        reader = min(reader, time.perf_counter() - started)
-        started = time.perf_counter()
-        for _ in range(num_lines):
-            out.write_line(CANNED)
-        writer = min(writer, time.perf_counter() - started)
-    out.close()
-    return {
-        "reader_us_per_line": 1e6 * reader / num_lines,
-        "writer_us_per_line": 1e6 * writer / num_lines,
+    parts = {
+        "scan_us_per_line": lambda: scan_input(input_path),
+        "reader_us_per_line": lambda: sum(1 for _ in numbered_lines(input_path)),
+        "writer_us_per_line": lambda: [out.write_line(CANNED) for _ in range(num_lines)],
     }
+    best = {}
+    for name, part in parts.items():
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            part()
+            times.append(time.perf_counter() - started)
+        best[name] = 1e6 * min(times) / num_lines
+    out.close()
+    return best
 
 
 def main() -> int:
