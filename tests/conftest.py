@@ -1,6 +1,7 @@
 """Shared test setup: hypothesis profiles (CI: 30 examples; ``--slow``: 500), one torch thread."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +87,18 @@ def real_model_hf_dir():
     from batchgen.validation.hf_reference import reference_directory
 
     return _real_model(reference_directory)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    """A local Ray instance of 2 CPUs whose workers import the tests' helper modules."""
+    import ray  # a dev dependency: a missing Ray fails these tests, it does not skip them
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}},
+    )
+    yield ray
+    ray.shutdown()

@@ -24,23 +24,8 @@ from batchgen.cli.generate_replicas import generate_on_replicas
 from batchgen.text.tiny_checkpoint import make_checkpoint
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
 
-TESTS = Path(__file__).resolve().parent
 POOLS = ["--gpu-pages", "256", "--host-pages", "32", "--threads", "1"]
 TWO = ["--replicas", "2", "--block-lines", "4"]
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    import ray  # a dev dependency: a missing Ray fails these tests, it does not skip them
-
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}},
-    )
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -33,22 +33,7 @@ from batchgen.sweep.matrix import (
 )
 from compare import DivergenceRecord, RunSummary, aggregate, parse_record, read_log
 
-TESTS = Path(__file__).resolve().parent
 TIMINGS = ("created_at", "compare_seconds", "authoritative_seconds")
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    import ray  # a dev dependency: a missing Ray fails these tests, it does not skip them
-
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}},
-    )
-    yield ray
-    ray.shutdown()
 
 
 def smoke_cells(seeds=(0,), faults=(None,), serving="both", aa_check=False):
