@@ -258,6 +258,7 @@ GENERATE_LINE = (
     '{"custom_id": "a", "method": "POST", "url": "/v1/completions",'
     ' "body": {"model": "ckpt", "prompt": "%s"}}\n'
 )
+GENERATE = "generate -i in.jsonl -o out.jsonl --model ckpt"
 LONG_NAME = "x" * 256  # one byte past the longest file name Linux file systems take
 
 CASES: tuple[BadInput, ...] = (
@@ -1101,6 +1102,96 @@ CASES: tuple[BadInput, ...] = (
         "generate -i in.jsonl -o out.jsonl --model ckpt",
         ("--input in.jsonl", "used by more than one line ('a')", "each line needs its own"),
         build=both(checkpoint(), write("in.jsonl", (GENERATE_LINE % "x") + (GENERATE_LINE % "y"))),
+        outputs=("out.jsonl",),
+    ),
+    # generate on replicas (--replicas N, --backend): docs/replicas.md
+    case(
+        "generate-zero-replicas",
+        CLI,
+        "generate --replicas 0",
+        f"{GENERATE} --replicas 0",
+        ("--replicas", "must be an integer >= 1, got '0'"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-unknown-backend",
+        CLI,
+        "generate --backend that does not exist",
+        f"{GENERATE} --replicas 2 --backend slurm",
+        ("--backend", "invalid choice: 'slurm'", "ray", "processes"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-num-cpus-in-this-process",
+        CLI,
+        "generate --num-cpus for a job that runs in this process",
+        f"{GENERATE} --num-cpus 4",
+        ("--num-cpus applies to a job on replicas", "this one runs in this process"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-block-lines-in-this-process",
+        CLI,
+        "generate --block-lines for a job that runs in this process",
+        f"{GENERATE} --block-lines 8",
+        ("--block-lines applies to a job on replicas", "this one runs in this process"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-max-retries-in-this-process",
+        CLI,
+        "generate --max-retries for a job that runs in this process",
+        f"{GENERATE} --max-retries 1",
+        ("--max-retries applies to a job on replicas", "this one runs in this process"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-zero-block-lines",
+        CLI,
+        "generate --block-lines 0",
+        f"{GENERATE} --replicas 2 --block-lines 0",
+        ("--block-lines", "must be an integer >= 1, got '0'"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-negative-max-retries",
+        CLI,
+        "generate --max-retries below zero",
+        f"{GENERATE} --replicas 2 --max-retries -1",
+        ("--max-retries", "must be an integer >= 0, got '-1'"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-ray-address-with-processes",
+        CLI,
+        "generate --ray-address for replicas on local processes",
+        f"{GENERATE} --replicas 2 --backend processes --ray-address auto",
+        ("--ray-address applies to --backend ray", "--backend processes runs here"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-num-cpus-with-ray-address",
+        CLI,
+        "generate --num-cpus while joining a Ray cluster",
+        f"{GENERATE} --replicas 2 --ray-address auto --num-cpus 4",
+        ("--num-cpus sizes a local Ray instance", "give one of the two"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-replicas-compare-raise",
+        CLI,
+        "generate on replicas with compare mode raising at the first divergence",
+        f"{GENERATE} --replicas 2 --kv-compare raise",
+        ("--kv-compare raise stops a job at its first divergence", "on replicas: log"),
+        outputs=("out.jsonl",),
+    ),
+    case(
+        "generate-more-replicas-than-cpus",
+        CLI,
+        "generate with more replicas on local processes than the CPUs given them",
+        f"{GENERATE} --replicas 2 --backend processes --num-cpus 1",
+        ("--replicas 2 of --threads 1 need 2 CPUs", "this machine gives them 1 (--num-cpus)"),
+        build=write("in.jsonl", GENERATE_LINE % "x"),
         outputs=("out.jsonl",),
     ),
     # ---- checkpoint directories ----

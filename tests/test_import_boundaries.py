@@ -159,7 +159,7 @@ LAZY_IMPORTS = {
         "batchgen.engine.worker": "torch and the engine: only a session that compares",
         "compare": "the log's reader: only a session that logs",
     },
-    "batchgen/sweep/backends.py": {"ray": "ray: --backend ray only"},
+    "batchgen/sweep/ray_backend.py": {"ray": "ray: --backend ray only"},
     "batchgen/validation/hf_oracle.py": {"transformers": "the HF oracle's extra"},
     "batchgen/validation/hf_reference.py": {
         "torch": "with transformers, the HF reference's extra",

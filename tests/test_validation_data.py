@@ -11,7 +11,8 @@ from batchgen.kv.copy_patterns import COPY_PATTERN_IDS, issuable_patterns
 from batchgen.model.loader import load_model
 from batchgen.shadow.wiring import DIRECTIONS
 from batchgen.validation.checks import copy_pattern_failures
-from batchgen.validation.session import VALIDATION_COPY_SPLIT, Session
+from batchgen.validation.session import Session
+from batchgen.validation.workers import VALIDATION_COPY_SPLIT
 from compare import DataChecks, DivergenceRecord, RunSummary, aggregate, read_log
 from compare.render import data_line, render_text
 

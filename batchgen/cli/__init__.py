@@ -107,14 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help (0), or a usage error already printed (2)
         return int(exit_request.code or 0)
-    # started with stdout closed (`>&-`): results would vanish and the exit say 0
-    if sys.stdout is None:
-        print(
-            "batchgen: error: stdout is closed; batchgen writes its results there (redirect it, to"
-            " /dev/null if they are not wanted)",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_INPUT
+    if sys.stdout is None:  # started with stdout closed (`>&-`)
+        return _refuse_closed_stdout()
     stdout, sys.stdout = sys.stdout, _CheckedStdout(sys.stdout)
     keep_freed_memory()  # a forward's activations reuse freed memory, no page faults a step
     try:
@@ -151,6 +145,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT if refuses_a_given_path(error, given) else EXIT_FAILED
     finally:
         sys.stdout = stdout
+
+
+def _refuse_closed_stdout() -> int:
+    """The error for a process started with stdout closed: its results would vanish and its exit
+    say 0."""
+    print(
+        "batchgen: error: stdout is closed; batchgen writes its results there (redirect it, to"
+        " /dev/null if they are not wanted)",
+        file=sys.stderr,
+    )
+    return EXIT_BAD_INPUT
 
 
 # Errors that say a path cannot be used as it is named: bad input when the path is one the command

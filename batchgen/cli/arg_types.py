@@ -98,3 +98,14 @@ def positive_float(text: str, what: str = "a positive finite number") -> float:
 
 def seconds_float(text: str) -> float:
     return positive_float(text, "a number of seconds > 0")
+
+
+def fraction_float(text: str) -> float:
+    """``text`` as a number in (0, 1] (a share of memory)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: (0, 1]") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is outside (0, 1]")
+    return value

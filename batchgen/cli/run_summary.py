@@ -15,6 +15,7 @@ from batchgen.engine.runner import RunResult
 from batchgen.engine.worker import Worker
 from batchgen.shadow.coverage import unreached_outcomes
 from batchgen.state import ABORT_REASON, Phase
+from compare import RunSummary
 
 
 def warn_failed_requests(result: RunResult) -> None:
@@ -63,6 +64,25 @@ def _production_limits(gate, worker: Worker) -> dict:
     }
 
 
+def _compare_counts(compared: RunSummary, worker: Worker) -> dict:
+    """Compare mode's part of the summary: its gates, what it compared and found, the decisions
+    it reached, and its budget and breaker. Pure."""
+    gate = worker.kv_gate
+    return {
+        "kv_shadow_path": compared.shadow,
+        "kv_compare_sample": gate.compare_sample,
+        "kv_compare_ops": list(gate.compare_ops),
+        "steps_compared": dict(compared.steps_compared),
+        "divergences": sum(compared.divergences.values()),
+        "divergences_by_op": dict(compared.divergences),
+        "harness_errors": compared.harness_errors,
+        "coverage": {outcome: tally.model_dump() for outcome, tally in compared.coverage.items()},
+        "coverage_unreached": list(unreached_outcomes(compared)),
+        "compare_log": gate.compare_log,
+        **_production_limits(gate, worker),
+    }
+
+
 def run_summary(
     result: RunResult, worker: Worker, args: argparse.Namespace, faults: str | None
 ) -> dict:
@@ -86,23 +106,8 @@ def run_summary(
         "load_failure": engine.load_failure,
         "schedule_policy": engine.schedule_policy,
     }
-    compared = result.compare_summary
-    if compared is not None:
-        summary |= {
-            "kv_shadow_path": compared.shadow,
-            "kv_compare_sample": gate.compare_sample,
-            "kv_compare_ops": list(gate.compare_ops),
-            "steps_compared": dict(compared.steps_compared),
-            "divergences": sum(compared.divergences.values()),
-            "divergences_by_op": dict(compared.divergences),
-            "harness_errors": compared.harness_errors,
-            "coverage": {
-                outcome: tally.model_dump() for outcome, tally in compared.coverage.items()
-            },
-            "coverage_unreached": list(unreached_outcomes(compared)),
-            "compare_log": gate.compare_log,
-            **_production_limits(gate, worker),
-        }
+    if result.compare_summary is not None:
+        summary |= _compare_counts(result.compare_summary, worker)
     if worker.kv_verify is not None:  # the page-content oracle's counts, and where it logs
         data = worker.kv_verify.summary()
         summary |= {

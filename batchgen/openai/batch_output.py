@@ -22,8 +22,8 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 
-from batchgen.engine.state import TokenLogprobs
 from batchgen.openai.request_body import CHAT
+from batchgen.state import TokenLogprobs
 from batchgen.text.generation import PromptResult
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "internal_error"}

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from batchgen.engine.sampling_params import MAX_LOGPROBS
+from batchgen.sampling_params import MAX_LOGPROBS
 from batchgen.text.generation_defaults import GenerationDefaults
 from batchgen.text.sampling import Sampling
 

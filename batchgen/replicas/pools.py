@@ -26,7 +26,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from batchgen.replicas.replica import Block, Replica, ReplicaFactory, ReplicaSpec, node_name
-from batchgen.sweep.backends import _kill, _new_pool
+from batchgen.sweep.process_backend import kill_pool, new_pool
 from compare import exception_text
 
 DRIVER_CHECK_S = 1.0  # how often a process replica checks that its driver is still there
@@ -142,7 +142,7 @@ class ProcessReplicas(ReplicaPool):
     def start(self, slots: list[int]) -> dict[int, Any]:
         handles = {}
         for slot in slots:
-            self._pools[slot] = _new_pool(REPLICA_PRELOAD)
+            self._pools[slot] = new_pool(REPLICA_PRELOAD)
             share = self.num_replicas
             load = (self.factory, self.spec, share, os.getpid())
             handles[slot] = self._call(slot, _host_load, *load)
@@ -176,7 +176,7 @@ class ProcessReplicas(ReplicaPool):
     def stop(self, slot: int) -> None:
         pool = self._pools.pop(slot, None)
         if pool is not None:
-            _kill(pool)
+            kill_pool(pool)
 
     def close(self) -> None:
         """Each replica's process: let go where idle (its queues then cleaned up), else killed."""

@@ -8,7 +8,8 @@ from typing import Any
 
 from batchgen.replicas.pools import ReplicaDied, ReplicaHost, ReplicaPool, failure_reason
 from batchgen.replicas.replica import Block
-from batchgen.sweep.backends import BackendError, import_ray, start_ray
+from batchgen.sweep.backend_base import BackendError
+from batchgen.sweep.ray_backend import import_ray, start_ray
 
 PLACEMENT_TIMEOUT_S = 300.0  # the longest a replica may wait for the cluster to place it
 ACTOR_DIED = "its process died (killed, out of memory or crashed) or its node was lost"

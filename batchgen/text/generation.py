@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 from batchgen.engine.runner import MAX_IDLE_STEPS, RunStalled
-from batchgen.engine.state import Phase, Request, RequestOutput, TokenLogprobs
 from batchgen.engine.timeline import TimelineRecorder
 from batchgen.engine.worker import Worker
+from batchgen.state import Phase, Request, RequestOutput, TokenLogprobs
 from batchgen.text.detokenize import StopStringWatch
 from batchgen.text.sampling import Sampling, engine_requests
 from batchgen.text.tokenizer import TextTokenizer

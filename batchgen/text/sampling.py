@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchgen.engine.sampling_params import SamplingParams
-from batchgen.engine.state import Request
+from batchgen.sampling_params import SamplingParams
+from batchgen.state import Request
 
 
 @dataclass(frozen=True, slots=True)

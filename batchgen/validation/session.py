@@ -18,9 +18,7 @@ from batchgen.engine.request_checks import RequestError
 from batchgen.engine.runner import RunResult, run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, WorkloadError
-from batchgen.kv.copy_runs import CopySplit
-from batchgen.kv.gate import KvGateConfig
-from batchgen.shadow.wiring import KvDirection, gated_worker
+from batchgen.shadow.wiring import KvDirection
 from batchgen.validation.checks import (
     data_failures,
     divergence_failures,
@@ -35,12 +33,8 @@ from batchgen.validation.checks import (
 from batchgen.validation.hf_oracle import check_against_hf
 from batchgen.validation.report import ValidationRun
 from batchgen.validation.self_checks import TOKENS_CHECK, counter_failures, self_check_results
+from batchgen.validation.workers import compare_gate, compare_worker, plain_worker
 from compare import DivergenceError, DivergenceRecord, LogWriteError, RunSummary, read_log
-
-# Validation's pools are a few hundred KiB, far below the 4 MiB from which production splits a
-# batch: its compare workers split a store or load from 64 KiB (8 of the tiny model's 8 KiB pages)
-# on two threads, whatever torch's thread count, so both the split and the unsplit copy run.
-VALIDATION_COPY_SPLIT = CopySplit(min_bytes=64 * 2**10, num_threads=2)
 
 # on_progress(label of the run, requests released, requests in the workload)
 ProgressCallback = Callable[[str, int, int], None]
@@ -97,16 +91,8 @@ class Session:
     ) -> None:
         """Every workload in turn on one compare-mode worker; stops at the first run that breaks
         it."""
-        gate = self.compare_gate(direction)
-        worker = gated_worker(
-            self.model,
-            cache_config=cache,
-            engine_config=engine,
-            kv_gate=gate,
-            shadow_path=direction.shadow,
-            device=self.device,
-        )
-        worker.host_kv.copy_split = VALIDATION_COPY_SPLIT
+        gate = compare_gate(direction, self.log, fail_fast=self.fail_fast)
+        worker = compare_worker(self.model, self.device, direction, gate, cache, engine)
         try:
             for workload in workloads:
                 result = self.run(
@@ -133,14 +119,12 @@ class Session:
     def run_corpus(self, direction: KvDirection, corpus: list[Workload]) -> None:
         """Each corpus workload on a fresh compare-mode worker of its own pools, engine and
         faults: no divergence, nothing left behind."""
-        gate = self.compare_gate(direction)
+        gate = compare_gate(direction, self.log, fail_fast=self.fail_fast)
         for workload in corpus:
             faults = FaultInjector(FaultSpec.parse(workload.faults)) if workload.faults else None
-            worker = gated_worker(
-                self.model, cache_config=workload.cache, engine_config=workload.engine,
-                kv_gate=gate, shadow_path=direction.shadow, faults=faults, device=self.device,
-            )  # fmt: skip
-            worker.host_kv.copy_split = VALIDATION_COPY_SPLIT
+            worker = compare_worker(
+                self.model, self.device, direction, gate, workload.cache, workload.engine, faults
+            )
             try:
                 result = self.run(direction.role, worker, workload, direction=direction)
                 if result is not None:
@@ -158,7 +142,8 @@ class Session:
         (near-ties allowed)."""
         for workload in workloads:
             roomy = workload.with_cache(**no_eviction_pool(workload, dtype))
-            reference = self.run("reference", self.plain_worker(roomy.cache, roomy.engine), roomy)
+            worker = plain_worker(self.model, self.device, roomy.cache, roomy.engine)
+            reference = self.run("reference", worker, roomy)
             if reference is None:
                 continue
             self.failures += pressure_failures(reference)
@@ -173,7 +158,7 @@ class Session:
     def check_against_fresh(self, last: Workload, cache: CacheConfig) -> None:
         """The last workload on a fresh worker (plan path); every direction's run of it must be this
         run."""
-        fresh = self.run("fresh", self.plain_worker(cache, last.engine), last)
+        fresh = self.run("fresh", plain_worker(self.model, self.device, cache, last.engine), last)
         if fresh is None:
             return
         for direction, results in self.shared.items():
@@ -192,28 +177,10 @@ class Session:
         self.failures += verdict.failures
         self.stop_at_failure()
 
-    def compare_gate(self, direction: KvDirection) -> KvGateConfig:
-        """A compare run's gates: its direction, logging every divergence to the session's log
-        (fail-fast: raising at the first, after logging it)."""
-        mode = "raise" if self.fail_fast else "log"
-        return KvGateConfig(
-            path=direction.authoritative, compare=mode, compare_log=str(self.log), verify="all"
-        )
-
     def stop_at_failure(self) -> None:
         """FailFast when this session fails fast and a check has failed; otherwise nothing."""
         if self.fail_fast and self.failures:
             raise FailFast(self.failures[0])
-
-    def plain_worker(self, cache: CacheConfig, engine: EngineConfig) -> Worker:
-        """A worker on the default (plan) path with compare mode off, whatever the environment
-        says."""
-        return Worker(
-            self.model,
-            cache_config=cache,
-            engine_config=engine,
-            device=self.device,
-        )
 
     def run(
         self,
@@ -228,22 +195,8 @@ class Session:
         if a check failed or the worker raised mid-run. A compare run carries its label as its
         workload name."""
         label = f"{workload.name} {role}"
-        on_step = (
-            None
-            if self.on_progress is None
-            else (lambda done, total: self.on_progress(label, done, total))
-        )
-        named = workload if direction is None else workload.model_copy(update={"name": label})
         try:
-            result = run_workload(
-                worker,
-                named,
-                check_integrity=True,
-                on_step=on_step,
-                source=self.sources.get(workload.name),
-                scale=scale,
-                metrics=self.metrics,
-            )
+            result = self.run_checked(label, worker, workload, direction=direction, scale=scale)
         except (RequestError, WorkloadError):
             raise  # bad input, not a failed check
         except DivergenceError:  # fail-fast: the run's summary names the divergence
@@ -266,6 +219,34 @@ class Session:
         self.end_compare_run(label, worker, direction)
         self.stop_at_failure()
         return None
+
+    def run_checked(
+        self,
+        label: str,
+        worker: Worker,
+        workload: Workload,
+        *,
+        direction: KvDirection | None,
+        scale: float,
+    ) -> RunResult:
+        """``workload`` run on ``worker`` with its pools checked after every step, its progress
+        reported under ``label`` (a compare run's workload renamed so); raises what the run
+        raised. Mutates the worker."""
+        on_step = (
+            None
+            if self.on_progress is None
+            else (lambda done, total: self.on_progress(label, done, total))
+        )
+        named = workload if direction is None else workload.model_copy(update={"name": label})
+        return run_workload(
+            worker,
+            named,
+            check_integrity=True,
+            on_step=on_step,
+            source=self.sources.get(workload.name),
+            scale=scale,
+            metrics=self.metrics,
+        )
 
     def end_compare_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:
         """Judge the divergences of a compare run that broke off (its summary: the one the runner

@@ -120,6 +120,22 @@ def validate_back_to_back(
         written = {}
         if reports_dir is not None:
             written = _write_reports(session, directory, compare, records)
+    wall_s = time.perf_counter() - started
+    return _report(session, cache, workloads, corpus, compare, written, wall_s)
+
+
+def _report(
+    session: Session,
+    cache: CacheConfig,
+    workloads: Sequence[Workload],
+    corpus: Sequence[Workload],
+    compare: Report,
+    written: dict[str, str],
+    wall_s: float,
+) -> ValidationReport:
+    """The validation's report: the shared workers' ``cache``, the back-to-back ``workloads`` and
+    the ``corpus`` by name, what ``session`` ran and found, the aggregated log ``compare``, the
+    reports ``written``. Pure."""
     return ValidationReport(
         cache=cache,
         near_tie_tolerance=NEAR_TIE_TOLERANCES[cache.dtype],
@@ -129,7 +145,7 @@ def validate_back_to_back(
         failures=list(session.failures),
         compare=compare,
         reports=written,
-        wall_s=time.perf_counter() - started,
+        wall_s=wall_s,
         hf_oracle=session.hf_oracle,
         real_model=tuple(session.real_model),
         self_checks=dict(session.self_checks),
