@@ -15,5 +15,5 @@ PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3
 start=$(date +%s)
 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_page_copy.py
 "$PY" -m batchgen validate --device cuda --json
-"$PY" scripts/bench_migration.py --device cuda
+"$PY" scripts/bench.py migration --device cuda
 echo "gpu_check: done in $(( $(date +%s) - start )) s"

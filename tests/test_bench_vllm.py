@@ -1,9 +1,10 @@
-"""``scripts/bench_vllm.py`` without vLLM: its refusals of bad flags, its figures and table, the
-checkpoint's geometry and tokenizer, the runner's job file; with ``--model real`` its cells, mix,
-token comparison, resumption, step breakdown and time-to-first-token timing. (The benchmark
-itself installs vLLM in a venv of its own and runs for many minutes: not part of the test
-suite.)"""
+"""``scripts/bench.py vllm`` (``scripts/benchmarks/vllm_bench.py``) without vLLM: its refusals of
+bad flags, its figures and table, the checkpoint's geometry and tokenizer, the runner's job file;
+with ``--model real`` its cells, mix, token comparison, resumption, step breakdown and
+time-to-first-token timing. (The benchmark itself installs vLLM in a venv of its own and runs for
+many minutes: not part of the test suite.)"""
 
+import importlib
 import io
 import json
 import os
@@ -19,16 +20,17 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def script_module(monkeypatch, name: str):
+    """A module of ``scripts/benchmarks/``."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    return __import__(name)
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    """The script, on a machine of two CPUs whatever runs the tests (its --threads check and its
+    """The benchmark, on a machine of two CPUs whatever runs the tests (its --threads check and its
     default "1,2" read the CPUs this process may use)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    return script_module(monkeypatch, "bench_vllm")
+    return script_module(monkeypatch, "vllm_bench")
 
 
 @pytest.mark.parametrize(
@@ -310,8 +312,8 @@ def test_cells_are_taken_by_name_once_each_in_the_order_given(bench):
 
 
 def script_module_of(bench, name: str):
-    """A helper module of the script, as the script imported it."""
-    return sys.modules[name]
+    """A helper module of the benchmark, as the benchmark imported it."""
+    return sys.modules[f"benchmarks.{name}"]
 
 
 @pytest.mark.parametrize(
@@ -429,9 +431,7 @@ def test_batchgen_runs_every_request_to_its_length_as_vllm_with_ignore_eos(monke
     # every token an EOS id: each request would end at its first token
     everything = tuple(range(model.config.vocab_size))
     model.config = model.config.model_copy(update={"eos_token_ids": everything})
-    mix = script_module(monkeypatch, "bench_throughput").Mix(
-        "m", [[1, 2, 3]] * 2, [5, 7], 2, ("fcfs",)
-    )
+    mix = script_module(monkeypatch, "throughput").Mix("m", [[1, 2, 3]] * 2, [5, 7], 2, ("fcfs",))
     run = measure.run_batchgen_counting(model, mix, page_size=32)
     assert [len(tokens) for tokens in run["outputs"]] == [5, 7]
     assert [output.finish_reason for output in run["results"]] == ["length", "length"]
@@ -439,7 +439,7 @@ def test_batchgen_runs_every_request_to_its_length_as_vllm_with_ignore_eos(monke
 
 def test_the_step_breakdown_splits_steady_decode_steps_into_shares_that_add_up(monkeypatch):
     bound = script_module(monkeypatch, "decode_bound")
-    throughput = script_module(monkeypatch, "bench_throughput")
+    throughput = script_module(monkeypatch, "throughput")
     from batchgen.config import TINY_MODELS
     from batchgen.model.loader import load_model
 

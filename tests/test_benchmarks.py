@@ -1,13 +1,15 @@
-"""The benchmarks under ``scripts/`` run end to end at toy sizes and print the goals they promise.
+"""The benchmarks of ``scripts/bench.py`` run end to end at toy sizes and print the goals they
+promise; the shell scripts beside it refuse what they cannot run.
 
-No timing is asserted (tests never time): each script is run as a child process with tiny sizes
+No timing is asserted (tests never time): each subcommand is run as a child process with tiny sizes
 (its refusals of bad flags, in this process) and its JSON and its output are checked for shape,
-and for what must hold whatever the machine does. ``bench_kv_ops`` exits non-zero when the paths
-disagree (different counters), ``bench_compare`` when compare mode logs a divergence.
+and for what must hold whatever the machine does. ``kv-ops`` exits non-zero when the paths
+disagree (different counters), ``compare`` when compare mode logs a divergence.
 """
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import re
@@ -21,13 +23,13 @@ import torch
 from compare import RunSummary
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-TOY_SIZES = {  # so that a script which failed to refuse the path would still end in seconds
-    "bench_kv_ops.py": ("--sizes", "8", "--steps", "1", "--warmup", "0", "--repeats", "1"),
-    "bench_compare.py": ("--sizes", "8", "--steps", "2", "--repeats", "1", "--no-e2e"),
-    "bench_migration.py": ("--pages", "4", "--page-kib", "4", "--repeats", "1"),
-    "bench_kv_verify.py": ("--workload", "smoke", "--repeats", "1"),
-    "bench_decode_attention.py": ("--cases", "3:1-40", "--layers", "2", "--repeats", "1"),
-    "bench_throughput.py": (
+TOY_SIZES = {  # so that a benchmark which failed to refuse the path would still end in seconds
+    "kv-ops": ("--sizes", "8", "--steps", "1", "--warmup", "0", "--repeats", "1"),
+    "compare": ("--sizes", "8", "--steps", "2", "--repeats", "1", "--no-e2e"),
+    "migration": ("--pages", "4", "--page-kib", "4", "--repeats", "1"),
+    "kv-verify": ("--workload", "smoke", "--repeats", "1"),
+    "decode-attention": ("--cases", "3:1-40", "--layers", "2", "--repeats", "1"),
+    "throughput": (
         "--geometry",
         "64x1",
         "--vocab-size",
@@ -47,7 +49,7 @@ TOY_SIZES = {  # so that a script which failed to refuse the path would still en
         "--repeats",
         "1",
     ),
-    "scale_check.py": (
+    "scale": (
         "--modes",
         "plan",
         "--requests",
@@ -63,38 +65,57 @@ TOY_SIZES = {  # so that a script which failed to refuse the path would still en
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python scripts/bench.py NAME ARGS`` in a child process."""
     return subprocess.run(
-        [sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPTS / "bench.py"), name, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 def run_benchmark(name: str, *args: str) -> str:
-    """Run a script that must succeed; its standard output."""
+    """Run a subcommand that must succeed; its standard output."""
     done = run_script(name, *args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout
 
 
 def script_module(monkeypatch, name: str):
+    """``scripts/bench.py`` (``bench``) or a module of ``scripts/benchmarks/``."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    return __import__(name)
+    return importlib.import_module(name if name == "bench" else f"benchmarks.{name}")
 
 
 def refusal(monkeypatch, capsys, name: str, *args: str) -> tuple[int, str]:
-    """Run script ``name``'s ``main`` with ``args`` in this process, where it must exit: its exit
-    code and the last line it wrote to stderr. (A child process per case would spend its time
-    importing torch; a script that failed to refuse runs its toy sizes and fails the test.)"""
-    script = script_module(monkeypatch, name.removesuffix(".py"))
-    monkeypatch.setattr(sys, "argv", [name, *args])
+    """Run subcommand ``name`` with ``args`` in this process (``bench.main``), where it must exit:
+    its exit code and the last line it wrote to stderr. (A child process per case would spend its
+    time importing torch; a benchmark that failed to refuse runs its toy sizes and fails the
+    test.)"""
+    bench = script_module(monkeypatch, "bench")
     with pytest.raises(SystemExit) as exited:
-        script.main()
+        bench.main([name, *args])
     return exited.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_entry_point_lists_every_subcommand_and_refuses_an_unknown_one(monkeypatch, capsys):
+    bench = script_module(monkeypatch, "bench")
+    assert bench.main(["--help"]) == 0
+    shown = capsys.readouterr().out
+    for name in ("kv-ops", "compare", "kv-verify", "scale", "migration", "decode-attention"):
+        assert f"\n  {name} " in shown
+    for name in ("throughput", "vllm", "generate", "replicas", "sweep"):
+        assert f"\n  {name} " in shown
+    assert bench.main(["kv_ops"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "bench.py: error: no subcommand 'kv_ops' (choose from"
+    )
 
 
 def test_bench_kv_ops_times_both_paths_on_every_mix_and_size_and_prints_the_goal(tmp_path):
     out = tmp_path / "kv_ops.json"
     toy = ("--sizes", "8,16", "--steps", "4", "--warmup", "2", "--repeats", "2")
-    stdout = run_benchmark("bench_kv_ops.py", *toy, "--json-out", str(out))
+    stdout = run_benchmark("kv-ops", *toy, "--json-out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(row["mix"], row["num_requests"]) for row in rows] == [
         ("decode", 8),
@@ -122,7 +143,7 @@ def test_bench_kv_ops_times_both_paths_on_every_mix_and_size_and_prints_the_goal
 
 
 def test_bench_kv_ops_holds_every_size_to_one_goal(monkeypatch):
-    module = script_module(monkeypatch, "bench_kv_ops")
+    module = script_module(monkeypatch, "kv_ops")
 
     def runs(legacy_ns: int, plan_ns: int) -> dict:
         return {
@@ -139,50 +160,19 @@ def test_bench_kv_ops_holds_every_size_to_one_goal(monkeypatch):
     ]
 
 
-def test_bench_kv_ops_times_the_ops_of_the_workers_path_object_and_leaves_its_class_alone(
-    monkeypatch,
-):
-    module = script_module(monkeypatch, "bench_kv_ops")
-    from batchgen.config import TINY_MODELS
-    from batchgen.kv.gate import KvGateConfig
-    from batchgen.kv.plan_path import PlanKvPath
-    from batchgen.model.null_model import NullModel
-    from batchgen.shadow.wiring import gated_worker
-
-    cache, engine = module.configs("pressure", 8)
-    worker = gated_worker(
-        NullModel(TINY_MODELS["tiny"]),
-        cache_config=cache,
-        engine_config=engine,
-        kv_gate=KvGateConfig(path="plan"),
-        kv_storage=False,
-    )
-    stream, ns_by_op = module.RequestStream("pressure", 0), dict.fromkeys(module.KV_OPS, 0)
-    for _ in range(8):
-        worker.add_request(stream.next())
-    # a clock that advances 5 ns per read
-    module.time_kv_ops(worker._kv, ns_by_op, iter(range(0, 10**6, 5)).__next__, 0)
-    worker.step()
-    assert {"poll", "release", "evict", "migrate", "allocate"} <= set(vars(worker._kv))
-    assert ns_by_op == {"poll": 0, "release": 0, "evict": 5, "migrate": 5, "alloc": 5}
-    assert vars(PlanKvPath)["evict"].__qualname__ == "PlanKvPath.evict"
-
-
 @pytest.mark.parametrize("flag", ["--repeats", "--steps"])
 def test_bench_kv_ops_refuses_no_repeats_or_steps(monkeypatch, capsys, flag):
-    refused = refusal(
-        monkeypatch, capsys, "bench_kv_ops.py", *TOY_SIZES["bench_kv_ops.py"], flag, "0"
-    )
+    refused = refusal(monkeypatch, capsys, "kv-ops", *TOY_SIZES["kv-ops"], flag, "0")
     assert refused == (
         2,
-        "bench_kv_ops.py: error: --steps and --repeats must be >= 1, --warmup >= 0",
+        "bench.py kv-ops: error: --steps and --repeats must be >= 1, --warmup >= 0",
     )
 
 
 def test_bench_compare_measures_every_variant_and_prints_every_goal_it_can_judge(tmp_path):
     out = tmp_path / "compare.json"
     toy = ("--sizes", "8,16", "--steps", "6", "--repeats", "1", "--no-e2e")
-    stdout = run_benchmark("bench_compare.py", *toy, "--json-out", str(out))
+    stdout = run_benchmark("compare", *toy, "--json-out", str(out))
     figures = json.loads(out.read_text())
     assert [row["num_requests"] for row in figures["sizes"]] == [8, 16]
     assert set(figures["goals"]) == {"coverage", "quiet_harness_growth"}
@@ -200,7 +190,7 @@ def test_bench_compare_measures_every_variant_and_prints_every_goal_it_can_judge
 
 def test_bench_compare_with_one_size_leaves_out_the_growth_goal(tmp_path):
     out = tmp_path / "compare.json"
-    run_benchmark("bench_compare.py", *TOY_SIZES["bench_compare.py"], "--json-out", str(out))
+    run_benchmark("compare", *TOY_SIZES["compare"], "--json-out", str(out))
     assert set(json.loads(out.read_text())["goals"]) == {"coverage"}
 
 
@@ -238,7 +228,7 @@ def test_bench_compare_coverage_off_classifies_nothing_and_decides_the_same(monk
 
 
 def test_bench_compare_judges_end_to_end_on_cpu_time_against_its_goal(monkeypatch):
-    module = script_module(monkeypatch, "bench_compare")
+    module = script_module(monkeypatch, "compare_report")
     sizes = [{"num_requests": 8, "coverage_ratio": 1.01}]
     e2e = {"ratio": 1.07, "basis": "process CPU time"}
     assert module.verdicts(sizes, [], e2e) == {
@@ -255,7 +245,7 @@ def test_bench_compare_judges_end_to_end_on_cpu_time_against_its_goal(monkeypatc
 def test_bench_compare_gives_no_growth_verdict_when_a_quiet_harness_is_not_above_zero(
     monkeypatch,
 ):
-    module = script_module(monkeypatch, "bench_compare")
+    module = script_module(monkeypatch, "compare_report")
     sizes = [{"num_requests": n, "coverage_ratio": 1.0} for n in (64, 4096)]
     touched = [
         {"num_requests": 64, "touched": "0-4", "harness_us": 110.0},
@@ -275,14 +265,12 @@ def test_bench_compare_gives_no_growth_verdict_when_a_quiet_harness_is_not_above
 def test_bench_compare_refuses_profile_with_an_output_file_it_would_leave_unwritten(
     tmp_path, monkeypatch, capsys
 ):
-    toy = TOY_SIZES["bench_compare.py"]
+    toy = TOY_SIZES["compare"]
     figures = str(tmp_path / "figures.json")
-    refused = refusal(
-        monkeypatch, capsys, "bench_compare.py", *toy, "--profile", "8", "--json-out", figures
-    )
+    refused = refusal(monkeypatch, capsys, "compare", *toy, "--profile", "8", "--json-out", figures)
     assert refused == (
         2,
-        "bench_compare.py: error: --profile prints a profile and measures nothing else: leave out"
+        "bench.py compare: error: --profile prints a profile and measures nothing else: leave out"
         " --json-out",
     )
     assert list(tmp_path.iterdir()) == []
@@ -292,22 +280,22 @@ def test_bench_compare_refuses_profile_with_an_output_file_it_would_leave_unwrit
 def test_bench_compare_refuses_a_profile_of_no_requests_instead_of_running_the_benchmark(
     monkeypatch, capsys, count
 ):
-    toy = TOY_SIZES["bench_compare.py"]
-    assert refusal(monkeypatch, capsys, "bench_compare.py", *toy, "--profile", count) == (
+    toy = TOY_SIZES["compare"]
+    assert refusal(monkeypatch, capsys, "compare", *toy, "--profile", count) == (
         2,
-        f"bench_compare.py: error: --profile takes a request count >= 1, got {count}",
+        f"bench.py compare: error: --profile takes a request count >= 1, got {count}",
     )
 
 
 @pytest.mark.parametrize(
     "name, flag",
     [
-        ("bench_kv_ops.py", "--json-out"),
-        ("bench_compare.py", "--json-out"),
-        ("bench_migration.py", "--json-out"),
-        ("bench_decode_attention.py", "--json-out"),
-        ("bench_throughput.py", "--json-out"),
-        ("scale_check.py", "--json-out"),
+        ("kv-ops", "--json-out"),
+        ("compare", "--json-out"),
+        ("migration", "--json-out"),
+        ("decode-attention", "--json-out"),
+        ("throughput", "--json-out"),
+        ("scale", "--json-out"),
     ],
 )
 def test_a_benchmark_refuses_an_output_file_it_cannot_write_before_it_runs(
@@ -319,12 +307,12 @@ def test_a_benchmark_refuses_an_output_file_it_cannot_write_before_it_runs(
         (tmp_path, f"argument {flag}: '{tmp_path}' is a directory, not a file to write"),
     ):
         refused = refusal(monkeypatch, capsys, name, *TOY_SIZES[name], flag, str(out))
-        assert refused == (2, f"{name}: error: {error}")
+        assert refused == (2, f"bench.py {name}: error: {error}")
 
 
 def test_bench_throughput_runs_both_systems_on_both_mixes_and_gets_hf_tokens(tmp_path):
     out = tmp_path / "throughput.json"
-    run_benchmark("bench_throughput.py", *TOY_SIZES["bench_throughput.py"], "--json-out", str(out))
+    run_benchmark("throughput", *TOY_SIZES["throughput"], "--json-out", str(out))
     figures = json.loads(out.read_text())
     assert [(row["geometry"], row["mix"], row["schedule_policy"]) for row in figures["rows"]] == [
         ("64x1", "static", "fcfs"),
@@ -343,7 +331,7 @@ def test_bench_throughput_runs_both_systems_on_both_mixes_and_gets_hf_tokens(tmp
 def test_bench_decode_attention_times_both_variants_and_cuts_unequal_rows(tmp_path):
     out = tmp_path / "attention.json"
     toy = ("--cases", "2:1-3,6:2-400", "--layers", "2", "--page-size", "2", "--repeats", "1")
-    run_benchmark("bench_decode_attention.py", *toy, "--json-out", str(out))
+    run_benchmark("decode-attention", *toy, "--json-out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(row["rows"], row["tokens"]) for row in rows] == [(2, "1-3"), (6, "2-400")]
     # at most 2 pages against 2: one batch; up to 201 pages against as few as 2: several
@@ -355,27 +343,27 @@ def test_bench_decode_attention_times_both_variants_and_cuts_unequal_rows(tmp_pa
 
 @pytest.mark.parametrize("case", ["3", "3:5", "0:1-4", "3:4-1", "a:1-2"])
 def test_bench_decode_attention_refuses_a_malformed_case(monkeypatch, capsys, case):
-    assert refusal(monkeypatch, capsys, "bench_decode_attention.py", "--cases", case) == (
+    assert refusal(monkeypatch, capsys, "decode-attention", "--cases", case) == (
         2,
-        f"bench_decode_attention.py: error: --cases takes ROWS:MIN-MAX with 1 <= MIN <= MAX,"
+        f"bench.py decode-attention: error: --cases takes ROWS:MIN-MAX with 1 <= MIN <= MAX,"
         f" got {case!r}",
     )
 
 
 @pytest.mark.parametrize("flag, value", [("--pages", "0"), ("--pages", "-3"), ("--repeats", "0")])
 def test_bench_migration_refuses_an_empty_batch_or_no_repeats(monkeypatch, capsys, flag, value):
-    assert refusal(monkeypatch, capsys, "bench_migration.py", "--page-kib", "4", flag, value) == (
+    assert refusal(monkeypatch, capsys, "migration", "--page-kib", "4", flag, value) == (
         2,
-        "bench_migration.py: error: --pages and --repeats must be >= 1",
+        "bench.py migration: error: --pages and --repeats must be >= 1",
     )
 
 
 def test_bench_migration_refuses_pools_larger_than_the_memory_available(monkeypatch, capsys):
     args = ("--pages", "100000000", "--page-kib", "4", "--repeats", "1")
-    code, error = refusal(monkeypatch, capsys, "bench_migration.py", *args)
+    code, error = refusal(monkeypatch, capsys, "migration", *args)
     assert code == 2
     assert re.fullmatch(
-        r"bench_migration\.py: error: --pages 100000000 x --page-kib 4 needs 1525\.9 GiB of host "
+        r"bench\.py migration: error: --pages 100000000 x --page-kib 4 needs 1525\.9 GiB of host "
         r"memory for its pools; [\d.]+ GiB is available",
         error,
     )
@@ -406,9 +394,9 @@ def test_bench_migration_refuses_pools_larger_than_the_memory_available(monkeypa
 def test_scale_check_refuses_a_size_or_bound_no_run_can_meet(
     monkeypatch, capsys, flag, value, error
 ):
-    toy = TOY_SIZES["scale_check.py"]
-    refused = refusal(monkeypatch, capsys, "scale_check.py", *toy, flag, value)
-    assert refused == (2, f"scale_check.py: error: {error}")
+    toy = TOY_SIZES["scale"]
+    refused = refusal(monkeypatch, capsys, "scale", *toy, flag, value)
+    assert refused == (2, f"bench.py scale: error: {error}")
 
 
 def test_ci_divergence_gate_renders_no_earlier_log_when_validate_refuses_its_flags(tmp_path):
@@ -586,19 +574,10 @@ def test_h20_validate_refuses_a_bad_kv_path_before_anything_runs():
     )
 
 
-def output_path_module():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import output_path
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return output_path
-
-
 def test_an_output_path_that_cannot_be_created_is_refused_when_parsed_and_nothing_is_left_behind(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
-    module = output_path_module()
+    module = script_module(monkeypatch, "output_path")
     with pytest.raises(
         argparse.ArgumentTypeError, match=r"^cannot write /proc/figures.json: No such file or "
     ):
@@ -614,14 +593,14 @@ def test_an_output_path_that_cannot_be_created_is_refused_when_parsed_and_nothin
 
 
 def test_a_write_that_fails_at_the_end_is_one_error_line_and_exit_1(capsys, monkeypatch):
-    module = output_path_module()
-    monkeypatch.setattr(sys, "argv", ["bench_kv_ops.py"])
+    module = script_module(monkeypatch, "output_path")
+    monkeypatch.setattr(sys, "argv", ["scripts/bench.py", "kv-ops"])
     with pytest.raises(SystemExit) as ended:
         module.write_output(Path("/dev/full"), "{}")
     assert ended.value.code == 1
     assert (
         capsys.readouterr().err
-        == "bench_kv_ops.py: error: cannot write /dev/full: No space left on device (the "
+        == "bench.py: error: cannot write /dev/full: No space left on device (the "
         "figures are in the tables above)\n"
     )
 
@@ -629,7 +608,7 @@ def test_a_write_that_fails_at_the_end_is_one_error_line_and_exit_1(capsys, monk
 def test_bench_sweep_times_each_backend_and_the_drivers_merge(tmp_path):
     out = tmp_path / "sweep.json"
     run_benchmark(
-        "bench_sweep.py",
+        "sweep",
         *("--workload", "smoke", "--runs", "2", "--cpus", "1", "--backends", "processes"),
         *("--records", "4", "--repeats", "1", "--noop-tasks", "10", "--json-out", str(out)),
         *("--throughput-repeats", "1"),
@@ -669,7 +648,7 @@ def test_bench_compare_end_to_end_reads_compare_modes_kv_share_apart_from_the_ru
 
 
 def test_bench_generate_runs_generate_and_run_on_the_same_tokens_and_prints_the_text_share():
-    done = run_script("bench_generate.py", "--num-lines", "6", "--geometry", "64x1")
+    done = run_script("generate", "--num-lines", "6", "--geometry", "64x1")
     text = " ".join(done.stdout.split())  # rich wraps lines at the terminal's width
     verdict = re.search(r"goal text share <= 5%: (met|MISSED)", text)
     assert verdict is not None, done.stdout[-2000:] + done.stderr[-2000:]
@@ -682,8 +661,8 @@ def test_bench_generate_runs_generate_and_run_on_the_same_tokens_and_prints_the_
 
 def test_bench_kv_verify_runs_the_workload_with_verify_off_and_all_and_prints_the_ratio(tmp_path):
     out = tmp_path / "kv_verify.json"
-    toy = TOY_SIZES["bench_kv_verify.py"]
-    stdout = run_benchmark("bench_kv_verify.py", *toy, "--device", "cpu", "--json-out", str(out))
+    toy = TOY_SIZES["kv-verify"]
+    stdout = run_benchmark("kv-verify", *toy, "--device", "cpu", "--json-out", str(out))
     figures = json.loads(out.read_text())
     assert (figures["workload"], figures["repeats"], figures["device"]) == ("smoke", 1, "cpu")
     assert (figures["tokens_equal"], figures["data_divergences"]) == (True, 0)
@@ -704,17 +683,17 @@ def test_bench_kv_verify_runs_the_workload_with_verify_off_and_all_and_prints_th
 def test_bench_kv_verify_refuses_no_repeats_or_a_scale_not_above_zero(
     monkeypatch, capsys, flag, value, message
 ):
-    args = (*TOY_SIZES["bench_kv_verify.py"], flag, value)
-    assert refusal(monkeypatch, capsys, "bench_kv_verify.py", *args) == (
+    args = (*TOY_SIZES["kv-verify"], flag, value)
+    assert refusal(monkeypatch, capsys, "kv-verify", *args) == (
         2,
-        f"bench_kv_verify.py: error: {message}",
+        f"bench.py kv-verify: error: {message}",
     )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs it")
 def test_bench_kv_verify_refuses_cuda_on_a_machine_without_it(monkeypatch, capsys):
-    args = (*TOY_SIZES["bench_kv_verify.py"], "--device", "cuda")
-    assert refusal(monkeypatch, capsys, "bench_kv_verify.py", *args) == (
+    args = (*TOY_SIZES["kv-verify"], "--device", "cuda")
+    assert refusal(monkeypatch, capsys, "kv-verify", *args) == (
         2,
-        "bench_kv_verify.py: error: --device cuda needs CUDA, which this machine lacks",
+        "bench.py kv-verify: error: --device cuda needs CUDA, which this machine lacks",
     )

@@ -1,12 +1,12 @@
-"""Scale: a CPU-sized ``scripts/scale_check.py`` run keeps memory flat and the pools consistent.
+"""Scale: a CPU-sized ``scripts/bench.py scale`` run keeps memory flat and the pools consistent.
 
 512 live requests over 100,000 GPU pages for 150 steps, in plan and compare mode.
-Each run is the script's own child process (``--mode``): a fresh interpreter,
+Each run is the benchmark's own child process (``--mode``): a fresh interpreter,
 so the resident set it reads after ``gc.collect()`` at steps 50 and 150 is the
 run's alone, not what earlier tests left in this process.
 """
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -19,28 +19,27 @@ from batchgen.config import pages_needed
 from batchgen.kv.gate import KvGateConfig
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-SCRIPT = SCRIPTS / "scale_check.py"
+BENCH = SCRIPTS / "bench.py"
 SMALL = ["--requests", "512", "--gpu-pages", "100000", "--steps", "150", "--rss-from-step", "50"]
 
 
-def load_script_module(name: str):
-    """Import ``scripts/<name>.py`` as module ``name``; mutates ``sys.modules``, where dataclasses
-    and the scripts' imports of each other look it up (so load a module after the ones it
-    imports)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def benchmark_module(name: str):
+    """Import ``scripts/benchmarks/<name>.py`` (``scripts/`` on ``sys.path`` while it imports)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return importlib.import_module(f"benchmarks.{name}")
+    finally:
+        sys.path.remove(str(SCRIPTS))
 
 
-scale_workload = load_script_module("scale_workload")
-scale_run = load_script_module("scale_run")  # imports scale_workload
+scale_workload = benchmark_module("scale_workload")
+scale_run = benchmark_module("scale_run")
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
+    """``python scripts/bench.py scale ARGS`` in a child process."""
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(BENCH), "scale", *args], capture_output=True, text=True, timeout=300
     )
 
 

@@ -2,11 +2,11 @@
 
 A worker with the weightless ``NullModel`` and bookkeeping-only pools (``kv_storage=False``)
 keeps N requests live (a released request is replaced at once) for ``--warmup`` untimed, then
-``--steps`` timed steps. Only the five KV ops are timed: the methods of the worker's path object
-(``worker._kv``) are wrapped once the warm-up is over. Legacy and plan run interleaved in one
-process (the order alternates every repeat) on the same seeded trace, and must end with identical
-counters (exit 1 otherwise). The clock is the thread's CPU time by default, its read cost
-subtracted; garbage collections triggered inside an op count toward it.
+``--steps`` timed steps. Only the five KV ops are timed (``ab_timer.time_kv_ops``, wrapped once
+the warm-up is over). Legacy and plan run interleaved in one process (the order alternates every
+repeat) on the same seeded trace, and must end with identical counters (exit 1 otherwise). The
+clock is the thread's CPU time by default, its read cost subtracted; garbage collections
+triggered inside an op count toward it.
 
     decode    the GPU pool holds every request's full context: steady decode
     pressure  the GPU pool holds ~30% of the live demand, the host pool ~20%: constant eviction
@@ -16,8 +16,8 @@ Goal: plan <= 1.1x legacy at every size (the median of the per-repeat ratios). T
 long (200 steps after 24) because at 64 requests a short one holds too few finishes, evictions and
 loads to settle.
 
-    python scripts/bench_kv_ops.py --json-out bench_kv_ops.json
-    python scripts/bench_kv_ops.py --sizes 64 --mixes pressure --repeats 9
+    python scripts/bench.py kv-ops --json-out bench_kv_ops.json
+    python scripts/bench.py kv-ops --sizes 64 --mixes pressure --repeats 9
 """
 
 from __future__ import annotations
@@ -28,21 +28,20 @@ import json
 import platform
 import random
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from kv_ops_report import report
-from output_path import output_path, write_output
 from rich.console import Console
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig, pages_needed
 from batchgen.kv.gate import KV_OPS, KvGateConfig
-from batchgen.kv.plan_path import OP_METHODS
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.wiring import gated_worker
 from batchgen.state import Request
+
+from .ab_timer import CLOCKS, adding_to, clock_overhead_ns, interleaved, median_ratio, time_kv_ops
+from .kv_ops_report import report
+from .output_path import output_path, write_output
 
 PATHS = ("legacy", "plan")
 MIXES = ("decode", "pressure")
@@ -53,7 +52,7 @@ NEW_TOKENS = {"decode": (96, 256), "pressure": (32, 128)}
 POOL_FRACTION = {"decode": (1.1, 0.1), "pressure": (0.3, 0.2)}  # GPU, host: of the live demand
 GOAL = 1.1  # plan / legacy
 COUNTERS = ("evictions", "loads", "recompute_preemptions", "tokens_generated")
-CLOCKS = {"cpu": time.thread_time_ns, "wall": time.perf_counter_ns}
+KV_CLOCKS = ("cpu", "wall")
 
 
 @dataclass
@@ -66,29 +65,6 @@ class Run:
     @property
     def total_ns(self) -> int:
         return sum(self.ns_by_op.values())
-
-
-def clock_overhead_ns(clock: Callable[[], int]) -> int:
-    """What one timed interval adds by itself (a CPU-time read is a system call)."""
-    return min(statistics.median(-clock() + clock() for _ in range(2000)) for _ in range(5))
-
-
-def time_kv_ops(kv, ns_by_op: dict[str, int], clock: Callable[[], int], overhead: int) -> None:
-    """Mutates ``kv`` (a KV path object): each op method becomes an instance attribute that adds
-    the call's time, less the clock's ``overhead``, to ``ns_by_op``."""
-
-    def timed(op: str, call: Callable):
-        def timed_call(*args):
-            started = clock()
-            result = call(*args)
-            ns_by_op[op] += max(0, clock() - started - overhead)
-            return result
-
-        return timed_call
-
-    for op in KV_OPS:
-        method = OP_METHODS[op][0]
-        setattr(kv, method, timed(op, getattr(kv, method)))
 
 
 class RequestStream:
@@ -141,7 +117,7 @@ def run_once(path: str, mix: str, num_requests: int, args: argparse.Namespace) -
     gc.collect()  # the same collector state for every run; collections inside an op still count
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            time_kv_ops(worker._kv, run.ns_by_op, CLOCKS[args.clock], args.overhead_ns)
+            time_kv_ops(worker, adding_to(run.ns_by_op), CLOCKS[args.clock], args.overhead_ns)
             before = {name: getattr(worker.state.stats, name) for name in COUNTERS}
         worker.step()
         for _ in range(num_requests - len(worker.state.requests)):
@@ -152,10 +128,9 @@ def run_once(path: str, mix: str, num_requests: int, args: argparse.Namespace) -
 
 def measure(mix: str, num_requests: int, args: argparse.Namespace) -> dict[str, list[Run]]:
     """Every path ``--repeats`` times, interleaved; SystemExit when their counters differ."""
-    runs: dict[str, list[Run]] = {path: [] for path in PATHS}
-    for repeat in range(args.repeats):
-        for path in PATHS if repeat % 2 == 0 else PATHS[::-1]:
-            runs[path].append(run_once(path, mix, num_requests, args))
+    runs = interleaved(
+        PATHS, args.repeats, lambda path: run_once(path, mix, num_requests, args), rotate=False
+    )
     legacy, plan = runs["legacy"][0].stats, runs["plan"][0].stats
     if legacy != plan:
         raise SystemExit(
@@ -167,8 +142,7 @@ def measure(mix: str, num_requests: int, args: argparse.Namespace) -> dict[str, 
 def summarise(mix: str, num_requests: int, runs: dict[str, list[Run]], steps: int) -> dict:
     """One table row: medians per path and op, the median of the per-repeat ratios. Pure."""
     per_step = {path: [run.total_ns / steps / 1000 for run in runs[path]] for path in PATHS}
-    ratios = [p / q for p, q in zip(per_step["plan"], per_step["legacy"])]
-    ratio = statistics.median(ratios)
+    ratio, ratios = median_ratio(per_step["plan"], per_step["legacy"])
     return {
         "mix": mix,
         "num_requests": num_requests,
@@ -190,8 +164,9 @@ def summarise(mix: str, num_requests: int, runs: dict[str, list[Run]], steps: in
     }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog=prog,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
@@ -206,11 +181,11 @@ def parse_args() -> argparse.Namespace:
     add("--steps", type=int, default=200, help="timed steps per run (default 200)")
     add("--warmup", type=int, default=24, help="untimed steps before timing (default 24)")
     add("--repeats", type=int, default=3, help="runs per path, interleaved (default 3)")
-    add("--clock", choices=sorted(CLOCKS), default="cpu", help="cpu: thread CPU time (default)")
+    add("--clock", choices=KV_CLOCKS, default="cpu", help="cpu: thread CPU time (default)")
     add("--seed", type=int, default=0, help="seed of the request stream (default 0)")
     add("--markdown", action="store_true", help="print the tables as Markdown")
     add("--json-out", type=output_path, help="write the figures as JSON to this path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         args.sizes = [int(size) for size in args.sizes.split(",")]
     except ValueError:
@@ -225,8 +200,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str], prog: str) -> int:
+    args = parse_args(argv, prog)
     torch.set_num_threads(1)  # the untimed sampler's tiny ops; fewer threads are steadier
     args.overhead_ns = clock_overhead_ns(CLOCKS[args.clock])
     console = Console(width=160)
@@ -238,18 +213,13 @@ def main() -> None:
             console.log(f"{mix} x {num_requests}: plan/legacy {rows[-1]['ratio_plan_legacy']:.2f}")
     report(rows, args, console, GOAL)
     if args.json_out:
+        names = ("sizes", "mixes", "steps", "warmup", "repeats", "clock", "seed")
         record = {
             "benchmark": "kv_ops",
             "machine": platform.processor() or platform.machine(),
             "python": platform.python_version(),
-            "args": {
-                name: getattr(args, name)
-                for name in ("sizes", "mixes", "steps", "warmup", "repeats", "clock", "seed")
-            },
+            "args": {name: getattr(args, name) for name in names},
             "rows": rows,
         }
         write_output(args.json_out, json.dumps(record, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

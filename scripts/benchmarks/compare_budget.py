@@ -1,4 +1,4 @@
-"""``bench_compare.py --budget``: compare mode at sample 1.0 with a cost budget on L2-4096, beside
+"""``bench.py compare --budget``: compare mode at sample 1.0 with a cost budget on L2-4096, beside
 compare off and compare on every step.
 
 Three variants of the tiny model's L2-4096 run, interleaved (the order rotates) after a warm-up,
@@ -17,7 +17,7 @@ the spread is each variant's (max - min) / min over its runs.
 from __future__ import annotations
 
 import gc
-import time
+import statistics
 from pathlib import Path
 
 from rich.console import Console
@@ -28,6 +28,8 @@ from batchgen.engine.workloads import builtin_workload
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
 from batchgen.shadow.wiring import gated_worker
+
+from .ab_timer import interleaved, timed_run
 
 VARIANTS = ("off", "budget", "full")
 
@@ -53,9 +55,9 @@ def one_run(model, workload, variant: str, budget: float, log: Path) -> dict:
         kv_gate=budget_gate(variant, budget, log),
     )
     gc.collect()  # the same collector state for every run
-    started = time.process_time()
-    result = run_workload(worker, workload, source="L2-4096")
-    run = {"cpu": time.process_time() - started, "wall": result.wall_s, "steps": result.num_steps}
+    timed = timed_run(lambda: run_workload(worker, workload, source="L2-4096"))
+    result = timed.result
+    run = {"cpu": timed.cpu_s, "wall": result.wall_s, "steps": result.num_steps}
     summary = result.compare_summary
     if summary is not None and any(summary.divergences.values()):
         raise SystemExit(f"L2-4096 diverged: {summary.divergences}")
@@ -77,14 +79,14 @@ def budget_runs(repeats: int, budget: float, log: Path, console: Console) -> dic
     warm_up = workload.model_copy(update={"requests": workload.requests[:4]})
     for variant in VARIANTS:
         one_run(model, warm_up, variant, budget, log)
-    runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
-    for repeat in range(repeats):
-        shift = repeat % len(VARIANTS)
-        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-            run = one_run(model, workload, variant, budget, log)
-            runs[variant].append(run)
-            share = f", {run['compared_steps']:.1%} of steps compared" if variant != "off" else ""
-            console.print(f"  L2-4096 {variant}: {run['cpu']:.2f} s CPU{share}", highlight=False)
+
+    def run(variant: str) -> dict:
+        done = one_run(model, workload, variant, budget, log)
+        share = f", {done['compared_steps']:.1%} of steps compared" if variant != "off" else ""
+        console.print(f"  L2-4096 {variant}: {done['cpu']:.2f} s CPU{share}", highlight=False)
+        return done
+
+    runs = interleaved(VARIANTS, repeats, run)
     return {"budget": budget, "runs": runs, "summary": summarise(runs)}
 
 
@@ -96,16 +98,10 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
         cpu = sorted(run["cpu"] for run in mine)
         row = {"min_cpu": cpu[0], "spread": (cpu[-1] - cpu[0]) / cpu[0], "ratio": cpu[0] / base}
         if variant != "off":
-            row["compared_steps"] = _median([run["compared_steps"] for run in mine])
-            row["compare_share"] = _median([run["compare_share"] for run in mine])
+            row["compared_steps"] = statistics.median(run["compared_steps"] for run in mine)
+            row["compare_share"] = statistics.median(run["compare_share"] for run in mine)
         rows[variant] = row
     return rows
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def budget_table(result: dict) -> Table:

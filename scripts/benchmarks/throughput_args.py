@@ -1,4 +1,4 @@
-"""The command line of ``bench_throughput.py``: its flags, their defaults per device, and the
+"""The command line of ``bench.py throughput``: its flags, their defaults per device, and the
 checks that refuse a bad value before anything is measured.
 """
 
@@ -7,14 +7,16 @@ from __future__ import annotations
 import argparse
 
 import torch
-from hf_reference import hf_geometry
-from output_path import output_path
 
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
 
+from .hf_checkpoint import hf_geometry
+from .output_path import output_path
 
-def build_parser(description: str) -> argparse.ArgumentParser:
+
+def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        prog=prog,
         description=description,
         epilog="Both systems are measured interleaved in one run; compare ratios.",
     )
@@ -50,10 +52,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(argv: list[str], prog: str, description: str) -> argparse.Namespace:
     """The command line, checked; SystemExit naming what is wrong."""
-    parser = build_parser(description)
-    args = parser.parse_args()
+    parser = build_parser(prog, description)
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs CUDA, which this machine lacks")
     args.geometry = args.geometry or ("llama-1b" if args.device == "cuda" else "256x4,512x8")

@@ -1,4 +1,4 @@
-"""The report of ``scale_check.py``: per mode, step and KV-op times, pages, the resident set, and
+"""The report of ``bench.py scale``: per mode, step and KV-op times, pages, the resident set, and
 where a step goes.
 """
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
-from scale_run import PHASES
+
+from .scale_run import PHASES
 
 
 def results_table(results: list[dict], max_ratio: float) -> Table:

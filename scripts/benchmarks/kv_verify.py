@@ -6,10 +6,10 @@ without the oracle. The table shows the median wall and process CPU time of each
 less disturbed by other processes), the medians of the per-repeat ratios all/off, and the
 oracle's own seconds (its hooks, timed inside the run) with the pages it checked. On ``--device
 cuda`` the GPU pool lives on the device (CUDA-synchronized timings); the default is CUDA when
-there is one. The script exits 1 if the two runs' tokens differ or the oracle
-logged a divergence.
+there is one. The benchmark exits 1 if the two runs' tokens differ or the oracle logged a
+divergence.
 
-    python scripts/bench_kv_verify.py --workload L2-2048 --repeats 5 --json-out bench_kv_verify.json
+    python scripts/bench.py kv-verify --workload L2-2048 --repeats 5 --json-out bench_kv_verify.json
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from output_path import output_path, write_output
 from rich.console import Console
 from rich.table import Table
 
@@ -35,11 +33,15 @@ from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
 from batchgen.shadow.wiring import gated_worker
 
+from .ab_timer import interleaved, median_ratio, timed_run
+from .output_path import output_path, write_output
+
 MODES = ("off", "all")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog=prog,
         description=__doc__.split("\n\n")[0],
         epilog="Both variants run interleaved in one process; compare the ratio, not the seconds.",
     )
@@ -64,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--json-out", type=output_path, help="write the figures as JSON to this path"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if not args.scale > 0:
@@ -74,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def timed_run(model, workload, mode: str, device: str, log: Path) -> dict:
+def verify_run(model, workload, mode: str, device: str, log: Path) -> dict:
     """One run on a fresh worker with verify ``mode``: wall seconds, the oracle's seconds and
     counts, the tokens. Mutates nothing outside the worker it builds (and ``log``, on a data
     divergence)."""
@@ -87,17 +89,12 @@ def timed_run(model, workload, mode: str, device: str, log: Path) -> dict:
         device=device,
     )
     gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    started, cpu_started = time.perf_counter(), time.process_time()
-    result = run_workload(worker, workload)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    timed = timed_run(lambda: run_workload(worker, workload), cuda=device == "cuda")
+    result = timed.result
     data = worker.kv_verify.summary() if worker.kv_verify is not None else None
     return {
-        "wall_s": wall,
-        "cpu_s": cpu,
+        "wall_s": timed.wall_s,
+        "cpu_s": timed.cpu_s,
         "verify_s": data.seconds if data else 0.0,
         "checked": data.checked if data else {},
         "divergences": sum(data.divergences.values()) if data else 0,
@@ -110,14 +107,20 @@ def measure(args: argparse.Namespace) -> dict:
     """``--repeats`` pairs of runs, alternating which mode goes first. Pure but for the runs."""
     model = load_model("tiny", device=args.device)
     workload = load_workload(args.workload, scale=args.scale, vocab_size=model.config.vocab_size)
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="bench-kv-verify-") as directory:
         log = Path(directory) / "kv-divergences.jsonl"  # written only on a data divergence
-        for repeat in range(args.repeats):
-            for mode in MODES if repeat % 2 == 0 else reversed(MODES):
-                runs[mode].append(timed_run(model, workload, mode, args.device, log))
-    ratios = [on["wall_s"] / off["wall_s"] for off, on in zip(runs["off"], runs["all"])]
-    cpu_ratios = [on["cpu_s"] / off["cpu_s"] for off, on in zip(runs["off"], runs["all"])]
+        runs = interleaved(
+            MODES,
+            args.repeats,
+            lambda mode: verify_run(model, workload, mode, args.device, log),
+            rotate=False,
+        )
+
+    def column(mode: str, key: str) -> list[float]:
+        return [run[key] for run in runs[mode]]
+
+    ratio, ratios = median_ratio(column("all", "wall_s"), column("off", "wall_s"))
+    cpu_ratio, _ = median_ratio(column("all", "cpu_s"), column("off", "cpu_s"))
     verified = runs["all"]
     return {
         "workload": args.workload,
@@ -125,13 +128,11 @@ def measure(args: argparse.Namespace) -> dict:
         "device": args.device,
         "repeats": args.repeats,
         "evictions": verified[0]["evictions"],
-        "median_wall_s": {
-            mode: statistics.median(r["wall_s"] for r in runs[mode]) for mode in MODES
-        },
-        "median_cpu_s": {mode: statistics.median(r["cpu_s"] for r in runs[mode]) for mode in MODES},
-        "ratio_all_off": statistics.median(ratios),
+        "median_wall_s": {mode: statistics.median(column(mode, "wall_s")) for mode in MODES},
+        "median_cpu_s": {mode: statistics.median(column(mode, "cpu_s")) for mode in MODES},
+        "ratio_all_off": ratio,
         "ratios": ratios,
-        "cpu_ratio_all_off": statistics.median(cpu_ratios),
+        "cpu_ratio_all_off": cpu_ratio,
         "median_verify_s": statistics.median(r["verify_s"] for r in verified),
         "checked": verified[0]["checked"],
         "data_divergences": sum(r["divergences"] for r in verified),
@@ -163,19 +164,16 @@ def print_table(figures: dict) -> None:
     )
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str], prog: str) -> int:
+    args = parse_args(argv, prog)
     figures = measure(args)
     print_table(figures)
     if args.json_out is not None:
         write_output(args.json_out, json.dumps(figures, indent=2) + "\n")
     if not figures["tokens_equal"] or figures["data_divergences"]:
         print(
-            "bench_kv_verify.py: error: verify changed the tokens or found a data divergence",
+            f"{prog}: error: verify changed the tokens or found a data divergence",
             file=sys.stderr,
         )
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()
+        return 1
+    return 0

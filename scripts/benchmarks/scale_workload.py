@@ -1,7 +1,7 @@
 """The scale check's workload: a pressure trace of anchors that fill the GPU pool and a crowd that
 fights over the rest.
 
-``pressure_workload`` builds it (``scripts/scale_check.py`` explains the run it
+``pressure_workload`` builds it (``scale.py``, ``bench.py scale``, explains the run it
 serves), ``num_anchors`` says how many of its first requests are anchors, and
 ``scale_model`` gives the null model a context long enough for every request.
 

@@ -7,8 +7,8 @@ a CPU runs in float32), once as one padded batch, once in the padded batches ``d
 cuts (what other devices run). The three run interleaved ``--repeats`` times; each figure is the
 median CPU time of one step's attention over all layers, one thread.
 
-    python scripts/bench_decode_attention.py
-    python scripts/bench_decode_attention.py --cases 32:100-400 --kv-heads 8 --layers 16
+    python scripts/bench.py decode-attention
+    python scripts/bench.py decode-attention --cases 32:100-400 --kv-heads 8 --layers 16
 """
 
 from __future__ import annotations
@@ -20,19 +20,22 @@ import statistics
 import time
 
 import torch
-from output_path import output_path, write_output
 from rich.console import Console
 from rich.table import Table
 
 from batchgen.config import pages_needed
 from batchgen.model.paged_attention import MAX_DECODE_BATCHES, Span, plan_attention
 
+from .ab_timer import interleaved
+from .output_path import output_path, write_output
+
 # name -> (in place, max decode batches)
 VARIANTS = {"in place": (True, 1), "one batch": (False, 1), "grouped": (False, MAX_DECODE_BATCHES)}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog=prog,
         description=__doc__.split("\n\n")[0],
         epilog="The variants are measured interleaved in one run; compare ratios.",
     )
@@ -49,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=10, help="per variant (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="lengths and page ids (default 0)")
     parser.add_argument("--json-out", type=output_path, help="write the figures as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         args.case_list = [parse_case(case) for case in args.cases.split(",")]
     except ValueError:
@@ -102,14 +105,14 @@ def attention_step(spans, pages, q_kv, in_place: bool, max_batches: int) -> floa
 
 def measure(case, args: argparse.Namespace, rng: random.Random) -> dict:
     spans, pages, q_kv = build_case(case, args, rng)
-    samples = {name: [] for name in VARIANTS}
-    for repeat in range(args.repeats + 1):  # the first is a warm-up
-        for name in sorted(VARIANTS, reverse=repeat % 2 == 1):
-            seconds = attention_step(spans, pages, q_kv, *VARIANTS[name])
-            if repeat:
-                samples[name].append(seconds)
+    samples = interleaved(  # the first repeat is a warm-up
+        sorted(VARIANTS),
+        args.repeats + 1,
+        lambda name: attention_step(spans, pages, q_kv, *VARIANTS[name]),
+        rotate=False,
+    )
     grouped = plan_attention(spans, pages, MAX_DECODE_BATCHES, in_place=False)
-    ms = {name: 1e3 * statistics.median(times) for name, times in samples.items()}
+    ms = {name: 1e3 * statistics.median(times[1:]) for name, times in samples.items()}
     return {
         "rows": case[0],
         "tokens": f"{case[1]}-{case[2]}",
@@ -120,8 +123,8 @@ def measure(case, args: argparse.Namespace, rng: random.Random) -> dict:
     }
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str], prog: str) -> int:
+    args = parse_args(argv, prog)
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
     results = [measure(case, args, rng) for case in args.case_list]
@@ -148,7 +151,4 @@ def main() -> None:
     if args.json_out:
         record = {"args": {k: v for k, v in vars(args).items() if k != "json_out"}, "rows": results}
         write_output(args.json_out, json.dumps(record, indent=2, default=str) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

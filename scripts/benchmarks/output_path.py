@@ -1,4 +1,4 @@
-"""``output_path``: the argparse type of the scripts' ``--json-out`` / ``--md-out`` files, and
+"""``output_path``: the argparse type of the benchmarks' ``--json-out`` files, and
 ``write_output``.
 
 A benchmark writes its figures after a run of minutes; a path it cannot write is
@@ -48,7 +48,7 @@ def output_path(text: str) -> Path:
 
 
 def write_output(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` (UTF-8); a write that fails ends the script with one ``error:``
+    """Write ``text`` to ``path`` (UTF-8); a write that fails ends the benchmark with one ``error:``
     line and exit 1 (what it measured is in the tables printed above)."""
     try:
         path.write_text(text, encoding="utf-8")

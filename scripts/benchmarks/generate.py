@@ -17,7 +17,7 @@ difference of two runs. Goal: text at most 5% of generate's CPU seconds. Tokens 
 generate admits lines as others finish and run admits all at once, so batches differ and a float
 near-tie may flip a token (counted, not failed).
 
-    python scripts/bench_generate.py [--num-lines 2000] [--geometry 512x8] [--threads 1]
+    python scripts/bench.py generate [--num-lines 2000] [--geometry 512x8] [--threads 1]
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ import argparse
 import json
 import random
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from hf_reference import hf_geometry, save_checkpoint
 from rich.console import Console
 from rich.table import Table
 
@@ -44,6 +42,9 @@ from batchgen.text.generation import TextEngine
 from batchgen.text.tiny_checkpoint import CORPUS, write_tokenizer_files
 from batchgen.text.tokenizer import TextTokenizer
 from compare.jsonl_writer import JsonLinesFile
+
+from .ab_timer import timed_run
+from .hf_checkpoint import hf_geometry, save_checkpoint
 
 VOCAB_SIZE, MAX_CONTEXT = 512, 4096
 GOAL = 0.05
@@ -79,17 +80,15 @@ def run_generate(model, tokenizer, cache, engine_config, in_path: Path, out_path
     out.open()
     out.truncate()
     job = BatchJob(engine, out, served_model="bench", seed=0, max_in_flight=256)
-    wall, cpu = time.perf_counter(), time.process_time()
-    job.run(numbered_lines(in_path))
+    timed = timed_run(lambda: job.run(numbered_lines(in_path)))
     out.close()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     texts = {}
     for line in out_path.read_text().splitlines():
         data = json.loads(line)
         texts[data["custom_id"]] = data["response"]["body"]["choices"][0]["text"]
     return {
-        "wall_s": wall,
-        "cpu_s": cpu,
+        "wall_s": timed.wall_s,
+        "cpu_s": timed.cpu_s,
         "text_cpu_s": engine.text_cpu.seconds,
         "tokens": job.counts.tokens_generated,
         "texts": texts,
@@ -108,20 +107,24 @@ def run_ids(model, tokenizer, cache, engine_config, lines: list[dict]) -> dict:
     ]
     workload = Workload(name="bench", cache=cache, engine=engine_config, requests=requests)
     worker = Worker(model, cache_config=cache, engine_config=engine_config)
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = run_workload(worker, workload)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    timed = timed_run(lambda: run_workload(worker, workload))
+    result = timed.result
     texts = {u: tokenizer.decode(o.output_ids) for u, o in result.outputs.items()}
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": result.tokens_generated, "texts": texts}
+    return {
+        "wall_s": timed.wall_s,
+        "cpu_s": timed.cpu_s,
+        "tokens": result.tokens_generated,
+        "texts": texts,
+    }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str], prog: str) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-lines", type=int, default=2000)
     parser.add_argument("--geometry", default="512x8")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
@@ -171,7 +174,3 @@ def print_table(args: argparse.Namespace, ran: dict, generated: dict) -> bool:
         f" {'met' if share <= GOAL else 'MISSED'}"
     )
     return share <= GOAL
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

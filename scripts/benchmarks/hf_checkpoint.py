@@ -1,6 +1,7 @@
-"""The HF side of ``bench_throughput.py``: a seeded Llama checkpoint and HF greedy ``generate`` in
-static batches (the near-tie test of a request whose tokens differ from HF's is
-``batchgen.validation.hf_oracle.near_tie``, which validate's HF oracle uses too).
+"""The HF side of the benchmarks: a seeded Llama checkpoint (``throughput``, ``generate``,
+``replicas``, ``vllm``) and HF greedy ``generate`` in static batches (``throughput``; the near-tie
+test of a request whose tokens differ from HF's is ``batchgen.validation.hf_oracle.near_tie``,
+which validate's HF oracle uses too).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ the batch so scattered ids have room. On ``--device cuda`` the GPU pool is on
 the device and the host pool pinned (raw = a pinned host <-> device copy), timed
 with CUDA events; on ``cpu`` both pools are host memory.
 
-    python scripts/bench_migration.py --json-out bench_migration.json
+    python scripts/bench.py migration --json-out bench_migration.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from output_path import output_path, write_output
 from rich.console import Console
 from rich.table import Table
 
@@ -40,6 +39,9 @@ from batchgen.config import TINY_MODELS
 from batchgen.kv.page_copy import copy_pages, new_page_tensor
 from batchgen.model.loader import host_memory_available
 from batchgen.model.paged_kv import kv_page_shape
+
+from .ab_timer import interleaved
+from .output_path import output_path, write_output
 
 PAGE_SIZE = 16
 DTYPE = torch.float32
@@ -54,8 +56,9 @@ class Variant:
     reload: Callable[[], None]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog=prog,
         description=__doc__.split("\n\n")[0],
         epilog="Variants are measured interleaved in one run; compare ratios, not absolute GiB/s.",
     )
@@ -78,7 +81,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--json-out", type=output_path, help="write the figures as JSON to this path"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.pages < 1 or args.repeats < 1:
         parser.error("--pages and --repeats must be >= 1")
     if args.page_kib <= 0 or args.page_kib % 4:
@@ -176,13 +179,16 @@ def measure(
     for variant in variants:  # warm-up: first touch of the pools, lazy inits
         variant.offload()
         variant.reload()
-    timings = {variant.name: {"offload": [], "reload": []} for variant in variants}
-    for repeat in range(repeats):
-        rotated = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
-        for variant in rotated:
-            timings[variant.name]["offload"].append(seconds(variant.offload, device))
-            timings[variant.name]["reload"].append(seconds(variant.reload, device))
-    return timings
+    by_name = {variant.name: variant for variant in variants}
+
+    def run(name: str) -> tuple[float, float]:
+        return seconds(by_name[name].offload, device), seconds(by_name[name].reload, device)
+
+    samples = interleaved(list(by_name), repeats, run)
+    return {
+        name: {"offload": [run[0] for run in runs], "reload": [run[1] for run in runs]}
+        for name, runs in samples.items()
+    }
 
 
 def summarise(timings: dict[str, dict[str, list[float]]], batch_bytes: int) -> list[dict]:
@@ -225,8 +231,8 @@ def render(rows: list[dict], title: str) -> Table:
     return table
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str], prog: str) -> int:
+    args = parse_args(argv, prog)
     pool_shape = page_shape(args.page_kib, 2 * args.pages)
     gpu_pool = torch.randn(pool_shape, dtype=DTYPE, device=args.device)
     host_pool = new_page_tensor(
@@ -261,7 +267,4 @@ def main() -> None:
             "variants": rows,
         }
         write_output(args.json_out, json.dumps(record, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

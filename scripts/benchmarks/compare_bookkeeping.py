@@ -1,8 +1,9 @@
-"""Part 1 of ``bench_compare.py``: KV bookkeeping per step of four variants on one trace.
+"""Part 1 of ``bench.py compare``: KV bookkeeping per step of four variants on one trace.
 
 Variants: plan, legacy, compare (plan authoritative, legacy shadow) and compare with coverage
-off. Only the KV ops are timed, in thread CPU time less the clock's read cost; an untimed probe
-counts the requests each step's ops touched. See ``bench_compare.py`` for what the figures mean.
+off. Only the KV ops are timed (``ab_timer.time_kv_ops``), in thread CPU time less the clock's
+read cost; an untimed probe counts the requests each step's ops touched. See ``compare_cost.py``
+for what the figures mean.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import math
 import pstats
 import random
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +28,8 @@ from batchgen.kv.gate import KvGateConfig
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.wiring import gated_worker
 
-KV_METHODS = ("poll", "release", "evict", "migrate", "allocate")
+from .ab_timer import CLOCKS, clock_overhead_ns, interleaved, time_kv_ops, wrap_kv_ops
+
 VARIANTS = ("plan", "legacy", "compare", "coverage_off")
 LABELS = {"coverage_off": "coverage off"}
 PAGE_SIZE = 16
@@ -87,16 +88,10 @@ def new_worker(workload: Workload, variant: str, log: Path) -> Worker:
     return worker
 
 
-def wrap_kv_ops(worker: Worker, wrapper: Callable[[Callable], Callable]) -> None:
-    """Mutates ``worker._kv``: each KV op method becomes the instance attribute ``wrapper(op)``."""
-    for method in KV_METHODS:
-        setattr(worker._kv, method, wrapper(getattr(worker._kv, method)))
-
-
 @functools.cache
-def clock_read_seconds() -> float:
-    """What one ``time.thread_time()`` read costs (a system call); taken off every timed op."""
-    return statistics.median(-time.thread_time() + time.thread_time() for _ in range(2000))
+def clock_read_ns() -> int:
+    """What one thread CPU time read costs (a system call); taken off every timed op."""
+    return clock_overhead_ns(CLOCKS["cpu"])
 
 
 def timed_steps(
@@ -105,18 +100,12 @@ def timed_steps(
     """Seconds spent in the KV ops, per step, on a fresh worker; with ``collector`` False the
     cyclic garbage collector is paused for the steps."""
     worker = new_worker(workload, variant, log)
-    per_step, state, clock_read = [0.0] * steps, worker.state, clock_read_seconds()
+    per_step, state = [0.0] * steps, worker.state
 
-    def timer(call: Callable) -> Callable:
-        def timed(*args):
-            started = time.thread_time()
-            result = call(*args)
-            per_step[state.step] += max(0.0, time.thread_time() - started - clock_read)
-            return result
+    def add(op: str, ns: int) -> None:
+        per_step[state.step] += ns / 1e9
 
-        return timed
-
-    wrap_kv_ops(worker, timer)
+    time_kv_ops(worker, add, CLOCKS["cpu"], clock_read_ns())
     gc.collect()  # the same collector state for every run; collections inside an op still count
     if not collector:
         gc.disable()
@@ -136,7 +125,7 @@ def touched_steps(workload: Workload, steps: int, log: Path) -> tuple[list[int],
     def key(req) -> tuple:
         return req.phase, req.gpu_page_ids, req.host_page_ids, req.num_load_retries
 
-    def probe(call: Callable) -> Callable:
+    def probe(op: str, call: Callable) -> Callable:
         def probed(*args):
             before = {uuid: key(req) for uuid, req in state.requests.items()}
             result = call(*args)
@@ -158,16 +147,14 @@ def touched_steps(workload: Workload, steps: int, log: Path) -> tuple[list[int],
 def bookkeeping(args: argparse.Namespace, log: Path, console: Console) -> list[dict]:
     """Per size: every variant's per-step seconds (minimum over the repeats), touched, alive."""
     timed_steps(concurrent_workload(min(args.sizes), args.steps, args.seed), "compare", 2, log)
+    collector = args.collector == "on"
     rows = []
     for size in args.sizes:
         workload = concurrent_workload(size, args.steps, args.seed)
-        samples: dict[str, list[list[float]]] = {variant: [] for variant in VARIANTS}
-        for repeat in range(args.repeats):
-            shift = repeat % len(VARIANTS)
-            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                samples[variant].append(
-                    timed_steps(workload, variant, args.steps, log, args.collector == "on")
-                )
+        run = functools.partial(
+            timed_steps, workload, steps=args.steps, log=log, collector=collector
+        )
+        samples = interleaved(VARIANTS, args.repeats, run)
         touched, alive = touched_steps(workload, args.steps, log)
         row = {"num_requests": size, "touched": touched, "alive": alive}
         for variant, runs in samples.items():

@@ -1,4 +1,4 @@
-"""What both engines of ``bench_vllm.py`` share: the checkpoint (weights, config, a tokenizer), the
+"""What both engines of ``bench.py vllm`` share: the checkpoint (weights, config, a tokenizer), the
 mixes, and the handle on a vLLM runner process (``vllm_runner.py`` in vLLM's venv).
 """
 
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_throughput import Mix
-from hf_reference import save_checkpoint
 from tokenizers import Tokenizer, models
+
+from .hf_checkpoint import save_checkpoint
+from .throughput import Mix
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 MAX_MODEL_LEN = 512  # the longest request: 128 prompt + 256 new tokens

@@ -20,8 +20,8 @@ and the comparison), where a step goes (KV ops, scheduling, the worker's other m
 cyclic collector), requests served per step, evictions, loads and recomputes, pages in use, the
 resident set every 100 steps, CPU and wall seconds.
 
-    python scripts/scale_check.py --json-out scale_check.json
-    python scripts/scale_check.py --modes plan --steps 150 --profile 25
+    python scripts/bench.py scale --json-out scale_check.json
+    python scripts/bench.py scale --modes plan --steps 150 --profile 25
 """
 
 from __future__ import annotations
@@ -42,15 +42,17 @@ import time
 from pathlib import Path
 
 import torch
-from output_path import output_path, write_output
-from scale_report import print_report
-from scale_run import ScaleRun, resident_bytes
-from scale_workload import check_fits, pressure_workload
 
 from batchgen.kv.gate import KvGateConfig
 
+from .output_path import output_path, write_output
+from .scale_report import print_report
+from .scale_run import ScaleRun, resident_bytes
+from .scale_workload import check_fits, pressure_workload
+
 MODES = ("legacy", "plan", "compare")
 RSS_EVERY = 100  # steps between resident-set readings
+BENCH = Path(__file__).resolve().parents[1] / "bench.py"
 
 
 # ---- one mode (child process) ----------------------------------------------------------------
@@ -158,7 +160,8 @@ def summarise(run: ScaleRun, mode: str, rss_from_step: int) -> dict:
 
 # ---- the parent: one subprocess per mode, a table ----------------------------------------------
 def run_child(mode: str, args: argparse.Namespace) -> dict:
-    """Run one mode in a fresh interpreter; its figures, or ``{"mode", "error"}``."""
+    """Run one mode in a fresh interpreter (``bench.py scale --mode``); its figures, or
+    ``{"mode", "error"}``."""
     with tempfile.TemporaryDirectory(prefix="scale-check-") as tmp:
         out = Path(tmp) / f"{mode}.json"
         options = {
@@ -171,7 +174,8 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
             "--profile": args.profile,
             "--json-out": out,
         }
-        command = [sys.executable, __file__, *(str(x) for item in options.items() for x in item)]
+        flags = (str(x) for item in options.items() for x in item)
+        command = [sys.executable, str(BENCH), "scale", *flags]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -179,8 +183,9 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
         return json.loads(out.read_text(encoding="utf-8"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        prog=prog,
         description=__doc__.split("\n\n")[0],
         epilog="Each mode runs in its own subprocess. Linux only (/proc/self/statm).",
     )
@@ -198,9 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args() -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args()
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         parser.error(f"--modes takes a comma list of {', '.join(MODES)}, got {args.modes!r}")
@@ -230,8 +235,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str], prog: str) -> int:
+    args = parse_args(argv, prog)
     if args.mode is not None:
         torch.set_num_threads(1)  # the null model's tensors are tiny; a thread pool only costs
         write_output(args.json_out, json.dumps(run_mode(args), indent=1))
@@ -249,7 +254,7 @@ def main() -> int:
     if args.json_out is not None:
         report = {
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "command": " ".join(["python", "scripts/scale_check.py", *sys.argv[1:]]),
+            "command": " ".join(["python", "scripts/bench.py", "scale", *argv]),
             "max_rss_ratio": args.max_rss_ratio,
             "results": results,
             "failed": failed,
@@ -260,7 +265,3 @@ def main() -> int:
     )
     print(f"verdict: {verdict}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

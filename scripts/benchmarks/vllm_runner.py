@@ -1,4 +1,4 @@
-"""The vLLM side of ``bench_vllm.py``, run by the python of vLLM's own venv (never batchgen's).
+"""The vLLM side of ``bench.py vllm``, run by the python of vLLM's own venv (never batchgen's).
 
     python vllm_runner.py JOB.json
 

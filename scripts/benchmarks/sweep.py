@@ -26,8 +26,8 @@ ceiling on runs per second whatever the cluster size.
 Numbers are wall-clock on whatever machine runs this (shared cores are noisy): compare them side by
 side, within one run.
 
-    python scripts/bench_sweep.py --json-out bench_sweep.json
-    python scripts/bench_sweep.py --runs 2 --cpus 1 --backends processes --records 50
+    python scripts/bench.py sweep --json-out bench_sweep.json
+    python scripts/bench.py sweep --runs 2 --cpus 1 --backends processes --records 50
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from compare import aggregate, read_log
 PLAN = sweep_directions("plan", aa_check=False)
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+def main(argv: list[str], prog: str) -> int:
+    args = parse_args(argv, prog)
     load_before = os.getloadavg()[0]
     figures = {
         "throughput": best_throughput(args),
@@ -72,8 +72,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="L2-2048")
     parser.add_argument("--runs", type=int, default=12, help="seeds 0..runs-1 (default: 12)")
     parser.add_argument("--cpus", type=lambda t: [int(n) for n in t.split(",")], default=[1, 2])
@@ -162,7 +162,7 @@ def sample_lines(kind: str) -> tuple[str, tuple[str, ...]]:
     plan path handing out pages in reverse) and its summary."""
     # the worker processes start from this sys.path: the source tree first, so that tests/compare
     # (no __init__) cannot shadow the compare package there
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     sys.path[:0] = [str(root)]
     sys.path.append(str(root / "tests"))
     from sweep_tasks import run_with_reversed_grants
@@ -229,6 +229,10 @@ def noop(argument: int) -> int:
 
 def task_loop(backend_name: str, cpus: int, num_tasks: int) -> dict:
     """Tasks per second through map_runs for a function that returns at once."""
+    if backend_name == "ray":  # Ray's workers cannot import this module: send ``noop`` whole
+        import ray.cloudpickle
+
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     with new_backend(backend_name, cpus) as backend:
         backend.map_runs(noop, range(cpus), lambda index, outcome: None)  # workers up
         started = time.perf_counter()
@@ -257,7 +261,3 @@ def render(figures: dict) -> str:
         for t in figures["task_loop"]
     ]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""The real model in ``bench_vllm.py --model real``: SmolLM2-135M-Instruct (30 layers, hidden 576,
+"""The real model in ``bench.py vllm --model real``: SmolLM2-135M-Instruct (30 layers, hidden 576,
 9 query heads and 3 KV heads of 64, vocabulary 49152, tied embeddings) from its HF directory
 (``reference_directory``: transformers' float32 save of the project's GGUF file), the same
 directory for both engines.
@@ -18,16 +18,17 @@ import random
 import tempfile
 from dataclasses import dataclass
 
-from bench_throughput import Mix, batched_tokens, new_worker
-from decode_bound import step_breakdown
 from rich.table import Table
-from throughput_args import split
-from vllm_job import VllmRunner
-from vllm_measure import bound_to, ignoring_eos, measure
 
 from batchgen.config import DTYPE_SIZES, ModelConfig, pages_needed
 from batchgen.model.loader import load_model
 from batchgen.validation.hf_reference import reference_directory
+
+from .decode_bound import step_breakdown
+from .throughput import Mix, batched_tokens, new_worker
+from .throughput_args import split
+from .vllm_job import VllmRunner
+from .vllm_measure import bound_to, ignoring_eos, measure
 
 NUM_REQUESTS, PROMPT_TOKENS, NEW_TOKENS = 64, (16, 256), 128
 FIRST_ORDINARY_ID = 17  # SmolLM2's ids 0-16 are special tokens (<|endoftext|>, <|im_start|>, ...)

@@ -2,7 +2,7 @@
 job on replicas, on this machine.
 
 One seeded HF Llama checkpoint (``--geometry``, default 512x8) with make-checkpoint's trained
-tokenizer, and ``--num-lines`` completion lines (``bench_generate.build_lines``: prompts of 8-24
+tokenizer, and ``--num-lines`` completion lines (``generate.build_lines``: prompts of 8-24
 corpus words, 8-24 new tokens, greedy). Each configuration runs the real command in a fresh
 process (``python -m batchgen generate ... --threads T --json``), one after another, ``--repeats``
 rounds taken in turns; its summary's ``wall_s`` (the first line handed out, or the first replica
@@ -10,7 +10,7 @@ ready, to the last result line: imports, Ray's start and the model loads left ou
 ``driver_cpu_s`` the driver's CPU per line. The best round of each is compared with the run in
 this process.
 
-    python scripts/bench_replicas.py [--num-lines 512] [--geometry 512x8] [--threads 1]
+    python scripts/bench.py replicas [--num-lines 512] [--geometry 512x8] [--threads 1]
         [--configs inproc,processes-2,ray-2] [--repeats 2] [--flags "--block-lines 128"]
         [--json-out FILE]
 
@@ -18,7 +18,7 @@ this process.
 (``NullReplica``: canned result lines at once), on both backends, so that the driver's own work per
 line (read, block, hand out, take back, write) is all there is; and its parts alone.
 
-    python scripts/bench_replicas.py --driver-lines 20000
+    python scripts/bench.py replicas --driver-lines 20000
 """
 
 from __future__ import annotations
@@ -33,10 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import ray
 import torch
-from bench_generate import MAX_CONTEXT, VOCAB_SIZE, build_lines
-from hf_reference import hf_geometry, save_checkpoint
 from rich.console import Console
 from rich.table import Table
 
@@ -46,6 +43,9 @@ from batchgen.openai.batch_job import numbered_lines, scan_input
 from batchgen.replicas.replica import Block, BlockResult, Replica, ReplicaInfo, node_name
 from batchgen.text.tiny_checkpoint import write_tokenizer_files
 from compare.jsonl_writer import JsonLinesFile
+
+from .generate import MAX_CONTEXT, VOCAB_SIZE, build_lines
+from .hf_checkpoint import hf_geometry, save_checkpoint
 
 GOAL = 1.6  # 2 replicas against 1, lines/s
 CANNED = json.dumps(  # a result line of the job's size: 16 tokens of text
@@ -128,13 +128,15 @@ class NullReplica(Replica):
 
 def driver_ceiling(args: argparse.Namespace, input_path: Path, backend: str) -> dict:
     """The driver's lines/s and CPU per line with NullReplicas: its ceiling. Starts (then stops)
-    Ray for ``ray``, this directory on its workers' path."""
+    Ray for ``ray``, the folder of the ``benchmarks`` package on its workers' path."""
     if backend == "ray":
+        import ray
+
         ray.init(
             num_cpus=2,
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}},
+            runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
         )
     out = input_path.with_suffix(".null.jsonl")
     flags = ["--replicas", "2", "--backend", backend, "--json", *args.flags.split()]
@@ -244,8 +246,8 @@ def driver_parts(input_path: Path) -> dict:
     return best
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str], prog: str) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-lines", type=int, default=512)
     parser.add_argument("--geometry", default="512x8")
     parser.add_argument("--threads", type=int, default=1)
@@ -260,7 +262,7 @@ def main() -> int:
         default=0,
         help="instead: the driver's ceiling, N lines on replicas without a model (NullReplica)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.driver_lines:
         return print_ceiling(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,7 +279,3 @@ def main() -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
     return 0 if print_table(args, runs) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

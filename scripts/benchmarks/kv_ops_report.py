@@ -1,4 +1,4 @@
-"""The report of ``bench_kv_ops.py``: per (mix, size) the per-step cost of each path, their
+"""The report of ``bench.py kv-ops``: per (mix, size) the per-step cost of each path, their
 ratio against the goal, and the cost of each KV op.
 """
 

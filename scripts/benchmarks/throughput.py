@@ -27,8 +27,8 @@ decode-only run of the static mix reports batchgen's median decode step time
 against the memory-bandwidth bound of reading every weight and the KV once per
 step, at the device-to-device copy bandwidth measured in the same run.
 
-    python scripts/bench_throughput.py --json-out bench_throughput.json
-    python scripts/bench_throughput.py --device cuda
+    python scripts/bench.py throughput --json-out bench_throughput.json
+    python scripts/bench.py throughput --device cuda
 """
 
 from __future__ import annotations
@@ -37,17 +37,12 @@ import argparse
 import json
 import random
 import tempfile
-import time
 from dataclasses import dataclass
 
 import torch
 import transformers
-from decode_bound import decode_steps
-from hf_reference import hf_generate, save_checkpoint
-from output_path import write_output
 from rich.console import Console
 from rich.table import Table
-from throughput_args import parse_args, split
 
 from batchgen.config import CacheConfig, EngineConfig, pages_needed
 from batchgen.engine.runner import run_workload
@@ -57,6 +52,12 @@ from batchgen.model.loader import load_model
 from batchgen.state import RequestOutput
 from batchgen.validation.hf_oracle import near_tie
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
+
+from .ab_timer import Timed, interleaved, timed_run
+from .decode_bound import decode_steps
+from .hf_checkpoint import hf_generate, save_checkpoint
+from .output_path import write_output
+from .throughput_args import parse_args, split
 
 PAGE_SIZE = 16
 
@@ -152,24 +153,6 @@ def new_worker(
     return worker, job
 
 
-@dataclass(frozen=True, slots=True)
-class Timed:
-    outputs: list[list[int]]
-    wall_s: float
-    cpu_s: float
-
-
-def timed(generate, device: str) -> Timed:
-    """Run ``generate()`` (-> tokens per request), with its wall and process CPU seconds."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter(), time.process_time()
-    outputs = generate()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return Timed(outputs, time.perf_counter() - wall, time.process_time() - cpu)
-
-
 def run_batchgen(model, mix: Mix, device: str, schedule_policy: str) -> Timed:
     """batchgen's output of every request (request order) from a fresh worker, timed without the
     worker's construction (its pools)."""
@@ -179,7 +162,7 @@ def run_batchgen(model, mix: Mix, device: str, schedule_policy: str) -> Timed:
         result = run_workload(worker, job)
         return [result.outputs[f"r{i}"] for i in range(len(mix.prompts))]
 
-    return timed(generate, device)
+    return timed_run(generate, cuda=device == "cuda")
 
 
 def measure(hf_model, model, mix: Mix, args: argparse.Namespace) -> list[dict]:
@@ -189,14 +172,11 @@ def measure(hf_model, model, mix: Mix, args: argparse.Namespace) -> list[dict]:
     def hf_run() -> list[list[int]]:
         return hf_generate(hf_model, mix.prompts, mix.new_tokens, mix.max_num_seqs, args.device)
 
-    runs = {"hf": lambda: timed(hf_run, args.device)}
+    runs = {"hf": lambda: timed_run(hf_run, cuda=args.device == "cuda")}
     for policy in mix.schedule_policies:
         runs[policy] = lambda policy=policy: run_batchgen(model, mix, args.device, policy)
-    outputs = {name: run().outputs for name, run in runs.items()}  # warm-up
-    samples = {name: [] for name in runs}
-    for repeat in range(args.repeats):
-        for name in sorted(runs, reverse=repeat % 2 == 1):
-            samples[name].append(runs[name]())
+    outputs = {name: run().result for name, run in runs.items()}  # warm-up
+    samples = interleaved(sorted(runs), args.repeats, lambda name: runs[name](), rotate=False)
     tolerance = NEAR_TIE_TOLERANCES[args.dtype]
     rows = []
     for policy in mix.schedule_policies:
@@ -244,8 +224,8 @@ def tokens_as_hf(row: dict) -> str:
     return ", ".join(f"{n} {what}" for n, what in counts if n) or "all"
 
 
-def main() -> None:
-    args = parse_args(__doc__.split("\n\n")[0])
+def main(argv: list[str], prog: str) -> int:
+    args = parse_args(argv, prog, __doc__.split("\n\n")[0])
     torch.set_num_threads(args.threads)
     console = Console()
     dtype = getattr(torch, args.dtype)
@@ -282,7 +262,4 @@ def main() -> None:
         raise SystemExit(
             f"{differing} request(s) got tokens that differ from HF greedy, not at a near-tie"
         )
-
-
-if __name__ == "__main__":
-    main()
+    return 0

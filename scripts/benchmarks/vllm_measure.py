@@ -1,4 +1,4 @@
-"""How ``bench_vllm.py`` measures one mix on both engines, whichever model: the alternating pairs,
+"""How ``bench.py vllm`` measures one mix on both engines, whichever model: the alternating pairs,
 the ratio and its spread, the tokens compared, and the matmul ceiling.
 """
 
@@ -7,35 +7,31 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import time
 
 import torch
-from bench_throughput import new_worker
-from decode_bound import timed_linears
-from vllm_job import VllmRunner, bind_cpus
 
 from batchgen.engine.runner import run_workload
 from batchgen.state import RequestOutput
 from batchgen.validation.hf_oracle import near_tie
 from batchgen.validation.output_check import NEAR_TIE_TOLERANCES
 
+from .ab_timer import interleaved, median_ratio, timed_run
+from .decode_bound import timed_linears
+from .throughput import new_worker
+from .vllm_job import VllmRunner, bind_cpus
+
 
 def summarize(batchgen_walls: list[float], vllm_walls: list[float], num_tokens: int) -> dict:
     """Both engines' median tokens/s over their pairs and vLLM's wall time over batchgen's per
-    pair: median, min and max. Pure."""
-    ratios = pair_ratios(batchgen_walls, vllm_walls)
+    pair: median, min and max. ValueError when the counts differ. Pure."""
+    ratio, ratios = median_ratio(vllm_walls, batchgen_walls)
     return {
         "batchgen_tokens_per_s": num_tokens / statistics.median(batchgen_walls),
         "vllm_tokens_per_s": num_tokens / statistics.median(vllm_walls),
-        "ratio": statistics.median(ratios),
+        "ratio": ratio,
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
     }
-
-
-def pair_ratios(batchgen: list[float], vllm: list[float]) -> list[float]:
-    """vLLM's figure over batchgen's, pair by pair. Pure."""
-    return [v / b for b, v in zip(batchgen, vllm, strict=True)]
 
 
 def differing_requests(batchgen: list[list[int]], vllm: list[list[int]]) -> int:
@@ -55,42 +51,49 @@ def compare_tokens(batchgen: list[RequestOutput], vllm: list[list[int]], toleran
     return counts
 
 
-def measure(model, runner: VllmRunner, mix, pairs: int, page_size: int) -> dict:
-    """One warm-up run each, then ``pairs`` alternating pairs; walls, tokens compared on every
-    run (under the near-tie rule of the model's dtype), steps per run, and one more batchgen run
-    with every matmul timed."""
+def alternating_pairs(model, runner: VllmRunner, mix, pairs: int, page_size: int) -> dict:
+    """One warm-up run each, then ``pairs`` pairs, the order alternating: each engine's runs, and
+    the tokens compared (under the near-tie rule of the model's dtype) on every run."""
     dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
-    tolerance = NEAR_TIE_TOLERANCES[dtype]
     with runner.paused():
-        batchgen = run_batchgen_counting(model, mix, page_size)
-    vllm = runner.run(mix)
-    tokens = compare_tokens(batchgen["results"], vllm["outputs"], tolerance)
-    walls, cpus = {"batchgen": [], "vllm": []}, {"batchgen": [], "vllm": []}
-    for pair in range(pairs):
-        for engine in ("batchgen", "vllm") if pair % 2 == 0 else ("vllm", "batchgen"):
-            if engine == "batchgen":
-                with runner.paused():
-                    run = run_batchgen_counting(model, mix, page_size)
-                # each engine's own runs agree with themselves, token for token
-                changed = differing_requests(run["outputs"], batchgen["outputs"])
-            else:
-                run = runner.run(mix)
-                changed = differing_requests(run["outputs"], vllm["outputs"])
-            walls[engine].append(run["wall_s"])
-            cpus[engine].append(run["cpu_s"])
-            tokens["differing"] = max(tokens["differing"], changed)
+        first = {"batchgen": run_batchgen_counting(model, mix, page_size)}
+    first["vllm"] = runner.run(mix)
+    tokens = compare_tokens(
+        first["batchgen"]["results"], first["vllm"]["outputs"], NEAR_TIE_TOLERANCES[dtype]
+    )
+
+    def run(engine: str) -> dict:
+        if engine == "batchgen":
+            with runner.paused():
+                done = run_batchgen_counting(model, mix, page_size)
+        else:
+            done = runner.run(mix)
+        # each engine's own runs agree with themselves, token for token
+        changed = differing_requests(done["outputs"], first[engine]["outputs"])
+        tokens["differing"] = max(tokens["differing"], changed)
+        return done
+
+    runs = interleaved(("batchgen", "vllm"), pairs, run, rotate=False)
+    return {"runs": runs, "tokens": tokens, "num_steps": first["batchgen"]["num_steps"]}
+
+
+def measure(model, runner: VllmRunner, mix, pairs: int, page_size: int) -> dict:
+    """``alternating_pairs``' walls and CPU seconds, their ratios, steps per run, the tokens
+    compared, and one more batchgen run with every matmul timed."""
+    measured = alternating_pairs(model, runner, mix, pairs, page_size)
+    walls = {engine: [run["wall_s"] for run in runs] for engine, runs in measured["runs"].items()}
+    cpus = {engine: [run["cpu_s"] for run in runs] for engine, runs in measured["runs"].items()}
     row = summarize(walls["batchgen"], walls["vllm"], mix.num_tokens)
-    cpu_ratios = pair_ratios(cpus["batchgen"], cpus["vllm"])
-    row.update(batchgen_cpu_s=cpus["batchgen"], vllm_cpu_s=cpus["vllm"])
-    row.update(ratio_cpu=statistics.median(cpu_ratios), ratio_cpu_min=min(cpu_ratios))
-    row["ratio_cpu_max"] = max(cpu_ratios)
+    ratio_cpu, cpu_ratios = median_ratio(cpus["vllm"], cpus["batchgen"])
+    row.update(batchgen_cpu_s=cpus["batchgen"], vllm_cpu_s=cpus["vllm"], ratio_cpu=ratio_cpu)
+    row.update(ratio_cpu_min=min(cpu_ratios), ratio_cpu_max=max(cpu_ratios))
     # vLLM prefills every prompt of a mix in one step (4096 tokens a step): steps as batchgen's
-    steps = batchgen["num_steps"]
+    steps = measured["num_steps"]
     row.update(batchgen_wall_s=walls["batchgen"], vllm_wall_s=walls["vllm"], num_steps=steps)
     row["batchgen_step_ms"] = 1e3 * statistics.median(walls["batchgen"]) / steps
     row["vllm_step_ms"] = 1e3 * statistics.median(walls["vllm"]) / steps
-    row["num_requests"] = len(mix.prompts)
-    row["num_requests_equal"] = tokens["equal"]
+    tokens = measured["tokens"]
+    row.update(num_requests=len(mix.prompts), num_requests_equal=tokens["equal"])
     row["num_requests_near_tie"] = tokens["near_tie"]
     row["num_requests_differing"] = tokens["differing"]
     with runner.paused(), timed_linears(model) as matmul_s:
@@ -112,13 +115,11 @@ def run_batchgen_counting(model, mix, page_size: int) -> dict:
     fresh worker with pages of ``page_size`` tokens (its construction not timed), EOS ignored."""
     worker, job = new_worker(model, mix, "cpu", page_size=page_size)
     ignoring_eos(worker)
-    started, cpu = time.perf_counter(), time.process_time()
-    result = run_workload(worker, job)
-    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu
-    results = [result.outputs[f"r{i}"] for i in range(len(mix.prompts))]
+    timed = timed_run(lambda: run_workload(worker, job))
+    results = [timed.result.outputs[f"r{i}"] for i in range(len(mix.prompts))]
     outputs = [list(output.output_ids) for output in results]
-    run = dict(wall_s=wall_s, cpu_s=cpu_s, results=results, outputs=outputs)
-    run["num_steps"] = result.num_steps
+    run = dict(wall_s=timed.wall_s, cpu_s=timed.cpu_s, results=results, outputs=outputs)
+    run["num_steps"] = timed.result.num_steps
     return run
 
 

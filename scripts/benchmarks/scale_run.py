@@ -1,10 +1,10 @@
-"""The scale check's driver and its measurements: a worker kept at a fixed number of live requests,
-timed per step.
+"""The driver of ``bench.py scale`` (the scale check) and its measurements: a worker kept at a
+fixed number of live requests, timed per step.
 
-``ScaleRun`` runs the worker one step at a time and refills each released slot,
-as a client would; ``PhaseTimer`` splits each step's time into the worker's KV
-ops, scheduling, its other methods and the cyclic collector; ``StepSeries`` keeps the
-figures of every step; ``resident_bytes`` reads the resident set.
+``ScaleRun`` runs the worker one step at a time and refills each released slot, as a client would;
+``PhaseTimer`` splits each step's time into the worker's KV ops, scheduling, its other methods and
+the cyclic collector (wall time, through ``ab_timer``); ``StepSeries`` keeps the figures of every
+step; ``resident_bytes`` reads the resident set.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
-from scale_workload import num_anchors, scale_model
-
 import batchgen.engine.worker as worker_module
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload
-from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.gate import KV_OPS, KvGateConfig
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.wiring import gated_worker
+
+from .ab_timer import CLOCKS, time_kv_ops, timed_call
+from .scale_workload import num_anchors, scale_model
 
 
 def resident_bytes() -> int:
@@ -33,14 +34,6 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# the KV ops (their sum is the KV-op time): phase -> method of the worker's path object
-KV_PHASES = {
-    "poll": "poll",
-    "release": "release",
-    "evict": "evict",
-    "migrate": "migrate",
-    "alloc": "allocate",
-}
 # the functions the worker module calls in a step, timed while measuring
 MODULE_PHASES = ("schedule", "observe_loads")
 # the worker's other parts of a step: phase -> Worker method
@@ -49,14 +42,15 @@ WORKER_PHASES = {
     "forward_sample": "_forward_and_sample",
     "record_peaks": "_record_peaks",
 }
-PHASES = [*KV_PHASES, *MODULE_PHASES, *WORKER_PHASES]
+PHASES = [*KV_OPS, *MODULE_PHASES, *WORKER_PHASES]  # the KV ops' sum is the KV-op time
+WALL = CLOCKS["wall"]
 
 
 class PhaseTimer:
     """Seconds per phase of the worker's steps: its KV ops, scheduling, its other methods, the
     cyclic collector.
 
-    ``attach`` shadows the timed methods of the worker and of its path object (``worker._kv``)
+    ``attach`` shadows the timed methods of the worker and its KV ops (``ab_timer.time_kv_ops``)
     with instance attributes (their classes are untouched). ``measuring()`` times the functions
     of ``MODULE_PHASES`` the worker module calls (replaced for its duration) and counts collections
     (a ``gc`` callback for its duration).
@@ -67,18 +61,17 @@ class PhaseTimer:
         self._gc_started = 0.0
 
     def attach(self, worker: Worker) -> None:
-        """Mutates ``worker`` and ``worker._kv``: their timed methods become timing wrappers."""
-        for phase, name in KV_PHASES.items():
-            setattr(worker._kv, name, self._timed(phase, getattr(worker._kv, name)))
+        """Mutates ``worker`` and its KV path object: their timed methods become timing wrappers."""
+        time_kv_ops(worker, self._add, WALL)
         for phase, name in WORKER_PHASES.items():
-            setattr(worker, name, self._timed(phase, getattr(worker, name)))
+            setattr(worker, name, timed_call(phase, getattr(worker, name), self._add, WALL))
 
     @contextlib.contextmanager
     def measuring(self):
         """Mutates ``batchgen.engine.worker`` while open: its ``MODULE_PHASES`` are timed."""
         originals = {name: getattr(worker_module, name) for name in MODULE_PHASES}
         for name, function in originals.items():
-            setattr(worker_module, name, self._timed(name, function))
+            setattr(worker_module, name, timed_call(name, function, self._add, WALL))
         gc.callbacks.append(self._on_gc)
         try:
             yield
@@ -92,17 +85,10 @@ class PhaseTimer:
         return sum(s for phase, s in self.seconds.items() if phase != "gc")
 
     def kv_seconds(self) -> float:
-        return sum(self.seconds[phase] for phase in KV_PHASES)
+        return sum(self.seconds[phase] for phase in KV_OPS)
 
-    def _timed(self, phase: str, call):
-        def timed(*args):
-            started = time.perf_counter()
-            try:
-                return call(*args)
-            finally:
-                self.seconds[phase] += time.perf_counter() - started
-
-        return timed
+    def _add(self, phase: str, ns: int) -> None:
+        self.seconds[phase] += ns / 1e9
 
     def _on_gc(self, event: str, info: dict) -> None:
         if event == "start":

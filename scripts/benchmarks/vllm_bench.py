@@ -32,9 +32,9 @@ counted in bfloat16; beside each cell where a steady decode step's time goes aga
 alone. ``ttft`` is the time to first token of a fresh process (``vllm_ttft``). With ``--json-out``
 the file is written after each cell, and ``--resume`` keeps the cells it holds.
 
-    python scripts/bench_vllm.py --json-out bench_vllm.json
-    python scripts/bench_vllm.py --geometry 256x4 --mixes static --threads 1 --pairs 5
-    python scripts/bench_vllm.py --model real --pairs 3 --json-out real.json --resume
+    python scripts/bench.py vllm --json-out bench_vllm.json
+    python scripts/bench.py vllm --geometry 256x4 --mixes static --threads 1 --pairs 5
+    python scripts/bench.py vllm --model real --pairs 3 --json-out real.json --resume
 """
 
 from __future__ import annotations
@@ -47,19 +47,26 @@ import tempfile
 from pathlib import Path
 
 import torch
-from decode_bound import matmul_step_s
-from output_path import output_path, write_output
 from rich.console import Console
 from rich.table import Table
-from throughput_args import split
-from vllm_job import VllmRunner, build_mixes, geometry, save_checkpoint_with_tokenizer, vllm_preload
-from vllm_measure import bound_to, measure
-from vllm_real import CELLS, TTFT, parse_cells, render_breakdown, run_cell
-from vllm_ttft import measure_ttft, render_ttft
-from vllm_venv import DEFAULT_VENV, ensure_venv
 
 from batchgen.engine.host_malloc import keep_freed_memory
 from batchgen.model.loader import load_model
+
+from .decode_bound import matmul_step_s
+from .output_path import output_path, write_output
+from .throughput_args import split
+from .vllm_job import (
+    VllmRunner,
+    build_mixes,
+    geometry,
+    save_checkpoint_with_tokenizer,
+    vllm_preload,
+)
+from .vllm_measure import bound_to, measure
+from .vllm_real import CELLS, TTFT, parse_cells, render_breakdown, run_cell
+from .vllm_ttft import measure_ttft, render_ttft
+from .vllm_venv import DEFAULT_VENV, ensure_venv
 
 MIXES = ("static", "mixed")
 # vLLM's KV block size on a CPU when none is given (``CpuPlatform``); pages of 16 tokens make
@@ -67,11 +74,10 @@ MIXES = ("static", "mixed")
 VLLM_CPU_BLOCK_SIZE = 128
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, checked; SystemExit naming what is wrong."""
+def build_parser(prog: str) -> argparse.ArgumentParser:
     # the whole method in --help: what is measured, how the engines alternate, what each column is
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--geometry", default="256x4,512x8", help="comma list of HxL")
     parser.add_argument("--mixes", default="static,mixed", help="comma list (default both)")
@@ -106,6 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="--model real: keep the cells --json-out holds already, run the others",
     )
+    return parser
+
+
+def parse_args(argv: list[str], prog: str = "bench.py vllm") -> argparse.Namespace:
+    """The command line, checked; SystemExit naming what is wrong."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     num_cpus = len(os.sched_getaffinity(0))
     try:
@@ -207,8 +219,8 @@ def run_real(args, python: Path, console: Console, log: Path, record: dict) -> N
             write_output(args.json_out, json.dumps(record, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(argv: list[str], prog: str) -> int:
+    args = parse_args(argv, prog)
     console = Console(width=160)  # the table whole, also into a file or pipe
     log = Path(tempfile.gettempdir()) / "bench_vllm.log"
     console.print(f"vLLM's venv: {args.venv}; its logs: {log}")
@@ -244,7 +256,4 @@ def main(argv: list[str] | None = None) -> None:
     differing = sum(row["num_requests_differing"] for row in rows if row.get("dtype") != "bfloat16")
     if differing:
         raise SystemExit(f"{differing} request(s) got other tokens from batchgen than from vLLM")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

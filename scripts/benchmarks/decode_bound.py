@@ -1,6 +1,6 @@
-"""A decode step against its bounds: on a GPU (``bench_throughput.py``) the memory-bandwidth bound
+"""A decode step against its bounds: on a GPU (``bench.py throughput``) the memory-bandwidth bound
 of reading every weight and the KV once per step, at the copy bandwidth measured in the run; on
-any device (``bench_vllm.py``) the time of a decode step's matmuls alone, and of every matmul of a
+any device (``bench.py vllm``) the time of a decode step's matmuls alone, and of every matmul of a
 whole run; on a CPU where a steady decode step's time goes (``step_breakdown``).
 """
 

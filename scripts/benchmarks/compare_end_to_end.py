@@ -1,31 +1,30 @@
-"""Part 2 of ``bench_compare.py``: L2-4096 end to end on the tiny model: compare off, compare on,
+"""Part 2 of ``bench.py compare``: L2-4096 end to end on the tiny model: compare off, compare on,
 and the legacy path alone (plan / legacy end to end).
 
 The variants run interleaved after a warm-up; on CPU the ratio is of the minimum process CPU
 times (the run is compute-bound on one torch thread), with CUDA of the minimum wall times. The
-KV ops are also timed on their own (thread CPU time): compare's KV share, the extra seconds its
-KV ops take over compare off's as a fraction of a compare-off run, is what compare mode adds to a
-run, read without the run-to-run noise of the whole run's time.
+KV ops are also timed on their own (thread CPU time, ``ab_timer.time_kv_ops``): compare's KV share,
+the extra seconds its KV ops take over compare off's as a fraction of a compare-off run, is what
+compare mode adds to a run, read without the run-to-run noise of the whole run's time.
 """
 
 from __future__ import annotations
 
 import gc
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from compare_bookkeeping import wrap_kv_ops
 from rich.console import Console
 from rich.table import Table
 
 from batchgen.engine.runner import run_workload
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import Workload, builtin_workload
-from batchgen.kv.gate import KvGateConfig
+from batchgen.kv.gate import KV_OPS, KvGateConfig
 from batchgen.model.loader import load_model
 from batchgen.shadow.wiring import gated_worker
+
+from .ab_timer import adding_to, interleaved, time_kv_ops, timed_run
 
 VARIANTS = ("off", "on", "legacy")  # plan path alone, plan with the legacy shadow, legacy alone
 LABELS = {"off": "compare off", "on": "compare on", "legacy": "legacy path"}
@@ -46,23 +45,20 @@ def e2e_worker(model, workload: Workload, variant: str, log: Path, device: str) 
     )
 
 
-def kv_timer(worker: Worker) -> list[float]:
-    """A cell that sums the thread CPU seconds spent in the worker's KV ops (mutates
-    ``worker._kv``: each op method becomes a timed instance attribute)."""
-    spent = [0.0]
-
-    def timer(call: Callable) -> Callable:
-        def timed(*args):
-            started = time.thread_time()
-            try:
-                return call(*args)
-            finally:
-                spent[0] += time.thread_time() - started
-
-        return timed
-
-    wrap_kv_ops(worker, timer)
-    return spent
+def one_run(model, workload: Workload, variant: str, log: Path, device: str) -> dict:
+    """One L2-4096 run of ``variant`` on a fresh worker: process CPU, wall and KV-op seconds;
+    SystemExit if compare mode saw a divergence."""
+    worker = e2e_worker(model, workload, variant, log, device)
+    kv_ns = dict.fromkeys(KV_OPS, 0)
+    time_kv_ops(worker, adding_to(kv_ns))  # thread CPU time
+    gc.collect()  # the same collector state for every run
+    timed = timed_run(lambda: run_workload(worker, workload, source="L2-4096"))
+    result = timed.result
+    run = {"cpu": timed.cpu_s, "wall": result.wall_s, "kv": sum(kv_ns.values()) / 1e9}
+    summary = result.compare_summary
+    if summary is not None and any(summary.divergences.values()):
+        raise SystemExit(f"L2-4096 diverged: {summary.divergences}")
+    return run
 
 
 def end_to_end(repeats: int, device: str, log: Path, console: Console) -> dict:
@@ -73,28 +69,20 @@ def end_to_end(repeats: int, device: str, log: Path, console: Console) -> dict:
     warm_up = workload.model_copy(update={"requests": workload.requests[:4]})
     for variant in VARIANTS:  # first forwards, lazy inits
         run_workload(e2e_worker(model, workload, variant, log, device), warm_up)
-    runs: dict[str, dict[str, list[float]]] = {
-        variant: {"cpu": [], "wall": [], "kv": []} for variant in VARIANTS
+
+    def run(variant: str) -> dict:
+        done = one_run(model, workload, variant, log, device)
+        console.print(
+            f"  L2-4096 {LABELS[variant]}: {done['wall']:.2f} s wall, {done['cpu']:.2f} s CPU,"
+            f" {done['kv']:.3f} s in KV ops",
+            highlight=False,
+        )
+        return done
+
+    samples = interleaved(VARIANTS, repeats, run)
+    runs = {
+        v: {key: [r[key] for r in samples[v]] for key in ("cpu", "wall", "kv")} for v in VARIANTS
     }
-    for repeat in range(repeats):
-        shift = repeat % len(VARIANTS)
-        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-            worker = e2e_worker(model, workload, variant, log, device)
-            kv_seconds = kv_timer(worker)
-            gc.collect()  # the same collector state for every run
-            started = time.process_time()
-            result = run_workload(worker, workload, source="L2-4096")
-            runs[variant]["cpu"].append(time.process_time() - started)
-            runs[variant]["wall"].append(result.wall_s)
-            runs[variant]["kv"].append(kv_seconds[0])
-            summary = result.compare_summary
-            if summary is not None and any(summary.divergences.values()):
-                raise SystemExit(f"L2-4096 diverged: {summary.divergences}")
-            console.print(
-                f"  L2-4096 {LABELS[variant]}: {result.wall_s:.2f} s wall,"
-                f" {runs[variant]['cpu'][-1]:.2f} s CPU, {kv_seconds[0]:.3f} s in KV ops",
-                highlight=False,
-            )
     return summarise(runs, device)
 
 
