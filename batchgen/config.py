@@ -157,6 +157,8 @@ class CacheConfig(_Frozen):
     num_host_pages: int = Field(ge=0, le=MAX_TENSOR_DIM)
     dtype: str = "float32"
     watermark: float = Field(default=0.02, ge=0.0, lt=1.0, allow_inf_nan=False)
+    # full prompt pages reused across requests (the policy: ``batchgen.kv.manager``)
+    enable_prefix_caching: bool = False
 
     @model_validator(mode="after")
     def _check_dtype_and_watermark(self) -> CacheConfig:

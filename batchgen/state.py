@@ -83,6 +83,10 @@ class RequestState:
     swapped_step: int | None = None  # step the KV went to host
     finish_reason: str | None = None  # "length", "eos", "abort", or the failure
     first_token_step: int | None = None  # the step that sampled its first token (metrics' TTFT)
+    # with prefix caching: its full prompt pages' digests (``batchgen.kv.prefix_digests``), and
+    # the prompt tokens its first admission took from the cache (usage's ``cached_tokens``)
+    prompt_digests: tuple[str, ...] = ()
+    num_cached_prompt_tokens: int = 0
     # Derived, kept as fields: snapshots read them for thousands of requests per step.
     uuid: str = field(init=False)  # request.uuid
     num_tokens: int = field(init=False)  # prompt + outputs; append_token keeps it
@@ -125,6 +129,8 @@ class RequestState:
         new.swapped_step = self.swapped_step
         new.finish_reason = self.finish_reason
         new.first_token_step = self.first_token_step
+        new.prompt_digests = self.prompt_digests
+        new.num_cached_prompt_tokens = self.num_cached_prompt_tokens
         new.uuid = self.uuid
         new.num_tokens = self.num_tokens
         return new
@@ -137,7 +143,13 @@ class RequestState:
             output_ids=tuple(self.output_ids),
             output_logprobs=tuple(self.output_logprobs),
             first_token_step=self.first_token_step,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
         )
+
+    def load_page_ids(self) -> tuple[int, ...]:
+        """The GPU pages its load fills: one per host page, the last of its page table (the ones
+        before are cached pages it shares)."""
+        return self.gpu_page_ids[len(self.gpu_page_ids) - len(self.host_page_ids) :]
 
     def token_ids(self, start: int = 0) -> list[int]:
         """Tokens from position ``start`` on (prompt, then outputs)."""
@@ -158,6 +170,8 @@ class RequestOutput:
     output_logprobs: tuple[TokenLogprobs, ...]
     # when it came, not what: outputs of equal tokens are equal whichever step sampled them first
     first_token_step: int | None = field(default=None, compare=False)
+    # prompt tokens taken from the prefix cache: how, not what
+    num_cached_prompt_tokens: int = field(default=0, compare=False)
 
 
 @dataclass(slots=True)
@@ -171,6 +185,8 @@ class WorkerStats:
     tokens_generated: int = 0
     peak_gpu_pages: int = 0
     peak_host_pages: int = 0
+    prefix_cache_queries: int = 0  # tokens of admitted requests looked up (vLLM's count)
+    prefix_cache_hits: int = 0  # of those, tokens taken from cached pages
 
     def copy(self) -> WorkerStats:
         """Every counter, copied (compare mode forks them for each compared op)."""
@@ -182,6 +198,8 @@ class WorkerStats:
             self.tokens_generated,
             self.peak_gpu_pages,
             self.peak_host_pages,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
         )
 
 

@@ -759,7 +759,7 @@ CASES: tuple[BadInput, ...] = (
         WORKLOAD,
         "neither a built-in workload nor a file",
         "run --workload L2-8192",
-        ("unknown workload 'L2-8192'", "smoke, L2-2048, L2-4096", "workload JSON file"),
+        ("unknown workload 'L2-8192'", "smoke, L2-2048, L2-4096, shared-prefix", "workload JSON file"),
     ),
     case(
         "workload-directory",
@@ -774,7 +774,7 @@ CASES: tuple[BadInput, ...] = (
         WORKLOAD,
         "--workload given as an empty string",
         ["run", "--workload", ""],
-        ("no workload named (an empty string)", "smoke, L2-2048, L2-4096", "a workload JSON file"),
+        ("no workload named (an empty string)", "smoke, L2-2048, L2-4096, shared-prefix", "a workload JSON file"),
     ),
     case(
         "workload-not-json",

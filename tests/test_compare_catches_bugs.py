@@ -284,8 +284,8 @@ BUGS = [
         "alloc-off-by-one-page",
         method_mutant(
             "plan_allocation",
-            "need = max(0, pages_needed(num_tokens, page_size) - len(page_ids))",
-            "need = max(0, num_tokens // page_size + 1 - len(page_ids))",
+            "need = max(0, pages_needed(num_tokens, page_size) - len(page_ids) - len(hits))",
+            "need = max(0, num_tokens // page_size + 1 - len(page_ids) - len(hits))",
         ),
         frozenset({"alloc"}),
         "invalid_plan",
@@ -295,8 +295,8 @@ BUGS = [
         "alloc-page-ids-reversed",
         method_mutant(
             "plan_allocation",
-            "_peek(self._gpu_kv, req.snapshot.num_free_gpu_pages - free)",
-            "_peek(self._gpu_kv, req.snapshot.num_free_gpu_pages - free)[::-1]",
+            "tuple(free.take_new(need))",
+            "tuple(free.take_new(need))[::-1]",
         ),
         frozenset({"alloc"}),
         "state",
@@ -444,8 +444,8 @@ BUGS = [
         applier_mutant(
             "apply_poll_plan",
             "            req.load_handle = target.host_kv.load_to_gpu_async(uuid,"
-            " list(req.gpu_page_ids))",
-            "            target.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))",
+            " list(req.load_page_ids()))",
+            "            target.host_kv.load_to_gpu_async(uuid, list(req.load_page_ids()))",
         ),
         frozenset({"poll"}),
         "state",

@@ -103,7 +103,7 @@ def test_an_op_that_writes_nothing_copies_nothing_at_any_number_of_requests(
         harness_work(running_worker(n, path, tmp_path / f"{n}.jsonl"), op, monkeypatch)
         for n in (8, 256)
     ]
-    assert work[0] == work[1] == HarnessWork(0, True, (5, 5))  # four counters and the result
+    assert work[0] == work[1] == HarnessWork(0, True, (7, 7))  # six counters and the result
 
 
 @pytest.mark.parametrize("path", DIRECTIONS.values(), ids=DIRECTIONS.keys())

@@ -282,6 +282,8 @@ def test_a_request_copy_has_every_field_of_the_original_and_shares_only_the_outp
         "swapped_step": 12,
         "finish_reason": None,
         "first_token_step": 9,
+        "prompt_digests": ("ab", "cd"),
+        "num_cached_prompt_tokens": 16,
         "num_tokens": 5,
     }
     for name, value in values.items():

@@ -327,7 +327,7 @@ def test_the_l2_traces_and_the_corpus_together_reach_every_required_outcome(tmp_
 
 
 # ---- what the catalog marks unreachable, and why -------------------------------------------
-def admits_everything(state, num_free_gpu_pages, cache, engine) -> list[str]:
+def admits_everything(state, num_free_gpu_pages, cache, engine, gpu_kv=None) -> list[str]:
     """A scheduler that admits every WAITING request, with requests SWAPPED, past max_num_seqs
     and past the free pages: the states the real scheduler never builds."""
     waiting = sorted(state.in_phase(Phase.WAITING), key=lambda r: r.arrival_index)
@@ -380,11 +380,11 @@ def test_the_invariants_behind_the_unreachable_outcomes_hold_on_generated_worklo
 
     schedule, left_out, crowded = worker_module.schedule, [], []
 
-    def checked_schedule(state, num_free_gpu_pages, cache, engine):
+    def checked_schedule(state, num_free_gpu_pages, cache, engine, gpu_kv=None):
         active = state.in_phase(Phase.RUNNING, Phase.LOADING, Phase.SWAPPED)
         if len(active) > engine.max_num_seqs:
             crowded.append(len(active))
-        batch = schedule(state, num_free_gpu_pages, cache, engine)
+        batch = schedule(state, num_free_gpu_pages, cache, engine, gpu_kv)
         needed = sum(
             max(0, -(-r.num_tokens // cache.page_size) - len(r.gpu_page_ids))
             for r in map(state.requests.__getitem__, batch)

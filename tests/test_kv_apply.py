@@ -104,7 +104,7 @@ def deep_dump(target: KvTarget) -> dict:
 
 
 def free_queue(pool) -> list[int]:
-    return list(pool.pages._queue[pool.pages._head :])
+    return list(pool.pages.free_page_ids())
 
 
 def test_the_fixture_target_is_consistent():

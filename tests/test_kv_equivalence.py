@@ -105,7 +105,8 @@ def canonical(worker: Worker) -> dict:
     def pool(kv) -> dict:
         pages = kv.pages
         return {
-            "free_queue": pages._queue[pages._head :],
+            "free_queue": list(pages.free_page_ids()),
+            "digests": dict(pages._digest_of),
             "owners": {u: tuple(p) for u, p in pages._owned.items() if p},
         }
 

@@ -54,7 +54,7 @@ from batchgen.model.null_model import NullModel
 from batchgen.state import Phase, Request
 
 RUNNING, SWAPPED, LOADING, WAITING = "running", "swapped", "loading", "waiting"
-READ_ONLY_BACKEND_METHODS = {"peek_free_pages", "free_pages"}
+READ_ONLY_BACKEND_METHODS = {"peek_free_pages", "free_pages", "free_page_ids"}
 MAX_STEPS = 2000  # smoke ends in about 50
 
 
@@ -167,7 +167,7 @@ def alloc_request(snap: KvSnapshot, views, batch: tuple[str, ...]) -> AllocReque
 
 
 def free_queue(pool) -> list[int]:
-    return list(pool.pages._queue[pool.pages._head :])
+    return list(pool.pages.free_page_ids())
 
 
 def pool_dump(pool) -> dict:
@@ -438,9 +438,7 @@ def test_manager_never_mutates_its_backends(audited_run):
     # every kind of op was planned
     assert (stats.evictions, stats.loads, stats.recompute_preemptions) == (3, 3, 2)
     assert set(audited_run.gpu_calls) | set(audited_run.host_calls) <= READ_ONLY_BACKEND_METHODS
-    assert (
-        "peek_free_pages" in audited_run.gpu_calls and "peek_free_pages" in audited_run.host_calls
-    )
+    assert "free_page_ids" in audited_run.gpu_calls and "peek_free_pages" in audited_run.host_calls
 
 
 def test_planning_never_touches_pending_appends(audited_run):

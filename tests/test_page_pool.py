@@ -185,22 +185,23 @@ def test_integrity_holds_for_a_used_pool():
 
 def test_integrity_catches_a_page_both_free_and_owned():
     pool = pool_with_history()
-    pool._queue.append(3)  # corrupt: 3 is owned by "b"
-    with pytest.raises(AssertionError, match="gpu: free 7 \\+ owned 2 != total 8"):
+    pool._free[3] = None  # corrupt: 3 is owned by "b"
+    with pytest.raises(AssertionError, match="gpu: the free queue is not the unheld pages"):
         pool.check_integrity()
 
 
-def test_integrity_catches_an_owned_page_marked_free():
+def test_integrity_catches_a_holder_count_that_is_not_the_tables():
     pool = pool_with_history()
-    pool._free_flags[3] = 1  # corrupt: 3 is owned by "b"
-    with pytest.raises(AssertionError, match="gpu: owned page marked free"):
+    pool._holders[3] = 0  # corrupt: 3 is owned by "b"
+    with pytest.raises(AssertionError, match="gpu: a page's holder count is not its tables'"):
         pool.check_integrity()
 
 
 def test_integrity_catches_a_lost_page():
     pool = pool_with_history()
-    pool._owned["b"].pop()  # corrupt: page 4 is neither free nor owned
-    with pytest.raises(AssertionError, match="gpu: free 6 \\+ owned 1 != total 8"):
+    lost = pool._owned["b"].pop()  # corrupt: the page is neither free nor in a table
+    pool._holders[lost] = 0
+    with pytest.raises(AssertionError, match="gpu: the free queue is not the unheld pages"):
         pool.check_integrity()
 
 

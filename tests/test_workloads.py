@@ -65,7 +65,7 @@ def test_unknown_workload_name_lists_the_builtin_ones():
     with pytest.raises(
         WorkloadError,
         match=r"^unknown workload 'L2-1024'; built-in workloads are smoke, L2-2048, "
-        r"L2-4096, or give the path of a workload JSON file$",
+        r"L2-4096, shared-prefix, or give the path of a workload JSON file$",
     ):
         load_workload("L2-1024")
 

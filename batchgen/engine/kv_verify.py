@@ -4,9 +4,10 @@ writes exactly the pending K/V. It checks whichever KV path is authoritative, fr
     when                        called from                what it does
     --------------------------  -------------------------  -----------------------------------------
     store (evict: GPU -> host)  the host pool's on_copy    digest the source GPU pages, per layer
-    load  (migrate, retry)      the host pool's on_copy    note the GPU pages the load lands in
+    load  (migrate, retry)      the host pool's on_copy    note that the stored pages are landing
     after poll                  Worker.step                a load that landed (now RUNNING): digest
-                                                           its GPU pages, == the stored digests
+                                                           its GPU pages (cached pages it re-linked
+                                                           included), == the stored digests
     flush                       Worker's flush (appends)   the pages appended into == the pages as
                                                            they were with the pending K/V in place
 
@@ -122,17 +123,19 @@ class KvVerifier:
         requests = self.target.state.requests
         for uuid in [u for u in self._stored if u not in requests]:
             del self._stored[uuid]
-        for uuid, (stored, gpu_page_ids) in list(self._landing.items()):
+        for uuid, (stored, _) in list(self._landing.items()):
             req = requests.get(uuid)
             if req is not None and req.phase is Phase.LOADING:
                 continue
             del self._landing[uuid]
             self._stored.pop(uuid, None)
             if req is not None and req.phase is Phase.RUNNING:
-                found = page_digests(self.target.gpu_kv.tensor, gpu_page_ids)
-                self.checked["load"] += len(gpu_page_ids)
+                # the whole table: cached pages a load re-linked (prefix caching), then the loaded
+                page_ids = req.gpu_page_ids[: len(stored.gpu_page_ids)]
+                found = page_digests(self.target.gpu_kv.tensor, page_ids)
+                self.checked["load"] += len(page_ids)
                 found_rows = mismatches(stored.digests, found)
-                self._report("load", "poll", uuid, found_rows, list(gpu_page_ids), stored)
+                self._report("load", "poll", uuid, found_rows, list(page_ids), stored)
         self.seconds += time.perf_counter() - started
 
     @contextlib.contextmanager

@@ -34,6 +34,7 @@ from batchgen.engine.scheduler import schedule
 from batchgen.engine.stopping import finish_reason
 from batchgen.kv.backends import GpuKvPool, HostKvPool
 from batchgen.kv.ops import KvFactory, plan_ops
+from batchgen.kv.prefix_digests import prompt_page_digests, register_written_pages
 from batchgen.kv.target import KvTarget
 from batchgen.kv.tiers import tier_tensors
 from batchgen.model.llama import SeqInput
@@ -121,8 +122,12 @@ class Worker:
     def add_request(self, request: Request) -> None:
         """Queue a request (WAITING). Raises RequestError, changing nothing, if it is invalid."""
         self.validate_request(request)
+        cache = self.cache_config
+        digests = ()
+        if cache.enable_prefix_caching:
+            digests = prompt_page_digests(request.prompt_ids, cache.page_size)
         self.state.requests[request.uuid] = RequestState(
-            request, arrival_index=self.state.num_submitted
+            request, arrival_index=self.state.num_submitted, prompt_digests=digests
         )
         self.state.num_submitted += 1
 
@@ -180,7 +185,8 @@ class Worker:
         self._kv.evict()
         self._kv.migrate()
         free = self.gpu_kv.free_pages()
-        batch = schedule(self.state, free, self.cache_config, self.engine_config)
+        prefix_index = self.gpu_kv if self.cache_config.enable_prefix_caching else None
+        batch = schedule(self.state, free, self.cache_config, self.engine_config, prefix_index)
         served = self._kv.allocate(batch) if batch else []
         if served:
             self._forward_and_sample(served)
@@ -189,7 +195,8 @@ class Worker:
 
     # ---- worker-side steps -------------------------------------------------------------
     def _flush_pending_kv_appends(self) -> None:
-        """Write pending K/V into their pages, then forget them. Mutates the GPU pool tensor."""
+        """Write pending K/V into their pages, index the prompt pages they complete (prefix
+        caching), then forget them. Mutates the GPU pool's tensor and index."""
         writes = [
             (self.state.requests[uuid].gpu_page_ids, pending.start_pos, pending.kv)
             for uuid, pending in self._pending_kv_append_tensors.items()
@@ -199,6 +206,10 @@ class Worker:
             verify = self.kv_verify
             with verify.appends() if verify is not None else contextlib.nullcontext():
                 write_kvs(self.gpu_kv.tensor, writes)
+        if self.cache_config.enable_prefix_caching:
+            for uuid, pending in self._pending_kv_append_tensors.items():
+                req, page_size = self.state.requests[uuid], self.cache_config.page_size
+                register_written_pages(self.gpu_kv, req, pending.start_pos, page_size)
         self._pending_kv_append_tensors.clear()
 
     def _forward_and_sample(self, served: list[str]) -> None:
@@ -243,6 +254,17 @@ class Worker:
         check_request(request, self.state, self.model_config, self.cache_config)
 
     # ---- integrity -----------------------------------------------------------------------
+    def _check_relinked(self, loading: RequestState) -> None:
+        """A LOADING request's GPU pages are the cached prompt pages it re-linked, each indexed
+        under its prompt digest, then one per host page (the load's). Pure."""
+        relinked = loading.gpu_page_ids[: len(loading.gpu_page_ids) - len(loading.host_page_ids)]
+        assert len(loading.gpu_page_ids) >= len(loading.host_page_ids), loading.uuid
+        assert len(relinked) <= len(loading.prompt_digests), f"{loading.uuid}: extra GPU pages"
+        for page_id, digest in zip(relinked, loading.prompt_digests):
+            assert self.gpu_kv.digest_of(page_id) == digest, (
+                f"{loading.uuid}: re-linked page {page_id} does not hold its prompt prefix"
+            )
+
     def check_integrity(self) -> None:
         """Raise AssertionError on any pool or page-table inconsistency. Pure."""
         live = self.state.requests
@@ -263,9 +285,8 @@ class Worker:
                     f"{uuid}: SWAPPED needs host pages only"
                 )
             elif req.phase is Phase.LOADING:
-                assert req.load_handle is not None and len(req.gpu_page_ids) == len(
-                    req.host_page_ids
-                ), uuid
+                assert req.load_handle is not None, uuid
+                self._check_relinked(req)
             elif req.phase is Phase.RUNNING:
                 num_pages = pages_needed(req.num_cached_tokens, self.cache_config.page_size)
                 assert len(req.gpu_page_ids) >= num_pages, uuid

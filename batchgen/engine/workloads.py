@@ -184,7 +184,7 @@ def _smoke_trace(*, seed: int, scale: float, vocab_size: int) -> Workload:
     )
 
 
-BUILTIN_WORKLOADS = ("smoke", "L2-2048", "L2-4096")
+BUILTIN_WORKLOADS = ("smoke", "L2-2048", "L2-4096", "shared-prefix")
 
 
 def builtin_workload(
@@ -200,6 +200,10 @@ def builtin_workload(
         )
     if name == "smoke":
         return _smoke_trace(seed=seed, scale=scale, vocab_size=vocab_size)
+    if name == "shared-prefix":  # imported here: that module builds on this one
+        from batchgen.engine.shared_prefix_workload import shared_prefix_trace
+
+        return shared_prefix_trace(seed=seed, scale=scale, vocab_size=vocab_size)
     if name in ("L2-2048", "L2-4096"):
         return _l2_trace(
             name, int(name.split("-")[1]), seed=seed, scale=scale, vocab_size=vocab_size

@@ -12,6 +12,7 @@ from batchgen.kv.plan_checks import (
     check_migration_plan,
     check_poll_plan,
     check_release_plan,
+    grant_pages,
     take_pages,
 )
 from batchgen.kv.plans import (
@@ -44,7 +45,7 @@ def apply_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str
         stats.load_failures += 1
         if action is PollAction.RETRY:
             req.num_load_retries += 1
-            req.load_handle = target.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))
+            req.load_handle = target.host_kv.load_to_gpu_async(uuid, list(req.load_page_ids()))
             req.load_started_step = target.state.step
             stats.loads += 1
             continue
@@ -100,15 +101,19 @@ def apply_eviction_plan(target: KvTarget, plan: EvictionPlan) -> None:
 
 
 def apply_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
-    """Mutates phases (-> LOADING), page tables, the GPU pool, stats; starts async loads."""
+    """Mutates phases (-> LOADING), page tables, both pools (re-linked pages shared, their host
+    pages freed), stats; starts async loads."""
     check_migration_plan(target, plan)
     if not plan.loads:
         return
-    grants = [(load.uuid, load.gpu_page_ids) for load in plan.loads]
-    take_pages(target.gpu_kv, grants, "MigrationPlan.loads[{}].gpu_page_ids")
+    grants = [(load.uuid, load.shared_page_ids, load.gpu_page_ids) for load in plan.loads]
+    grant_pages(target.gpu_kv, grants, "MigrationPlan.loads[{}].{}", new="gpu_page_ids")
     for load in plan.loads:
         req = target.state.edit(load.uuid)
-        req.gpu_page_ids = load.gpu_page_ids
+        if load.shared_page_ids:
+            target.host_kv.release_first_pages(load.uuid, len(load.shared_page_ids))
+            req.host_page_ids = load.host_page_ids[len(load.shared_page_ids) :]
+        req.gpu_page_ids = load.shared_page_ids + load.gpu_page_ids
         req.load_handle = target.host_kv.load_to_gpu_async(load.uuid, list(load.gpu_page_ids))
         req.load_started_step = target.state.step
         req.phase = Phase.LOADING
@@ -124,13 +129,28 @@ def apply_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
     snapshot is not of the target's step and free GPU pages is refused as stale.
     """
     check_alloc_plan(target, plan, request)
-    grants = [(grant.uuid, grant.new_page_ids) for grant in plan.grants]
-    take_pages(target.gpu_kv, grants, "AllocPlan.grants[{}].new_page_ids")
+    grants = [(grant.uuid, grant.shared_page_ids, grant.new_page_ids) for grant in plan.grants]
+    grant_pages(target.gpu_kv, grants, "AllocPlan.grants[{}].{}", new="new_page_ids")
+    caching, page_size = target.cache_config.enable_prefix_caching, target.cache_config.page_size
     for grant in plan.grants:
         req = target.state.edit(grant.uuid)
-        req.gpu_page_ids += grant.new_page_ids
+        if caching and req.phase is not Phase.RUNNING:
+            _count_lookup(target, grant.uuid, len(grant.shared_page_ids) * page_size)
+        req.gpu_page_ids += grant.shared_page_ids + grant.new_page_ids
         req.phase = Phase.RUNNING
     if not plan.not_fitting:
         return list(request.batch)
     left_out = {entry.uuid for entry in plan.not_fitting}
     return [uuid for uuid in request.batch if uuid not in left_out]
+
+
+def _count_lookup(target: KvTarget, uuid: str, num_hit_tokens: int) -> None:
+    """Admitted request ``uuid``'s prefix-cache lookup: its cached count starts past the hits,
+    and the stats count it. Mutates the request and stats."""
+    req = target.state.edit(uuid)
+    stats = target.state.stats
+    stats.prefix_cache_queries += req.num_tokens
+    stats.prefix_cache_hits += num_hit_tokens
+    req.num_cached_tokens = num_hit_tokens
+    if not req.output_ids:
+        req.num_cached_prompt_tokens = num_hit_tokens

@@ -16,14 +16,14 @@ answer, the one the copies issued and compare mode's records share.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import NamedTuple, Protocol
 
 import torch
 
 from batchgen.kv.copy_runs import DEFAULT_SPLIT
 from batchgen.kv.page_copy import AsyncCopyQueue, copy_pages
-from batchgen.kv.page_grants import Grants
+from batchgen.kv.page_grants import Grants, SharedGrants
 from batchgen.kv.page_pool import PagePool
 from batchgen.state import AsyncHandle
 
@@ -33,8 +33,9 @@ class GpuKvBackend(Protocol):
     def release_pages(self, uuid: str) -> None: ...
     def free_pages(self) -> int: ...
 
-    # what allocate_pages(_, n) would return; no mutation
+    # reads, no mutation: what allocate_pages(_, n) would return; the free queue, head first
     def peek_free_pages(self, n: int) -> list[int]: ...
+    def free_page_ids(self) -> Iterator[int]: ...
 
 
 class HostKvBackend(Protocol):
@@ -91,9 +92,24 @@ class KvPool:
         pool."""
         self.pages.take_pages_for(grants)
 
+    def grant_pages_for(self, grants: SharedGrants) -> None:
+        """Give each owner its cached pages shared, then its new pages, all validated first
+        (prefix hits: ``PagePool.grant_pages_for``). Mutates the pool."""
+        self.pages.grant_pages_for(grants)
+
     def release_pages(self, uuid: str) -> None:
-        """Return all of ``uuid``'s pages to the free queue. Mutates the pool."""
+        """Drop ``uuid``'s hold on all its pages (those no one else holds join the free queue).
+        Mutates the pool."""
         self.pages.release_pages(uuid)
+
+    def release_first_pages(self, uuid: str, n: int) -> None:
+        """Drop ``uuid``'s hold on the first ``n`` pages of its table. Mutates the pool."""
+        self.pages.release_first_pages(uuid, n)
+
+    def register(self, page_id: int, digest: str) -> bool:
+        """Index held ``page_id`` under its prompt digest (``PagePool.register``). Mutates the
+        pool."""
+        return self.pages.register(page_id, digest)
 
     def free_pages(self) -> int:
         return self.pages.num_free
@@ -101,6 +117,21 @@ class KvPool:
     def peek_free_pages(self, n: int) -> list[int]:
         """The ids the next allocation of ``n`` pages would get; no mutation."""
         return self.pages.peek_free_pages(n)
+
+    def free_page_ids(self) -> Iterator[int]:
+        return self.pages.free_page_ids()
+
+    def cached_prefix(self, digests: Iterable[str]) -> list[int]:
+        return self.pages.cached_prefix(digests)
+
+    def holders(self, page_id: int) -> int:
+        return self.pages.holders(page_id)
+
+    def shared_pages(self) -> dict[int, int]:
+        return self.pages.shared_pages()
+
+    def digest_of(self, page_id: int) -> str | None:
+        return self.pages.digest_of(page_id)
 
     def pages_of(self, uuid: str) -> tuple[int, ...]:
         return self.pages.pages_of(uuid)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from batchgen.config import pages_needed
+from batchgen.kv.prefix_digests import reusable_pages
 from batchgen.kv.target import KvTarget
 from batchgen.state import Phase, RequestState
 
@@ -58,7 +59,7 @@ class LegacyKvPath:
             # decision: poll.retry, poll.retry.last
             if req.num_load_retries < self.engine_config.max_load_retries:
                 req.num_load_retries += 1
-                req.load_handle = self.host_kv.load_to_gpu_async(uuid, list(req.gpu_page_ids))
+                req.load_handle = self.host_kv.load_to_gpu_async(uuid, list(req.load_page_ids()))
                 req.load_started_step = self.state.step
                 stats.loads += 1
                 continue
@@ -101,7 +102,8 @@ class LegacyKvPath:
         while running and free - demand < self._kv_watermark_pages:
             victim = running.pop()  # decision: evict.multiple_victims (one per turn)
             demand -= self._decode_demand(victim)
-            free += len(victim.gpu_page_ids)
+            # decision: evict.shared_page_kept (a page another request holds stays, not freed)
+            free += sum(1 for p in victim.gpu_page_ids if self.gpu_kv.holders(p) == 1)
             self._evict_one(victim)
 
     def _evict_one(self, victim: RequestState) -> None:
@@ -135,21 +137,33 @@ class LegacyKvPath:
         for req in swapped:  # decision: migrate.none.nothing_swapped, migrate.all_loaded
             if req.swapped_step == self.state.step:  # decision: migrate.skip.swapped_this_step
                 continue
-            num_pages = len(req.host_page_ids)
             if num_active >= self.engine_config.max_num_seqs:  # decision: migrate.stop.max_num_seqs
                 break
+            relinked = self.gpu_kv.cached_prefix(req.prompt_digests)
+            num_new = len(req.host_page_ids) - len(relinked)
+            cost = num_new + sum(1 for p in relinked if not self.gpu_kv.holders(p))
             # decision: migrate.stop.watermark, migrate.load, migrate.load.exact_fit
-            if free - demand - num_pages < self._kv_watermark_pages:
+            if free - demand - cost < self._kv_watermark_pages:
                 break
-            req = self.state.edit(req.uuid)
-            req.gpu_page_ids = tuple(self.gpu_kv.allocate_pages(req.uuid, num_pages))
-            req.load_handle = self.host_kv.load_to_gpu_async(req.uuid, list(req.gpu_page_ids))
-            req.load_started_step = self.state.step
-            req.phase = Phase.LOADING
-            req.num_load_retries = 0
-            self.state.stats.loads += 1
+            self._start_load(req.uuid, relinked, num_new)
             num_active += 1
-            free -= num_pages
+            free -= cost
+
+    def _start_load(self, uuid: str, relinked: list[int], num_new: int) -> None:
+        """Re-link ``relinked`` cached pages (their host pages freed now), load the rest into
+        ``num_new`` new pages. Mutates the request, both pools, stats."""
+        req = self.state.edit(uuid)
+        if relinked:  # decision: migrate.relink
+            self.gpu_kv.grant_pages_for([(uuid, relinked, ())])
+            self.host_kv.release_first_pages(uuid, len(relinked))
+            req.host_page_ids = req.host_page_ids[len(relinked) :]
+        new = tuple(self.gpu_kv.allocate_pages(uuid, num_new))
+        req.gpu_page_ids = (*relinked, *new)
+        req.load_handle = self.host_kv.load_to_gpu_async(uuid, list(new))
+        req.load_started_step = self.state.step
+        req.phase = Phase.LOADING
+        req.num_load_retries = 0
+        self.state.stats.loads += 1
 
     # ---- alloc -------------------------------------------------------------------
     def allocate(self, batch: Sequence[str]) -> list[str]:
@@ -160,14 +174,44 @@ class LegacyKvPath:
         served = []
         for uuid in batch:
             req = self.state.requests[uuid]
-            need = self._decode_demand(req)
-            if need > self.gpu_kv.free_pages():  # decision: alloc.does_not_fit, alloc.exact_fit
+            admitting = req.phase is not Phase.RUNNING
+            # decision: alloc.prefix_hit, alloc.prefix_hit.cache_entry
+            hits = self._prefix_hits(req) if admitting else []
+            need = self._decode_demand(req) - len(hits)
+            cost = need + sum(1 for p in hits if not self.gpu_kv.holders(p))
+            if cost > self.gpu_kv.free_pages():  # decision: alloc.does_not_fit, alloc.exact_fit
                 continue  # decision: alloc.fits_after_does_not_fit (a later one may fit)
             # decision: alloc.admit, alloc.new_page, alloc.none_needed
-            if need > 0 or req.phase is not Phase.RUNNING:
+            if need > 0 or admitting:
                 req = self.state.edit(uuid)
+                if admitting:  # decision: alloc.admit, alloc.prefix_hit
+                    self._admit(uuid, hits)
                 if need > 0:  # decision: alloc.admit, alloc.new_page
                     req.gpu_page_ids += tuple(self.gpu_kv.allocate_pages(uuid, need))
                 req.phase = Phase.RUNNING
             served.append(uuid)
         return served
+
+    def _prefix_hits(self, req: RequestState) -> list[int]:
+        """The cached pages an admitted ``req`` takes: the longest cached prefix of its prompt
+        digests, one token short of all its tokens. Pure."""
+        if not self.cache_config.enable_prefix_caching:  # decision: alloc.admit
+            return []
+        page_size = self.cache_config.page_size
+        usable = reusable_pages(len(req.prompt_digests), req.num_tokens, page_size)
+        return self.gpu_kv.cached_prefix(req.prompt_digests[:usable])
+
+    def _admit(self, uuid: str, hits: list[int]) -> None:
+        """Share ``hits`` with the request ``uuid`` being admitted and count the lookup. Mutates
+        the request, the GPU pool, stats."""
+        if not self.cache_config.enable_prefix_caching:  # decision: alloc.admit
+            return
+        req = self.state.edit(uuid)
+        stats, num_hit_tokens = self.state.stats, len(hits) * self.cache_config.page_size
+        stats.prefix_cache_queries += req.num_tokens
+        stats.prefix_cache_hits += num_hit_tokens
+        self.gpu_kv.grant_pages_for([(uuid, hits, ())])
+        req.gpu_page_ids = tuple(hits)
+        req.num_cached_tokens = num_hit_tokens
+        if not req.output_ids:  # decision: alloc.prefix_hit (first admission: usage's count)
+            req.num_cached_prompt_tokens = num_hit_tokens

@@ -21,11 +21,12 @@ class PageOwnershipError(ValueError):
     position in the grants given, ``page_id`` the first bad id in it.
     """
 
-    def __init__(self, pool_name: str, reason: str, index: int, page_id: int):
+    def __init__(self, pool_name: str, reason: str, index: int, page_id: int, part: str = "new"):
         super().__init__(f"{pool_name}: {reason}")
         self.reason = reason
         self.index = index
         self.page_id = page_id
+        self.part = part  # which ids of the grant: "new" pages, or cached pages "shared"
 
 
 Grants = Sequence[tuple[str, Sequence[int]]]  # (owner, the page ids it is given), in order
@@ -78,3 +79,49 @@ def check_can_allocate(pool, n: int) -> None:
         raise ValueError(f"{pool.name}: cannot allocate {n} pages")
     if n > pool.num_free:
         raise OutOfPages(f"{pool.name}: {n} pages requested, {pool.num_free} free")
+
+
+def refused_share(pool, grants: Grants) -> PageOwnershipError | None:
+    """The error naming the first share grant whose ids are not all ints in range, pages with a
+    digest (held, or a free cache entry), named once within it, and not held by its owner yet;
+    None when every one is good. Pure."""
+    for index, (uuid, page_ids) in enumerate(grants):
+        held = set(pool.pages_of(uuid))
+        for i, page_id in enumerate(page_ids):
+            if type(page_id) is not int:
+                reason = f"page id {page_id!r} is not an int"
+            elif not 0 <= page_id < pool.num_pages:
+                reason = f"page {page_id} is out of range [0, {pool.num_pages})"
+            elif pool.digest_of(page_id) is None:
+                reason = f"page {page_id} holds no cached prefix (it has no digest)"
+            elif page_id in held or page_id in page_ids[:i]:
+                reason = f"page {page_id} would be named twice in {uuid}'s page table"
+            else:
+                continue
+            return PageOwnershipError(pool.name, reason, index, page_id, part="shared")
+    return None
+
+
+def check_shares(pool, grants: Grants) -> None:
+    """Raise the error of :func:`refused_share` unless every share grant is good. Pure."""
+    error = refused_share(pool, grants)
+    if error is not None:
+        raise error
+
+
+SharedGrants = Sequence[tuple[str, Sequence[int], Sequence[int]]]  # (owner, shared ids, new ids)
+
+
+def check_shared_grants(pool, grants: SharedGrants) -> None:
+    """Raise the first :class:`PageOwnershipError` of ``grants`` (owner, cached page ids to share,
+    new page ids): shares as :func:`refused_share` checks them, new ids as :func:`refused_grant`
+    does, and no new id among the pages shared. Pure."""
+    check_shares(pool, [(uuid, shared) for uuid, shared, _ in grants])
+    new_grants = [(uuid, new) for uuid, _, new in grants]
+    check_grants(pool, new_grants)
+    shared_ids = {page_id for _, shared, _ in grants for page_id in shared}
+    for index, (_, new) in enumerate(new_grants):
+        for page_id in new:
+            if page_id in shared_ids:
+                reason = f"page {page_id} is granted new and shared as a cached page"
+                raise PageOwnershipError(pool.name, reason, index, page_id)

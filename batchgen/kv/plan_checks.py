@@ -24,6 +24,7 @@ from batchgen.kv.plans import (
     PollPlan,
     ReleasePlan,
 )
+from batchgen.kv.prefix_digests import reusable_pages
 from batchgen.kv.target import KvTarget
 from batchgen.state import DONE_PHASES, Phase, RequestState
 
@@ -88,6 +89,19 @@ def take_pages(pool, grants: list[tuple[str, tuple[int, ...]]], field: str) -> N
     except PageOwnershipError as refused:
         message = f"{refused.reason} in the {pool.pages.name} pool"
         raise PlanRejected(field.format(refused.index), message) from None
+
+
+def grant_pages(pool, grants: list[tuple], field: str, *, new: str) -> None:
+    """Give each owner (``grants``: owner, cached page ids, new page ids) its cached pages shared,
+    then its new pages: all checked by the pool, then all granted; else PlanRejected naming the
+    refused grant (``field`` with ``{}`` for its index, then ``{}`` for ``shared_page_ids`` or
+    ``new``, the new ids' field name), nothing granted. Mutates the pool."""
+    try:
+        pool.grant_pages_for(grants)
+    except PageOwnershipError as refused:
+        part = "shared_page_ids" if refused.part == "shared" else new
+        message = f"{refused.reason} in the {pool.pages.name} pool"
+        raise PlanRejected(field.format(refused.index, part), message) from None
 
 
 def check_poll_plan(target: KvTarget, plan: PollPlan, observed: Mapping[str, str | None]) -> None:
@@ -190,10 +204,13 @@ def check_migration_plan(target: KvTarget, plan: MigrationPlan) -> None:
                 f"{load.host_page_ids} != host page table {req.host_page_ids}",
             )
         _check_page_tuple(f"{field}.gpu_page_ids", load.gpu_page_ids)
-        if len(load.gpu_page_ids) != len(req.host_page_ids):
+        _check_page_tuple(f"{field}.shared_page_ids", load.shared_page_ids)
+        _check_cached(target, f"{field}.shared_page_ids", load.shared_page_ids, req.prompt_digests)
+        num_pages = len(load.shared_page_ids) + len(load.gpu_page_ids)
+        if num_pages != len(req.host_page_ids):
             raise PlanRejected(
                 f"{field}.gpu_page_ids",
-                f"{len(load.gpu_page_ids)} pages for {len(req.host_page_ids)} host pages",
+                f"{num_pages} pages (re-linked and new) for {len(req.host_page_ids)} host pages",
             )
 
 
@@ -233,16 +250,33 @@ def check_alloc_plan(target: KvTarget, plan: AllocPlan, request: AllocRequest) -
             f"scheduled requests {missing} need pages and are neither granted them nor left out",
         )
     for i, grant in enumerate(plan.grants):
-        _check_grant(target, i, grant.uuid, grant.new_page_ids)
+        _check_grant(target, i, grant)
 
 
-def _check_grant(target: KvTarget, i: int, uuid: str, new_page_ids) -> None:
+def _check_grant(target: KvTarget, i: int, grant) -> None:
     field = f"AllocPlan.grants[{i}]"
-    req = _request(target, f"{field}.uuid", uuid, (Phase.RUNNING, Phase.WAITING))
-    _check_page_tuple(f"{field}.new_page_ids", new_page_ids)
+    req = _request(target, f"{field}.uuid", grant.uuid, (Phase.RUNNING, Phase.WAITING))
+    _check_page_tuple(f"{field}.new_page_ids", grant.new_page_ids)
+    shared = grant.shared_page_ids
+    _check_page_tuple(f"{field}.shared_page_ids", shared)
     page_size = target.cache_config.page_size
-    need = max(0, pages_needed(req.num_tokens, page_size) - len(req.gpu_page_ids))
-    if len(new_page_ids) != need:
+    if shared and req.phase is Phase.RUNNING:
+        raise PlanRejected(f"{field}.shared_page_ids", f"{grant.uuid!r} is RUNNING: no prefix hit")
+    usable = reusable_pages(len(req.prompt_digests), req.num_tokens, page_size)
+    _check_cached(target, f"{field}.shared_page_ids", shared, req.prompt_digests[:usable])
+    need = max(0, pages_needed(req.num_tokens, page_size) - len(req.gpu_page_ids) - len(shared))
+    if len(grant.new_page_ids) != need:
         raise PlanRejected(
-            f"{field}.new_page_ids", f"{len(new_page_ids)} pages granted, {need} needed"
+            f"{field}.new_page_ids", f"{len(grant.new_page_ids)} pages granted, {need} needed"
         )
+
+
+def _check_cached(target: KvTarget, field: str, page_ids: tuple, digests: tuple[str, ...]) -> None:
+    """PlanRejected unless each of ``page_ids`` is the GPU page cached under the digest at its
+    position in ``digests`` (a prefix of them). Pure."""
+    if len(page_ids) > len(digests):
+        raise PlanRejected(field, f"{len(page_ids)} cached pages, only {len(digests)} reusable")
+    pool = target.gpu_kv
+    for page_id, digest in zip(page_ids, digests):
+        if not 0 <= page_id < pool.num_pages or pool.digest_of(page_id) != digest:
+            raise PlanRejected(field, f"page {page_id} does not hold the prefix cached as {digest}")

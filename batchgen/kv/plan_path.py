@@ -31,6 +31,7 @@ from batchgen.kv.plans import (
     SwappedColumns,
     decode_demand,
 )
+from batchgen.kv.prefix_digests import reusable_pages
 from batchgen.kv.target import KvTarget
 from batchgen.state import Phase, RequestState
 
@@ -59,6 +60,7 @@ def geometry_of(target: KvTarget) -> KvGeometry:
         max_num_seqs=engine.max_num_seqs,
         max_load_retries=engine.max_load_retries,
         load_failure=engine.load_failure,
+        prefix_caching=cache.enable_prefix_caching,
     )
 
 
@@ -72,13 +74,27 @@ def page_columns(scope: Sequence[RequestState]) -> PageColumns:
     )
 
 
-def swapped_columns(scope: Sequence[RequestState]) -> SwappedColumns:
-    """The uuids, host page tables and swap steps of ``scope``, as columns. Pure."""
+def swapped_columns(
+    scope: Sequence[RequestState], cached_pages: tuple[tuple[int, ...], ...] = ()
+) -> SwappedColumns:
+    """The uuids, host page tables and swap steps of ``scope``, as columns, and the pages holding
+    each one's cached prompt prefix (prefix caching). Pure."""
     return SwappedColumns(
         tuple([r.uuid for r in scope]),
         tuple([r.host_page_ids for r in scope]),
         tuple([r.swapped_step for r in scope]),
+        cached_pages,
     )
+
+
+def cached_prefixes(
+    gpu_kv, scope: Sequence[tuple[str, ...]]
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """For each digest tuple of ``scope``, the GPU pages holding its longest cached prefix, and
+    which of all those pages are free (cache entries). Reads the pool."""
+    pages = tuple(tuple(gpu_kv.cached_prefix(digests)) if digests else () for digests in scope)
+    entries = {p for prefix in pages for p in prefix if not gpu_kv.holders(p)}
+    return pages, tuple(sorted(entries))
 
 
 class PlanKvPath:
@@ -112,7 +128,10 @@ class PlanKvPath:
     def eviction_request(self) -> EvictionRequest:
         running = page_columns(self._in_phase(Phase.RUNNING))
         demand = decode_demand(running, self.geometry.page_size)
-        return EvictionRequest(self.snapshot(), running, demand)
+        shared = ()
+        if self.geometry.prefix_caching:
+            shared = tuple(sorted(self.target.gpu_kv.shared_pages().items()))
+        return EvictionRequest(self.snapshot(), running, demand, shared)
 
     def migration_request(self) -> MigrationRequest:
         """The SWAPPED requests, and the RUNNING ones with the LOADING count when any is
@@ -123,9 +142,12 @@ class PlanKvPath:
         running = page_columns(self._in_phase(Phase.RUNNING))
         demand = decode_demand(running, self.geometry.page_size)
         num_loading = len(self._in_phase(Phase.LOADING))
-        return MigrationRequest(
-            self.snapshot(), swapped_columns(swapped), running, demand, num_loading
-        )
+        cached, entries = (), ()
+        if self.geometry.prefix_caching:
+            digests = [r.prompt_digests for r in swapped]
+            cached, entries = cached_prefixes(self.target.gpu_kv, digests)
+        columns = swapped_columns(swapped, cached)
+        return MigrationRequest(self.snapshot(), columns, running, demand, num_loading, entries)
 
     def alloc_request(self, batch: Sequence[str]) -> AllocRequest:
         """The scheduled requests the op must act on: those whose tokens run past their last
@@ -137,7 +159,11 @@ class PlanKvPath:
             for req in scheduled
             if req.phase is not Phase.RUNNING or req.num_tokens > len(req.gpu_page_ids) * page_size
         ]
-        return AllocRequest(self.snapshot(), page_columns(needing), tuple(batch))
+        cached, entries = (), ()
+        if self.geometry.prefix_caching:
+            digests = [_reusable_digests(r, page_size) for r in needing]
+            cached, entries = cached_prefixes(self.target.gpu_kv, digests)
+        return AllocRequest(self.snapshot(), page_columns(needing), tuple(batch), cached, entries)
 
     def _in_phase(self, phase: Phase) -> list[RequestState]:
         return [r for r in self.target.state.requests.values() if r.phase is phase]
@@ -172,3 +198,11 @@ class PlanKvPath:
         self.last_request, self.last_plan = request, None
         self.last_plan = plan_op(request)
         return self.last_plan
+
+
+def _reusable_digests(req: RequestState, page_size: int) -> tuple[str, ...]:
+    """The prompt digests ``req`` may take from the cache if admitted now; none when RUNNING
+    already (``reusable_pages``). Pure."""
+    if req.phase is Phase.RUNNING:
+        return ()
+    return req.prompt_digests[: reusable_pages(len(req.prompt_digests), req.num_tokens, page_size)]

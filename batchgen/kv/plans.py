@@ -59,6 +59,7 @@ class KvGeometry:
     max_num_seqs: int
     max_load_retries: int
     load_failure: str = "recompute"  # after the last retry: "recompute" or "fail"
+    prefix_caching: bool = False  # full prompt pages reused across requests
 
 
 @frozen
@@ -87,6 +88,9 @@ class SwappedColumns:
     uuids: tuple[str, ...]
     host_page_ids: tuple[tuple[int, ...], ...]
     swapped_steps: tuple[int, ...]  # the step each went to host
+    # with prefix caching: the GPU pages holding each one's longest cached prompt prefix (read
+    # from the pool's index as the request is built), which a load re-links
+    cached_pages: tuple[tuple[int, ...], ...] = ()
 
 
 def decode_demand(running: PageColumns, page_size: int) -> int:
@@ -139,6 +143,8 @@ class EvictionRequest:
     snapshot: KvSnapshot
     running: PageColumns  # every RUNNING request, in arrival order
     decode_demand: int  # of ``running`` (:func:`decode_demand`), summed where the request is built
+    # (page, holders) of each GPU page more than one request holds (prefix caching)
+    shared_page_holders: tuple[tuple[int, int], ...] = ()
 
 
 @frozen
@@ -148,6 +154,7 @@ class MigrationRequest:
     running: PageColumns  # every RUNNING request; empty when nothing is SWAPPED
     decode_demand: int  # of ``running`` (:func:`decode_demand`)
     num_loading: int  # LOADING requests; 0 when nothing is SWAPPED
+    cache_entries: tuple[int, ...] = ()  # the free ones (cache entries) of swapped.cached_pages
 
 
 @frozen
@@ -157,6 +164,11 @@ class AllocRequest:
     # RUNNING yet (each is granted its pages, maybe none, or left out)
     needing: PageColumns
     batch: tuple[str, ...]  # all scheduled uuids, in batch order
+    # with prefix caching, for each of ``needing`` being admitted: the GPU pages holding the
+    # longest cached prefix of the prompt pages it may reuse (``prefix_digests.reusable_pages``),
+    # read from the pool's index as the request is built; else ()
+    cached_pages: tuple[tuple[int, ...], ...] = ()
+    cache_entries: tuple[int, ...] = ()  # the free ones (cache entries) of cached_pages
 
 
 OP_REQUEST_TYPES = {
@@ -201,8 +213,11 @@ class EvictionPlan:
 @frozen
 class LoadStart:
     uuid: str
-    gpu_page_ids: tuple[int, ...]  # granted; the load copies host pages into them
-    host_page_ids: tuple[int, ...]  # source pages, freed when the load completes
+    gpu_page_ids: tuple[int, ...]  # granted; the load copies the host pages past the re-linked
+    host_page_ids: tuple[int, ...]  # source pages, freed when the load completes (re-linked: now)
+    # cached GPU pages re-linked instead of loaded: the first of the page table, one for each of
+    # the first host pages
+    shared_page_ids: tuple[int, ...] = ()
 
 
 @frozen
@@ -214,6 +229,8 @@ class MigrationPlan:
 class PageGrant:
     uuid: str
     new_page_ids: tuple[int, ...]  # appended to the request's GPU page table (may be empty)
+    # cached prompt pages it shares (prefix hits), before the new ones in its table
+    shared_page_ids: tuple[int, ...] = ()
 
 
 @frozen

@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping
 
 from batchgen.config import pages_needed
 from batchgen.engine.loads import LOAD_TIMEOUT
-from batchgen.kv.manager import eviction_watermark_pages
+from batchgen.kv.manager import drop_holds, eviction_watermark_pages
 from batchgen.kv.plans import (
     AllocPlan,
     AllocRequest,
@@ -64,6 +64,8 @@ DECISIONS = (
     Outcome("evict.stop.above_watermark", "evict", "victims taken until free - D > W"),
     Outcome("evict.stop.at_watermark", "evict", "the last victim brought free - D to W (boundary)"),
     Outcome("evict.all_running", "evict", "every RUNNING request became a victim"),
+    Outcome("evict.shared_page_kept", "evict",
+            "a victim's page another request holds stays on GPU (prefix caching)"),
     Outcome("migrate.none.nothing_swapped", "migrate", "nothing SWAPPED: no load"),
     Outcome("migrate.skip.swapped_this_step", "migrate", "a request swapped this step stays"),
     Outcome("migrate.load", "migrate", "a SWAPPED request's load starts"),
@@ -72,10 +74,15 @@ DECISIONS = (
     Outcome("migrate.stop.max_num_seqs", "migrate", "max_num_seqs active: stop",
             unreachable=_SCHEDULER_INVARIANT),
     Outcome("migrate.all_loaded", "migrate", "every SWAPPED request not swapped this step loads"),
+    Outcome("migrate.relink", "migrate",
+            "a load re-links cached prompt pages instead of loading them (prefix caching)"),
     Outcome("alloc.none_needed", "alloc", "every scheduled request fits in the pages it holds"),
     Outcome("alloc.new_page", "alloc", "a RUNNING request gets pages for its new tokens"),
     Outcome("alloc.admit", "alloc", "a WAITING request is admitted with pages for its prompt"),
     Outcome("alloc.exact_fit", "alloc", "a request needs exactly the free pages (boundary)"),
+    Outcome("alloc.prefix_hit", "alloc", "an admitted request shares cached prompt pages"),
+    Outcome("alloc.prefix_hit.cache_entry", "alloc",
+            "a prefix hit takes a free cache entry back off the free queue"),
     Outcome("alloc.does_not_fit", "alloc", "a request is left out: its pages do not fit",
             unreachable=ALLOC_FITS),
     Outcome("alloc.fits_after_does_not_fit", "alloc", "a later request fits after one did not",
@@ -154,10 +161,15 @@ def eviction_outcomes(request: EvictionRequest, plan: EvictionPlan) -> list[str]
     if not plan.victims:
         return ["evict.none.at_watermark" if margin == 0 else "evict.none.above_watermark"]
     reached, free_host = [], snapshot.num_free_host_pages
+    holders = dict(request.shared_page_holders)
     for k, victim in enumerate(plan.victims):
         num_pages = len(victim.gpu_page_ids)
         num_tokens = running.num_tokens[_victim_column(running.uuids, k, victim.uuid)]
-        margin += pages_needed(num_tokens, page_size)  # its pages free up, its demand leaves
+        freed = drop_holds(victim.gpu_page_ids, holders)
+        if freed < num_pages:
+            reached.append("evict.shared_page_kept")
+        # the pages only it held free up, its demand leaves
+        margin += pages_needed(num_tokens, page_size) - (num_pages - freed)
         if victim.destination is Destination.RECOMPUTE:
             reached.append("evict.to_recompute.host_full")
             continue
@@ -188,6 +200,7 @@ def migration_outcomes(request: MigrationRequest, plan: MigrationPlan) -> list[s
         snapshot.num_free_gpu_pages - request.decode_demand - eviction_watermark_pages(snapshot)
     )
     num_active = len(request.running.uuids) + request.num_loading
+    entries = set(request.cache_entries)
     loaded = iter(plan.loads)
     next_load = next(loaded, None)
     for uuid, host_page_ids, swapped_step in zip(
@@ -196,8 +209,11 @@ def migration_outcomes(request: MigrationRequest, plan: MigrationPlan) -> list[s
         if swapped_step == snapshot.step:
             reached.append("migrate.skip.swapped_this_step")
         elif next_load is not None and next_load.uuid == uuid:
-            margin -= len(host_page_ids)
+            relinked = next_load.shared_page_ids
+            margin -= len(host_page_ids) - len(relinked) + _taken_entries(relinked, entries)
             reached.append("migrate.load.exact_fit" if margin == 0 else "migrate.load")
+            if relinked:
+                reached.append("migrate.relink")
             num_active += 1
             next_load = next(loaded, None)
         else:
@@ -213,19 +229,32 @@ def alloc_outcomes(request: AllocRequest, plan: AllocPlan) -> list[str]:
     needing = request.needing
     if not needing.uuids:
         return ["alloc.none_needed"]
-    free = request.snapshot.num_free_gpu_pages
-    granted = {grant.uuid: len(grant.new_page_ids) for grant in plan.grants}
+    free, entries = request.snapshot.num_free_gpu_pages, set(request.cache_entries)
+    granted = {grant.uuid: grant for grant in plan.grants}
     reached, left_out = [], False
     for uuid, page_ids in zip(needing.uuids, needing.gpu_page_ids):
-        if uuid not in granted:
+        grant = granted.get(uuid)
+        if grant is None:
             reached.append("alloc.does_not_fit")
             left_out = True
             continue
-        need = granted[uuid]
         reached.append("alloc.new_page" if page_ids else "alloc.admit")  # WAITING holds no page
-        if need and need == free:
+        if grant.shared_page_ids:
+            reached.append("alloc.prefix_hit")
+        cost = len(grant.new_page_ids) + _taken_entries(grant.shared_page_ids, entries)
+        if len(grant.shared_page_ids) and cost > len(grant.new_page_ids):
+            reached.append("alloc.prefix_hit.cache_entry")
+        if cost and cost == free:
             reached.append("alloc.exact_fit")
         if left_out:
             reached.append("alloc.fits_after_does_not_fit")
-        free -= need
+        free -= cost
     return reached
+
+
+def _taken_entries(page_ids: tuple[int, ...], entries: set[int]) -> int:
+    """How many of ``page_ids`` are cache entries still free; those become held. Mutates
+    ``entries``."""
+    taken = entries.intersection(page_ids)
+    entries -= taken
+    return len(taken)

@@ -75,7 +75,7 @@ def detach_fork(
 KV_FIELDS = (
     "phase", "num_cached_tokens", "gpu_page_ids", "host_page_ids", "num_load_retries",
     "swapped_step", "finish_reason", "load_handle", "load_started_step", "num_tokens",
-    "arrival_index",
+    "num_cached_prompt_tokens", "arrival_index",
 )  # fmt: skip
 
 

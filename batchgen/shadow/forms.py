@@ -17,7 +17,10 @@ from batchgen.shadow.fork import ForkTarget, detach_fork, differing_requests
 from batchgen.shadow.recording import RecordedTarget
 from compare import Keyed, Observation
 
-STAT_FIELDS = ("evictions", "loads", "load_failures", "recompute_preemptions")
+STAT_FIELDS = (
+    "evictions", "loads", "load_failures", "recompute_preemptions", "prefix_cache_queries",
+    "prefix_cache_hits",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +217,7 @@ def add_requests(requests: Keyed, outputs: Keyed, target: KvTarget, uuids: Seque
                 "load": load_name(target, u, req.load_handle),
                 "load_started_step": req.load_started_step,
                 "num_tokens": req.num_tokens,
+                "num_cached_prompt_tokens": req.num_cached_prompt_tokens,
                 "arrival_index": req.arrival_index,
                 "has_pending_append": target.has_pending_append(u),
             }

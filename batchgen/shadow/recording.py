@@ -22,14 +22,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from batchgen.kv.backends import CopyOp, HostKvPool, KvPool
-from batchgen.kv.page_grants import Grants
+from batchgen.kv.page_grants import Grants, SharedGrants
 from batchgen.kv.target import KvTarget
 from batchgen.state import Phase, RequestState, WorkerState
 
 
 class PoolEvent(NamedTuple):
-    """One change of a pool's allocator: ``kind`` is ``alloc`` or ``release``. A journal holds one
-    per page grant; compare mode compares journals as they are, event by event."""
+    """One change of a pool's allocator: ``kind`` is ``alloc`` (new pages), ``share`` (cached pages
+    a request now holds too) or ``release`` (the pages it gave up). A journal holds one per page
+    grant; compare mode compares journals as they are, event by event."""
 
     kind: str
     uuid: str
@@ -150,11 +151,24 @@ class RecordingPool(KvPool):
         for uuid, page_ids in grants:
             self._note("alloc", uuid, page_ids)
 
+    def grant_pages_for(self, grants: SharedGrants) -> None:
+        """Mutates the pool and the journal (each grant's shared pages, then its new ones)."""
+        self.pool.grant_pages_for(grants)
+        for uuid, shared, new in grants:
+            self._note("share", uuid, shared)
+            self._note("alloc", uuid, new)
+
     def release_pages(self, uuid: str) -> None:
         """Mutates the pool and the journal (the pages it released, if it did)."""
         page_ids = self.pages.pages_of(uuid)
         self.pool.release_pages(uuid)
         self._note("release", uuid, () if self.pages.pages_of(uuid) else page_ids)
+
+    def release_first_pages(self, uuid: str, n: int) -> None:
+        """Mutates the pool and the journal."""
+        page_ids = self.pages.pages_of(uuid)[:n]
+        self.pool.release_first_pages(uuid, n)
+        self._note("release", uuid, page_ids)
 
     def _note(self, kind: str, uuid: str, page_ids) -> None:
         if self.journal is not None and page_ids:

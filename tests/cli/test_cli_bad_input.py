@@ -15,7 +15,7 @@ from batchgen.engine.workloads import builtin_workload
             ["run", "--workload", "L2-1024"],
             (
                 "batchgen: error: unknown workload 'L2-1024'; built-in workloads are smoke,"
-                " L2-2048, L2-4096, or give the path of a workload JSON file"
+                " L2-2048, L2-4096, shared-prefix, or give the path of a workload JSON file"
             ),
         ),
         (
