@@ -4,7 +4,7 @@ A forward on a CPU allocates its activations afresh each step (several MiB at a 
 hundred KiB at a decode). glibc serves a large block with ``mmap`` and hands the top of its heap
 back to the system once more than ``M_TRIM_THRESHOLD`` of it is free, so a steady run keeps
 faulting the same pages in again: 8-19 thousand page faults in each run of the 256 x 4 static
-mix of ``scripts/bench_vllm.py``, 1-2 thousand after ``keep_freed_memory``, and 54 thousand
+mix of ``scripts/bench.py vllm``, 1-2 thousand after ``keep_freed_memory``, and 54 thousand
 against 0.2-4 at 512 x 8 (``docs/benchmarks-engine.md``). vLLM's CPU backend preloads tcmalloc
 to cut the same cost; these settings do it inside the process, with nothing to preload.
 

@@ -37,7 +37,7 @@ from batchgen.model.paged_kv import (
 )
 
 # One more decode batch (its own gather and SDPA calls in every layer) costs about what gathering
-# and attending this much more K/V of a layer does (scripts/bench_decode_attention.py, on CPU).
+# and attending this much more K/V of a layer does (`scripts/bench.py decode-attention`, on CPU).
 DECODE_BATCH_COST_BYTES = 512 * 1024
 MAX_DECODE_BATCHES = 8
 

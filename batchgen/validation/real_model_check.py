@@ -1,9 +1,10 @@
 """validate's real-model pass: SmolLM2-135M-Instruct, as the GGUF file ships (batchgen's own GGUF
 reader), on real chat and completion prompts, in compare mode under KV pressure.
 
-    pressured run   12 GPU pages, 2 host pages: evictions, loads and a recompute; compare mode
+    pressured run   9 GPU pages, 2 host pages, prefix caching on (the chats share the system
+                    prompt the template adds): evictions, loads and a recompute; compare mode
                     raises at the first divergence; every page's bytes checked (kv_verify)
-    roomy run       pools that never evict, compare mode off
+    roomy run       pools that never evict, prefix caching off, compare mode off
     HF transformers greedy tokens on transformers' own load of the same file (hf_reference)
 
 The pressured run's tokens must equal the roomy run's under the near-tie rule (batch composition
@@ -46,7 +47,7 @@ COMPLETIONS = (
 )
 NUM_NEW_TOKENS = 24
 PAGE_SIZE = 16
-PRESSURE = dict(num_gpu_pages=12, num_host_pages=2)
+PRESSURE = dict(num_gpu_pages=9, num_host_pages=2, enable_prefix_caching=True)
 ROOMY = dict(num_gpu_pages=64, num_host_pages=8)
 EXTRAS = ("transformers", "gguf", "accelerate")
 DTYPES = ("float32", "bfloat16")
@@ -90,7 +91,8 @@ def check_real_model(device: str | torch.device, dtype: str) -> OracleVerdict:
     agreed = "tokens equal HF transformers" if not failures else f"{len(failures)} failures"
     line = (
         f"{label}: {len(runs.roomy.outputs)} prompts, {stats.evictions} evictions, {stats.loads}"
-        f" loads, {stats.recompute_preemptions} recomputes, 0 divergences allowed: {agreed}"
+        f" loads, {stats.recompute_preemptions} recomputes, {stats.prefix_cache_hits} prompt tokens"
+        f" from the prefix cache, 0 divergences allowed: {agreed}"
     )
     return OracleVerdict(line, tuple(failures))
 
