@@ -15,6 +15,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -33,6 +34,9 @@ MUTATED_FILES = (
     "batchgen/kv/plan_checks.py",
     "batchgen/kv/copy_runs.py",
     "batchgen/kv/page_copy.py",
+    "batchgen/kv/page_pool.py",
+    "batchgen/kv/prefix_digests.py",
+    "batchgen/engine/scheduler.py",
     "batchgen/engine/worker.py",
 )
 BATCH = 10  # mutants handed to one cosmic-ray exec
@@ -43,8 +47,24 @@ NEVER_EXECUTED = "line never executed by an unmutated validate"
 IN_ANNOTATION = "inside an annotation, never evaluated"
 
 
-def session_dir(cache: Path, commit: str) -> Path:
-    return cache / commit[:12]
+def session_dir(cache: Path, commit: str, since: str | None = None) -> Path:
+    """A commit's session; one sampling only the lines changed since ``since`` is its own."""
+    return cache / (commit[:12] if since is None else f"{commit[:12]}-since-{since[:12]}")
+
+
+def changed_lines(src: Path, since: str) -> dict[str, set[int]]:
+    """The lines of each mutated file the clone's HEAD added or changed since commit ``since``
+    (numbers in HEAD's text). Reads git."""
+    lines: dict[str, set[int]] = {path: set() for path in MUTATED_FILES}
+    for path in MUTATED_FILES:
+        diff = subprocess.run(
+            ["git", "-C", str(src), "diff", "-U0", since, "HEAD", "--", path],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        for hunk in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", diff, re.MULTILINE):
+            start, count = int(hunk[1]), int(hunk[2] or 1)
+            lines[path].update(range(start, start + count))
+    return lines
 
 
 def clone(repo: Path, commit: str, directory: Path) -> Path:
@@ -139,16 +159,25 @@ def init_session(directory: Path, src: Path, config: Path) -> Path:
     return database
 
 
-def draw_sample(all_mutants: Path, directory: Path, size: int, seed: int) -> list[str]:
+def draw_sample(
+    all_mutants: Path, directory: Path, size: int, seed: int, only: dict[str, set[int]] | None
+) -> list[str]:
     """The job ids of the sample, in rank order: the ``size`` mutants whose seeded rank (a hash of
     the file, the operator and the line it changes) is lowest, so that a mutant the code around it
-    left alone keeps its rank at another commit and two commits' samples share it. Drawn once per
-    session directory (``sample.json``). ValueError when the files have fewer mutants."""
+    left alone keeps its rank at another commit and two commits' samples share it; ``only``: of
+    the mutants on those lines of each file. Drawn once per session directory (``sample.json``).
+    ValueError when the files have fewer mutants."""
     marker = directory / "sample.json"
     if marker.exists():
         return json.loads(marker.read_text())["job_ids"]
     with use_db(str(all_mutants), WorkDB.Mode.open) as db:
         items = db.work_items
+    if only is not None:
+        items = [
+            item
+            for item in items
+            if item.mutations[0].start_pos[0] in only[str(item.mutations[0].module_path)]
+        ]
     if size > len(items):
         raise ValueError(f"--sample {size}: the files have only {len(items)} mutants")
     sources = {path: git_source(directory / "src", path) for path in MUTATED_FILES}

@@ -19,6 +19,7 @@ is equivalent, with the reason there. The score is killed / (killed + survived).
     python scripts/validate_mutation_score.py --report-only    # the table from the cached results
     python scripts/validate_mutation_score.py --commit 1da56cc --sample 300 --seed 0
     python scripts/validate_mutation_score.py --carry-from 019ed97   # rerun only what may change
+    python scripts/validate_mutation_score.py --sample 40 --changed-since afefa3b  # new code only
 
 ``--carry-from C`` copies C's killed and explained-equivalent results to the same mutants at
 ``--commit`` and runs the rest (``mutation_carry``): valid while the commits between only add to
@@ -36,6 +37,7 @@ from pathlib import Path
 from mutation_carry import carried_from, carry_results
 from mutation_report import load_outcomes, render_survivors, render_table
 from mutation_session import (
+    changed_lines,
     check_imports_clone,
     clone,
     draw_sample,
@@ -98,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         "run the rest (only while validate merely gained checks since)",
     )
     parser.add_argument(
+        "--changed-since",
+        default=None,
+        metavar="COMMIT",
+        help="sample only the mutants on lines added or changed since that commit (a session of "
+        "its own)",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="print the table from the commit's cached session; run nothing",
@@ -135,7 +144,8 @@ def run_session(directory: Path, commit: str, args: argparse.Namespace) -> None:
     timeout_s = args.timeout or 3 * baseline_wall_s(directory)
     config = write_config(directory, src, round(timeout_s))
     all_mutants = init_session(directory, src, config)
-    job_ids = draw_sample(all_mutants, directory, args.sample, args.seed)
+    only = changed_lines(src, args.changed_since) if args.changed_since else None
+    job_ids = draw_sample(all_mutants, directory, args.sample, args.seed, only)
     if args.carry_from:
         earlier = session_dir(args.cache_dir, args.carry_from)
         copied = carry_results(earlier, directory, REPO / "docs" / "validation.md")
@@ -155,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         commit = resolve_commit(args.commit)
     except ValueError as error:
         parser.error(str(error))
-    directory = session_dir(args.cache_dir, commit)
+    if args.changed_since:
+        try:
+            args.changed_since = resolve_commit(args.changed_since)
+        except ValueError as error:
+            parser.error(str(error).replace("--commit", "--changed-since"))
+    directory = session_dir(args.cache_dir, commit, args.changed_since)
     if args.carry_from:
         try:
             args.carry_from = resolve_commit(args.carry_from)
