@@ -12,7 +12,9 @@ meet, so validation must compare those combinations too. Three families::
                                   a pending append; a release of a request an abort landed on
                                   after it was done
     migrate.skip.evicted_*,       across the ops of one step: a request evicted then skipped by
-    alloc.grant.released_*        migration; pages a release freed granted to another request
+    alloc.grant.released_*,       migration; pages a release freed granted to another request, or
+    alloc.prefix_hit.*            shared by a prefix hit; a prefix hit of a request recomputed
+                                  before
 
 An interaction's id starts with the op that reaches it; its ``kind`` is ``interaction``, so
 reports count it apart from the outcomes. :func:`interactions_of` is pure given the op input,
@@ -96,6 +98,10 @@ INTERACTIONS = (
                  "eviction is skipped by its migration"),
     _interaction("alloc.grant.released_pages_this_step", "pages a release freed this step are "
                  "granted to another request"),
+    _interaction("alloc.prefix_hit.released_pages_this_step", "a prefix hit shares a cache "
+                 "entry a release freed this step (prefix caching)"),
+    _interaction("alloc.prefix_hit.recomputed_before", "a request recomputed before is admitted "
+                 "again with a prefix hit (prefix caching)"),
 )  # fmt: skip
 
 
@@ -209,6 +215,11 @@ def alloc_interactions(request: AllocRequest, plan: AllocPlan, history: RunHisto
         for grant in plan.grants
         if released and not released.isdisjoint(grant.new_page_ids)
     ]
+    for grant in plan.grants:
+        if grant.shared_page_ids and released and not released.isdisjoint(grant.shared_page_ids):
+            reached.append("alloc.prefix_hit.released_pages_this_step")
+        if grant.shared_page_ids and grant.uuid in history.recomputed:
+            reached.append("alloc.prefix_hit.recomputed_before")
     if not plan.not_fitting:  # every step an engine run takes
         return reached
     left_out = {entry.uuid for entry in plan.not_fitting}
