@@ -1,5 +1,6 @@
-"""Plan application: every invalid plan is rejected, naming its field, with the target untouched;
-valid plans give exactly the expected state.
+"""Plan application: every invalid plan of the one catalog (``batchgen.validation.plan_refusals``,
+validate's self-checks too) is rejected naming its field with its exact message, the target
+untouched; valid plans give exactly the expected state.
 
 The target (``make_target``): ``batchgen.validation.plan_fixture`` draws it (every phase, a load
 in flight, pending appends), page_size 4, GPU pool 12 pages, host pool 8, step 7.
@@ -37,7 +38,6 @@ from batchgen.kv.plans import (
     PageColumns,
     PageGrant,
     PollAction,
-    PollPlan,
     PollRequest,
     ReleasePlan,
     ReleaseRequest,
@@ -53,17 +53,15 @@ from batchgen.state import (
     RequestState,
 )
 from batchgen.validation.plan_fixture import (
+    D0,
     ENGINE,
     LOGPROBS,
     alloc,
-    evict,
     make_target,
-    migrate,
-    poll,
     poll_plan,
-    release,
+    with_cached_prefix,
 )
-from batchgen.validation.plan_fixture import set_fields as _set
+from batchgen.validation.plan_refusals import PLAN_REFUSALS, PlanRefusal
 
 
 class FailingHandle:
@@ -160,483 +158,21 @@ def test_a_request_view_holds_what_a_kv_op_may_read_of_it():
     )
 
 
-# ---- invalid plans -------------------------------------------------------------------------------
-COMPLETE, RETRY, RECOMPUTE, FAIL = (
-    PollAction.COMPLETE,
-    PollAction.RETRY,
-    PollAction.RECOMPUTE,
-    PollAction.FAIL,
-)
-HOST, DROP = Destination.HOST, Destination.RECOMPUTE
-
-# (case id, setup applied to the fresh target first or None, the application, the field named)
-INVALID = [
-    # poll
-    (
-        "poll unknown uuid",
-        None,
-        poll(poll_plan(("ghost", COMPLETE)), {"ghost": None}),
-        "PollPlan.uuids[0]",
-    ),
-    (
-        "poll wrong phase",
-        None,
-        poll(poll_plan(("load3", COMPLETE), ("run0", COMPLETE)), {"load3": None, "run0": None}),
-        "PollPlan.uuids[1]",
-    ),
-    (
-        "poll completes a failed load",
-        None,
-        poll(poll_plan(("load3", COMPLETE)), {"load3": "OSError: x"}),
-        "PollPlan.actions[0]",
-    ),
-    (
-        "poll retries a landed load",
-        None,
-        poll(poll_plan(("load3", RETRY)), {"load3": None}),
-        "PollPlan.actions[0]",
-    ),
-    (
-        "poll retries with no retries left",
-        _set("load3", num_load_retries=1),
-        poll(poll_plan(("load3", RETRY)), {"load3": "OSError: x"}),
-        "PollPlan.actions[0]",
-    ),
-    (
-        "poll fails without a reason",
-        None,
-        poll(poll_plan(("load3", FAIL)), {"load3": "OSError: x"}),
-        "PollPlan.reasons[0]",
-    ),
-    (
-        "poll fails with a reason that is not a str",
-        None,
-        poll(poll_plan(("load3", FAIL, 123)), {"load3": "OSError: x"}),
-        "PollPlan.reasons[0]",
-    ),
-    (
-        "poll names a load by an unhashable id",
-        None,
-        poll(poll_plan((["load3"], COMPLETE)), {"load3": None}),
-        "PollPlan.uuids[0]",
-    ),
-    ("poll misses an observed load", None, poll(poll_plan(), {"load3": None}), "PollPlan.uuids"),
-    (
-        "poll names an id of another type beside the load",
-        None,
-        poll(PollPlan((3, "load3"), (COMPLETE, COMPLETE), (None, None)), {"load3": None}),
-        "PollPlan.uuids[0]",
-    ),
-    (
-        "poll names a load twice",
-        None,
-        poll(poll_plan(("load3", COMPLETE), ("load3", COMPLETE)), {"load3": None}),
-        "PollPlan.uuids",
-    ),
-    (
-        "poll names its loads in a list",
-        None,
-        poll(PollPlan(["load3"], (COMPLETE,), (None,)), {"load3": None}),
-        "PollPlan.uuids",
-    ),
-    (
-        "poll gives fewer actions than loads",
-        None,
-        poll(PollPlan(("load3",), (), (None,)), {"load3": None}),
-        "PollPlan.actions",
-    ),
-    (
-        "poll gives fewer reasons than loads",
-        None,
-        poll(PollPlan(("load3",), (COMPLETE,), ()), {"load3": None}),
-        "PollPlan.reasons",
-    ),
-    (
-        "poll gives no actions column",
-        None,
-        poll(PollPlan(("load3",), None, (None,)), {"load3": None}),
-        "PollPlan.actions",
-    ),
-    (
-        "poll gives its reasons as a list",
-        None,
-        poll(PollPlan(("load3",), (COMPLETE,), [None]), {"load3": None}),
-        "PollPlan.reasons",
-    ),
-    (
-        "poll completes a load with a failure reason",
-        None,
-        poll(poll_plan(("load3", COMPLETE, "load failed: x")), {"load3": None}),
-        "PollPlan.reasons[0]",
-    ),
-    (
-        "poll retries a load with a failure reason",
-        None,
-        poll(poll_plan(("load3", RETRY, "load failed: x")), {"load3": "OSError: x"}),
-        "PollPlan.reasons[0]",
-    ),
-    (
-        "poll action given as its string value",
-        None,
-        poll(poll_plan(("load3", "retry")), {"load3": "OSError: x"}),
-        "PollPlan.actions[0]",
-    ),
-    (
-        "poll action unknown",
-        None,
-        poll(poll_plan(("load3", "bogus")), {"load3": "OSError: x"}),
-        "PollPlan.actions[0]",
-    ),
-    # release
-    (
-        "release unknown uuid",
-        None,
-        release(ReleasePlan(("done5", "ghost"), ("done5",))),
-        "ReleasePlan.released[1]",
-    ),
-    (
-        "release a running request",
-        None,
-        release(ReleasePlan(("run0",), ())),
-        "ReleasePlan.released[0]",
-    ),
-    (
-        "release a request twice",
-        None,
-        release(ReleasePlan(("done5", "done5"), ())),
-        "ReleasePlan.released",
-    ),
-    (
-        "release a request by an unhashable id",
-        None,
-        release(ReleasePlan((["done5"],), (["done5"],))),
-        "ReleasePlan.released[0]",
-    ),
-    (
-        "complete a landed load by the action's string value",
-        None,
-        poll(poll_plan(("load3", "complete")), {"load3": None}),
-        "PollPlan.actions[0]",
-    ),
-    (
-        "drop the pending append of a request not released",
-        None,
-        release(ReleasePlan(("done5",), ("done5", "run1"))),
-        "ReleasePlan.drop_pending_append_ids[1]",
-    ),
-    (
-        "release a request and keep its pending append",
-        None,
-        release(ReleasePlan(("done5",), ())),
-        "ReleasePlan.drop_pending_append_ids",
-    ),
-    (
-        "drop a pending append twice",
-        None,
-        release(ReleasePlan(("done5",), ("done5", "done5"))),
-        "ReleasePlan.drop_pending_append_ids",
-    ),
-    # eviction
-    (
-        "evict unknown uuid",
-        None,
-        evict(EvictionPlan((Victim("ghost", DROP, (), ()),))),
-        "EvictionPlan.victims[0].uuid",
-    ),
-    (
-        "evict a swapped request",
-        None,
-        evict(EvictionPlan((Victim("swap2", DROP, (), ()),))),
-        "EvictionPlan.victims[0].uuid",
-    ),
-    (
-        "evict with a stale GPU page table",
-        None,
-        evict(EvictionPlan((Victim("run1", DROP, (2,), ()),))),
-        "EvictionPlan.victims[0].gpu_page_ids",
-    ),
-    (
-        "evict to host with too few host pages",
-        None,
-        evict(
-            EvictionPlan((Victim("run1", HOST, (2, 3), (5, 6)), Victim("run0", HOST, (0, 1), (7,))))
-        ),
-        "EvictionPlan.victims[1].host_page_ids",
-    ),
-    (
-        "evict for recompute with host pages",
-        None,
-        evict(EvictionPlan((Victim("run1", DROP, (2, 3), (5, 6)),))),
-        "EvictionPlan.victims[0].host_page_ids",
-    ),
-    (
-        "evict into an owned host page",
-        None,
-        evict(EvictionPlan((Victim("run1", HOST, (2, 3), (5, 0)),))),
-        "EvictionPlan.victims[0].host_page_ids",
-    ),
-    (
-        "evict into a host page out of range",
-        None,
-        evict(EvictionPlan((Victim("run1", HOST, (2, 3), (5, 8)),))),
-        "EvictionPlan.victims[0].host_page_ids",
-    ),
-    (
-        "evict granting a host page twice",
-        None,
-        evict(
-            EvictionPlan(
-                (Victim("run1", HOST, (2, 3), (5, 6)), Victim("run0", HOST, (0, 1), (6, 7)))
-            )
-        ),
-        "EvictionPlan.victims[1].host_page_ids",
-    ),
-    (
-        "evict to a destination given as its string value",
-        None,
-        evict(EvictionPlan((Victim("run1", "host", (2, 3), (5, 6)),))),
-        "EvictionPlan.victims[0].destination",
-    ),
-    (
-        "evict into host pages given as a list",
-        None,
-        evict(EvictionPlan((Victim("run1", HOST, (2, 3), [5, 6]),))),
-        "EvictionPlan.victims[0].host_page_ids",
-    ),
-    (
-        "evict a request twice",
-        None,
-        evict(EvictionPlan((Victim("run1", DROP, (2, 3), ()),) * 2)),
-        "EvictionPlan.victims",
-    ),
-    (
-        "evict naming GPU pages as floats equal to the page table",
-        None,
-        evict(EvictionPlan((Victim("run1", HOST, (2.0, 3.0), (5, 6)),))),
-        "EvictionPlan.victims[0].gpu_page_ids",
-    ),
-    (
-        "evict naming GPU pages as a list",
-        None,
-        evict(EvictionPlan((Victim("run1", HOST, [2, 3], (5, 6)),))),
-        "EvictionPlan.victims[0].gpu_page_ids",
-    ),
-    (
-        "evict a request by an unhashable id",
-        None,
-        evict(EvictionPlan((Victim(["run1"], DROP, (2, 3), ()),))),
-        "EvictionPlan.victims[0].uuid",
-    ),
-    (
-        "evict two requests, one by an unhashable id",
-        None,
-        evict(EvictionPlan((Victim("run0", DROP, (0, 1), ()), Victim(["run1"], DROP, (2, 3), ())))),
-        "EvictionPlan.victims[1].uuid",
-    ),
-    # migration
-    (
-        "migrate unknown uuid",
-        None,
-        migrate(MigrationPlan((LoadStart("ghost", (8,), (0,)),))),
-        "MigrationPlan.loads[0].uuid",
-    ),
-    (
-        "migrate a running request",
-        None,
-        migrate(MigrationPlan((LoadStart("run0", (8, 9), (0, 1)),))),
-        "MigrationPlan.loads[0].uuid",
-    ),
-    (
-        "migrate from the wrong host pages",
-        None,
-        migrate(MigrationPlan((LoadStart("swap2", (8, 9), (1, 0)),))),
-        "MigrationPlan.loads[0].host_page_ids",
-    ),
-    (
-        "migrate into too many GPU pages",
-        None,
-        migrate(MigrationPlan((LoadStart("swap2", (8, 9, 10), (0, 1)),))),
-        "MigrationPlan.loads[0].gpu_page_ids",
-    ),
-    (
-        "migrate into an owned GPU page",
-        None,
-        migrate(
-            MigrationPlan((LoadStart("swap6", (8,), (4,)), LoadStart("swap2", (9, 0), (0, 1))))
-        ),
-        "MigrationPlan.loads[1].gpu_page_ids",
-    ),
-    (
-        "migrate granting a GPU page twice in one load",
-        None,
-        migrate(MigrationPlan((LoadStart("swap2", (8, 8), (0, 1)),))),
-        "MigrationPlan.loads[0].gpu_page_ids",
-    ),
-    (
-        "migrate granting a GPU page twice across loads",
-        None,
-        migrate(
-            MigrationPlan((LoadStart("swap2", (8, 9), (0, 1)), LoadStart("swap6", (9,), (4,))))
-        ),
-        "MigrationPlan.loads[1].gpu_page_ids",
-    ),
-    (
-        "migrate into GPU pages given as a list",
-        None,
-        migrate(MigrationPlan((LoadStart("swap2", [8, 9], (0, 1)),))),
-        "MigrationPlan.loads[0].gpu_page_ids",
-    ),
-    (
-        "migrate a request by an unhashable id",
-        None,
-        migrate(MigrationPlan((LoadStart(["swap2"], (8, 9), (0, 1)),))),
-        "MigrationPlan.loads[0].uuid",
-    ),
-    (
-        "migrate a request by a non-str id",
-        None,
-        migrate(MigrationPlan((LoadStart(2, (8, 9), (0, 1)),))),
-        "MigrationPlan.loads[0].uuid",
-    ),
-    (
-        "migrate a request twice",
-        None,
-        migrate(MigrationPlan((LoadStart("swap6", (8,), (4,)),) * 2)),
-        "MigrationPlan.loads",
-    ),
-    # allocation
-    (
-        "grant for an unscheduled request",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("done5", ())), ())),
-        "AllocPlan.grants[1].uuid",
-    ),
-    (
-        "grant for an unknown scheduled request",
-        None,
-        alloc(AllocPlan((PageGrant("ghost", ()),), ()), batch=("ghost",)),
-        "AllocPlan.grants[0].uuid",
-    ),
-    (
-        "a request left out twice",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)),), (DoesNotFit("wait4", 2, 1),) * 2)),
-        "AllocPlan.not_fitting",
-    ),
-    (
-        "grant for a swapped request",
-        None,
-        alloc(AllocPlan((PageGrant("swap2", (8, 9)),), ()), batch=("swap2",)),
-        "AllocPlan.grants[0].uuid",
-    ),
-    (
-        "grant of the wrong page count",
-        None,
-        alloc(AllocPlan((PageGrant("wait4", (9, 10)), PageGrant("run1", (8, 11))), ())),
-        "AllocPlan.grants[1].new_page_ids",
-    ),
-    (
-        "grant of an owned page",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 3))), ())),
-        "AllocPlan.grants[1].new_page_ids",
-    ),
-    (
-        "grant of a page twice",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 8))), ())),
-        "AllocPlan.grants[1].new_page_ids",
-    ),
-    (
-        "grant of pages given as a list",
-        None,
-        alloc(AllocPlan((PageGrant("run1", [8]), PageGrant("wait4", (9, 10))), ())),
-        "AllocPlan.grants[0].new_page_ids",
-    ),
-    (
-        "grant of a page id that is not an int",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 10.0))), ())),
-        "AllocPlan.grants[1].new_page_ids",
-    ),
-    (
-        "grant of an unhashable page id",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, [10]))), ())),
-        "AllocPlan.grants[1].new_page_ids",
-    ),
-    (
-        "grant to a request twice",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)),) * 2, ())),
-        "AllocPlan.grants",
-    ),
-    (
-        "grant to an unhashable id",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)), PageGrant(["wait4"], (9, 10))), ())),
-        "AllocPlan.grants[1].uuid",
-    ),
-    (
-        "leave out an unhashable id",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)),), (DoesNotFit(["wait4"], 2, 1),))),
-        "AllocPlan.not_fitting[0].uuid",
-    ),
-    (
-        "grant to a request that needs no pages",
-        None,
-        alloc(AllocPlan((PageGrant("run0", ()), PageGrant("run1", (8,))), ())),
-        "AllocPlan.grants[0].uuid",
-    ),
-    (
-        "a request left out that needs no pages",
-        None,
-        alloc(
-            AllocPlan(
-                (PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), (DoesNotFit("run0", 1, 1),)
-            )
-        ),
-        "AllocPlan.not_fitting[0].uuid",
-    ),
-    (
-        "a request both granted and left out",
-        None,
-        alloc(
-            AllocPlan(
-                (PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), (DoesNotFit("wait4", 2, 1),)
-            )
-        ),
-        "AllocPlan.not_fitting[0].uuid",
-    ),
-    (
-        "a scheduled request needing pages neither granted nor left out",
-        None,
-        alloc(AllocPlan((PageGrant("run1", (8,)),), ())),
-        "AllocPlan.grants",
-    ),
-    # fits its page
-    (
-        "a waiting request admitted without a grant",
-        _set("wait4", num_tokens=4, gpu_page_ids=(8,)),
-        alloc(AllocPlan((), ()), batch=("wait4",)),
-        "AllocPlan.grants",
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    ("setup", "apply", "field"), [case[1:] for case in INVALID], ids=[case[0] for case in INVALID]
-)
-def test_an_invalid_plan_is_rejected_naming_its_field_and_changes_nothing(setup, apply, field):
+# ---- invalid plans: the one catalog (batchgen.validation.plan_refusals) -------------------------
+@pytest.mark.parametrize("check", PLAN_REFUSALS, ids=[check.id for check in PLAN_REFUSALS])
+def test_an_invalid_plan_is_refused_naming_its_field_with_its_message_and_changes_nothing(
+    check: PlanRefusal,
+):
     target = make_target()
-    if setup is not None:
-        setup(target)
+    if check.setup is not None:
+        check.setup(target)
     before = deep_dump(target)
     with pytest.raises(PlanRejected) as raised:
-        apply(target)
-    assert raised.value.field == field
-    assert str(raised.value).startswith(f"{field}: ")
+        check.apply(target)
+    assert (raised.value.field, str(raised.value)) == (
+        check.field,
+        f"{check.field}: {check.message}",
+    )
     assert deep_dump(target) == before
 
 
@@ -691,6 +227,15 @@ def test_a_plan_built_before_the_pool_changed_is_rejected_not_half_applied():
 
 
 # ---- valid plans ---------------------------------------------------------------------------------
+COMPLETE, RETRY, RECOMPUTE, FAIL = (
+    PollAction.COMPLETE,
+    PollAction.RETRY,
+    PollAction.RECOMPUTE,
+    PollAction.FAIL,
+)
+HOST, DROP = Destination.HOST, Destination.RECOMPUTE
+
+
 def test_poll_complete_makes_the_request_running_and_frees_its_host_pages():
     target = make_target()
     apply_poll_plan(target, poll_plan(("load3", COMPLETE)), {"load3": None})
@@ -903,5 +448,35 @@ def test_the_plan_path_applies_what_its_manager_plans():
     ]
     path.release(["done5"])
     assert list(target.pending_appends) == ["run1"] and "done5" in target.state.outputs
+    target.gpu_kv.check_integrity(target.state.requests)
+    target.host_kv.check_integrity(target.state.requests)
+
+
+def test_a_prefix_hit_shares_its_cached_pages_first_then_its_new_ones_and_counts_the_lookup():
+    target = make_target()
+    with_cached_prefix(target)  # D0 on page 11, a cache entry at the queue tail
+    plan = AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9,), (11,))), ())
+    assert alloc(plan)(target) == ["run0", "run1", "wait4"]
+    wait4 = target.state.requests["wait4"]
+    assert (wait4.phase, wait4.gpu_page_ids, wait4.num_cached_tokens) == (Phase.RUNNING, (11, 9), 4)
+    assert wait4.num_cached_prompt_tokens == 4
+    # the cache entry left the queue keeping its digest; new pages came from the head
+    assert free_queue(target.gpu_kv) == [10]
+    assert (target.gpu_kv.digest_of(11), target.gpu_kv.holders(11)) == (D0, 1)
+    stats = target.state.stats
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (5, 4)
+    target.gpu_kv.check_integrity(target.state.requests)
+
+
+def test_a_load_re_links_its_cached_pages_frees_their_host_pages_and_loads_only_the_rest():
+    target = make_target()
+    with_cached_prefix(target)
+    apply_migration_plan(target, MigrationPlan((LoadStart("swap2", (8,), (0, 1), (11,)),)))
+    swap2 = target.state.requests["swap2"]
+    assert (swap2.phase, swap2.gpu_page_ids, swap2.host_page_ids) == (Phase.LOADING, (11, 8), (1,))
+    assert swap2.load_page_ids() == (8,)
+    assert target.host_kv.copies == [CopyOp("load", "swap2", (1,), (8,))]
+    assert free_queue(target.host_kv) == [5, 6, 7, 0]
+    assert free_queue(target.gpu_kv) == [9, 10]
     target.gpu_kv.check_integrity(target.state.requests)
     target.host_kv.check_integrity(target.state.requests)

@@ -1,6 +1,6 @@
-"""Validate's self-checks: every malformed plan of the catalog is refused naming its field, every
-corruption is caught by the integrity check, counters agree with outputs; and a weakened safety
-net makes ``batchgen validate`` fail naming the self-check that caught it."""
+"""Validate's self-checks: every malformed plan of the catalog is refused naming its field with its
+message, every corruption is caught by the integrity check, counters agree with outputs; and a
+weakened safety net makes ``batchgen validate`` fail naming the self-check that caught it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from batchgen.kv import plan_checks
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
 from batchgen.state import Phase
-from batchgen.validation.plan_fixture import make_target
 from batchgen.validation.plan_refusals import PLAN_REFUSALS, PlanRefusal, refusal_failure
 from batchgen.validation.self_checks import (
     CORRUPTIONS,
@@ -35,18 +34,7 @@ def _validate_json(monkeypatch, tmp_path, capsys, *args: str) -> tuple[int, dict
     return code, one_json_object(capsys.readouterr().out)
 
 
-# ---- the catalogs on sound code -----------------------------------------------------------------
-@pytest.mark.parametrize("check", PLAN_REFUSALS, ids=[check.id for check in PLAN_REFUSALS])
-def test_each_malformed_plan_is_refused_naming_its_field(check: PlanRefusal):
-    target = make_target()
-    if check.setup is not None:
-        check.setup(target)
-    with pytest.raises(PlanRejected) as raised:
-        check.apply(target)
-    assert raised.value.field == check.field
-    assert refusal_failure(check) is None
-
-
+# ---- the catalogs on sound code (each plan refusal is a test of tests/test_kv_apply.py) ----------
 @pytest.mark.parametrize("corruption", CORRUPTIONS, ids=[c.id for c in CORRUPTIONS])
 def test_each_corruption_of_a_worker_mid_run_is_caught_by_its_integrity_check(corruption):
     worker = worker_mid_run()
@@ -77,9 +65,31 @@ def test_self_check_ids_are_unique_and_every_one_passes_on_sound_code():
 
 
 def test_an_accepted_plan_is_a_failure_naming_the_check_and_the_plan():
-    accepted = PlanRefusal("plan.test", "a sound COMPLETE", lambda target: None, "PollPlan.uuids")
+    accepted = PlanRefusal(
+        "plan.test", "a sound COMPLETE", lambda target: None, "PollPlan.uuids", "covers []"
+    )
     assert refusal_failure(accepted) == (
         "self-check plan.test: a sound COMPLETE was accepted; PollPlan.uuids must refuse it"
+    )
+
+
+def test_a_plan_refused_with_another_message_is_a_failure_naming_both_refusals():
+    unobserved = next(c for c in PLAN_REFUSALS if c.id == "plan.poll.unobserved")
+    reworded = dataclasses.replace(unobserved, message="covers nothing")
+    assert refusal_failure(reworded) == (
+        "self-check plan.poll.unobserved: a poll that leaves an observed load out was refused as"
+        " PollPlan.uuids: covers [], observed ['load3'], not as PollPlan.uuids: covers nothing"
+    )
+
+
+def test_a_plan_refused_by_something_else_than_the_plan_checks_is_a_failure():
+    def crash(target):
+        raise TypeError("'<=' not supported")
+
+    crashing = PlanRefusal("plan.test", "a crash", crash, "PollPlan.uuids", "covers []")
+    assert refusal_failure(crashing) == (
+        "self-check plan.test: a crash raised TypeError: '<=' not supported instead of"
+        " PlanRejected naming PollPlan.uuids"
     )
 
 
@@ -121,6 +131,18 @@ def test_duplicate_ids_accepted_by_the_plan_checks_fail_validate_at_its_self_che
         "self-check plan.ids.not_str: a poll naming its load by an id of a str subclass was"
         " accepted"
     )
+
+
+def test_a_prefix_hit_check_blind_to_digests_fails_validate_at_its_self_check(
+    monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setattr(plan_checks, "_check_cached", lambda target, field, page_ids, digests: None)
+    code, report = _validate_json(monkeypatch, tmp_path, capsys, "--fail-fast")
+    assert code == 1 and report["runs"] == []
+    assert report["failures"] == [
+        "self-check plan.alloc.shared_other_digest: a prefix hit sharing a page cached at another"
+        " position was accepted; AllocPlan.grants[1].shared_page_ids must refuse it"
+    ]
 
 
 def test_an_integrity_check_blind_to_page_tables_fails_validate_naming_each_corruption(

@@ -273,10 +273,13 @@ def _check_grant(target: KvTarget, i: int, grant) -> None:
 
 def _check_cached(target: KvTarget, field: str, page_ids: tuple, digests: tuple[str, ...]) -> None:
     """PlanRejected unless each of ``page_ids`` is the GPU page cached under the digest at its
-    position in ``digests`` (a prefix of them). Pure."""
+    position in ``digests`` (a prefix of them). An id that is not an int is left to the pool,
+    which refuses it as it is granted (``grant_pages``). Pure."""
     if len(page_ids) > len(digests):
         raise PlanRejected(field, f"{len(page_ids)} cached pages, only {len(digests)} reusable")
     pool = target.gpu_kv
     for page_id, digest in zip(page_ids, digests):
-        if not 0 <= page_id < pool.num_pages or pool.digest_of(page_id) != digest:
+        if type(page_id) is int and (
+            not 0 <= page_id < pool.num_pages or pool.digest_of(page_id) != digest
+        ):
             raise PlanRejected(field, f"page {page_id} does not hold the prefix cached as {digest}")

@@ -14,6 +14,14 @@ The target (``make_target``), page_size 4, GPU pool 12 pages, host pool 8, step 
     swap6   SWAPPED   3       2       -          4           swapped at step 6
 
     GPU free queue 8,9,10,11      host free queue 5,6,7
+
+With ``with_cached_prefix`` (prefix caching on): every prompt starts 1, 2, 3, 4, so every request
+with a full prompt page has digest ``D0`` first (run1: ``D0, D1``); ``D0`` is indexed on page 11,
+a cache entry (free, the queue unchanged), and ``D1`` on run1's page 3. wait4 (5 tokens) may reuse
+one page, swap2 re-link one::
+
+    a valid grant   PageGrant("wait4", (8,), (11,))
+    a valid load    LoadStart("swap2", (8,), (0, 1), (11,))
 """
 
 from __future__ import annotations
@@ -32,7 +40,17 @@ from batchgen.kv.appliers import (
 )
 from batchgen.kv.backends import CompletedHandle, GpuKvPool, HostKvPool
 from batchgen.kv.plan_path import PlanKvPath
-from batchgen.kv.plans import AllocPlan, EvictionPlan, MigrationPlan, PollPlan, ReleasePlan
+from batchgen.kv.plans import (
+    AllocPlan,
+    EvictionPlan,
+    LoadStart,
+    MigrationPlan,
+    PageGrant,
+    PollPlan,
+    ReleasePlan,
+    Victim,
+)
+from batchgen.kv.prefix_digests import prompt_page_digests
 from batchgen.kv.target import KvTarget
 from batchgen.shadow.recording import RecordingHostPool
 from batchgen.state import Phase, Request, RequestState, TokenLogprobs, WorkerState
@@ -40,6 +58,7 @@ from batchgen.state import Phase, Request, RequestState, TokenLogprobs, WorkerSt
 CACHE = CacheConfig(page_size=4, num_gpu_pages=12, num_host_pages=8, watermark=0.0)
 ENGINE = EngineConfig(max_num_seqs=8, max_load_retries=1)
 LOGPROBS = TokenLogprobs((5, 6), (-0.1, -2.5))
+D0, D1 = prompt_page_digests(tuple(range(1, 9)), CACHE.page_size)  # pages (1..4), (5..8)
 
 # One application of a plan to a target (raises PlanRejected when the plan is refused).
 Application = Callable[[KvTarget], object]
@@ -120,6 +139,39 @@ def alloc(plan: AllocPlan, batch=("run0", "run1", "wait4")) -> Application:
     return apply
 
 
+def grant(*grants: PageGrant, batch=("run0", "run1", "wait4")) -> Application:
+    """An allocation of exactly ``grants``, none left out (see :func:`alloc`)."""
+    return alloc(AllocPlan(grants, ()), batch)
+
+
+def victims(*evicted: Victim) -> Application:
+    return evict(EvictionPlan(evicted))
+
+
+def loads(*started: LoadStart) -> Application:
+    return migrate(MigrationPlan(started))
+
+
+def stale_alloc(**snapshot_fields) -> Application:
+    """An allocation of run1 and wait4 planned for an op request whose snapshot has
+    ``snapshot_fields`` (of an earlier step or pool) instead of the target's."""
+
+    def apply(target: KvTarget):
+        request = PlanKvPath(target).alloc_request(["run1", "wait4"])
+        stale = dataclasses.replace(
+            request, snapshot=dataclasses.replace(request.snapshot, **snapshot_fields)
+        )
+        plan = AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), ())
+        return apply_alloc_plan(target, plan, stale)
+
+    return apply
+
+
+def intruder(target: KvTarget) -> None:
+    """A setup: page 11 taken by an owner no plan knows. Mutates the target's GPU pool."""
+    target.gpu_kv.take_pages("intruder", [11])
+
+
 def set_fields(uuid: str, **fields) -> Callable[[KvTarget], None]:
     """A setup that sets ``fields`` on the target's request ``uuid`` (mutates that request)."""
 
@@ -128,3 +180,17 @@ def set_fields(uuid: str, **fields) -> Callable[[KvTarget], None]:
             setattr(target.state.requests[uuid], name, value)
 
     return change
+
+
+def with_cached_prefix(target: KvTarget) -> None:
+    """Prefix caching on, as the module docstring draws it: each request's prompt digests set,
+    ``D0`` indexed on free page 11 (taken, indexed, released: a cache entry at the queue tail, as
+    before) and ``D1`` on run1's page 3. Mutates the target's config, requests and GPU pool."""
+    target.cache_config = CACHE.model_copy(update={"enable_prefix_caching": True})
+    for req in target.state.requests.values():
+        req.prompt_digests = prompt_page_digests(req.request.prompt_ids, CACHE.page_size)
+    gpu = target.gpu_kv
+    gpu.take_pages("indexer", [11])
+    gpu.register(11, D0)
+    gpu.release_pages("indexer")
+    gpu.register(3, D1)
