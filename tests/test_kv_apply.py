@@ -8,10 +8,10 @@ in flight, pending appends), page_size 4, GPU pool 12 pages, host pool 8, step 7
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
+from kv_dumps import kv_dump
 
 from batchgen.kv.appliers import (
     apply_alloc_plan,
@@ -45,12 +45,10 @@ from batchgen.kv.plans import (
     SwappedColumns,
     Victim,
 )
-from batchgen.kv.target import KvTarget
 from batchgen.shadow.fork import view_of
 from batchgen.state import (
     Phase,
     RequestOutput,
-    RequestState,
 )
 from batchgen.validation.plan_fixture import (
     D0,
@@ -76,29 +74,6 @@ class FailingHandle:
     def wait(self) -> None:
         self.num_waits += 1
         raise OSError("injected copy failure")
-
-
-def deep_dump(target: KvTarget) -> dict:
-    """Everything a plan could change: state (handles by identity), both pools' internals, copies,
-    pending."""
-    state = target.state
-
-    def request(req: RequestState) -> dict:
-        fields = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
-        fields["load_handle"] = id(req.load_handle) if req.load_handle is not None else None
-        return copy.deepcopy(fields)
-
-    return {
-        "step": state.step,
-        "num_submitted": state.num_submitted,
-        "requests": [(uuid, request(req)) for uuid, req in state.requests.items()],
-        "outputs": list(state.outputs.items()),
-        "stats": dataclasses.asdict(state.stats),
-        "gpu": copy.deepcopy(vars(target.gpu_kv.pages)),
-        "host": copy.deepcopy(vars(target.host_kv.pages)),
-        "copies": list(target.host_kv.copies),
-        "pending": list(target.pending_appends.items()),
-    }
 
 
 def free_queue(pool) -> list[int]:
@@ -166,14 +141,14 @@ def test_an_invalid_plan_is_refused_naming_its_field_with_its_message_and_change
     target = make_target()
     if check.setup is not None:
         check.setup(target)
-    before = deep_dump(target)
+    before = kv_dump(target, target.host_kv.copies)
     with pytest.raises(PlanRejected) as raised:
         check.apply(target)
     assert (raised.value.field, str(raised.value)) == (
         check.field,
         f"{check.field}: {check.message}",
     )
-    assert deep_dump(target) == before
+    assert kv_dump(target, target.host_kv.copies) == before
 
 
 def test_plan_rejected_is_a_value_error_whose_message_says_why():
@@ -191,14 +166,14 @@ def test_an_alloc_request_built_before_the_pool_changed_is_rejected_as_stale():
     request = path.alloc_request(["run1", "wait4"])
     plan = path.manager.plan_allocation(request)
     target.gpu_kv.take_pages("intruder", [11])
-    before = deep_dump(target)
+    before = kv_dump(target, target.host_kv.copies)
     with pytest.raises(
         PlanRejected,
         match=r"^AllocRequest\.snapshot: stale: step 7 with 4 free GPU pages, the target "
         r"is at step 7 with 3$",
     ):
         apply_alloc_plan(target, plan, request)
-    assert deep_dump(target) == before
+    assert kv_dump(target, target.host_kv.copies) == before
 
 
 def test_a_waiting_request_holding_pages_enough_is_admitted_with_an_empty_grant():
@@ -218,12 +193,12 @@ def test_a_plan_built_before_the_pool_changed_is_rejected_not_half_applied():
     plan = path.manager.plan_allocation(path.alloc_request(["run1", "wait4"]))
     assert plan == AllocPlan((PageGrant("run1", (8,)), PageGrant("wait4", (9, 10))), ())
     target.gpu_kv.take_pages("intruder", [10])  # page 10 was taken after the snapshot
-    before = deep_dump(target)
+    before = kv_dump(target, target.host_kv.copies)
     with pytest.raises(
         PlanRejected, match=r"^AllocPlan\.grants\[1\]\.new_page_ids: page 10 is not free"
     ):
         apply_alloc_plan(target, plan, path.alloc_request(["run1", "wait4"]))
-    assert deep_dump(target) == before
+    assert kv_dump(target, target.host_kv.copies) == before
 
 
 # ---- valid plans ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from kv_dumps import kv_dump
 
 from batchgen.config import TINY_MODELS, CacheConfig, EngineConfig
 from batchgen.engine.worker import Worker
@@ -28,7 +29,6 @@ from batchgen.kv.target import KvTarget
 from batchgen.model.loader import load_model
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.recording import RecordingHostPool
-from batchgen.state import RequestState
 
 PATHS = ("legacy", "plan")
 TINY = TINY_MODELS["tiny"]
@@ -91,38 +91,8 @@ class LoadFaults:
         worker.host_kv.load_to_gpu_async = load_to_gpu_async
 
 
-# ---- canonical dump ------------------------------------------------------------------------------
 def canonical(worker: Worker) -> dict:
-    state = worker.state
-
-    def request(req: RequestState) -> dict:
-        fields = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
-        fields["load_handle"] = req.load_handle is not None
-        fields["output_ids"] = tuple(req.output_ids)
-        fields["output_logprobs"] = tuple(req.output_logprobs)
-        return fields
-
-    def pool(kv) -> dict:
-        pages = kv.pages
-        return {
-            "free_queue": list(pages.free_page_ids()),
-            "digests": dict(pages._digest_of),
-            "owners": {u: tuple(p) for u, p in pages._owned.items() if p},
-        }
-
-    return {
-        "step": state.step,
-        "num_submitted": state.num_submitted,
-        "requests": [(uuid, request(req)) for uuid, req in state.requests.items()],
-        "outputs": list(state.outputs.items()),
-        "stats": dataclasses.asdict(state.stats),
-        "gpu": pool(worker.gpu_kv),
-        "host": pool(worker.host_kv),
-        "pending": [
-            (uuid, p.start_pos, None if p.kv is None else p.kv.shape)
-            for uuid, p in worker._pending_kv_append_tensors.items()
-        ],
-    }
+    return kv_dump(worker.kv_target(), handles=False)
 
 
 def settle_loads(worker: Worker) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import enum
 
 import pytest
+from kv_dumps import pool_dump
 from test_kv_plans import assert_round_trips
 
 from batchgen.config import TINY_MODELS, EngineConfig
@@ -168,10 +169,6 @@ def alloc_request(snap: KvSnapshot, views, batch: tuple[str, ...]) -> AllocReque
 
 def free_queue(pool) -> list[int]:
     return list(pool.pages.free_page_ids())
-
-
-def pool_dump(pool) -> dict:
-    return copy.deepcopy(vars(pool.pages))
 
 
 # Five RUNNING requests on a 12-page GPU pool, page_size 4 (demand = pages for all tokens - pages
@@ -381,8 +378,8 @@ def audited_run() -> AuditedRun:
     def audited(name):
         def plan(request):
             before = (
-                pool_dump(worker.gpu_kv),
-                pool_dump(worker.host_kv),
+                pool_dump(worker.gpu_kv.pages),
+                pool_dump(worker.host_kv.pages),
                 copy.deepcopy(dict(pending)),
             )
             request_copy = copy.deepcopy(request)
@@ -392,8 +389,8 @@ def audited_run() -> AuditedRun:
             finally:
                 pending.armed = False
             assert (
-                pool_dump(worker.gpu_kv),
-                pool_dump(worker.host_kv),
+                pool_dump(worker.gpu_kv.pages),
+                pool_dump(worker.host_kv.pages),
                 dict(pending),
             ) == before, name
             assert request == request_copy, f"{name} changed its request"

@@ -1,9 +1,9 @@
 """PagePool: FIFO ids, exact-id takes, errors, integrity."""
 
-import copy
 import re
 
 import pytest
+from kv_dumps import pool_dump
 
 from batchgen.kv.page_grants import OutOfPages, PageOwnershipError
 from batchgen.kv.page_pool import PagePool
@@ -17,10 +17,6 @@ def pool_with_history() -> PagePool:
     pool.allocate_pages("b", 2)
     pool.release_pages("a")
     return pool
-
-
-def internals(pool: PagePool) -> dict:
-    return copy.deepcopy(vars(pool))
 
 
 # ---- FIFO order ------------------------------------------------------------------------------
@@ -52,16 +48,16 @@ def test_an_owner_growing_keeps_its_page_table_order():
 
 def test_releasing_an_owner_without_pages_changes_nothing():
     pool = pool_with_history()
-    before = internals(pool)
+    before = pool_dump(pool)
     assert pool.release_pages("nobody") == []
-    assert internals(pool) == before
+    assert pool_dump(pool) == before
 
 
 def test_peek_does_not_mutate():
     pool = pool_with_history()
-    before = internals(pool)
+    before = pool_dump(pool)
     assert pool.peek_free_pages(2) == [5, 6]
-    assert internals(pool) == before
+    assert pool_dump(pool) == before
 
 
 # ---- take_pages ------------------------------------------------------------------------------
@@ -82,47 +78,47 @@ def test_take_out_of_queue_order_removes_exactly_those_ids():
 
 def test_take_rejects_a_page_named_twice_and_changes_nothing():
     pool = pool_with_history()
-    before = internals(pool)
+    before = pool_dump(pool)
     with pytest.raises(PageOwnershipError, match=r"^gpu: page ids \[5, 5\] name a page twice$"):
         pool.take_pages("c", [5, 5])
-    assert internals(pool) == before
+    assert pool_dump(pool) == before
 
 
 def test_take_for_refuses_a_single_grant_that_is_not_an_owner_and_ids_pair_and_changes_nothing():
     pool = pool_with_history()
-    before = internals(pool)
+    before = pool_dump(pool)
     with pytest.raises(ValueError, match="too many values to unpack"):
         # the queue head's ids: the fast path would take them
         pool.take_pages_for([("c", [5, 6], "extra")])
-    assert internals(pool) == before
+    assert pool_dump(pool) == before
 
 
 def test_take_rejects_an_out_of_range_page_and_changes_nothing():
     pool = pool_with_history()
-    before = internals(pool)
+    before = pool_dump(pool)
     with pytest.raises(PageOwnershipError, match=r"^gpu: page 8 is out of range \[0, 8\)$"):
         pool.take_pages("c", [5, 8])
-    assert internals(pool) == before
+    assert pool_dump(pool) == before
 
 
 def test_take_rejects_an_owned_page_and_changes_nothing():
     pool = pool_with_history()
-    before = internals(pool)
+    before = pool_dump(pool)
     with pytest.raises(PageOwnershipError, match=r"^gpu: page 3 is not free$"):
         pool.take_pages("c", [5, 3])
-    assert internals(pool) == before
+    assert pool_dump(pool) == before
 
 
 def test_take_for_several_owners_names_the_refused_grant_and_changes_nothing():
     pool = pool_with_history()
-    before = internals(pool)
+    before = pool_dump(pool)
     with pytest.raises(PageOwnershipError, match=r"^gpu: page 5 is granted twice$") as refused:
         pool.take_pages_for([("c", [5]), ("d", [6, 5])])
     assert (refused.value.index, refused.value.page_id) == (1, 5)
     with pytest.raises(PageOwnershipError, match=r"^gpu: page 3 is not free$") as refused:
         pool.take_pages_for([("c", [5]), ("d", []), ("e", [6, 3])])
     assert (refused.value.index, refused.value.page_id) == (2, 3)
-    assert internals(pool) == before
+    assert pool_dump(pool) == before
 
 
 @pytest.mark.parametrize("bad_id", [True, 1.0, [1]], ids=["bool", "float", "list"])
@@ -130,13 +126,13 @@ def test_take_for_several_owners_names_the_refused_grant_and_changes_nothing():
 def test_take_for_refuses_a_page_id_that_is_not_an_int_even_when_its_page_is_free(bad_id, forked):
     base = PagePool("gpu", 4)
     pool = ForkedPagePool(base) if forked else base
-    before = internals(base)
+    before = pool_dump(base)
     with pytest.raises(
         PageOwnershipError, match=rf"^gpu: page id {re.escape(repr(bad_id))} is not an int$"
     ) as refused:
         pool.take_pages_for([("a", [0]), ("b", [2, bad_id])])
     assert refused.value.index == 1
-    assert pool.peek_free_pages(4) == [0, 1, 2, 3] and internals(base) == before
+    assert pool.peek_free_pages(4) == [0, 1, 2, 3] and pool_dump(base) == before
 
 
 def test_take_for_several_owners_takes_them_in_order_and_skips_an_owner_given_none():
@@ -151,19 +147,19 @@ def test_take_for_several_owners_takes_them_in_order_and_skips_an_owner_given_no
 def test_take_for_granting_no_page_changes_nothing_and_keeps_forks_valid(grants):
     pool = pool_with_history()
     fork = ForkedPagePool(pool)
-    before = internals(pool)
+    before = pool_dump(pool)
     pool.take_pages_for(grants)
-    assert internals(pool) == before
+    assert pool_dump(pool) == before
     assert fork.allocate_pages("c", 1) == [5]  # a fork refuses every access once its base changed
 
 
 # ---- errors ----------------------------------------------------------------------------------
 def test_allocating_more_than_free_raises_out_of_pages_and_changes_nothing():
     pool = pool_with_history()
-    before = internals(pool)
+    before = pool_dump(pool)
     with pytest.raises(OutOfPages, match=r"^gpu: 7 pages requested, 6 free$"):
         pool.allocate_pages("c", 7)
-    assert internals(pool) == before
+    assert pool_dump(pool) == before
     assert pool.num_free == 6
 
 
