@@ -88,6 +88,8 @@ CORRUPTIONS = (
     _c("running_short", "a RUNNING request with more cached tokens than its pages hold",
        lambda w, run, load: setattr(
            run, "num_cached_tokens", len(run.gpu_page_ids) * w.cache_config.page_size + 1)),
+    _c("shared_set_not_the_holders", "a GPU page counted as held twice (prefix caching) that one"
+       " request holds", lambda w, run, load: w.gpu_kv.pages._shared.add(run.gpu_page_ids[0])),
     _c("stray_append", "a pending append of a request no longer live",
        lambda w, run, load: w.kv_target().pending_appends.update(ghost=PendingAppend(0, None))),
 )  # fmt: skip
