@@ -59,7 +59,8 @@ from batchgen.validation.plan_fixture import (
     poll_plan,
     with_cached_prefix,
 )
-from batchgen.validation.plan_refusals import PLAN_REFUSALS, PlanRefusal
+from batchgen.validation.plan_refusal import PlanRefusal
+from batchgen.validation.plan_refusals import PLAN_REFUSALS
 
 
 class FailingHandle:

@@ -17,7 +17,8 @@ from batchgen.kv import plan_checks
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.model.null_model import NullModel
 from batchgen.state import Phase
-from batchgen.validation.plan_refusals import PLAN_REFUSALS, PlanRefusal, refusal_failure
+from batchgen.validation.plan_refusal import PlanRefusal, refusal_failure
+from batchgen.validation.plan_refusals import PLAN_REFUSALS
 from batchgen.validation.self_checks import (
     CORRUPTIONS,
     TOKENS_CHECK,
@@ -162,9 +163,7 @@ def test_an_integrity_check_blind_to_page_tables_fails_validate_naming_each_corr
         if c.id not in pools_catch  # the pools' own check catches those
     ]
     assert code == 1 and [f for f in report["failures"] if f.startswith("self-check")] == blind
-    assert report["self_checks"]["failed"] == [
-        c.id for c in CORRUPTIONS if c.id not in pools_catch
-    ]
+    assert report["self_checks"]["failed"] == [c.id for c in CORRUPTIONS if c.id not in pools_catch]
 
 
 def test_a_token_counter_off_by_one_per_step_fails_validate_at_the_counter_check(

@@ -24,7 +24,8 @@ from batchgen.engine.runner import RunResult
 from batchgen.engine.worker import PendingAppend, Worker
 from batchgen.model.null_model import NullModel
 from batchgen.state import Phase, Request, RequestState
-from batchgen.validation.plan_refusals import PLAN_REFUSALS, refusal_failure
+from batchgen.validation.plan_refusal import refusal_failure
+from batchgen.validation.plan_refusals import PLAN_REFUSALS
 
 # The integrity run: 5 requests of 6 prompt tokens on 12 GPU pages of 4 tokens; r4 is evicted to
 # host and is loading back after step 6, beside RUNNING r1..r3, one GPU page free.
