@@ -5,7 +5,7 @@ import json
 import warnings
 
 import pytest
-from injected_bugs import reversed_grants
+from injected_bugs import prefix_bug, reversed_grants
 
 import batchgen.kv.manager as kv_manager
 from batchgen.config import TINY_MODELS
@@ -326,6 +326,51 @@ def test_a_workload_file_is_reloaded_from_its_path(tmp_path, monkeypatch):
     record = divergences(two, tmp_path / "kv.jsonl", source=str(source))[0]
     result = minimize_divergence(record, make_worker=null_worker)
     assert result.workload.name == "two-min" and len(result.workload.requests) == 1
+
+
+def shared_prefix_divergence(tmp_path, monkeypatch, workload=None, source="shared-prefix"):
+    """The first divergence of ``workload`` (shared-prefix's) with the plan's new pages handed out
+    over the cache entries it shares: a migrate invalid_plan, which needs prefix caching."""
+    prefix_bug("take_new").inject(monkeypatch)
+    workload = workload or builtin_workload("shared-prefix")
+    return divergences(workload, tmp_path / "kv.jsonl", source=source)[0]
+
+
+def test_a_prefix_caching_divergence_shrinks_to_a_workload_with_caching_on(tmp_path, monkeypatch):
+    record = shared_prefix_divergence(tmp_path, monkeypatch)
+    result = minimize_divergence(record, make_worker=null_worker)
+    assert result.signature == DivergenceSignature("migrate", "invalid_plan", ())
+    assert [r.uuid for r in result.workload.requests] == [
+        "shared-prefix-r1",
+        "shared-prefix-r2",
+        "shared-prefix-r3",
+        "shared-prefix-r4",
+        "shared-prefix-r12-1",
+        "shared-prefix-r13",
+        "shared-prefix-r14",
+        "shared-prefix-r15",
+    ]
+    assert (result.num_tests, result.stopped_by) == (298, None)
+    assert result.workload.cache.enable_prefix_caching
+    again = divergences(result.workload, tmp_path / "again.jsonl", source="shared-prefix")
+    assert result.signature in {DivergenceSignature.of(r) for r in again}
+    cache = result.workload.cache.model_copy(update={"enable_prefix_caching": False})
+    uncached = result.workload.model_copy(update={"cache": cache})
+    assert divergences(uncached, tmp_path / "uncached.jsonl", source="shared-prefix") == []
+
+
+def test_a_run_whose_prefix_caching_a_flag_turned_on_is_rerun_with_it_on(tmp_path, monkeypatch):
+    """The workload file has caching off; the run (a gate flag) had it on, as its geometry says."""
+    workload = builtin_workload("shared-prefix")
+    source = tmp_path / "uncached.json"
+    cache = workload.cache.model_copy(update={"enable_prefix_caching": False})
+    source.write_text(workload.model_copy(update={"cache": cache}).model_dump_json())
+    record = shared_prefix_divergence(tmp_path, monkeypatch, workload, source=str(source))
+    assert record.replay["request"]["snapshot"]["geometry"]["prefix_caching"]
+    # the whole workload first: it diverges, then the budget is spent
+    result = minimize_divergence(record, make_worker=null_worker, max_tests=1)
+    assert (result.stopped_by, len(result.workload.requests)) == ("max_tests", 60)
+    assert result.workload.cache.enable_prefix_caching
 
 
 def test_a_divergence_that_needs_faults_and_an_engine_override_is_minimized_under_both(

@@ -1,4 +1,5 @@
 import pytest
+from injected_bugs import prefix_bug
 
 import batchgen.kv.manager as kv_manager
 import batchgen.kv.plan_path as plan_path
@@ -24,8 +25,9 @@ from batchgen.kv.plans import (
 from batchgen.model.null_model import NullModel
 from batchgen.shadow.wiring import gated_worker
 from batchgen.state import Phase
-from batchgen.triage.rebuild import PLACEHOLDER_OWNER, ReplayError, rebuild_target
-from batchgen.triage.replay import replay_record
+from batchgen.triage.rebuild import ReplayError, rebuild_target
+from batchgen.triage.rebuild_pools import PLACEHOLDER_OWNER
+from batchgen.triage.replay import ReplayOutcome, replay_record
 from compare import DivergenceRecord, read_log
 
 Manager = kv_manager.KVCacheManager
@@ -33,7 +35,8 @@ Manager = kv_manager.KVCacheManager
 
 def reversed_grants(plan):
     return AllocPlan(
-        tuple(PageGrant(g.uuid, g.new_page_ids[::-1]) for g in plan.grants), plan.not_fitting
+        tuple(PageGrant(g.uuid, g.new_page_ids[::-1], g.shared_page_ids) for g in plan.grants),
+        plan.not_fitting,
     )
 
 
@@ -75,20 +78,21 @@ def inject(monkeypatch, op):
     monkeypatch.setattr(Manager, name, lambda self, req: rewrite(correct(self, req)))
 
 
-def divergences(tmp_path, *, path="legacy", faults=None):
-    """Run smoke in compare mode log (with a fault schedule SPEC); the divergence records it
-    wrote."""
-    workload = builtin_workload("smoke")
+def divergences(tmp_path, *, path="legacy", faults=None, workload="smoke", demo_bug=None):
+    """Run ``workload`` in compare mode log (with a fault schedule SPEC, and ``demo_bug`` planted in
+    the shadow path); the divergence records it wrote."""
+    trace = builtin_workload(workload)
     log = tmp_path / "kv.jsonl"
+    gate = KvGateConfig(path=path, compare="log", compare_log=str(log), compare_demo_bug=demo_bug)
     worker = gated_worker(
         NullModel(TINY_MODELS["tiny"]),
-        cache_config=workload.cache,
-        engine_config=workload.engine,
+        cache_config=trace.cache,
+        engine_config=trace.engine,
         kv_storage=False,
-        kv_gate=KvGateConfig(path=path, compare="log", compare_log=str(log)),
+        kv_gate=gate,
         faults=FaultInjector(FaultSpec.parse(faults)) if faults else None,
     )
-    run_workload(worker, workload, source="smoke")
+    run_workload(worker, trace, source=workload)
     return (
         [r for r in read_log(log).records if isinstance(r, DivergenceRecord)]
         if log.exists()
@@ -299,6 +303,55 @@ def test_replay_is_a_pure_function_of_the_record(tmp_path, monkeypatch):
     before = record.model_dump_json()
     assert replay_record(record) == replay_record(record)
     assert record.model_dump_json() == before
+
+
+# ---- prefix caching: shared pages, digests, cache entries, holds outside the scope -------------
+def plant_in_plan_path(monkeypatch, bug: str) -> str | None:
+    """Plant ``bug`` in the plan path: ``reversed-grants`` (each grant's new pages reversed, its
+    shared ones kept) and ``take_new`` (new pages handed out over the cache entries the plan shares)
+    process-wide, the demo bug ``shared-pages-freed`` in the shadow only; returns the demo bug's
+    name (None for the others)."""
+    if bug == "reversed-grants":
+        inject(monkeypatch, "alloc")
+    elif bug == "take_new":
+        prefix_bug("take_new").inject(monkeypatch)
+    else:
+        return bug
+    return None
+
+
+def without_the_bug(record: DivergenceRecord, monkeypatch) -> DivergenceRecord:
+    """``record`` with its demo bug dropped, and the injected bugs undone."""
+    monkeypatch.undo()
+    replay = {key: value for key, value in record.replay.items() if key != "demo_bug"}
+    return record.model_copy(update={"replay": replay})
+
+
+@pytest.mark.parametrize(
+    "bug, op, num_records, what_caching_adds",
+    [
+        # prefix hits: shared pages and pages held outside the batch
+        ("reversed-grants", "alloc", 25, lambda request: any(request["cached_pages"])),
+        # cache entries the load re-links, free in the queue with their digests
+        ("take_new", "migrate", 4, lambda request: request["cache_entries"]),
+        # the holders of each shared page
+        ("shared-pages-freed", "evict", 10, lambda request: request["shared_page_holders"]),
+    ],
+)
+def test_a_divergence_with_prefix_caching_reproduces_and_not_once_the_bug_is_gone(
+    tmp_path, monkeypatch, bug, op, num_records, what_caching_adds
+):
+    demo_bug = plant_in_plan_path(monkeypatch, bug)
+    records = divergences(tmp_path, workload="shared-prefix", demo_bug=demo_bug)
+    assert len(records) == num_records and {r.op for r in records} == {op}
+    assert all(r.replay["request"]["snapshot"]["geometry"]["prefix_caching"] for r in records)
+    assert any(what_caching_adds(r.replay["request"]) for r in records)
+    for record in records:
+        outcome = replay_record(record)
+        assert outcome.reproduced, (record.step, outcome)
+        assert (outcome.kind, outcome.field_paths) == (record.kind, tuple(record.field_paths))
+    for record in (without_the_bug(r, monkeypatch) for r in records):
+        assert replay_record(record) == ReplayOutcome(False, None, (), {}, ())
 
 
 # ---- the rebuilt pre-state, on a hand-written record --------------------------------------------

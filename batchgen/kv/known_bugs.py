@@ -13,6 +13,18 @@ authoritative path, and so the job's output, stay right. Tests ``inject`` a bug 
     migrate-exact-fit    refuses a load that fits exactly           migrate, twice
     alloc-exact-fit      refuses an allocation that fits exactly    no (L2 traces, corpus)
     host-exact-fit       calls a host pool with exactly enough full no (L2 traces, corpus)
+    shared-pages-freed   counts a victim's shared pages as freed    no (shared-prefix: evict, 10)
+    stale-prefix-hit     shares a cached page an earlier request of no (corpus-08: alloc, once)
+                         the batch took as a new page
+
+The prefix-caching bugs (``PREFIX_BUGS``, each caught as ``tests/test_prefix_bugs.py`` shows):
+
+    a  a shared page freed while another request holds it: eviction counts every victim page
+       as freed (shared-pages-freed)
+    b  a cache entry reused after its page was overwritten: a hit not cut where an earlier
+       request of the batch took its page as new (stale-prefix-hit)
+    c  a load into a page still cached for another prefix: the plan's new pages not skipping
+       the cache entries it shares; legacy: a load re-linking past the first uncached digest
 
 The legacy path's module is reached through the gate (``kv_path_class``), imported only when a
 legacy bug is injected or planted.
@@ -55,8 +67,9 @@ def mutate(func: Callable, old: str, new: str) -> Callable:
 
 @dataclass(frozen=True)
 class KnownBug:
-    """``old`` -> ``new`` in ``owner.function`` on ``path``; ``owner`` is ``KVCacheManager``, the
-    ``manager`` module or ``LegacyKvPath``."""
+    """``old`` -> ``new`` in ``owner.function`` on ``path``; ``owner`` is ``KVCacheManager``,
+    ``_FreePages`` (a plan's view of the free queue), the ``manager`` module or ``LegacyKvPath``.
+    Only a method of ``KVCacheManager`` or ``LegacyKvPath`` can be planted (a demo bug)."""
 
     name: str  # what it breaks, e.g. "plan: alloc refuses an exact fit"
     path: str  # the KV path it breaks: "plan" or "legacy"
@@ -73,7 +86,7 @@ class KnownBug:
             from batchgen.kv.gate import kv_path_class
 
             return kv_path_class("legacy")
-        return kv_manager if self.owner == "manager" else kv_manager.KVCacheManager
+        return kv_manager if self.owner == "manager" else getattr(kv_manager, self.owner)
 
     def mutant(self) -> Callable:
         """The mutated function, compiled once per bug."""
@@ -100,6 +113,43 @@ def _b(name: str, owner: str, function: str, old: str, new: str, demo: str | Non
     """A boundary bug; its path is its name's prefix."""
     return KnownBug(name, name.split(":")[0], owner, function, old, new, demo)
 
+
+# legacy allocate's loop head and hit lookup (its source, dedented), and the lookups hoisted out
+_LOOKUP_IN_LOOP = """    for uuid in batch:
+        req = self.state.requests[uuid]
+        admitting = req.phase is not Phase.RUNNING
+        # decision: alloc.prefix_hit, alloc.prefix_hit.cache_entry
+        hits = self._prefix_hits(req) if admitting else []
+"""
+_LOOKUP_BEFORE_LOOP = """    hits_of = {u: self._prefix_hits(self.state.requests[u]) for u in batch}
+    for uuid in batch:
+        req = self.state.requests[uuid]
+        admitting = req.phase is not Phase.RUNNING
+        hits = hits_of[uuid] if admitting else []
+"""
+
+# the prefix-caching bugs a, b, c (the docstring's table), each on both paths
+PREFIX_BUGS = (
+    KnownBug("plan: eviction counts a victim's shared pages as freed", "plan", "KVCacheManager",
+             "plan_eviction", "drop_holds(running.gpu_page_ids[i], holders)",
+             "drop_holds(running.gpu_page_ids[i], {})", "shared-pages-freed", boundary=False),
+    KnownBug("legacy: eviction counts a victim's shared pages as freed", "legacy", "LegacyKvPath",
+             "evict", "if self.gpu_kv.holders(p) == 1)", "if self.gpu_kv.holders(p) >= 1)",
+             "shared-pages-freed", boundary=False),
+    KnownBug("plan: a prefix hit is not cut at a page the batch took as new", "plan",
+             "KVCacheManager", "plan_allocation", "hits = free.hits(prefix)", "hits = prefix",
+             "stale-prefix-hit", boundary=False),
+    KnownBug("legacy: the batch's prefix hits looked up before its allocations", "legacy",
+             "LegacyKvPath", "allocate", _LOOKUP_IN_LOOP, _LOOKUP_BEFORE_LOOP, "stale-prefix-hit",
+             boundary=False),
+    KnownBug("plan: new pages do not skip the cache entries the plan shares", "plan",
+             "_FreePages", "take_new", "if page_id not in self._shared:",
+             "if page_id not in self._new:", boundary=False),
+    KnownBug("legacy: a load re-links cached pages past the first uncached digest", "legacy",
+             "LegacyKvPath", "migrate", "relinked = self.gpu_kv.cached_prefix(req.prompt_digests)",
+             "relinked = [p for d in req.prompt_digests for p in self.gpu_kv.cached_prefix([d])]",
+             boundary=False),
+)  # fmt: skip
 
 KNOWN_BUGS = (
     _b("plan: alloc refuses an exact fit", "KVCacheManager", "plan_allocation",
@@ -145,6 +195,7 @@ KNOWN_BUGS = (
              "tuple(self.gpu_kv.allocate_pages(uuid, need))",
              "tuple(self.gpu_kv.allocate_pages(uuid, need))[::-1]",
              "reversed-grants", boundary=False),
+    *PREFIX_BUGS,
 )  # fmt: skip
 
 BOUNDARY_BUGS = tuple(bug for bug in KNOWN_BUGS if bug.boundary)

@@ -113,6 +113,10 @@ class RequestKvView(NamedTuple):
     num_load_retries: int
     swapped_step: int | None
     num_prompt_tokens: int
+    # prefix caching (defaults: a log written before it, or with it off): the digest of each full
+    # prompt page, and the prompt tokens its first admission took from the cache
+    prompt_digests: tuple[str, ...] = ()
+    num_cached_prompt_tokens: int = 0
 
 
 @frozen

@@ -119,7 +119,7 @@ def view_of(req: RequestState) -> RequestKvView:
     return RequestKvView(
         req.uuid, req.phase.value, req.arrival_index, req.num_tokens, req.num_cached_tokens,
         req.gpu_page_ids, req.host_page_ids, req.num_load_retries, req.swapped_step,
-        len(req.request.prompt_ids),
+        len(req.request.prompt_ids), req.prompt_digests, req.num_cached_prompt_tokens,
     )  # fmt: skip
 
 

@@ -1,8 +1,9 @@
 """Shrink a logged KV divergence to a minimal workload, and write it as a regression test.
 
 :func:`minimize_divergence` reloads the record's workload (``replay``'s
-``workload_source``, ``scale`` and ``vocab_size``, the record's ``seed``), folds its
-token ids into the tiny model's vocabulary, and delta-debugs it with
+``workload_source``, ``scale`` and ``vocab_size``, the record's ``seed``; prefix caching as
+its op request's geometry had it), folds its token ids into the tiny model's vocabulary, and
+delta-debugs it with
 ``compare.ddmin``, in two passes:
 
     requests  the fewest requests that still diverge
@@ -163,8 +164,8 @@ def recorded_run(record: DivergenceRecord) -> tuple[Workload, FaultSpec | None, 
 
 
 def recorded_workload(record: DivergenceRecord) -> Workload:
-    """The workload of the record's run (its source, seed, scale, vocabulary and engine config),
-    with its token ids folded into the tiny model's vocabulary."""
+    """The workload of the record's run (its source, seed, scale, vocabulary, engine config and
+    prefix caching), with its token ids folded into the tiny model's vocabulary."""
     replay = record.replay
     source = replay.get("workload_source")
     if not isinstance(source, str) or not source:
@@ -177,7 +178,7 @@ def recorded_workload(record: DivergenceRecord) -> Workload:
         scale=replay.get("scale", 1.0),
         vocab_size=replay.get("vocab_size", TINY_VOCAB),
     )
-    return _in_tiny_vocabulary(_with_engine(workload, replay))
+    return _in_tiny_vocabulary(_with_prefix_caching(_with_engine(workload, replay), replay))
 
 
 def _in_tiny_vocabulary(workload: Workload) -> Workload:
@@ -211,6 +212,21 @@ def _with_engine(workload: Workload, replay: dict) -> Workload:
         raise MinimizeError(
             f"the recorded engine config is not valid: {validation_summary(error)}"
         ) from None
+
+
+def _with_prefix_caching(workload: Workload, replay: dict) -> Workload:
+    """The workload with the prefix caching the recorded run had (its op request's geometry says:
+    a gate flag may have set it over the workload's), when recorded."""
+    snapshot = (replay.get("request") or {}).get("snapshot") or {}
+    caching = (snapshot.get("geometry") or {}).get("prefix_caching")
+    if caching is None or caching == workload.cache.enable_prefix_caching:
+        return workload
+    if not isinstance(caching, bool):
+        raise MinimizeError(
+            f"the recorded geometry's prefix_caching must be true or false, not {caching!r}"
+        )
+    cache = workload.cache.model_copy(update={"enable_prefix_caching": caching})
+    return workload.model_copy(update={"cache": cache})
 
 
 def _fault_spec(replay: dict) -> FaultSpec | None:

@@ -11,17 +11,33 @@ What the record gives and what is synthesised (nothing an op's result depends on
     pre_state.snapshot.geometry             model / cache / engine configs (other model
                                             fields: any valid values; the KV ops never read them)
     pre_state.requests (the op's scope,     a RequestState each: phase, page tables, cached
-      as it was before the op)              count, retries, swapped step; prompt and outputs:
+      as it was before the op)              count, retries, swapped step, prompt digests and
+                                            cached prompt count; prompt and outputs:
                                             zeros, num_prompt_tokens and the rest of
                                             num_tokens, finish reason None; a
                                             CompletedHandle as the load of a LOADING request
                                             (or of a done one holding both tiers' pages),
                                             issued the step before
-    free counts + pools' alloc events       bookkeeping-only pools: scope pages owned as the
-                                            views say; free queue = ids the sides allocated
+    free counts + pools' alloc and share    bookkeeping-only pools (``rebuild_pools``): scope
+      events                                pages held as the views say, in arrival order (a
+                                            page named twice is shared: prefix caching only);
+                                            free queue = ids the sides allocated or shared
                                             (the legacy side's order, then the other's extras),
-                                            then other unowned ids ascending, cut at the free
-                                            count; every other page owned by PLACEHOLDER_OWNER
+                                            then the op request's cache entries, then other
+                                            unowned ids ascending, cut at the free count;
+                                            every other page held by PLACEHOLDER_OWNER
+    prefix caching: the op request's        digests: each page of alloc's and migrate's
+      cached_pages / cache_entries,         cached prefixes under its request's prompt digest
+      evict's shared_page_holders           there (a cache entry: free, in the queue, its
+                                            digest kept), each shared page under a holder's
+                                            digest at its index; holds outside the scope (a
+                                            cached page the scope does not hold, evict's
+                                            holders beyond the scope's): PLACEHOLDER_OWNER,
+                                            then "<...> #2", ... Other held pages: no digest
+                                            (no op looks them up)
+    (not recorded) outside holds on scope   poll / release: none (the scope's holds only),
+      pages                                 so a page they free that another request held
+                                            shows as freed: other free counts in the diff
     (not recorded) counters                 zero: a counter divergence has the same path,
                                             but other absolute values in the diff detail
     (not recorded) pending appends          poll / release (before the flush) only: a done
@@ -33,14 +49,11 @@ What the record gives and what is synthesised (nothing an op's result depends on
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 
 from pydantic import ValidationError
 
 from batchgen.config import DTYPE_SIZES, CacheConfig, EngineConfig, ModelConfig, validation_summary
 from batchgen.kv.backends import CompletedHandle, GpuKvPool, HostKvPool
-from batchgen.kv.page_grants import PageOwnershipError
-from batchgen.kv.page_pool import PagePool
 from batchgen.kv.plans import OP_REQUEST_TYPES, KvGeometry, KvPreState, RequestKvView, from_json
 from batchgen.kv.target import KvTarget
 from batchgen.state import (
@@ -51,15 +64,16 @@ from batchgen.state import (
     TokenLogprobs,
     WorkerState,
 )
+from batchgen.triage.rebuild_pools import (
+    CacheFacts,
+    ReplayError,
+    cache_facts,
+    gpu_index,
+    rebuilt_pool,
+)
 from compare import DivergenceRecord
 
-PLACEHOLDER_OWNER = "<replay:not-in-scope>"  # owns the pages held outside the op's scope
-_REORDER_OWNER = "<replay:reorder>"
 _PRE_FLUSH_OPS = ("poll", "release")  # ops that run before the worker flushes pending appends
-
-
-class ReplayError(ValueError):
-    """A record whose op cannot be rebuilt (unknown op, inconsistent pre-state)."""
 
 
 def op_request(record: DivergenceRecord):
@@ -112,19 +126,22 @@ def rebuild_target(record: DivergenceRecord) -> KvTarget:
     for view in sorted(views, key=lambda v: v.arrival_index):
         state.requests[view.uuid] = _request_state(view, snapshot.step)
     state.num_submitted = max((view.arrival_index for view in views), default=-1) + 1
-    gpu_pages = _pool(
+    facts = cache_facts(op_request(record), views) if geometry.prefix_caching else CacheFacts()
+    gpu_pages = rebuilt_pool(
         "gpu",
         geometry.num_gpu_pages,
         {v.uuid: v.gpu_page_ids for v in views},
         snapshot.num_free_gpu_pages,
-        _allocated_ids(record.replay, "gpu"),
+        _queue_head(record.replay, "gpu"),
+        gpu_index(views, facts) if geometry.prefix_caching else None,
+        facts,
     )
-    host_pages = _pool(
+    host_pages = rebuilt_pool(
         "host",
         geometry.num_host_pages,
         {v.uuid: v.host_page_ids for v in views},
         snapshot.num_free_host_pages,
-        _allocated_ids(record.replay, "host"),
+        _queue_head(record.replay, "host"),
     )
     gpu = GpuKvPool(geometry.num_gpu_pages, None, pages=gpu_pages)
     host = HostKvPool(geometry.num_host_pages, None, gpu, pages=host_pages)
@@ -176,6 +193,7 @@ def _valid_configs(
         num_host_pages=geometry.num_host_pages,
         dtype=dtype,
         watermark=geometry.watermark,
+        enable_prefix_caching=geometry.prefix_caching,
     )
     engine = EngineConfig(
         max_num_seqs=geometry.max_num_seqs,
@@ -216,6 +234,8 @@ def _request_state(view: RequestKvView, step: int) -> RequestState:
         load_started_step=step - 1 if had_load else None,
         num_load_retries=view.num_load_retries,
         swapped_step=view.swapped_step,
+        prompt_digests=tuple(view.prompt_digests),
+        num_cached_prompt_tokens=view.num_cached_prompt_tokens,
     )
 
 
@@ -229,13 +249,15 @@ def _served_last_step(view: RequestKvView) -> bool:
     )
 
 
-def _allocated_ids(replay: dict, tier: str) -> list[int]:
-    """Page ids the sides allocated in ``tier``, in the order the original free queue held them.
+def _queue_head(replay: dict, tier: str) -> list[int]:
+    """Page ids the sides allocated or shared in ``tier``, in the order the original free queue
+    held them (``rebuild_pools`` keeps those free then: a shared one is a cache entry).
 
-    The legacy path allocates straight from the queue head, so its events give the
-    queue's order; the plan path's only do while it is correct. So: the legacy
-    side's ids first (the authoritative's when neither or both sides are legacy),
-    then the other side's extras.
+    The legacy path allocates straight from the queue head, and shares a request's cache entries
+    before it allocates its new pages, so its events give the queue's order (a shared entry as
+    early as it may have been); the plan path's only do while it is correct. So: the legacy
+    side's ids first (the authoritative's when neither or both sides are legacy), then the
+    other side's extras.
     """
     kv_path, shadow_path = kv_paths(replay)
     legacy_is_shadow = shadow_path == "legacy" and kv_path != "legacy"
@@ -260,41 +282,10 @@ def _allocated_ids(replay: dict, tier: str) -> list[int]:
                     f"the record's {side} {tier} pool events are not records with a kind and page"
                     f" ids ({event!r}); a log written by an older batchgen cannot be replayed"
                 )
-            if event["kind"] == "alloc":
+            if event["kind"] in ("alloc", "share"):
                 ids.extend(event["page_ids"])
     return list(dict.fromkeys(ids))
 
 
 def _is_id_list(value) -> bool:
     return isinstance(value, list) and all(type(page_id) is int for page_id in value)
-
-
-def _pool(
-    name: str,
-    num_pages: int,
-    owned: dict[str, Sequence[int]],
-    num_free: int,
-    first_free: Sequence[int],
-) -> PagePool:
-    """A pool whose owners are ``owned`` and whose free queue starts with ``first_free``."""
-    pool = PagePool(name, num_pages)
-    try:
-        for uuid, page_ids in owned.items():
-            if page_ids:
-                pool.take_pages(uuid, page_ids)
-    except PageOwnershipError as error:
-        raise ReplayError(f"the recorded page tables are inconsistent: {error}") from None
-    unowned = [page_id for page_id in range(num_pages) if pool.is_free(page_id)]
-    if num_free > len(unowned):
-        raise ReplayError(
-            f"{name}: {num_free} free pages recorded, but the scope leaves only {len(unowned)}"
-            " unowned"
-        )
-    head = [page_id for page_id in first_free if pool.is_free(page_id)]
-    free = list(dict.fromkeys([*head, *unowned]))[:num_free]
-    held_elsewhere = sorted(set(unowned) - set(free))
-    if held_elsewhere:
-        pool.take_pages(PLACEHOLDER_OWNER, held_elsewhere)
-    pool.take_pages(_REORDER_OWNER, free)  # the queue is now empty ...
-    pool.release_pages(_REORDER_OWNER)  # ... and refills in ``free``'s order
-    return pool
