@@ -3,6 +3,8 @@ how digests chain, and that an admission counts only the tokens and pages its hi
 
 import hashlib
 
+import pytest
+
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.scheduler import schedule
 from batchgen.kv.backends import GpuKvPool
@@ -23,6 +25,14 @@ def test_a_page_digest_chains_the_page_before_it_and_only_full_pages_have_one():
     assert prompt_page_digests((1, 2, 3, 4, 5), page_size=2) == (d0, d1)
     assert prompt_page_digests((1, 2, 3), page_size=2) == (d0,)
     assert prompt_page_digests((1,), page_size=2) == ()
+
+
+@pytest.mark.parametrize(
+    "num_tokens, page_size, num_digests", [(6, 3, 2), (7, 3, 2), (8, 3, 2), (9, 2, 4), (9, 3, 3)]
+)
+def test_every_full_page_has_a_digest_and_no_partial_one(num_tokens, page_size, num_digests):
+    prompt = tuple(range(1, num_tokens + 1))
+    assert len(prompt_page_digests(prompt, page_size)) == num_digests
 
 
 def test_the_same_page_after_another_prefix_has_another_digest():
