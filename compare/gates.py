@@ -12,7 +12,8 @@ once into a validated, frozen config. Every slice has the same compare settings:
 
 plus the fields the slice's config adds (a `CompareGate` subclass: its paths, ops and log, and
 fields of its own, each with its allowed values as messages name them). A field ``compare_x``
-is the variable ``<PREFIX>COMPARE_X`` and the option ``<OPTION_PREFIX>compare-x``.
+is the variable ``<PREFIX>COMPARE_X`` and the option ``<OPTION_PREFIX>compare-x`` (unless the
+slice names its option otherwise).
 
 (*) `GateFamily.parse`'s defaults, a production worker's: a config built in code has no breaker
 unless it names one, since a validation that stops comparing must not pass.
@@ -129,16 +130,20 @@ class GateFamily:
         option_prefix: str,
         config: type[CompareGate],
         allowed: Mapping[str, str],
+        options: Mapping[str, str] | None = None,
     ):
         """``prefix``: ``BATCHGEN_WORKER_KV_``; ``option_prefix``: ``--kv-``; ``allowed``: the
-        allowed values of each field ``config`` adds, in the order its options are listed."""
+        allowed values of each field ``config`` adds, in the order its options are listed;
+        ``options``: the option of a field named otherwise than ``option_prefix`` + its name (a
+        name users know from elsewhere, such as vLLM's ``--enable-prefix-caching``)."""
         self.prefix, self.config = prefix, config
         every = {**_standard_allowed(config), **allowed}
         order = [field for field in config.model_fields if field not in allowed] + [*allowed]
+        named = options or {}
         self.flags = {
             field: (
                 prefix + field.upper(),
-                option_prefix + field.replace("_", "-"),
+                named.get(field, option_prefix + field.replace("_", "-")),
                 every[field],
             )
             for field in order
@@ -170,6 +175,27 @@ class GateFamily:
         sources.update({field: self.flags[field][1] for field in overrides})
         return self._validated(values, sources)
 
+    def add_options(self, parser) -> None:
+        """One option per field on ``parser`` (an ``argparse`` parser or argument group), default
+        None: the environment, then the field's default, decides. Mutates ``parser``."""
+        for field, (env, option, allowed) in self.flags.items():
+            parser.add_argument(
+                option,
+                metavar="VALUE",
+                default=None,
+                help=f"{allowed} (default: ${env}, else {_shown_default(self.config, field)})",
+            )
+
+    def parse_options(self, environ: Mapping[str, str], options) -> CompareGate:
+        """``parse`` of ``environ`` with the values of the options ``add_options`` added, as
+        ``argparse`` left them in ``options`` (a Namespace). GateError naming a bad name or value.
+        Pure."""
+        given = {
+            field: getattr(options, option[2:].replace("-", "_"))
+            for field, (_, option, _) in self.flags.items()
+        }
+        return self.parse(environ, given)
+
     def _validated(self, values: Mapping[str, object], sources: Mapping[str, str]) -> CompareGate:
         """The config of ``values``, or GateError naming the first bad value's source (variable
         or option), the allowed values and the closest one. Pure."""
@@ -187,6 +213,14 @@ class GateFamily:
                 f"{source}={given!r} is invalid ({reason}); allowed: {allowed}"
                 + (f"; did you mean {hint!r}?" if hint else "")
             ) from None
+
+
+def _shown_default(config: type[CompareGate], field: str) -> str:
+    """A field's default as an option's help shows it (``off`` for None). Pure."""
+    default = BREAKER_DEFAULTS.get(field, config.model_fields[field].default)
+    if default is None:
+        return "off"
+    return ",".join(default) if isinstance(default, tuple) else str(default)
 
 
 def _closest_value(config: type[CompareGate], field: str, given, allowed: str) -> str | None:
@@ -220,7 +254,7 @@ def check_family_names(
     for name in environ:
         # names are case-sensitive: batchgen_worker_kv_path would be ignored, unnoticed
         upper = name.upper()
-        if name in known or not upper.startswith(root):
+        if name in known or not upper.startswith(root) or _of_a_sibling(upper, prefix, known):
             continue
         cutoff = 0.6 if upper.startswith(prefix) else 0.85
         close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=cutoff)
@@ -232,3 +266,15 @@ def check_family_names(
                 else ""
             )
             raise error(f"unknown variable {name}{hint}; valid names: {', '.join(sorted(known))}")
+
+
+def _of_a_sibling(upper: str, prefix: str, known: Collection[str]) -> bool:
+    """Whether ``upper`` names a variable of a family beside ``prefix``'s, not a typo of one of
+    its own (``BATCHGEN_WORKER_FINISH_COMPARE`` beside ``BATCHGEN_WORKER_KV_``): after the
+    prefix's stem comes a word far from the prefix's own last word and in none of its names, then
+    more. Pure."""
+    stem, _, word = prefix.rstrip("_").rpartition("_")
+    other, _, rest = upper.removeprefix(stem + "_").partition("_")
+    words = {part for name in known for part in name.removeprefix(prefix).split("_")}
+    far = difflib.SequenceMatcher(None, other, word).ratio() < 0.5
+    return upper.startswith(stem + "_") and bool(rest) and other not in words and far

@@ -730,6 +730,32 @@ CASES: tuple[BadInput, ...] = (
         env={"BATCHGEN_WORKER_KV_LOAD_FAILURE": "retry"},
     ),
     case(
+        "gate-prefix-cache-value",
+        GATE,
+        "a prefix-caching setting that is neither on nor off",
+        RUN,
+        ("BATCHGEN_WORKER_KV_PREFIX_CACHE='yes'", "allowed: on, off"),
+        env={"BATCHGEN_WORKER_KV_PREFIX_CACHE": "yes"},
+    ),
+    case(
+        "gate-prefix-cache-in-sweep",
+        GATE,
+        "a misspelt prefix-caching setting given to sweep, which applies it to every run",
+        SWEEP,
+        ("BATCHGEN_WORKER_KV_PREFIX_CACHE='of'", "allowed: on, off", "did you mean 'off'?"),
+        env={"BATCHGEN_WORKER_KV_PREFIX_CACHE": "of"},
+        outputs=("reports",),
+    ),
+    case(
+        "prefix-caching-on-and-off",
+        CLI,
+        "--enable-prefix-caching and --no-enable-prefix-caching together",
+        "generate -i in.jsonl -o out.jsonl --model ckpt --enable-prefix-caching"
+        " --no-enable-prefix-caching",
+        ("argument --no-enable-prefix-caching: not allowed with argument --enable-prefix-caching",),
+        outputs=("out.jsonl",),
+    ),
+    case(
         "gate-log-is-a-directory",
         GATE,
         "the divergence log path is a directory",
@@ -759,7 +785,11 @@ CASES: tuple[BadInput, ...] = (
         WORKLOAD,
         "neither a built-in workload nor a file",
         "run --workload L2-8192",
-        ("unknown workload 'L2-8192'", "smoke, L2-2048, L2-4096, shared-prefix", "workload JSON file"),
+        (
+            "unknown workload 'L2-8192'",
+            "smoke, L2-2048, L2-4096, shared-prefix",
+            "workload JSON file",
+        ),
     ),
     case(
         "workload-directory",
@@ -774,7 +804,11 @@ CASES: tuple[BadInput, ...] = (
         WORKLOAD,
         "--workload given as an empty string",
         ["run", "--workload", ""],
-        ("no workload named (an empty string)", "smoke, L2-2048, L2-4096, shared-prefix", "a workload JSON file"),
+        (
+            "no workload named (an empty string)",
+            "smoke, L2-2048, L2-4096, shared-prefix",
+            "a workload JSON file",
+        ),
     ),
     case(
         "workload-not-json",

@@ -6,7 +6,8 @@ import copy
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_page_pool import internals, pool_with_history
+from kv_dumps import pool_dump
+from test_page_pool import pool_with_history
 
 from batchgen.kv.page_grants import PageOwnershipError
 from batchgen.kv.page_pool import PagePool
@@ -16,7 +17,7 @@ from batchgen.shadow.forked_pages import ForkedPagePool
 def test_fork_hands_out_the_ids_the_base_would_and_leaves_the_base_untouched():
     base = pool_with_history()
     twin = copy.deepcopy(base)
-    before = internals(base)
+    before = pool_dump(base)
     fork = ForkedPagePool(base)
     for pool in (fork, twin):
         assert pool.allocate_pages("c", 2) == [5, 6]
@@ -29,7 +30,7 @@ def test_fork_hands_out_the_ids_the_base_would_and_leaves_the_base_untouched():
             (5, 6),
             (7, 0, 1, 2, 3),
         )
-    assert internals(base) == before
+    assert pool_dump(base) == before
 
 
 def test_fork_take_rejects_pages_it_does_not_have_free():
@@ -85,10 +86,10 @@ OPS = st.lists(
 def test_fork_matches_a_copy_of_the_base_for_any_op_sequence(history, ops):
     base = PagePool("gpu", 12)
     apply_ops(base, history)
-    before = internals(base)
+    before = pool_dump(base)
     twin, fork = copy.deepcopy(base), ForkedPagePool(base)
     assert apply_ops(fork, ops) == apply_ops(twin, ops)
-    assert internals(base) == before
+    assert pool_dump(base) == before
     assert fork.num_free == twin.num_free
     assert all(fork.pages_of(uuid) == twin.pages_of(uuid) for uuid in "abcd")
 

@@ -150,6 +150,10 @@ def test_sweep_help_explains_every_flag_with_its_default(capsys):
         ("--scale", "1.0"),
         ("--directions", "both"),
         ("--aa", "off"),
+        (
+            "--enable-prefix-caching",
+            "$BATCHGEN_WORKER_KV_PREFIX_CACHE, on or off, else each workload's cache config",
+        ),
         ("--max-runs", "all, at most 1000000"),
         ("--backend", "ray"),
         ("--ray-address", "start a local Ray instance of --num-cpus CPUs"),

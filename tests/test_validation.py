@@ -117,7 +117,14 @@ def test_validate_compares_both_directions_and_the_aa_check_and_finds_no_diverge
         "plan/legacy",
         "plan/plan",
     ]
-    assert sorted(report["steps_compared"]) == ["alloc", "evict", "migrate", "poll", "release"]
+    assert sorted(report["steps_compared"]) == [
+        "alloc",
+        "evict",
+        "finish",
+        "migrate",
+        "poll",
+        "release",
+    ]
     assert all(count > 0 for count in report["steps_compared"].values())
     assert report["divergences_by_op"] == dict.fromkeys(report["steps_compared"], 0)
     assert (report["leaked_gpu_pages"], report["leaked_host_pages"], report["harness_errors"]) == (
@@ -176,27 +183,32 @@ def test_validate_writes_the_log_and_four_reports_rendered_from_it(
     assert main(["validate", "--reports-dir", str(reports)]) == 0
     summaries = read_log(reports / "divergences.jsonl").records
     assert all(isinstance(record, RunSummary) for record in summaries)
-    assert [(s.workload, s.authoritative, s.shadow) for s in summaries] == [
-        (f"{name} {role}", *role.split("/")) for role in ROLES for name in ("pa", "pb")
+    assert [(s.binding, s.workload, s.authoritative, s.shadow) for s in summaries] == [
+        (binding, f"{name} {role}", *role.split("/"))
+        for role in ROLES
+        for name in ("pa", "pb")
+        for binding in ("finish", "kv")  # the finish step's run closes first
     ]
     assert (reports / "divergences.md").read_text().startswith("### 0 divergences in ")
     suite = ET.parse(reports / "divergences.xml").getroot().find("testsuite")
-    assert suite.get("failures") == "0" and int(suite.get("tests")) == 6 * 5
+    assert suite.get("failures") == "0" and int(suite.get("tests")) == 6 * 6  # 5 KV ops, finish
     data = json.loads((reports / "divergences.json").read_text())
     assert data["num_divergences"] == 0
     page = ET.parse(reports / "report.html").getroot()
     runs = [section for section in page.iter("section") if section.get("class") == "run"]
     assert ["".join(run.find("h3").itertext()) for run in runs] == [
-        f"{name} {role}" for role in ROLES for name in ("pa", "pb")
+        f"{name} {role}" for role in ROLES for name in ("pa", "pb") for _ in ("finish", "kv")
     ]
-    assert [len(list(run.iter("{http://www.w3.org/2000/svg}svg"))) for run in runs] == [1] * 6
+    # the KV runs' timelines are charted; the finish step's runs have none
+    svgs = [len(list(run.iter("{http://www.w3.org/2000/svg}svg"))) for run in runs]
+    assert svgs == [0, 1] * 6
     [ops] = [table for table in page.iter("table") if table.get("id") == "ops"]
     assert [[td.text for td in row.findall("td")][:3] for row in ops.findall("tr")[1:]] == [
         [op["op"], str(op["num_compared"]), str(op["num_divergences"])] for op in data["ops"]
     ]
     [aa] = [p for p in page.iter("p") if p.get("id") == "aa"]
     assert aa.text.startswith("A/A noise check: 0 divergences in ")
-    assert aa.text.endswith(" compared ops over 2 A/A runs (clean)")
+    assert aa.text.endswith(" compared ops over 4 A/A runs (clean)")  # KV's and finish's
     assert not list(reports.glob(".*.tmp"))
 
 
@@ -207,10 +219,13 @@ def test_validate_prints_steps_compared_divergences_overhead_and_per_run_counter
     out = capsys.readouterr().out
     assert out.startswith("batchgen validate: PASSED in ")
     assert re.search(
-        r"^steps compared: alloc \d+, evict \d+, migrate \d+, poll \d+, release \d+$", out, re.M
+        r"^steps compared: alloc \d+, evict \d+, finish \d+, migrate \d+, poll \d+, release \d+$",
+        out,
+        re.M,
     )
     assert (
-        "divergences: 0 (alloc 0, evict 0, migrate 0, poll 0, release 0); harness errors: 0" in out
+        "divergences: 0 (alloc 0, evict 0, finish 0, migrate 0, poll 0, release 0); harness errors:"
+        " 0" in out
     )
     assert re.search(
         r"^compare overhead: [\d.]+ s of harness on [\d.]+ s in the authoritative path"
@@ -359,7 +374,7 @@ def test_an_interrupted_validation_leaves_the_last_log_and_reports_and_its_own_p
     assert after == before
     assert [
         record.workload for record in read_log(reports / "divergences.jsonl.partial").records
-    ] == ["pa legacy/plan", "pb legacy/plan"] and partial
+    ] == ["pa legacy/plan"] * 2 + ["pb legacy/plan"] * 2 and partial  # the finish step's and KV's
 
 
 def test_validation_reports_a_leak_in_every_direction_and_stops_each(
@@ -380,8 +395,8 @@ def test_validation_reports_a_leak_in_every_direction_and_stops_each(
             rf"pa {role}: integrity check failed at step \d+: pa-r1: GPU page table != pool",
             failure,
         )
-    # one summary per run that broke off, each saying why it stopped
-    assert report.compare.num_runs == 3
+    # one summary per run that broke off and slice (KV, finish), each saying why it stopped
+    assert report.compare.num_runs == 6
 
 
 def test_reports_a_full_disk_cannot_take_are_a_named_failure_and_the_summary_still_prints(

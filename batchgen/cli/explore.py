@@ -17,7 +17,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from batchgen.cli.arg_types import positive_int, seconds_float, seed_int
 from batchgen.cli.backend_args import add_backend_args, backend_from_args, check_backend_args
 from batchgen.cli.common import StdoutConsole, add_output_args, check_directory
-from batchgen.cli.run_flags import refuse_production_settings
+from batchgen.cli.run_flags import (
+    add_prefix_caching_args,
+    prefix_caching_from_args,
+    refuse_production_settings,
+)
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
 from batchgen.metrics.exporter import exporting
@@ -74,6 +78,7 @@ def add_explore_command(commands) -> None:
     parser.add_argument(
         "--seed", type=seed_int, default=0, help="search seed (default: %(default)s)"
     )
+    add_prefix_caching_args(parser, default="the candidates' cache config: off")
     add_backend_args(parser, default="serial", serial=True)
     add_metrics_args(parser)
     add_output_args(parser)
@@ -82,6 +87,7 @@ def add_explore_command(commands) -> None:
 
 def _explore(args: argparse.Namespace) -> int:
     refuse_production_settings("explore")
+    prefix_caching = prefix_caching_from_args(args)
     check_backend_args(args)
     check_directory("--corpus-dir", args.corpus_dir)
     corpus_dir = Path(args.corpus_dir)
@@ -104,6 +110,7 @@ def _explore(args: argparse.Namespace) -> int:
                 on_log=None
                 if worker_metrics is None
                 else partial(worker_metrics.add_run, workload="explore"),
+                prefix_caching=prefix_caching,
             )
     except ExploreError as error:  # a harness failure: no corpus is written from half a search
         print(f"batchgen: explore stopped: {error}", file=sys.stderr)

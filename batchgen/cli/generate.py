@@ -134,6 +134,8 @@ def _summary(
         "evictions": stats.evictions,
         "loads": stats.loads,
         "recompute_preemptions": stats.recompute_preemptions,
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "prefix_cache_hits": stats.prefix_cache_hits,
         "gpu_pages": cache.num_gpu_pages,
         "host_pages": cache.num_host_pages,
     }

@@ -5,6 +5,7 @@ opened (or resumed), the progress bar, and the model name lines may give."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from batchgen.cli.run_flags import engine_config_from_args
 from batchgen.config import EngineConfig
 from batchgen.engine.worker import Worker
 from batchgen.entrypoints.pool_sizes import cache_config
+from batchgen.finish.gate import FINISH_GATES
 from batchgen.kv.gate import KvGateConfig
 from batchgen.model.loader import load_model
 from batchgen.openai.batch_job import BatchJob, JobCounts, result_keys, scan_input
@@ -49,7 +51,9 @@ def checked_files(args: argparse.Namespace, gate: KvGateConfig) -> int:
 
 
 def job_worker(args: argparse.Namespace, gate: KvGateConfig) -> Worker:
-    """The model on its worker, pools sized from the flags. Sets torch's CPU threads."""
+    """The model on its worker, pools sized from the flags, its finish step's gate from theirs
+    over the environment. Sets torch's CPU threads."""
+    finish_gate = FINISH_GATES.parse_options(os.environ, args)  # before the model loads
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine")
     if args.threads is not None:
@@ -77,6 +81,7 @@ def job_worker(args: argparse.Namespace, gate: KvGateConfig) -> Worker:
         cache_config=cache,
         engine_config=engine_config_from_args(engine, args),
         kv_gate=gate,
+        finish_gate=finish_gate,
         device=args.device,
     )
 

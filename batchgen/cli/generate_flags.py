@@ -49,7 +49,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     _add_checkpoint_args(model)
     _add_device_args(model)
-    add_kv_args(parser)
+    add_kv_args(parser, prefix_caching="on")
     _add_pool_args(parser.add_argument_group("KV pools and engine limits"))
     parser.add_argument(
         "--max-in-flight",

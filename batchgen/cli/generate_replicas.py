@@ -238,6 +238,8 @@ def _summary(args, job: ReplicatedJob, times: dict, compare_runs: list | None) -
         "evictions": totals.counters["evictions"],
         "loads": totals.counters["loads"],
         "recompute_preemptions": totals.counters["recompute_preemptions"],
+        "prefix_cache_queries": totals.counters["prefix_cache_queries"],
+        "prefix_cache_hits": totals.counters["prefix_cache_hits"],
         "gpu_pages": info.gpu_pages if info is not None else 0,
         "host_pages": info.host_pages if info is not None else 0,
         "replicas": args.replicas,

@@ -46,6 +46,7 @@ from batchgen.engine.timeline import TimelineRecorder
 from batchgen.engine.worker import Worker
 from batchgen.engine.workloads import BUILTIN_WORKLOADS, Workload, load_workload
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
+from batchgen.finish.gate import FINISH_GATES
 from batchgen.kv.gate import KvGateConfig
 from batchgen.kv.plan_checks import PlanRejected
 from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
@@ -93,6 +94,7 @@ def add_run_command(commands) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     gate = _checked_gate(args)
+    finish_gate = FINISH_GATES.parse_options(os.environ, args)
     metrics = metrics_config_from_args(os.environ, args)
     workload, model = _workload_and_model(args)
     _warn_scale_ignored(args)
@@ -102,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         cache_config=workload.cache,
         engine_config=engine_config_from_args(workload.engine, args),
         kv_gate=gate,
+        finish_gate=finish_gate,
         faults=FaultInjector(FaultSpec.parse(faults)) if faults is not None else None,
         device=args.device,
     )

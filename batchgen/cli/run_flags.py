@@ -1,5 +1,6 @@
 """``batchgen run``'s KV flags: the gate options (over the ``BATCHGEN_WORKER_KV_*`` environment),
-the engine overrides, the scale a run applies, and the ``--help`` epilog."""
+prefix caching's pair (``sweep`` and ``explore`` take it too), the engine overrides, the scale a run
+applies, and the ``--help`` epilog."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine import faults as faults_module
 from batchgen.engine.runner import MAX_IDLE_STEPS
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
+from batchgen.finish.gate import FINISH_GATES
 from batchgen.kv.gate import GATE_FLAGS, GateError, KvGateConfig, gate_config
 from batchgen.kv.known_bugs import DEMO_BUGS
 from compare.gates import BREAKER_DEFAULTS, PRODUCTION_FIELDS
@@ -20,7 +22,7 @@ from compare.gates import BREAKER_DEFAULTS, PRODUCTION_FIELDS
 SCHEDULE_POLICIES = typing.get_args(EngineConfig.model_fields["schedule_policy"].annotation)
 
 # Gate field -> (metavar, what the option means); the variable, option and allowed values come from
-# GATE_FLAGS.
+# GATE_FLAGS. Prefix caching's options are a pair (``add_prefix_caching_args``).
 KV_FLAG_HELP = {
     "path": ("plan|legacy", "the authoritative KV path"),
     "compare": (
@@ -69,10 +71,15 @@ KV_FLAG_HELP = {
 }
 
 
-def add_kv_args(parser: argparse.ArgumentParser) -> None:
-    """The gate options (default None: the environment, then the built-in default, decides) and
-    engine overrides."""
+def add_kv_args(
+    parser: argparse.ArgumentParser, *, prefix_caching: str = "the workload's cache config"
+) -> None:
+    """The gate options (default None: the environment, then the built-in default, decides; for
+    prefix caching ``prefix_caching`` names that default) and engine overrides."""
     for field, (env, option, _) in GATE_FLAGS.items():
+        if field == "prefix_cache":
+            add_prefix_caching_args(parser, default=prefix_caching)
+            continue
         metavar, meaning = KV_FLAG_HELP[field]
         parser.add_argument(
             option,
@@ -111,6 +118,41 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
             "(default: the workload's engine config)"
         ),
     )
+    FINISH_GATES.add_options(parser)  # the finish step's gate: --finish-path, --finish-compare, ...
+
+
+def add_prefix_caching_args(parser: argparse.ArgumentParser, *, default: str) -> None:
+    """vLLM's pair ``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (one or the other)
+    into ``args.kv_prefix_cache`` (on, off; None: neither given); ``default``: what decides without
+    them or the variable. Mutates ``parser``."""
+    env, option, _ = GATE_FLAGS["prefix_cache"]
+    pair = parser.add_mutually_exclusive_group()
+    pair.add_argument(
+        option,
+        dest="kv_prefix_cache",
+        action="store_const",
+        const="on",
+        default=None,
+        help=(
+            "reuse the KV of full prompt pages any earlier request computed (vLLM's automatic"
+            f" prefix caching) (default: ${env}, on or off, else {default})"
+        ),
+    )
+    pair.add_argument(
+        "--no-" + option.removeprefix("--"),
+        dest="kv_prefix_cache",
+        action="store_const",
+        const="off",
+        default=None,
+        help="compute every prompt whole: no prefix caching",
+    )
+
+
+def prefix_caching_from_args(args: argparse.Namespace) -> bool | None:
+    """Prefix caching as the pair's option, else ``BATCHGEN_WORKER_KV_PREFIX_CACHE``, sets it; None:
+    neither does (the workload's). GateError naming a bad variable of the family."""
+    setting = gate_config(os.environ, {"prefix_cache": args.kv_prefix_cache}).prefix_cache
+    return None if setting is None else setting == "on"
 
 
 def _gate_default(field: str) -> str:

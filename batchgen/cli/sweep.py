@@ -16,7 +16,11 @@ from rich.text import Text
 from batchgen.cli.arg_types import non_negative_int, positive_int, seconds_float, seed_list
 from batchgen.cli.backend_args import add_backend_args, backend_from_args, check_backend_args
 from batchgen.cli.common import add_output_args, add_scale_arg, check_directory, make_directory
-from batchgen.cli.run_flags import refuse_production_settings
+from batchgen.cli.run_flags import (
+    add_prefix_caching_args,
+    prefix_caching_from_args,
+    refuse_production_settings,
+)
 from batchgen.engine.workloads import BUILTIN_WORKLOADS
 from batchgen.exit_codes import EXIT_FAILED, EXIT_OK
 from batchgen.metrics.config import add_metrics_args, metrics_config_from_args
@@ -32,6 +36,8 @@ from batchgen.sweep.driver import (
 from batchgen.sweep.matrix import (
     MAX_RUNS,
     SERVING_PATHS,
+    SweepCell,
+    SweepWorkload,
     run_cell,
     sweep_cells,
     sweep_directions,
@@ -108,6 +114,7 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
         ),
     )
     add_scale_arg(parser, workload_files=True)
+    add_prefix_caching_args(parser, default="each workload's cache config")
 
 
 def _add_direction_args(parser: argparse.ArgumentParser) -> None:
@@ -161,17 +168,30 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _matrix(args: argparse.Namespace) -> tuple[tuple[SweepWorkload, ...], tuple[SweepCell, ...]]:
+    """The sweep's workloads and cells, from the flags (prefix caching's over the environment).
+    Reads the workload files; GateError, SweepError, FaultSpecError for bad input."""
+    prefix_caching = prefix_caching_from_args(args)
+    workloads = sweep_workloads(args.workload or list(DEFAULT_WORKLOADS))
+    faults = [None if spec == NO_FAULTS else spec for spec in args.faults or [NO_FAULTS]]
+    directions = sweep_directions(args.directions, aa_check=args.aa)
+    cells = sweep_cells(
+        workloads,
+        args.seeds,
+        faults,
+        directions,
+        scale=args.scale,
+        max_runs=args.max_runs,
+        prefix_caching=prefix_caching,
+    )
+    return workloads, cells
+
+
 def _sweep(args: argparse.Namespace) -> int:
     refuse_production_settings("sweep")
     check_backend_args(args)
     check_directory("--reports-dir", args.reports_dir)
-    specs = args.workload or list(DEFAULT_WORKLOADS)
-    faults = [None if spec == NO_FAULTS else spec for spec in args.faults or [NO_FAULTS]]
-    workloads = sweep_workloads(specs)
-    directions = sweep_directions(args.directions, aa_check=args.aa)
-    cells = sweep_cells(
-        workloads, args.seeds, faults, directions, scale=args.scale, max_runs=args.max_runs
-    )
+    workloads, cells = _matrix(args)
     if args.scale != 1.0 and all(w.content is not None for w in workloads):
         print(
             f"batchgen: warning: every workload is a file, so --scale {args.scale:g} is ignored"

@@ -52,6 +52,8 @@ class RunResult:
             "loads": self.stats.loads,
             "load_failures": self.stats.load_failures,
             "recompute_preemptions": self.stats.recompute_preemptions,
+            "prefix_cache_queries": self.stats.prefix_cache_queries,
+            "prefix_cache_hits": self.stats.prefix_cache_hits,
             "peak_gpu_pages": self.stats.peak_gpu_pages,
             "peak_host_pages": self.stats.peak_host_pages,
             "leaked_gpu_pages": self.leaked_gpu_pages,
@@ -179,27 +181,17 @@ def run_workload(
     after ``MAX_IDLE_STEPS`` steps without progress (or twice the load timeout, if longer).
     ``metrics`` (a ``batchgen.metrics.WorkerMetrics``) watches the run: its counters after each
     step, its requests' latencies."""
-    compare = worker.kv_compare
-    if compare is not None:
-        compare.begin_run(
-            workload.name, seed=workload.seed, source=source, scale=scale, run_id=run_id
-        )
-    for req in workload.requests:  # reject a bad workload before any step runs
-        worker.validate_request(req.to_request())
-    recorder = recorder or TimelineRecorder(worker)
-    if metrics is not None:
-        live = metrics.begin_run(worker, workload.name, workload.requests)
-        on_step, on_release = live.chain(on_step, on_release)
+    on_step, on_release = _begin(
+        worker, workload, metrics, (on_step, on_release), source=source, scale=scale, run_id=run_id
+    )
+    compare, recorder = worker.kv_compare, recorder or TimelineRecorder(worker)
     start_step, before, started = worker.state.step, worker.state.stats.copy(), time.perf_counter()
     uuids = {r.uuid for r in workload.requests}
-    try:
+    finish = worker.finish_compare  # the finish step's compare mode: a run per workload too
+    opened = finish.begin_run(workload.name, seed=workload.seed, run_id=run_id) if finish else None
+    # both compare logs get the run's summary however it ends, saying why it stopped early
+    with _summary_on_error(compare, recorder), opened or contextlib.nullcontext():
         _drive(worker, workload, uuids, recorder, max_steps, check_integrity, on_step, on_release)
-    # a stall, a divergence in raise mode, Ctrl-C: the log still gets the summary
-    except BaseException as error:
-        if compare is not None:
-            with contextlib.suppress(Exception):  # the run's own error is the one to report
-                compare.end_run(stopped_by=exception_text(error), timeline=recorder.timeline())
-        raise
     wall, timeline = time.perf_counter() - started, recorder.timeline()
     return RunResult(
         workload=workload.name,
@@ -211,6 +203,34 @@ def run_workload(
         compare_summary=compare.end_run(timeline=timeline) if compare is not None else None,
         **_left_behind(worker),
     )
+
+
+@contextlib.contextmanager
+def _summary_on_error(compare, recorder: TimelineRecorder):
+    """On an exception inside (a stall, a divergence in raise mode, Ctrl-C), compare mode's log
+    (``compare``, when on) gets the run's summary naming it, then the exception goes on. Mutates
+    the log."""
+    try:
+        yield
+    except BaseException as error:
+        if compare is not None:
+            with contextlib.suppress(Exception):  # the run's own error is the one to report
+                compare.end_run(stopped_by=exception_text(error), timeline=recorder.timeline())
+        raise
+
+
+def _begin(worker: Worker, workload: Workload, metrics, callbacks: tuple, **run) -> tuple:
+    """Open the run: in compare mode its log entry (``run``: source, scale, run_id), then the
+    workload's requests checked (a bad one refused before any step runs), then ``metrics``
+    watching it. Returns ``callbacks`` (on_step, on_release), chained with the metrics' when
+    watched. Mutates the worker's compare state and ``metrics``."""
+    if worker.kv_compare is not None:
+        worker.kv_compare.begin_run(workload.name, seed=workload.seed, **run)
+    for req in workload.requests:
+        worker.validate_request(req.to_request())
+    if metrics is None:
+        return callbacks
+    return metrics.begin_run(worker, workload.name, workload.requests).chain(*callbacks)
 
 
 def _left_behind(worker: Worker) -> dict[str, int]:

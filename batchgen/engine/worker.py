@@ -10,11 +10,13 @@ One step reads as the KV ops in order, then the model::
     schedule RUNNING decodes + admitted WAITING prefills (token budget)
     alloc    GPU pages for every scheduled token
     forward  model over paged KV -> new K/V become pending appends; sample
+    finish   append each sampled token; end the requests it ends (FINISHED + reason)
 
 The worker owns ``state``, both pools and ``_pending_kv_append_tensors``; its KV
 ops are handed to it (``kv_ops``, a ``batchgen.kv.ops.KvFactory`` the edge builds
-from a parsed gate): the plan path, the legacy path, or compare mode. It reads no
-environment and knows nothing of compare mode but the runs it is handed.
+from a parsed gate): the plan path, the legacy path, or compare mode; so is its finish
+step (``finish_ops``, a ``batchgen.finish.ops.FinishFactory``). It reads no environment and
+knows nothing of compare mode but the runs it is handed.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from batchgen.engine.loads import observe_loads
 from batchgen.engine.request_checks import RequestError, check_request
 from batchgen.engine.sampler import sample
 from batchgen.engine.scheduler import schedule
-from batchgen.engine.stopping import finish_reason
+from batchgen.finish.ops import FinishFactory, plan_finish_ops
 from batchgen.kv.backends import GpuKvPool, HostKvPool
 from batchgen.kv.ops import KvFactory, plan_ops
 from batchgen.kv.prefix_digests import prompt_page_digests, register_written_pages
@@ -79,12 +81,15 @@ class Worker:
         cache_config: CacheConfig,
         engine_config: EngineConfig | None = None,
         kv_ops: KvFactory = plan_ops,
+        finish_ops: FinishFactory = plan_finish_ops,
         faults: FaultInjector | None = None,
         device: str | torch.device = "cpu",
         kv_storage: bool = True,
     ):
         """``kv_ops`` builds the KV ops over the worker's target, and what watches them (compare
-        mode, the page-content oracle); the default is the plan path alone. ``faults`` injects a
+        mode, the page-content oracle); the default is the plan path alone. ``finish_ops`` builds
+        the finish step (token append, stop checks, finish reasons) over the worker's state, and
+        compare mode's runs of it; the default is its plan path alone. ``faults`` injects a
         seeded fault schedule. ``kv_storage=False`` keeps the pools bookkeeping-only (null-model
         runs). TypeError naming the argument given a config of another type."""
         _check_config_types(cache_config, engine_config)
@@ -105,6 +110,7 @@ class Worker:
         self._pending_kv_append_tensors: dict[str, PendingAppend] = {}
         # the KV ops; the gate they were built from, compare mode's runs, the page-content oracle
         self._kv, self.kv_gate, self.kv_compare, self.kv_verify = kv_ops(self.kv_target())
+        self._finish, self.finish_compare = finish_ops(self.state)
 
     def kv_target(self) -> KvTarget:
         """The worker's live state, pools and pending appends, as the KV ops see them."""
@@ -213,7 +219,8 @@ class Worker:
         self._pending_kv_append_tensors.clear()
 
     def _forward_and_sample(self, served: list[str]) -> None:
-        """Forward the served requests, keep their new K/V pending, sample a token each.
+        """Forward the served requests, keep their new K/V pending, sample a token each and hand
+        them to the finish step (``batchgen.finish``: append, stop checks, finish reasons).
 
         Mutates requests (cached count, outputs, phase), pending appends, stats.
         """
@@ -231,14 +238,7 @@ class Worker:
             self._pending_kv_append_tensors[req.uuid] = PendingAppend(seq.start_pos, kv)
             req.num_cached_tokens = req.num_tokens
         eos_ids = self.model_config.eos_token_ids
-        for req, (token, logprobs) in zip(reqs, sample(out.logits, reqs, eos_ids)):
-            req.append_token(token, logprobs)
-            if req.first_token_step is None:
-                req.first_token_step = self.state.step
-            self.state.stats.tokens_generated += 1
-            reason = finish_reason(req, token, eos_ids)
-            if reason is not None:
-                req.phase, req.finish_reason = Phase.FINISHED, reason
+        self._finish.finish(served, sample(out.logits, reqs, eos_ids), eos_ids)
 
     def _record_peaks(self) -> None:
         stats = self.state.stats

@@ -9,9 +9,11 @@
     outs[0].completions[0].text                 # the text, its token ids, finish_reason, logprobs
 
 The same ``Worker`` as ``batchgen run`` and ``generate`` runs underneath, with the same KV gate
-(``kv_gate``, else the ``BATCHGEN_WORKER_KV_*`` environment). A prompt's samples draw from
-(seed, the prompt's index in the call, sample index, position): a call repeated gives the same
-tokens, on any batch composition unless a float near-tie flips.
+(``kv_gate``, else the ``BATCHGEN_WORKER_KV_*`` environment). Prefix caching is on, as in vLLM's
+``LLM``: ``enable_prefix_caching`` given beats the gate's ``prefix_cache``, as a CLI option beats
+the environment; each result's ``num_cached_tokens`` says how many prompt tokens came from it. A
+prompt's samples draw from (seed, the prompt's index in the call, sample index, position): a call
+repeated gives the same tokens, on any batch composition unless a float near-tie flips.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from batchgen.config import EngineConfig
 from batchgen.engine.host_malloc import keep_freed_memory
 from batchgen.entrypoints.pool_sizes import DEFAULT_CPU_KV_GIB, cache_config
+from batchgen.finish.gate import FINISH_GATES, FinishGateConfig
 from batchgen.kv.gate import KvGateConfig, gate_config
 from batchgen.model.loader import load_model
 from batchgen.shadow.wiring import gated_worker
@@ -53,12 +56,19 @@ class LLM:
         max_model_len: int | None = None,
         generation_config: str = "auto",
         kv_gate: KvGateConfig | None = None,
+        enable_prefix_caching: bool | None = None,
+        finish_gate: FinishGateConfig | None = None,
     ):
         """Load the model and tokenizer of ``model`` (an HF directory or a GGUF file); pools sized
         as ``pool_sizes`` says; sampling defaults from ``generation_config`` (``auto``, ``vllm``
-        or a directory, as ``generate --generation-config``). ModelLoadError / TokenizerError /
-        GenerationConfigError naming what is wrong. Sets the process's malloc to keep freed
-        memory (``host_malloc``), as the command line does."""
+        or a directory, as ``generate --generation-config``); prefix caching on unless
+        ``enable_prefix_caching`` (else the gate) turns it off. ModelLoadError / TokenizerError /
+        GenerationConfigError naming what is wrong, ValueError for an ``enable_prefix_caching``
+        that is not a bool or None. Sets the process's malloc to keep freed memory
+        (``host_malloc``), as the command line does. ``finish_gate``: the finish step's (else
+        the ``BATCHGEN_WORKER_FINISH_*`` environment's)."""
+        gate = _gate(kv_gate, enable_prefix_caching)
+        finish = finish_gate if finish_gate is not None else FINISH_GATES.parse(os.environ)
         keep_freed_memory()
         self.defaults = read_generation_defaults(model, generation_config)
         self.tokenizer = TextTokenizer(model)
@@ -76,9 +86,13 @@ class LLM:
         engine = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
-        gate = kv_gate if kv_gate is not None else gate_config(os.environ)  # parsed here, once
         self.worker = gated_worker(
-            loaded, cache_config=cache, engine_config=engine, kv_gate=gate, device=device
+            loaded,
+            cache_config=cache,
+            engine_config=engine,
+            kv_gate=gate,
+            finish_gate=finish,
+            device=device,
         )
         self._engine = TextEngine(self.worker, self.tokenizer)
 
@@ -124,6 +138,21 @@ class LLM:
         while self._engine.has_unfinished():
             results.update((r.key, r) for r in self._engine.step())
         return [results[p.key] for p in text_prompts]
+
+
+def _gate(kv_gate: KvGateConfig | None, enable_prefix_caching: bool | None) -> KvGateConfig:
+    """``kv_gate`` (None: the environment's, parsed here, once) with ``enable_prefix_caching``
+    over its ``prefix_cache`` when given, as an option over the environment. ValueError for a
+    value that is not a bool or None. Reads the environment."""
+    if enable_prefix_caching is not None and not isinstance(enable_prefix_caching, bool):
+        raise ValueError(
+            f"enable_prefix_caching={enable_prefix_caching!r}; allowed: True, False, or None"
+            " (the gate's, else on)"
+        )
+    caching = None if enable_prefix_caching is None else "on" if enable_prefix_caching else "off"
+    if kv_gate is None:
+        return gate_config(os.environ, {"prefix_cache": caching})
+    return kv_gate if caching is None else kv_gate.model_copy(update={"prefix_cache": caching})
 
 
 def _is_token_ids(prompt) -> bool:

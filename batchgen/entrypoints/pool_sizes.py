@@ -10,6 +10,9 @@ its pools are sized here, in pages of ``page_bytes``:
                request of the whole context fits beside the watermark); the host tier at least 1
                page; --gpu-pages / --host-pages N set a tier outright
 
+Prefix caching is on, as vLLM's default (``--no-enable-prefix-caching`` turns it off through the
+gate, ``KvGateConfig.cache_config``).
+
 Pages are committed as they are first written, so a large pool costs what the job fills; a pool
 larger than the memory available is refused when the worker starts (``kv.tiers``).
 """
@@ -48,8 +51,8 @@ def cache_config(
     gpu_memory_fraction: float = DEFAULT_GPU_FRACTION,
     host_memory_fraction: float = DEFAULT_HOST_FRACTION,
 ) -> CacheConfig:
-    """The two pools' geometry (see the module docstring); on a GPU, reads the machine's free
-    memory for a tier not given in pages."""
+    """The two pools' geometry (see the module docstring), prefix caching on; on a GPU, reads the
+    machine's free memory for a tier not given in pages."""
     size = page_bytes(model, page_size, dtype)
     context_pages = pages_needed(model.max_context, page_size)
     if torch.device(device).type == "cpu":
@@ -68,7 +71,11 @@ def cache_config(
             )
             host_pages = max(1, min(from_memory, host_pages))
     return CacheConfig(
-        page_size=page_size, num_gpu_pages=gpu_pages, num_host_pages=host_pages, dtype=dtype
+        page_size=page_size,
+        num_gpu_pages=gpu_pages,
+        num_host_pages=host_pages,
+        dtype=dtype,
+        enable_prefix_caching=True,
     )
 
 

@@ -11,6 +11,7 @@ Variables (``GATE_FLAGS``; the README's flags table says what each means)::
     BATCHGEN_WORKER_KV_COMPARE_BREAKER_ERRORS  int >= 1 or off             default 10 (*)
     BATCHGEN_WORKER_KV_COMPARE_BREAKER_SECONDS float > 0 or off            default 1.0 (*)
     BATCHGEN_WORKER_KV_LOAD_FAILURE    recompute, fail   default: the engine config's
+    BATCHGEN_WORKER_KV_PREFIX_CACHE    on, off           default: the cache config's (**)
     BATCHGEN_WORKER_KV_VERIFY          off, sample, all  default off (page-content oracle)
     BATCHGEN_WORKER_KV_COMPARE_DEMO_BUG        a demo bug's name, or off   default off
 
@@ -19,8 +20,11 @@ authoritative path and the job's output stay right, and compare mode logs the di
 
 (*) ``gate_config``'s defaults (``compare.gates.BREAKER_DEFAULTS``), a production worker's: a
 ``KvGateConfig`` built in code (validate, sweep, explore, minimize) has no breaker unless it
-names one. Parsing, precedence and messages are ``compare.gates``'. The legacy path module is
-imported only when a path named "legacy" is built (``kv_path_class``).
+names one. (**) Prefix caching: on for ``generate`` and ``batchgen.LLM`` (their pools'
+``entrypoints.pool_sizes``), the workload's for ``run``, ``sweep`` and ``explore``; its options are
+vLLM's, ``--enable-prefix-caching`` / ``--no-enable-prefix-caching``. Parsing, precedence and
+messages are ``compare.gates``'. The legacy path module is imported only when a path named
+"legacy" is built (``kv_path_class``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from batchgen.config import EngineConfig
+from batchgen.config import CacheConfig, EngineConfig
 from batchgen.kv.known_bugs import DEMO_BUGS
 from compare.gates import CompareGate, GateError, GateFamily, off_is_none
 
@@ -47,6 +51,8 @@ class KvGateConfig(CompareGate):
     compare_ops: tuple[str, ...] = KV_OPS
     # None: keep the engine config's policy (the edge applies it: ``engine_config``)
     load_failure: Literal["recompute", "fail"] | None = None
+    # None: keep the cache config's prefix caching (the edge applies it: ``cache_config``)
+    prefix_cache: Literal["on", "off"] | None = None
     # page-content oracle (batchgen.engine.kv_verify): every step, the compare-sampled ones, or none
     verify: Literal["off", "sample", "all"] = "off"
     # a known bug planted in the shadow path (batchgen.kv.known_bugs); None: none
@@ -65,6 +71,13 @@ class KvGateConfig(CompareGate):
             return engine
         return engine.model_copy(update={"load_failure": self.load_failure})
 
+    def cache_config(self, cache: CacheConfig) -> CacheConfig:
+        """``cache`` with this gate's prefix caching, when it sets it: the edge's, before the
+        worker is built. Pure."""
+        if self.prefix_cache is None:
+            return cache
+        return cache.model_copy(update={"enable_prefix_caching": self.prefix_cache == "on"})
+
 
 KV_GATES = GateFamily(
     ENV_PREFIX,
@@ -72,9 +85,11 @@ KV_GATES = GateFamily(
     KvGateConfig,
     {
         "load_failure": "recompute, fail",
+        "prefix_cache": "on, off",
         "verify": "off, sample, all",
         "compare_demo_bug": f"off, {', '.join(DEMO_BUGS)}",
     },
+    options={"prefix_cache": "--enable-prefix-caching"},  # vLLM's, with its --no- form
 )
 # field name -> (environment variable, CLI option, allowed values for messages)
 GATE_FLAGS = KV_GATES.flags

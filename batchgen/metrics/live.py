@@ -27,6 +27,11 @@ WORKER_COUNTERS = {
     "loads": ("loads", "host to GPU loads started (retries included)"),
     "load_failures": ("load_failures", "host to GPU loads that failed"),
     "generation_tokens": ("tokens_generated", "tokens generated"),
+    "prefix_cache_queries": (
+        "prefix_cache_queries",
+        "tokens of the requests admitted with prefix caching on, looked up in the cache",
+    ),
+    "prefix_cache_hits": ("prefix_cache_hits", "of those, tokens taken from cached pages"),
 }
 PHASE_GAUGES = {  # gauge -> the phase it counts requests in
     "num_requests_running": Phase.RUNNING,

@@ -10,6 +10,7 @@ own (no process-wide default registry), labelled by workload and nothing per req
     counters, from the worker's counters after each step (their increase)
       batchgen:num_preemptions_total, evictions_total, loads_total, load_failures_total
       batchgen:prompt_tokens_total, generation_tokens_total
+      batchgen:prefix_cache_queries_total, prefix_cache_hits_total    in tokens, as vLLM's
       batchgen:kv_offload_bytes_total{direction}, kv_offload_seconds_total{direction}
       batchgen:kv_compare_ops_total{op}, kv_compare_harness_errors_total,
       batchgen:kv_compare_seconds_total, kv_decision_outcomes_total{outcome}
@@ -19,7 +20,8 @@ own (no process-wide default registry), labelled by workload and nothing per req
       batchgen:step_duration_seconds, time_to_first_token_seconds, e2e_request_latency_seconds
 
 Every series also has the ``workload`` label. A command with several runs (validate) counts over
-all of them; ``add_run`` adds a run that ran elsewhere (a sweep's, explore's) by its log lines.
+all of them; ``add_run`` adds a run that ran elsewhere (a sweep's, explore's) by its log lines
+(the counters its timeline holds: the prefix cache's are not among them).
 """
 
 from __future__ import annotations

@@ -6,8 +6,13 @@
                            "model": "m", "choices": [{"index": 0, "text": "...",
                            "finish_reason": "length", "logprobs": null}],
                            "usage": {"prompt_tokens": 5, "completion_tokens": 16,
-                                     "total_tokens": 21}}},
+                                     "total_tokens": 21,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}}},
      "error": null}
+
+``usage`` counts each prompt once, however many samples (``n``) it has; ``cached_tokens``: of
+``prompt_tokens``, those taken from the prefix cache (each prompt's first sample's; 0 with caching
+off: OpenAI always writes it).
 
 A chat line's body is a ``chat.completion`` whose choices hold ``message`` ({"role": "assistant",
 "content": ...}). A line refused for its request gets ``response`` with ``status_code`` 400 or 404
@@ -71,6 +76,7 @@ def success_line(
             choices.append(choice)
     num_prompt = sum(len(r.prompt_ids) for r in results)
     num_completion = sum(len(c.token_ids) for r in results for c in r.completions)
+    num_cached = sum(r.num_cached_tokens for r in results)
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{_hex_id('body', custom_id, 0)}",
         "object": "chat.completion" if chat else "text_completion",
@@ -81,6 +87,7 @@ def success_line(
             "prompt_tokens": num_prompt,
             "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached},
         },
     }
     response = {

@@ -33,6 +33,8 @@ COUNTER_FIELDS = (
     "loads",
     "load_failures",
     "tokens_generated",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
 )
 
 

@@ -3,7 +3,8 @@
     kv_ops_for(gate)          target -> the path the gate names, or compare mode (this package),
                               and the page-content oracle when ``verify`` is on
     gated_options(gate, ...)  a Worker's options with that KV side, its engine config
-                              carrying the gate's load failure policy
+                              carrying the gate's load failure policy and its cache config
+                              the gate's prefix caching
     gated_worker(model, ...)  a Worker built with them
     KvDirection               which path serves and which is shadowed (``DIRECTIONS``: the
                               three a validation runs)
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from batchgen.engine.faults import FaultInjector
 from batchgen.engine.kv_verify import KvVerifier
 from batchgen.engine.worker import Worker
+from batchgen.finish.shadow import FinishGateConfig, finish_ops_for
 from batchgen.kv.gate import KvGateConfig, build_kv_path
 from batchgen.kv.ops import KvFactory, KvSetup
 from batchgen.kv.target import KvTarget
@@ -76,20 +78,29 @@ def kv_ops_for(
 
 
 def gated_options(
-    kv_gate: KvGateConfig, *, shadow_path: str | None = None, **worker_options
+    kv_gate: KvGateConfig,
+    *,
+    shadow_path: str | None = None,
+    finish_gate: FinishGateConfig | None = None,
+    **worker_options,
 ) -> dict:
     """``worker_options`` (``Worker``'s) with the KV side ``kv_gate`` sets (``kv_ops_for``, the
-    fault SPEC of ``faults`` recorded) and the gate's load failure policy over ``engine_config``.
+    fault SPEC of ``faults`` recorded), the gate's load failure policy over ``engine_config`` and
+    its prefix caching over ``cache_config``, and the finish step ``finish_gate`` sets (None: its
+    defaults; ``shadow_path`` is both slices' shadowed path: both name theirs plan and legacy).
     Pure."""
     faults: FaultInjector | None = worker_options.get("faults")
     spec = faults.spec.to_spec() if faults is not None else None
     return {
         **worker_options,
+        "cache_config": kv_gate.cache_config(worker_options["cache_config"]),
         "engine_config": kv_gate.engine_config(worker_options.get("engine_config")),
         "kv_ops": kv_ops_for(kv_gate, shadow_path=shadow_path, faults=spec),
+        "finish_ops": finish_ops_for(finish_gate or FinishGateConfig(), shadow_path=shadow_path),
     }
 
 
 def gated_worker(model, *, kv_gate: KvGateConfig, shadow_path: str | None = None, **options):
-    """A worker whose KV side ``kv_gate`` sets (``gated_options``)."""
+    """A worker whose KV side ``kv_gate`` sets, and its finish step ``finish_gate`` in ``options``
+    (``gated_options``)."""
     return Worker(model, **gated_options(kv_gate, shadow_path=shadow_path, **options))

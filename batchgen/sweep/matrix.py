@@ -76,6 +76,7 @@ class SweepCell:
     scale: float  # a built-in trace's; a workload file runs as written (1.0)
     faults: str | None  # the fault SPEC as given; None: no faults
     direction: KvDirection
+    prefix_caching: bool | None = None  # over the workload's cache config; None: the workload's
 
     @property
     def fault_schedule(self) -> str | None:
@@ -96,6 +97,8 @@ class SweepCell:
             self.direction.authoritative,
             self.direction.shadow,
         ]
+        if self.prefix_caching is not None:  # a cell without it keeps the id it always had
+            key.append(self.prefix_caching)
         digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()
         return f"{self.workload.name}-{digest[:16]}"
 
@@ -177,9 +180,11 @@ def sweep_cells(
     *,
     scale: float = 1.0,
     max_runs: int | None = None,
+    prefix_caching: bool | None = None,
 ) -> tuple[SweepCell, ...]:
     """The matrix in its stable order (seeds, workloads, fault schedules, directions), its first
-    ``max_runs`` cells when given. FaultSpecError for a bad SPEC, SweepError past MAX_RUNS. Pure."""
+    ``max_runs`` cells when given, each with ``prefix_caching`` over its workload's (None: the
+    workload's). FaultSpecError for a bad SPEC, SweepError past MAX_RUNS. Pure."""
     for spec in fault_specs:
         fault_schedule(spec, 0)
     num_cells = math.prod(map(len, (workloads, seeds, fault_specs, directions)))
@@ -191,7 +196,7 @@ def sweep_cells(
             "takes the first N)"
         )
     cells = (
-        SweepCell(w, seed, scale if w.content is None else 1.0, faults, direction)
+        SweepCell(w, seed, scale if w.content is None else 1.0, faults, direction, prefix_caching)
         for seed in seeds
         for w in workloads
         for faults in fault_specs
@@ -202,13 +207,18 @@ def sweep_cells(
 
 def cell_workload(cell: SweepCell, vocab_size: int) -> Workload:
     """The cell's workload: its built-in trace (seed, scale, the model's vocabulary), or its file's,
-    carrying the cell's seed (which records and the compare sampling read). Pure."""
+    carrying the cell's seed (which records and the compare sampling read); with the cell's prefix
+    caching when it sets it. Pure."""
     content = cell.workload.content
     if content is None:
-        return load_workload(
+        workload = load_workload(
             cell.workload.name, seed=cell.seed, scale=cell.scale, vocab_size=vocab_size
         )
-    return content.model_copy(update={"seed": cell.seed})
+    else:
+        workload = content.model_copy(update={"seed": cell.seed})
+    if cell.prefix_caching is None:
+        return workload
+    return workload.with_cache(enable_prefix_caching=cell.prefix_caching)
 
 
 def run_cell(cell: SweepCell) -> tuple[str, ...]:

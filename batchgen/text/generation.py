@@ -50,6 +50,8 @@ class PromptResult:
     prompt_ids: tuple[int, ...]
     completions: tuple[Completion, ...]  # by sample index
     error: str | None = None  # a sample the engine failed (a KV load, say): no completions
+    # prompt tokens taken from the prefix cache, the prompt counted once (its first sample's)
+    num_cached_tokens: int = 0
 
 
 class CpuClock:
@@ -143,13 +145,17 @@ class TextEngine:
     def start_run(self, name: str, *, seed: int, source: str | None = None) -> None:
         """In compare mode, begin a run in the divergence log and record its timeline. Mutates
         the worker's compare state and self."""
+        if self.worker.finish_compare is not None:  # the finish step's compare mode: its run too
+            self.worker.finish_compare.begin_run(name, seed=seed)
         if self.worker.kv_compare is not None:
             self.worker.kv_compare.begin_run(name, seed=seed, source=source)
             self._recorder = TimelineRecorder(self.worker)
 
     def finish_run(self, stopped_by: str | None = None) -> RunSummary | None:
         """In compare mode, write the run's summary (``stopped_by``: why it ended early) and return
-        it; None otherwise. Mutates the log."""
+        it (the KV slice's); None otherwise. Mutates the log."""
+        if self.worker.finish_compare is not None:
+            self.worker.finish_compare.experiment.close(stopped_by=stopped_by)
         compare = self.worker.kv_compare
         if compare is None or self._recorder is None:
             return None
@@ -187,7 +193,8 @@ class TextEngine:
             completions = tuple(
                 self._completion(i, samples[i], prompt) for i in range(prompt.sampling.n)
             )
-        return PromptResult(key, prompt.prompt_ids, completions)
+        cached = samples[0].num_cached_prompt_tokens
+        return PromptResult(key, prompt.prompt_ids, completions, num_cached_tokens=cached)
 
     def _completion(self, index: int, output: RequestOutput, prompt: TextPrompt) -> Completion:
         """Sample ``index``'s text and finish reason. Mutates the watches (drops its own)."""

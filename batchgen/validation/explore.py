@@ -136,12 +136,13 @@ def explore(
     log_dir: Path | None = None,
     backend: SweepBackend | None = None,
     on_log: Callable[[list[str]], None] | None = None,
+    prefix_caching: bool | None = None,
 ) -> ExploreResult:
     """Search until every outcome and interaction of ``required`` is reached or the budget is
     spent. ``on_run(runs done, ids reached)`` reports progress; a diverging candidate's workload
     file and log go to ``log_dir`` (a temporary directory when None); ``backend`` runs the
     candidates (None: this process); ``on_log(lines)`` gets each candidate's log lines (the
-    metrics' sums)."""
+    metrics' sums); ``prefix_caching`` is every candidate's (None: the candidates' own, off)."""
     rng, required, started = random.Random(seed), set(required), time.monotonic()
     result = ExploreResult([], {}, (), 0, 0.0)
     with tempfile.TemporaryDirectory(prefix="batchgen-explore-") as scratch:
@@ -152,7 +153,8 @@ def explore(
             size = min(BATCH, max_runs - result.num_runs)
             batch = [_draw(result.kept, rng) for _ in range(size)]
             names = [f"explore-{seed}-{result.num_runs + i}" for i in range(size)]
-            _run_batch(result, batch, names, logs, backend, on_log)
+            workloads = [_candidate(p, n, prefix_caching) for p, n in zip(batch, names)]
+            _run_batch(result, batch, workloads, logs, backend, on_log)
             if on_run is not None:
                 on_run(result.num_runs, len(result.reached))
     result.missed = tuple(sorted(required - result.reached.keys()))
@@ -160,11 +162,19 @@ def explore(
     return result
 
 
+def _candidate(params: dict, name: str, prefix_caching: bool | None) -> Workload:
+    """The candidate workload of ``params``, with ``prefix_caching`` when given. Pure."""
+    workload = workload_from(params, name=name, vocab_size=TINY_VOCAB)
+    if prefix_caching is None:
+        return workload
+    return workload.with_cache(enable_prefix_caching=prefix_caching)
+
+
 def _run_batch(
-    result: ExploreResult, batch: list[dict], names: list[str], logs: Path, backend, on_log
+    result: ExploreResult, batch: list[dict], workloads: list[Workload], logs: Path, backend, on_log
 ) -> None:
     """Run one batch of candidates and take each in draw order (``_take``). Mutates ``result``."""
-    workloads = [workload_from(p, name=n, vocab_size=TINY_VOCAB) for p, n in zip(batch, names)]
+    names = [workload.name for workload in workloads]
     jobs = [(w.model_dump_json(), str((logs / f"{w.name}.json").resolve())) for w in workloads]
     outcomes: dict[int, tuple[CandidateRun, list[str]]] = {}
     if backend is None:

@@ -212,6 +212,7 @@ class Session:
             self.judge_counters(label, result)
             if result.compare_summary is not None:
                 self.judge_compare_run(label, direction, result.compare_summary)
+            self.judge_finish_run(label, worker, direction)
             self.stop_at_failure()
             return result
         if broke_off is not None:
@@ -249,10 +250,17 @@ class Session:
         )
 
     def end_compare_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:
-        """Judge the divergences of a compare run that broke off (its summary: the one the runner
-        wrote as it stopped)."""
+        """Judge the divergences of a compare run that broke off (its summaries: the ones the
+        runner wrote as it stopped)."""
         if worker.kv_compare is not None:
             self.judge_compare_run(label, direction, worker.kv_compare.end_run())
+        self.judge_finish_run(label, worker, direction)
+
+    def judge_finish_run(self, label: str, worker: Worker, direction: KvDirection | None) -> None:
+        """No divergence in the run of the worker's finish step in compare mode (the summary the
+        runner closed it with; raise mode stopped the run at the first)."""
+        if worker.finish_compare is not None:
+            self.judge_compare_run(label, direction, worker.finish_compare.experiment.summary)
 
     def judge_compare_run(self, label: str, direction: KvDirection, summary: RunSummary) -> None:
         """No divergence and no harness error in one compare run (a failure names the first

@@ -20,11 +20,14 @@ The runs, one model::
 
 A direction's worker serves with its authoritative path and shadows every KV op of every step
 with the other path on a bookkeeping fork; plan/plan shadows the plan path with itself, so any
-divergence it reports is noise in the harness. The shared workers' cache is L2-4096's, so
-L2-2048 runs under less pressure (still enough to evict: checked). The corpus (``corpus/``, found
-by ``batchgen explore``) reaches the decisions the L2 traces do not: its files carry their own
-pools, engine limits and fault schedules. Together the runs must reach every required outcome of
-the decision catalog (``batchgen.shadow.coverage``), and none the catalog rules out.
+divergence it reports is noise in the harness. Each worker's finish step (``batchgen.finish``)
+is shadowed in the same direction, in raise mode: its first divergence stops the run and fails it,
+and the summary counts its ``finish`` op beside the KV ops. The shared workers' cache is
+L2-4096's, so L2-2048 runs under less pressure (still enough to evict: checked). The corpus
+(``corpus/``, found by ``batchgen explore``) reaches the decisions the L2 traces do not: its
+files carry their own pools, engine limits and fault schedules. Together the runs must reach
+every required outcome of the decision catalog (``batchgen.shadow.coverage``), and none the
+catalog rules out.
 
 First, the self-checks (``self_checks``): malformed plans the plan checks must refuse and
 corrupted workers the integrity check must catch; and after every run, its counters against its

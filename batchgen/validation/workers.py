@@ -1,5 +1,6 @@
 """The workers a validation runs on: compare-mode workers (a direction's gates, logging to the
-session's log, validation's copy split) and plain ones (plan path, compare mode off)."""
+session's log, validation's copy split; the finish step shadowed in the same direction, raising at
+its first divergence) and plain ones (plan path, compare mode off)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.engine.faults import FaultInjector
 from batchgen.engine.worker import Worker
+from batchgen.finish.gate import FinishGateConfig
 from batchgen.kv.copy_runs import CopySplit
 from batchgen.kv.gate import KvGateConfig
 from batchgen.shadow.wiring import KvDirection, gated_worker
@@ -39,17 +41,23 @@ def compare_worker(
     faults: FaultInjector | None = None,
 ) -> Worker:
     """A worker serving ``direction``'s authoritative path and shadowing it under ``gate``, its
-    host pool copying with ``VALIDATION_COPY_SPLIT``."""
+    host pool copying with ``VALIDATION_COPY_SPLIT``; its finish step too, in raise mode, logging
+    through the KV side's sink (one writer per log)."""
+    finish = FinishGateConfig(
+        path=direction.authoritative, compare="raise", compare_log=gate.compare_log
+    )
     worker = gated_worker(
         model,
         cache_config=cache,
         engine_config=engine,
         kv_gate=gate,
+        finish_gate=finish,
         shadow_path=direction.shadow,
         faults=faults,
         device=device,
     )
     worker.host_kv.copy_split = VALIDATION_COPY_SPLIT
+    worker.finish_compare.sink = worker.kv_compare.sink
     return worker
 
 

@@ -111,6 +111,7 @@ def test_a_result_line_has_the_openai_batch_output_shape(checkpoint, tmp_path, c
         "prompt_tokens": num_prompt,
         "completion_tokens": 12,
         "total_tokens": num_prompt + 12,
+        "prompt_tokens_details": {"cached_tokens": 0},  # a prompt shorter than a page
     }
     message = got["h"]["response"]["body"]["choices"][0]
     assert message["message"]["role"] == "assistant"
