@@ -93,6 +93,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="where each commit's session lives (default: %(default)s)",
     )
     parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="print the table from the commit's cached session; run nothing",
+    )
+    parser.add_argument(
+        "--survivors",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="where the survivors go (default: survivors.md in the commit's session directory)",
+    )
+    _add_session_args(parser)
+    return parser
+
+
+def _add_session_args(parser: argparse.ArgumentParser) -> None:
+    """The options that pick which results a session reuses or samples. Mutates ``parser``."""
+    parser.add_argument(
         "--carry-from",
         default=None,
         metavar="COMMIT",
@@ -106,19 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample only the mutants on lines added or changed since that commit (a session of "
         "its own)",
     )
-    parser.add_argument(
-        "--report-only",
-        action="store_true",
-        help="print the table from the commit's cached session; run nothing",
-    )
-    parser.add_argument(
-        "--survivors",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="where the survivors go (default: survivors.md in the commit's session directory)",
-    )
-    return parser
 
 
 def resolve_commit(commit: str) -> str:

@@ -60,40 +60,30 @@ class LLM:
         finish_gate: FinishGateConfig | None = None,
     ):
         """Load the model and tokenizer of ``model`` (an HF directory or a GGUF file); pools sized
-        as ``pool_sizes`` says; sampling defaults from ``generation_config`` (``auto``, ``vllm``
-        or a directory, as ``generate --generation-config``); prefix caching on unless
-        ``enable_prefix_caching`` (else the gate) turns it off. ModelLoadError / TokenizerError /
-        GenerationConfigError naming what is wrong, ValueError for an ``enable_prefix_caching``
-        that is not a bool or None. Sets the process's malloc to keep freed memory
-        (``host_malloc``), as the command line does. ``finish_gate``: the finish step's (else
-        the ``BATCHGEN_WORKER_FINISH_*`` environment's)."""
+        as ``pool_sizes`` says; sampling defaults from ``generation_config`` (as ``generate
+        --generation-config``); prefix caching on unless ``enable_prefix_caching`` (else the KV
+        gate) turns it off; the finish step as ``finish_gate`` (else the environment) says.
+        ModelLoadError / TokenizerError / GenerationConfigError naming what is wrong, ValueError
+        for an ``enable_prefix_caching`` not a bool or None. Sets the process's malloc to keep
+        freed memory (``host_malloc``), as the command line does."""
         gate = _gate(kv_gate, enable_prefix_caching)
         finish = finish_gate if finish_gate is not None else FINISH_GATES.parse(os.environ)
         keep_freed_memory()
         self.defaults = read_generation_defaults(model, generation_config)
         self.tokenizer = TextTokenizer(model)
         loaded = load_model(str(model), device=device, dtype=dtype, max_model_len=max_model_len)
+        sizes = dict(gpu_pages=gpu_pages, host_pages=host_pages, kv_cache_gib=kv_cache_gib)
         cache = cache_config(
-            loaded.config,
-            device=device,
-            dtype=dtype,
-            page_size=page_size,
-            max_num_seqs=max_num_seqs,
-            gpu_pages=gpu_pages,
-            host_pages=host_pages,
-            kv_cache_gib=kv_cache_gib,
-        )
+            loaded.config, device=device, dtype=dtype, page_size=page_size,
+            max_num_seqs=max_num_seqs, **sizes,
+        )  # fmt: skip
         engine = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
         self.worker = gated_worker(
-            loaded,
-            cache_config=cache,
-            engine_config=engine,
-            kv_gate=gate,
-            finish_gate=finish,
+            loaded, cache_config=cache, engine_config=engine, kv_gate=gate, finish_gate=finish,
             device=device,
-        )
+        )  # fmt: skip
         self._engine = TextEngine(self.worker, self.tokenizer)
 
     def generate(
