@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "decode-attention": ("decode_attention", "decode attention: in-place kernel, padded batches"),
     "throughput": ("throughput", "tokens/s against HF transformers' generate"),
     "vllm": ("vllm_bench", "tokens/s against vLLM's CPU backend, tokens compared"),
+    "prefix": ("prefix", "prefix caching on and off, batchgen against vLLM's CPU backend"),
     "generate": ("generate", "batchgen generate against run: the text edge's CPU share"),
     "replicas": ("replicas", "generate --replicas: lines/s against one process; the driver"),
     "sweep": ("sweep", "sweep throughput at 1 and 2 CPUs; the driver's cost per record"),

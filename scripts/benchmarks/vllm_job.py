@@ -110,20 +110,26 @@ class VllmRunner:
         dtype: str = "float32",
         batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
         kv_cache_gib: int = 1,
+        max_model_len: int = MAX_MODEL_LEN,
+        prefix_caching: bool = False,
     ):
         """Starts the process (all of vLLM on the first ``threads`` CPUs, its compute threads
         bound to them, ``dtype`` weights, KV blocks of ``page_size`` tokens in a cache of
-        ``kv_cache_gib`` GiB, at most ``batched_tokens`` tokens a step) and waits until its model
-        is loaded; writes the job file into ``workdir`` (default ``checkpoint``) and vLLM's logs
-        to ``log``."""
+        ``kv_cache_gib`` GiB, at most ``batched_tokens`` tokens a step and ``max_model_len`` a
+        request, its prefix cache on with ``prefix_caching``) and waits until its model is loaded;
+        writes the job file into ``workdir`` (default ``checkpoint``) and vLLM's logs to
+        ``log``."""
         job = Path(workdir or checkpoint) / f"vllm-job-{mix.name}.json"
         cpus = bind_cpus(threads)
         settings = dict(checkpoint=checkpoint, max_num_seqs=mix.max_num_seqs, dtype=dtype)
         # every process of vLLM runs on these CPUs (vllm_runner), not only its compute threads
         settings["cpus"] = [int(cpu) for cpu in cpus.split(",")]
-        settings.update(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=batched_tokens)
+        settings.update(max_model_len=max_model_len, max_num_batched_tokens=batched_tokens)
         # each run sends the same prompts: a prefix cache would skip their prefill after the first
-        settings.update(engine_args=dict(enable_prefix_caching=False, block_size=page_size))
+        # (with ``prefix_caching`` the runner empties it before each run)
+        settings.update(
+            engine_args=dict(enable_prefix_caching=prefix_caching, block_size=page_size)
+        )
         job.write_text(json.dumps(settings))
         env = vllm_env(cpus)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)

@@ -5,10 +5,12 @@
 The job names the checkpoint directory and the engine's settings. The runner builds one
 ``vllm.LLM`` from it, writes ``{"ready": true}``, then reads one JSON line per run from stdin
 (``{"prompts": [[ids...]], "new_tokens": [n...]}``) and writes one JSON line back per run: its
-wall and CPU seconds (its own and its engine processes') and every request's output token ids,
-greedy, ``ignore_eos``. An empty line or end of input ends it. The runner first confines itself
-to the job's ``cpus``, so vLLM's every process (its front end and engine core, not only its
-compute threads) runs on the CPUs batchgen is given. Results go to the runner's
+wall and CPU seconds (its own and its engine processes'), every request's output token ids,
+greedy, ``ignore_eos``, and its prompt tokens taken from the prefix cache (``cached_tokens``; with
+the job's ``enable_prefix_caching`` the cache is emptied before each run, untimed). An empty line
+or end of input ends it. The runner first confines itself to the job's ``cpus``, so vLLM's every
+process (its front end and engine core, not only its compute threads) runs on the CPUs batchgen
+is given. Results go to the runner's
 original standard output; everything else (vLLM's logs, its engine process's) goes to standard
 error.
 
@@ -82,7 +84,15 @@ def generate(llm, prompts: list[list[int]], new_tokens: list[int]) -> dict:
     outputs = llm.generate(requests, params, use_tqdm=False)
     wall_s, cpu_s = time.perf_counter() - started, cpu_seconds() - cpu
     tokens = [list(out.outputs[0].token_ids) for out in outputs]
-    return {"wall_s": wall_s, "cpu_s": cpu_s, "outputs": tokens}
+    cached = [out.num_cached_tokens or 0 for out in outputs]
+    return {"wall_s": wall_s, "cpu_s": cpu_s, "outputs": tokens, "cached_tokens": cached}
+
+
+def empty_prefix_cache(llm) -> None:
+    """Drop every cached block of ``llm`` (a run must not hit the one before); RuntimeError when
+    vLLM refuses (blocks still held). Mutates the engine's prefix cache."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM could not empty its prefix cache (blocks still held)")
 
 
 def cpu_seconds() -> float:
@@ -116,11 +126,14 @@ def main() -> None:
         results.write(json.dumps(token) + "\n")
         return
     llm = start_engine(sys.argv[1])
+    caching = read_job(sys.argv[1]).get("engine_args", {}).get("enable_prefix_caching", False)
     results.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         if not line.strip():
             break
         run = json.loads(line)
+        if caching:
+            empty_prefix_cache(llm)
         results.write(json.dumps(generate(llm, run["prompts"], run["new_tokens"])) + "\n")
 
 
