@@ -133,6 +133,12 @@ TINY_MODELS: dict[str, ModelConfig] = {
 }
 
 
+# the worker's slice gates (``batchgen.kv.gate``, ``batchgen.finish.gate``): each family's
+# variables are not typos of another's
+KV_GATE_PREFIX, FINISH_GATE_PREFIX = "BATCHGEN_WORKER_KV_", "BATCHGEN_WORKER_FINISH_"
+WORKER_GATE_PREFIXES = (KV_GATE_PREFIX, FINISH_GATE_PREFIX)
+
+
 def pages_needed(num_tokens: int, page_size: int) -> int:
     """Pages that hold ``num_tokens`` tokens: ``ceil(num_tokens / page_size)``. Pure."""
     return -(-num_tokens // page_size)

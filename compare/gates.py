@@ -131,12 +131,16 @@ class GateFamily:
         config: type[CompareGate],
         allowed: Mapping[str, str],
         options: Mapping[str, str] | None = None,
+        siblings: Collection[str] = (),
     ):
         """``prefix``: ``BATCHGEN_WORKER_KV_``; ``option_prefix``: ``--kv-``; ``allowed``: the
         allowed values of each field ``config`` adds, in the order its options are listed;
         ``options``: the option of a field named otherwise than ``option_prefix`` + its name (a
-        name users know from elsewhere, such as vLLM's ``--enable-prefix-caching``)."""
+        name users know from elsewhere, such as vLLM's ``--enable-prefix-caching``);
+        ``siblings``: the prefixes of the other slices' families, whose names are not typos of
+        this one's."""
         self.prefix, self.config = prefix, config
+        self.siblings = tuple(sibling for sibling in siblings if sibling != prefix)
         every = {**_standard_allowed(config), **allowed}
         order = [field for field in config.model_fields if field not in allowed] + [*allowed]
         named = options or {}
@@ -156,7 +160,7 @@ class GateFamily:
         breaker's settings neither sets are ``BREAKER_DEFAULTS``. GateError naming a bad name or
         value. Pure."""
         known = {env for env, _, _ in self.flags.values()}
-        check_family_names(environ, known, self.prefix, GateError)
+        check_family_names(environ, known, self.prefix, GateError, self.siblings)
         values: dict[str, object] = dict(BREAKER_DEFAULTS)
         sources: dict[str, str] = {}
         for field, (env, _, _) in self.flags.items():
@@ -244,17 +248,26 @@ def _is_choice(annotation) -> bool:
 
 
 def check_family_names(
-    environ: Mapping[str, str], known: Collection[str], prefix: str, error: type[Exception]
+    environ: Mapping[str, str],
+    known: Collection[str],
+    prefix: str,
+    error: type[Exception],
+    siblings: Collection[str] = (),
 ) -> None:
     """``error`` naming the first name of ``environ`` in the family ``prefix`` that is not one of
     ``known``, or a typo of the prefix close to one of them (``BATCHGEN_WORKERS_KV_PATH``: any
-    name that starts with the prefix's first word), with the closest valid name and the valid
+    name that starts with the prefix's first word, but for names nearer the prefix of one of the
+    ``siblings`` families: theirs, or their typos), with the closest valid name and the valid
     ones. Pure."""
     root = prefix.split("_", 1)[0] + "_"
     for name in environ:
         # names are case-sensitive: batchgen_worker_kv_path would be ignored, unnoticed
         upper = name.upper()
-        if name in known or not upper.startswith(root) or _of_a_sibling(upper, prefix, known):
+        if (
+            name in known
+            or not upper.startswith(root)
+            or _nearer_a_sibling(upper, prefix, siblings)
+        ):
             continue
         cutoff = 0.6 if upper.startswith(prefix) else 0.85
         close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=cutoff)
@@ -268,13 +281,11 @@ def check_family_names(
             raise error(f"unknown variable {name}{hint}; valid names: {', '.join(sorted(known))}")
 
 
-def _of_a_sibling(upper: str, prefix: str, known: Collection[str]) -> bool:
-    """Whether ``upper`` names a variable of a family beside ``prefix``'s, not a typo of one of
-    its own (``BATCHGEN_WORKER_FINISH_COMPARE`` beside ``BATCHGEN_WORKER_KV_``): after the
-    prefix's stem comes a word far from the prefix's own last word and in none of its names, then
-    more. Pure."""
-    stem, _, word = prefix.rstrip("_").rpartition("_")
-    other, _, rest = upper.removeprefix(stem + "_").partition("_")
-    words = {part for name in known for part in name.removeprefix(prefix).split("_")}
-    far = difflib.SequenceMatcher(None, other, word).ratio() < 0.5
-    return upper.startswith(stem + "_") and bool(rest) and other not in words and far
+def _nearer_a_sibling(upper: str, prefix: str, siblings: Collection[str]) -> bool:
+    """Whether the start of ``upper`` is nearer one of the ``siblings`` prefixes than ``prefix``
+    (``BATCHGEN_WORKER_FINSH_COMPARE`` is the finish family's typo, not the KV family's). Pure."""
+
+    def nearness(family: str) -> float:
+        return difflib.SequenceMatcher(None, upper[: len(family)], family).ratio()
+
+    return any(nearness(sibling) > nearness(prefix) for sibling in siblings)

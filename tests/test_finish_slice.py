@@ -403,3 +403,12 @@ def test_validate_fails_a_run_whose_finish_shadow_diverges_naming_it(
         ("pa", "plan/plan"),
         ("pb", "plan/plan"),
     ]
+
+
+def test_a_typo_of_the_finish_prefix_is_named_by_the_finish_family_not_the_kv_one():
+    from batchgen.kv.gate import gate_config
+
+    typo = {"BATCHGEN_WORKER_FINSH_COMPARE": "log"}
+    assert gate_config(typo).compare == "off"  # not the KV family's name to refuse
+    with pytest.raises(GateError, match=r"did you mean BATCHGEN_WORKER_FINISH_COMPARE\?"):
+        FINISH_GATES.parse(typo)

@@ -19,6 +19,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from batchgen.config import FINISH_GATE_PREFIX as PREFIX
+from batchgen.config import WORKER_GATE_PREFIXES as SIBLINGS
 from compare.gates import CompareGate, GateFamily
 
 FINISH_OP = "finish"  # the slice's one op, and the binding its records name
@@ -33,4 +35,4 @@ class FinishGateConfig(CompareGate):
     compare_ops: tuple[str, ...] = (FINISH_OP,)
 
 
-FINISH_GATES = GateFamily("BATCHGEN_WORKER_FINISH_", "--finish-", FinishGateConfig, {})
+FINISH_GATES = GateFamily(PREFIX, "--finish-", FinishGateConfig, {}, siblings=SIBLINGS)

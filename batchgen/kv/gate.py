@@ -33,11 +33,11 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from batchgen.config import CacheConfig, EngineConfig
+from batchgen.config import KV_GATE_PREFIX, WORKER_GATE_PREFIXES, CacheConfig, EngineConfig
 from batchgen.kv.known_bugs import DEMO_BUGS
 from compare.gates import CompareGate, GateError, GateFamily, off_is_none
 
-ENV_PREFIX = "BATCHGEN_WORKER_KV_"
+ENV_PREFIX = KV_GATE_PREFIX
 KV_BINDING = "kv"  # the binding compare mode's records name (compare.records)
 KV_OPS = ("poll", "release", "evict", "migrate", "alloc")
 
@@ -90,6 +90,7 @@ KV_GATES = GateFamily(
         "compare_demo_bug": f"off, {', '.join(DEMO_BUGS)}",
     },
     options={"prefix_cache": "--enable-prefix-caching"},  # vLLM's, with its --no- form
+    siblings=WORKER_GATE_PREFIXES,
 )
 # field name -> (environment variable, CLI option, allowed values for messages)
 GATE_FLAGS = KV_GATES.flags
